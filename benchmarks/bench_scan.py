@@ -1,0 +1,70 @@
+"""Policy-core throughput on a Qwen3-Next-shaped synthetic trace (E=512, k=10, C=128, L=48).
+
+Prints token-layer steps per second for `scan` (one thread), the simulator sweep (all threads)
+and `reference_scan` (on a slice), and the ratios. Targets: scan >= 2M steps/s per thread and
+>= 100x reference_scan.
+
+    python benchmarks/bench_scan.py [--tokens 2000] [--layers 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from moesub.policy import Policy, reference_scan, scan
+from moesub.simulate import GridPoint, simulate
+from moesub.synthetic import synthetic_logits
+
+POLICIES = {
+    "fetch_every_miss": Policy(),
+    "rule_015": Policy(rule="threshold", tau=0.15),
+    "quality": Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5),
+    "speed": Policy(rule="first_choice", eviction="lfu", beta=0.5),
+}
+
+
+def best_of(fn, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--ref-tokens", type=int, default=30)
+    args = ap.parse_args()
+    T, L, E, k, C = args.tokens, args.layers, 512, 10, 128
+    x = synthetic_logits(T, L, E, seed=0)
+    steps = T * L
+    print(f"trace: T={T} L={L} E={E} k={k} C={C} ({steps} token-layer steps)")
+    rates = {}
+    for name, p in POLICIES.items():
+        s = best_of(lambda p=p: scan(x, k, C, p))
+        rates[name] = steps / s
+        print(f"scan {name:18s} {steps / s / 1e6:7.2f} M steps/s (1 thread)")
+    grid = [GridPoint(n, p, f) for n, p in POLICIES.items() for f in (0.125, 0.25, 0.5)]
+    threads = os.cpu_count() or 1
+    s = best_of(lambda: simulate([x], k, grid, belady=False, n_threads=threads), repeat=1)
+    sweep = steps * len(grid) / s
+    print(
+        f"simulate sweep     {len(grid)} points {sweep / 1e6:7.2f} M steps/s ({threads} threads)"
+    )
+    xs = x[: args.ref_tokens]
+    p = POLICIES["quality"]
+    s_ref = best_of(lambda: reference_scan(xs, k, C, p), repeat=1)
+    ref = args.ref_tokens * L / s_ref
+    print(f"reference_scan     {ref / 1e3:7.2f} k steps/s")
+    print(f"ratio scan/reference (quality policy): {rates['quality'] / ref:,.0f}x (target >= 100x)")
+    worst = min(rates.values())
+    print(f"slowest policy: {worst / 1e6:.2f} M steps/s per thread (target >= 2M)")
+
+
+if __name__ == "__main__":
+    main()

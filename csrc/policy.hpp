@@ -1,0 +1,109 @@
+// The one policy core of moesub: per-layer expert cache, miss rules, substitution, eviction and
+// background admission, exactly as DESIGN.md "Policy semantics" specifies. Simulate, emulate and
+// the engine all drive this class; `moesub.policy.reference_scan` is its plain-Python twin.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace moesub {
+
+enum class Rule : int { FetchAll = 0, SubstituteAll = 1, FirstChoice = 2, Threshold = 3, HostCompute = 4 };
+enum class Eviction : int { Lru = 0, Lfu = 1 };
+constexpr int kMaxTopK = 64;
+enum Status : int8_t { HIT = 0, FETCH = 1, SUB = 2, HOST = 3, FORCED = 4 };
+
+struct PolicyParams {
+  Rule rule = Rule::FetchAll;
+  double tau = 0.15;
+  Eviction eviction = Eviction::Lru;
+  double beta = 0.0;  // 0 = no background admission
+  int64_t delay = 1;
+};
+
+// Per-layer counters, summed over every token the layer has processed.
+struct Counters {
+  int64_t tokens = 0, hit = 0, fetch = 0, sub = 0, host = 0, forced = 0;
+  int64_t admission_requests = 0, admissions = 0, evictions = 0;
+};
+
+// Where one step's per-token outputs go. Strides are in elements between consecutive tokens, so
+// a (T, L, k) array can be filled one layer at a time. Any pointer may be null (not wanted).
+struct StepOut {
+  int32_t* ids = nullptr;       // computed expert per rank
+  double* weights = nullptr;    // normalized gate weight of the originally selected expert
+  int8_t* status = nullptr;
+  int32_t* selected = nullptr;  // originally selected expert per rank
+  int32_t* slot = nullptr;      // cache slot of the computed expert (-1 for HOST)
+  int64_t k_stride = 0;         // between tokens in ids/weights/status/selected/slot
+  double* mass = nullptr;       // substituted mass per token
+  int64_t mass_stride = 1;
+  std::vector<std::pair<int64_t, int32_t>>* admissions = nullptr;  // (token, expert) enqueued
+};
+
+// Top-k of one logit row: ranked by logit descending, ties to the lower id.
+void select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out);
+
+// Normalized gate weights of the selected logits (float64), in rank order.
+void gate_weights(const float* vals, int k, double* w_out);
+
+// Substitute choice of step 5: the resident expert with the highest logit that is not in the
+// token's computed set (stamp == t), ties to the lower id; -1 if none.
+int32_t best_substitute(const float* z, const int32_t* resident, int C, const int64_t* stamp,
+                        int64_t t);
+
+// Experiment B: substitute exactly the ranks in `sub_mask` (T, k) from a static resident set;
+// every other selected expert is computed exactly. Outputs are (T, k).
+void forced_substitution(const float* logits, int64_t T, int E, int k, const int32_t* resident,
+                         int C, const uint8_t* sub_mask, int32_t* ids, double* weights,
+                         int32_t* selected);
+
+class LayerCache {
+ public:
+  LayerCache(int num_experts, int k, int capacity, PolicyParams policy, const int32_t* initial,
+             bool external_admission);
+
+  // Process `T` consecutive tokens; `logits` rows are `row_stride` floats apart.
+  void step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out);
+
+  // External-admission mode: the copy of `expert` completed; make it resident now.
+  // Returns (slot, evicted expert or -1); slot is the existing one if it was already resident.
+  std::pair<int32_t, int32_t> admit(int32_t expert);
+
+  int64_t t() const { return t_; }
+  const std::vector<int32_t>& resident() const { return expert_in_slot_; }
+  const Counters& counters() const { return counters_; }
+  bool pending(int32_t expert) const { return pending_[expert] != 0; }
+
+ private:
+  int32_t pick_victim() const;             // unpinned resident with the smallest eviction key
+  int32_t insert(int32_t expert);          // evicts a victim; returns the freed slot
+  void apply_ready_admissions();
+
+  int E_, k_, C_;
+  PolicyParams p_;
+  bool external_;
+  int64_t t_ = 0;
+  std::vector<int32_t> slot_of_;         // E: slot or -1
+  std::vector<int32_t> expert_in_slot_;  // C: expert or -1
+  std::vector<int64_t> freq_, last_;
+  std::vector<double> acc_;
+  std::vector<uint8_t> pending_;
+  std::set<std::pair<int64_t, int32_t>> queue_;  // (ready time, expert)
+  std::vector<int64_t> stamp_;                   // token at which the expert joined the computed set
+  Counters counters_;
+  // scratch
+  std::vector<int32_t> sel_;
+  std::vector<float> vals_;
+  std::vector<double> w_;
+};
+
+// Belady's optimal eviction for fetch-every-miss over one layer of a token stream: evict the
+// resident (not needed by the current token) whose next use is farthest in the future.
+// Returns the number of hits.
+int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, int k, int C,
+                    const int32_t* initial);
+
+}  // namespace moesub

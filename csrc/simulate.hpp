@@ -1,0 +1,29 @@
+// Trace-driven simulator: a grid of (policy, capacity) points replayed over router-logit streams,
+// one task per (grid point, layer), spread over threads. Caches restart at every stream.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "policy.hpp"
+
+namespace moesub {
+
+struct GridPoint {
+  PolicyParams policy;
+  int capacity = 0;
+  const int32_t* initial = nullptr;  // (L, capacity) or null: experts 0..C-1
+  bool belady = false;               // also compute the optimal-eviction hit count
+};
+
+struct StreamView {
+  const float* logits;  // (T, L, E)
+  int64_t T;
+};
+
+// counters: G*L entries; mass[g]: (sum of T, L) substituted mass; belady: G*L hit counts.
+void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
+                   const std::vector<GridPoint>& points, int n_threads, Counters* counters,
+                   const std::vector<double*>& mass, int64_t* belady);
+
+}  // namespace moesub

@@ -1,0 +1,120 @@
+"""Atomic artefact writers: every stage writes to a temp file beside the target, then renames.
+
+An interrupted job therefore never leaves a half-written Parquet file that a later stage (or a
+Snakemake rerun) could mistake for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temp path in the target's directory; rename it onto `path` only on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _table(data: Any, metadata: dict[str, Any] | None) -> pa.Table:
+    if isinstance(data, pa.Table):
+        table = data
+    elif hasattr(data, "to_arrow"):  # polars
+        table = data.to_arrow()
+    elif hasattr(data, "columns") and hasattr(data, "to_dict"):  # pandas
+        table = pa.Table.from_pandas(data, preserve_index=False)
+    else:
+        table = pa.table(data)
+    if metadata:
+        meta = dict(table.schema.metadata or {})
+        meta.update({k.encode(): json.dumps(v).encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(meta)
+    return table
+
+
+def write_parquet(
+    data: Any, path: str | os.PathLike, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Write a table (pyarrow / polars / pandas / dict of columns) atomically.
+
+    `metadata` values are JSON-encoded into the Parquet schema metadata (read back with
+    `read_metadata`).
+    """
+    table = _table(data, metadata)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return Path(path)
+
+
+class ParquetStreamWriter:
+    """Writes a large table one row group at a time; the file appears (atomically) on close."""
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema, metadata: dict | None = None):
+        self.path = Path(path)
+        if metadata:
+            meta = {k.encode(): json.dumps(v).encode() for k, v in metadata.items()}
+            schema = schema.with_metadata(meta)
+        self.schema = schema
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+        self._writer = pq.ParquetWriter(self._tmp, schema)
+
+    def write(self, data: Any) -> None:
+        table = _table(data, None)
+        self._writer.write_table(table.cast(self.schema))
+
+    def close(self) -> None:
+        self._writer.close()
+        self._ctx.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(BaseException):
+            self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self) -> ParquetStreamWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON-decoded key/value metadata written by `write_parquet` / `ParquetStreamWriter`."""
+    meta = pq.read_schema(path).metadata or {}
+    out = {}
+    for k, v in meta.items():
+        key = k.decode()
+        if key == "pandas" or key.startswith("ARROW"):
+            continue
+        try:
+            out[key] = json.loads(v)
+        except ValueError:
+            out[key] = v.decode()
+    return out
+
+
+def write_json(obj: Any, path: str | os.PathLike) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+    return Path(path)
