@@ -18,6 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temp path in the target's directory; rename it onto `path` only on success."""
@@ -26,6 +30,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
+    tmp.chmod(0o666 & ~_UMASK)  # mkstemp makes 0600; artefacts get the usual umask permissions
     try:
         yield tmp
         os.replace(tmp, path)
