@@ -1,0 +1,412 @@
+"""Small synthetic, schema-correct artefacts (docs/architecture.md "Column schemas") with known
+statistics, for tests of `moesub.stats` and `moesub.report`.
+
+`make_study(root)` writes a whole study (capture tokens, simulate, emulate, Experiment B,
+engine, engine bench, generate, model summary) and returns `(inputs, params)` for
+`run_analysis`. With `noise=0` and `admission_gain=0` its numbers are exact by construction:
+
+- every policy p has per-token mass `m_p * g_s` (g_s a per-stream factor, mean 1) and per-token
+  ΔNLL `k_p * mass`, with `k_p` chosen so that Δppl % = `DPPL_PER_MASS * mean mass` exactly:
+  r(mass, Δppl) = 1 across policies and r(mass, ΔNLL) = 1 across streams and documents;
+- engine time per token is the constant `TIME[p]`: speedups are exact ratios;
+- generation correctness is `problem_id < n_correct`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from moesub.config import normalize_policy
+from moesub.io import write_json, write_parquet
+
+POLICIES = {
+    "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
+    "substitute_all": {"rule": "substitute_all", "eviction": "lru"},
+    "rule_015": {"rule": "threshold", "tau": 0.15, "eviction": "lru"},
+    "rule_tau0.08": {"rule": "threshold", "tau": 0.08, "eviction": "lru"},
+    "first_choice": {"rule": "first_choice", "eviction": "lru"},
+    "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
+    "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+    "host_compute": {"rule": "host_compute", "eviction": "lru"},
+}
+MASS = {  # mean substituted mass per token (summed over layers)
+    "fetch_every_miss": 0.0,
+    "substitute_all": 1.2,
+    "rule_015": 0.30,
+    "rule_tau0.08": 0.12,
+    "first_choice": 0.36,
+    "quality": 0.24,
+    "speed": 0.28,
+    "host_compute": 0.0,
+}
+DPPL_PER_MASS = 20.0  # Δppl % per unit mean mass for policies that fetch the first choice
+DPPL_SUBSTITUTE_ALL = 150.0
+TIME = {  # engine seconds per token
+    "fetch_every_miss": 0.030,
+    "substitute_all": 0.008,
+    "rule_015": 0.013,
+    "rule_tau0.08": 0.018,
+    "first_choice": 0.011,
+    "quality": 0.012,
+    "speed": 0.010,
+    "host_compute": 0.045,
+}
+N_CORRECT = {"gsm8k": 12, "humaneval": 8}  # baseline; each policy loses round(10 * mass)
+N_LAYERS = 4
+FRACTION = 0.25
+CAPACITY = 128
+MODEL = "tiny"
+
+
+def label(x: float) -> str:
+    return format(float(x), "g")
+
+
+def stream_factors(n_streams: int) -> np.ndarray:
+    """(S,) per-stream mass factors with mean exactly 1, deterministic, not monotone."""
+    g = np.linspace(0.5, 1.5, n_streams)
+    return g[np.argsort(np.arange(n_streams) * 7 % n_streams)]
+
+
+def tokens_table(n_streams: int, tokens: int, doc_len: int, seed: int) -> dict[str, np.ndarray]:
+    """Capture tokens: stream, pos, token_id, doc_id, doc_start, nll (NaN at pos 0 -> null)."""
+    rng = np.random.default_rng(seed)
+    stream = np.repeat(np.arange(n_streams, dtype=np.int32), tokens)
+    pos = np.tile(np.arange(tokens, dtype=np.int32), n_streams)
+    docs_per_stream = math.ceil(tokens / doc_len)
+    doc_id = (stream * docs_per_stream + pos // doc_len).astype(np.int32)
+    nll = rng.gamma(4.0, 1.0, size=stream.size)
+    nll[pos == 0] = np.nan
+    return {
+        "stream": stream,
+        "pos": pos,
+        "token_id": rng.integers(0, 8192, stream.size).astype(np.int32),
+        "doc_id": doc_id,
+        "doc_start": (pos % doc_len) == 0,
+        "nll": nll,
+    }
+
+
+def _nll_array(x: np.ndarray) -> pa.Array:
+    return pa.array(x, type=pa.float64(), from_pandas=True)  # NaN -> null
+
+
+def write_capture(root: Path, tok: dict[str, np.ndarray], model: str = MODEL) -> Path:
+    path = root / "capture" / "eval_tokens.parquet"
+    table = pa.table(
+        {**{k: v for k, v in tok.items() if k != "nll"}, "nll": _nll_array(tok["nll"])}
+    )
+    return write_parquet(table, path, metadata={"model": model})
+
+
+def since_doc_start(tok: dict[str, np.ndarray]) -> np.ndarray:
+    """Tokens since the last doc_start in the same stream (from the stream start before one)."""
+    since = np.zeros(tok["pos"].size, dtype=np.int64)
+    last = 0
+    for i, (p, start) in enumerate(zip(tok["pos"], tok["doc_start"], strict=True)):
+        if p == 0 or start:
+            last = p
+        since[i] = p - last
+    return since
+
+
+def write_emulate(
+    root: Path,
+    name: str,
+    policy: dict,
+    tok: dict[str, np.ndarray],
+    nll: np.ndarray,
+    mass: np.ndarray,
+    fraction: float = FRACTION,
+    sub_per_token: np.ndarray | None = None,
+) -> Path:
+    """Emulate artefact for one policy: per-token nll / mass (+ plausible counts)."""
+    n = nll.size
+    k_slots = 10 * N_LAYERS
+    sub = (
+        sub_per_token
+        if sub_per_token is not None
+        else np.minimum(np.round(mass * 10).astype(np.int64), k_slots)
+    )
+    host = np.full(n, k_slots // 4 if policy["rule"] == "host_compute" else 0)
+    fetch = np.full(n, k_slots // 4) - (host > 0) * (k_slots // 4)
+    fetch = np.maximum(fetch - sub, 0)
+    hit = k_slots - sub - fetch - host
+    layer_mass = [list(np.full(N_LAYERS, m / N_LAYERS)) for m in mass]
+    table = pa.table(
+        {
+            "stream": tok["stream"],
+            "pos": tok["pos"],
+            "doc_id": tok["doc_id"],
+            "doc_start": tok["doc_start"],
+            "nll": _nll_array(nll),
+            "mass": mass.astype(np.float64),
+            "layer_mass": pa.array(layer_mass, type=pa.list_(pa.float64())),
+            "hit": hit.astype(np.int32),
+            "fetch": fetch.astype(np.int32),
+            "sub": sub.astype(np.int32),
+            "host": host.astype(np.int32),
+            "forced": np.zeros(n, dtype=np.int32),
+        }
+    )
+    path = root / "emulate" / name / f"f{label(fraction)}.parquet"
+    meta = {
+        "policy": policy,
+        "name": name,
+        "fraction": fraction,
+        "capacity": CAPACITY,
+        "core_build_id": "test-core-0001",
+    }
+    return write_parquet(table, path, metadata=meta)
+
+
+def write_simulate(root: Path, name: str, policy: dict, fraction: float = FRACTION) -> Path:
+    m = MASS[name]
+    rows = []
+    tokens = 512
+    for layer in [*range(N_LAYERS), -1]:
+        hit_rate = 0.77 - 0.03 * layer if layer >= 0 else 0.77 - 0.045
+        hit_rate = min(hit_rate + (0.1 if policy["beta"] > 0 else 0.0), 0.99)
+        sub_rate = min(m / 4, 1 - hit_rate) if layer >= 0 else min(m / 4, 1 - hit_rate)
+        calls = tokens * 10 * (N_LAYERS if layer == -1 else 1)
+        rows.append(
+            {
+                "policy": name,
+                "fraction": fraction,
+                "capacity": CAPACITY,
+                "layer": layer,
+                "tokens": tokens,
+                "hit": int(hit_rate * calls),
+                "fetch": int((1 - hit_rate - sub_rate) * calls),
+                "sub": int(sub_rate * calls),
+                "host": 0,
+                "forced": 0,
+                "admissions": 3 if policy["beta"] > 0 else 0,
+                "evictions": 10,
+                "hit_rate": hit_rate,
+                "sub_rate": sub_rate,
+                "mass_mean": m / N_LAYERS if layer >= 0 else m,
+                "mass_p50": m / N_LAYERS,
+                "mass_p90": m / 2,
+                "mass_p99": m,
+                "est_time_per_token_s": TIME[name] * (1.1 if layer == -1 else 0.25),
+                "belady_hit_rate": 0.85 if policy["rule"] == "fetch_all" else None,
+            }
+        )
+    path = root / "simulate" / name / f"f{label(fraction)}.parquet"
+    return write_parquet(pa.Table.from_pylist(rows), path)
+
+
+def write_engine(
+    root: Path,
+    name: str,
+    policy: dict,
+    tok: dict[str, np.ndarray],
+    nll: np.ndarray,
+    device: str = "cpu",
+    fraction: float = FRACTION,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    n = nll.size
+    rng = np.random.default_rng(seed)
+    wall = TIME[name] * (1.0 + jitter * rng.standard_normal(n).clip(-2, 2))
+    table = pa.table(
+        {
+            "stream": tok["stream"],
+            "pos": tok["pos"],
+            "wall_s": wall,
+            "fetch_wait_s": wall * 0.3,
+            "bytes_sync": np.full(n, 1 << 20, dtype=np.int64),
+            "bytes_bg": np.zeros(n, dtype=np.int64),
+            "hit": np.full(n, 30, dtype=np.int32),
+            "fetch": np.full(n, 5, dtype=np.int32),
+            "sub": np.full(n, 5, dtype=np.int32),
+            "host": np.zeros(n, dtype=np.int32),
+            "forced": np.zeros(n, dtype=np.int32),
+            "nll": _nll_array(nll),
+        }
+    )
+    path = root / "engine" / device / name / f"f{label(fraction)}.parquet"
+    meta = {"policy": policy, "name": name, "fraction": fraction, "device": device, "tier": "disk"}
+    return write_parquet(table, path, metadata=meta)
+
+
+def write_expb(
+    root: Path,
+    tok: dict[str, np.ndarray],
+    condition: str,
+    target: float,
+    realized: float,
+    dnll_per_stream: np.ndarray,
+) -> Path:
+    """Experiment B run: constant mass `realized` per token, ΔNLL `dnll_per_stream[s]`."""
+    s = tok["stream"]
+    nll = tok["nll"] + dnll_per_stream[s]
+    n = nll.size
+    table = pa.table(
+        {
+            "stream": s,
+            "pos": tok["pos"],
+            "doc_id": tok["doc_id"],
+            "doc_start": tok["doc_start"],
+            "nll": _nll_array(nll),
+            "mass": np.full(n, realized),
+            "n_sub": np.full(n, 1 if condition == "heavy" else 4, dtype=np.int32),
+        }
+    )
+    path = root / "expb" / condition / f"m{label(target)}.parquet"
+    return write_parquet(table, path, metadata={"condition": condition, "target_mass": target})
+
+
+EXPB_CASES = ("heavy_worse", "no_evidence", "inconclusive_mass", "inconclusive_gap")
+
+
+def write_expb_case(root: Path, tok: dict[str, np.ndarray], case: str, primary: float) -> list:
+    """Heavy/light runs at m* whose decision is `case`; also a secondary target at 2 m*."""
+    if case not in EXPB_CASES:
+        raise ValueError(f"case must be one of {EXPB_CASES}")
+    n_streams = int(tok["stream"].max()) + 1
+    base = 0.05 + 0.01 * np.arange(n_streams)  # ΔNLL per unit mass, light condition
+    paths = []
+    for target in (primary, 2 * primary):
+        m_h = 0.3 * target if case == "inconclusive_mass" else target
+        m_l = 1.3 * target if case == "inconclusive_gap" else target
+        factor = 0.5 if case == "no_evidence" else 2.0  # heavy ΔNLL per unit mass vs light
+        paths.append(write_expb(root, tok, "heavy", target, m_h, factor * base * m_h))
+        paths.append(write_expb(root, tok, "light", target, m_l, base * m_l))
+    return paths
+
+
+def write_generate(root: Path, task: str, name: str, n_problems: int = 20) -> Path:
+    m = MASS[name]
+    n_correct = max(N_CORRECT[task] - round(10 * m), 0)
+    ids = np.arange(n_problems)
+    agree_prefix = np.clip(1.0 - m * (0.5 + ids / n_problems), 0.0, 1.0)
+    if name == "fetch_every_miss":
+        agree_prefix = np.ones(n_problems)
+    rows = {
+        "task": [task] * n_problems,
+        "problem_id": [f"{task}/{i}" for i in ids],
+        "policy": [name] * n_problems,
+        "fraction": np.full(n_problems, FRACTION),
+        "output": [f"answer {i}" for i in ids],
+        "correct": ids < n_correct,
+        "agree_exact": agree_prefix >= 1.0,
+        "agree_prefix_frac": agree_prefix,
+        "mass_mean": m * (0.5 + ids / n_problems),
+        "n_tokens": np.full(n_problems, 64, dtype=np.int32),
+    }
+    path = root / "generate" / task / name / f"f{label(FRACTION)}.parquet"
+    return write_parquet(rows, path)
+
+
+def write_engine_bench(root: Path, names: list[str]) -> Path:
+    rows = [
+        {
+            "policy": n,
+            "device": "cpu",
+            "tier": "disk",
+            "layers": 48,
+            "tokens": 64,
+            "time_per_token_median_s": TIME[n] * 10,
+            "time_per_token_p90_s": TIME[n] * 12,
+            "fetch_wait_s": TIME[n] * 3,
+            "bytes_sync": 1 << 30,
+            "bytes_bg": 0,
+            "hit_rate": 0.9,
+            "sub_rate": MASS[n] / 4,
+            "speedup_vs_fetch_every_miss": TIME["fetch_every_miss"] / TIME[n],
+            "speedup_vs_host_compute": TIME["host_compute"] / TIME[n],
+        }
+        for n in names
+    ]
+    return write_parquet(pa.Table.from_pylist(rows), root / "engine_bench" / "cpu.parquet")
+
+
+def policy_nll(
+    name: str, tok: dict[str, np.ndarray], g: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(nll, mass) per token for policy `name` under the exact construction of the module doc."""
+    m = MASS[name]
+    mass = m * g[tok["stream"]]
+    if m == 0:
+        return tok["nll"].copy(), mass
+    target = DPPL_SUBSTITUTE_ALL if name == "substitute_all" else DPPL_PER_MASS * m
+    k = math.log1p(target / 100.0) / m  # mean ΔNLL = k * mean mass (mean of g is 1)
+    return tok["nll"] + k * mass, mass
+
+
+def make_study(
+    root: Path,
+    *,
+    n_streams: int = 8,
+    tokens: int = 64,
+    doc_len: int = 16,
+    names: list[str] | None = None,
+    noise: float = 0.0,
+    admission_gain: float = 0.0,
+    expb_case: str = "heavy_worse",
+    primary: float = 0.2,
+    seed: int = 0,
+    model: str = MODEL,
+) -> tuple[dict[str, list[str]], dict]:
+    """Write a whole synthetic study under `root/model`; returns (inputs, params)."""
+    root = Path(root) / model
+    names = list(POLICIES) if names is None else names
+    policies = {n: normalize_policy(n, POLICIES[n]) for n in names}
+    tok = tokens_table(n_streams, tokens, doc_len, seed)
+    g = stream_factors(n_streams)
+    rng = np.random.default_rng(seed + 1)
+    since = since_doc_start(tok)
+    inputs: dict[str, list[str]] = {
+        k: []
+        for k in (
+            "capture_tokens",
+            "simulate",
+            "emulate",
+            "expb",
+            "engine",
+            "engine_bench",
+            "generate",
+            "model_summary",
+        )
+    }
+    inputs["capture_tokens"].append(str(write_capture(root, tok, model)))
+    for name, pol in policies.items():
+        nll, mass = policy_nll(name, tok, g)
+        if noise and MASS[name] > 0:
+            nll = nll + noise * MASS[name] * rng.standard_normal(nll.size)
+        if admission_gain and pol["beta"] > 0:
+            nll = nll - admission_gain * np.exp(-since / 8.0)
+        inputs["emulate"].append(str(write_emulate(root, name, pol, tok, nll, mass)))
+        inputs["simulate"].append(str(write_simulate(root, name, pol)))
+        inputs["engine"].append(
+            str(write_engine(root, name, pol, tok, nll, jitter=0.2 if noise else 0.0, seed=seed))
+        )
+        for task in ("gsm8k", "humaneval"):
+            inputs["generate"].append(str(write_generate(root, task, name)))
+    inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
+    inputs["engine_bench"].append(str(write_engine_bench(root, names)))
+    summary = {
+        "model": model,
+        "num_experts": 512,
+        "top_k": 10,
+        "num_layers": N_LAYERS,
+        "params": 14_200_000,
+        "heldout_ppl": 59.5,
+    }
+    inputs["model_summary"].append(str(write_json(summary, root / "model" / "train_summary.json")))
+    params = {
+        "policies": policies,
+        "expb": {"primary": primary, "alpha": 0.05, "min_heavy_fraction": 0.5, "max_gap": 0.10},
+        "n_boot": 200,
+        "seed": 0,
+    }
+    json.dumps(params)  # the params must be plain JSON (as from config.yaml)
+    return inputs, params

@@ -1,0 +1,340 @@
+"""moesub.stats on synthetic artefacts with known answers (tests/fixtures_artefacts.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from fixtures_artefacts import (
+    DPPL_PER_MASS,
+    MASS,
+    POLICIES,
+    TIME,
+    make_study,
+    tokens_table,
+    write_capture,
+    write_emulate,
+)
+from scipy import stats as sps
+
+from moesub.config import normalize_policy
+from moesub.stats import (
+    OUTPUT_FILES,
+    correlation,
+    find_twin,
+    median_ci,
+    pareto_front,
+    run_analysis,
+    wilson_ci,
+)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    inputs, params = make_study(root / "results")
+    doc = run_analysis(inputs, params, root / "analysis")
+    tables = {n: pd.read_parquet(root / "analysis" / f"{n}.parquet") for n in OUTPUT_FILES}
+    return {"inputs": inputs, "params": params, "doc": doc, "tables": tables, "root": root}
+
+
+def test_every_part_ok_and_every_file_written(study):
+    parts = study["doc"]["parts"]
+    assert {p["status"] for p in parts.values()} == {"ok"}, parts
+    for name in OUTPUT_FILES:
+        assert (study["root"] / "analysis" / f"{name}.parquet").is_file()
+    on_disk = json.loads((study["root"] / "analysis" / "analysis.json").read_text())
+    assert on_disk == study["doc"]
+
+
+def test_mass_hypothesis_r_is_one_by_construction(study):
+    res = {r["group"]: r for r in study["doc"]["mass_hypothesis"]}
+    first = res["fetches first choice"]
+    assert sorted(first["policies"]) == [
+        "first_choice",
+        "quality",
+        "rule_015",
+        "rule_tau0.08",
+        "speed",
+    ]
+    assert first["n"] == 5
+    assert first["r"] == pytest.approx(1.0, abs=1e-12)
+    assert 0.99 <= first["ci_lo"] <= first["ci_hi"] <= 1.0 + 1e-12
+    assert first["n_boot_valid"] == study["params"]["n_boot"]
+    sub = res["substitutes first choice"]
+    assert sub["policies"] == ["substitute_all"] and sub["n"] == 1
+    assert sub["r"] is None and "n = 1" in sub["reason"]
+    pts = study["tables"]["mass_points"]
+    pts = pts[pts["group"] == "fetches first choice"].set_index("policy")
+    for name in first["policies"]:
+        assert pts.loc[name, "mass_mean"] == pytest.approx(MASS[name])
+        assert pts.loc[name, "dppl_pct"] == pytest.approx(DPPL_PER_MASS * MASS[name])
+
+
+def test_mass_hypothesis_matches_scipy_on_other_data(tmp_path):
+    """Non-degenerate r: three policies with arbitrary per-token ΔNLL; r must equal scipy's."""
+    tok = tokens_table(6, 40, 10, seed=3)
+    rng = np.random.default_rng(5)
+    inputs = {"capture_tokens": [str(write_capture(tmp_path, tok))], "emulate": []}
+    policies = {}
+    expected = []
+    for i, (name, rule) in enumerate(
+        [("a", "first_choice"), ("b", "threshold"), ("c", "threshold"), ("d", "first_choice")]
+    ):
+        pol = normalize_policy(name, {"rule": rule, "tau": 0.1 * (i + 1)})
+        policies[name] = pol
+        mass = rng.uniform(0, 0.5 + i, tok["nll"].size)
+        dnll = rng.normal(0.05 * (3 - i) ** 2, 0.02, tok["nll"].size)
+        inputs["emulate"].append(
+            str(write_emulate(tmp_path, name, pol, tok, tok["nll"] + dnll, mass))
+        )
+        ok = ~np.isnan(tok["nll"])
+        expected.append((mass.mean(), 100 * math.expm1(dnll[ok].mean())))
+    doc = run_analysis(inputs, {"policies": policies, "n_boot": 50}, tmp_path / "an")
+    res = next(r for r in doc["mass_hypothesis"] if r["group"] == "fetches first choice")
+    x, y = np.array(expected).T
+    assert res["r"] == pytest.approx(sps.pearsonr(x, y)[0], abs=1e-9)
+    assert doc["dppl_base"] == {tmp_path.name: {"0.25": "captured exact NLL"}}
+
+
+def test_summary_known_values(study):
+    s = study["tables"]["summary"].set_index("policy")
+    assert sorted(s.index) == sorted(POLICIES)
+    assert s.loc["fetch_every_miss", "dppl_pct"] == pytest.approx(0.0, abs=1e-12)
+    assert s.loc["rule_015", "dppl_pct"] == pytest.approx(6.0)
+    assert s.loc["substitute_all", "dppl_pct"] == pytest.approx(150.0)
+    lo, hi = s.loc["rule_015", ["dppl_ci_lo", "dppl_ci_hi"]]
+    assert lo < 6.0 < hi
+    for name in POLICIES:
+        assert s.loc[name, "time_per_token_s"] == pytest.approx(TIME[name])
+        assert s.loc[name, "speedup_vs_fetch_every_miss"] == pytest.approx(
+            TIME["fetch_every_miss"] / TIME[name]
+        )
+        assert s.loc[name, "speedup_vs_host_compute"] == pytest.approx(
+            TIME["host_compute"] / TIME[name]
+        )
+    assert s.loc["fetch_every_miss", "gsm8k_accuracy"] == pytest.approx(12 / 20)
+    assert s.loc["rule_015", "gsm8k_accuracy"] == pytest.approx(9 / 20)
+    assert s.loc["quality", "humaneval_accuracy"] == pytest.approx(6 / 20)
+    # 10 slots x 4 layers per token; the fixture substitutes round(10 * mass) of them
+    assert s.loc["rule_015", "sub_rate"] == pytest.approx(3 / 40)
+    assert s.loc["rule_015", "ppl"] / s.loc["rule_015", "ppl_base"] == pytest.approx(1.06)
+
+
+def test_per_input_correlation_is_one(study):
+    pi = study["tables"]["per_input"]
+    sub = pi[pi["policy"].isin(["rule_015", "quality", "substitute_all"])]
+    assert set(sub["level"]) == {"stream", "document"}
+    assert np.allclose(sub["r"], 1.0)
+    assert (sub.loc[sub["level"] == "stream", "n"] == 8).all()
+    assert (sub.loc[sub["level"] == "document", "n"] == 32).all()
+    host = pi[pi["policy"] == "host_compute"]
+    assert host["r"].isna().all() and host["reason"].str.contains("constant").all()
+    assert "fetch_every_miss" not in set(pi["policy"])
+
+
+@pytest.mark.parametrize(
+    ("case", "outcome"),
+    [
+        ("heavy_worse", "heavy worse"),
+        ("no_evidence", "no evidence"),
+        ("inconclusive_mass", "inconclusive"),
+        ("inconclusive_gap", "inconclusive"),
+    ],
+)
+def test_experiment_b_outcomes(tmp_path, case, outcome):
+    inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss"], expb_case=case)
+    doc = run_analysis(inputs, params, tmp_path / "an")
+    dec = doc["expb"][0]["decision"]
+    assert dec["target_mass"] == pytest.approx(0.2) and dec["primary"]
+    assert dec["outcome"] == outcome
+    assert dec["outcome_text"].startswith(outcome)
+    if outcome == "heavy worse":
+        assert dec["p"] == pytest.approx(0.5**8)  # every one of 8 streams has d > 0
+        assert dec["median_d"] > 0 and dec["valid"]
+    elif outcome == "no evidence":
+        assert dec["p"] == pytest.approx(1.0) and dec["valid"]
+    else:
+        assert not dec["valid"] and dec["p"] is None
+        assert dec["outcome_text"].startswith("inconclusive (realized mass heavy")
+    if case == "inconclusive_mass":
+        assert dec["heavy_fraction_of_target"] == pytest.approx(0.3)
+    if case == "inconclusive_gap":
+        assert dec["relative_gap"] == pytest.approx(0.3)
+    assert len(doc["expb"]) == 1 and len(doc["expb"][0]["targets"]) == 2
+    streams = pd.read_parquet(tmp_path / "an" / "expb.parquet")
+    assert len(streams) == 16 and streams["usable"].all()
+
+
+def test_experiment_b_needs_rule_and_capture(tmp_path):
+    inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss"])
+    params.pop("expb")
+    doc = run_analysis(inputs, params, tmp_path / "a1")
+    assert doc["parts"]["expb"]["status"] == "missing"
+    assert "decision rule" in doc["parts"]["expb"]["reason"]
+    inputs2 = {**inputs, "capture_tokens": []}
+    doc2 = run_analysis(inputs2, {**params, "expb": {"primary": 0.5}}, tmp_path / "a2")
+    assert "capture" in doc2["parts"]["expb"]["reason"]
+    doc3 = run_analysis(inputs, {**params, "expb": {"primary": 0.5}}, tmp_path / "a3")
+    dec = doc3["expb"][0]["decision"]
+    assert (
+        dec["outcome"] == "inconclusive"
+        and "no heavy and light runs at m* = 0.5" in dec["outcome_text"]
+    )
+
+
+def test_admission_gain_by_tokens_since_doc_start(tmp_path):
+    """quality = its twin minus 0.1 nat on the first 4 tokens of each document, else equal."""
+    tok = tokens_table(5, 48, 16, seed=1)
+    since = tok["pos"] % 16
+    names = ["fetch_every_miss", "rule_015", "quality", "quality_lru"]
+    specs = {**POLICIES, "quality_lru": {**POLICIES["quality"], "eviction": "lru"}}
+    pols = {n: normalize_policy(n, specs[n]) for n in names}
+    twin_nll = tok["nll"] + 0.2
+    inputs = {"capture_tokens": [str(write_capture(tmp_path, tok))], "emulate": []}
+    for n in names:
+        nll = tok["nll"] if n == "fetch_every_miss" else twin_nll
+        if pols[n]["beta"] > 0:
+            nll = twin_nll - 0.1 * (since < 4)
+        mass = np.full(nll.size, 0.0 if n == "fetch_every_miss" else 0.3)
+        inputs["emulate"].append(str(write_emulate(tmp_path, n, pols[n], tok, nll, mass)))
+    params = {"policies": pols, "n_boot": 50, "admission_bins": [0, 2, 4, 8]}
+    doc = run_analysis(inputs, params, tmp_path / "an")
+    adm = pd.read_parquet(tmp_path / "an" / "admission.parquet")
+    totals = {r["policy"]: r for r in doc["admission"]}
+    assert totals["quality"]["twin"] == "rule_015" and not totals["quality"]["twin_exact"]
+    assert totals["quality_lru"]["twin"] == "rule_015" and totals["quality_lru"]["twin_exact"]
+    q = adm[adm["policy"] == "quality"].set_index("bin_label")
+    assert list(q.index) == ["0-1", "2-3", "4-7", "8+"]
+    assert q.loc["0-1", "dnll_mean"] == pytest.approx(-0.1)
+    assert q.loc["2-3", "dnll_mean"] == pytest.approx(-0.1)
+    assert q.loc["4-7", "dnll_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert q.loc["8+", "dnll_mean"] == pytest.approx(0.0, abs=1e-12)
+    # pos 0 has no NLL: 5 streams x (3 docs x 2 tokens - 1) in bin 0-1
+    assert q.loc["0-1", "n_tokens"] == 25 and q.loc["8+", "n_tokens"] == 5 * 3 * 8
+    expected = 100 * math.expm1(-0.1 * (5 * (12 - 1)) / (5 * 47))
+    assert totals["quality"]["dppl_pct_vs_twin"] == pytest.approx(expected)
+
+
+def test_find_twin_prefers_same_eviction_then_lru():
+    pol = normalize_policy("q", {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5})
+    cands = {
+        "t_lru": normalize_policy("t_lru", {"rule": "threshold", "tau": 0.15}),
+        "t_other_tau": normalize_policy("x", {"rule": "threshold", "tau": 0.2, "eviction": "lfu"}),
+        "fc": normalize_policy("fc", {"rule": "first_choice", "eviction": "lfu"}),
+    }
+    assert find_twin(pol, cands) == ("t_lru", False)
+    cands["t_lfu"] = normalize_policy(
+        "t_lfu", {"rule": "threshold", "tau": 0.15, "eviction": "lfu"}
+    )
+    assert find_twin(pol, cands) == ("t_lfu", True)
+    assert find_twin(pol, {"fc": cands["fc"]}) == (None, False)
+
+
+def test_pareto_front():
+    cost = [1.0, 2.0, 3.0, 2.0, 4.0, np.nan, 1.0]
+    loss = [5.0, 3.0, 1.0, 4.0, 1.0, 0.0, 5.0]
+    # 3 dominated by 1 (same cost, lower loss), 4 by 2 (same loss, lower cost), NaN never,
+    # duplicates (0 and 6) do not dominate each other
+    assert pareto_front(cost, loss).tolist() == [True, True, True, False, False, False, True]
+
+
+def test_speed_quality_frontier(study):
+    sq = study["tables"]["speed_quality"]
+    eng = sq[sq["source"] == "engine"].set_index("policy")
+    # fixture: rule_015 (13 ms, +6%) is beaten by quality (12 ms, +4.8%)
+    assert not eng.loc["rule_015", "frontier"]
+    assert not eng.loc["first_choice", "frontier"]  # speed: 10 ms, +5.6%
+    assert eng.loc["quality", "frontier"] and eng.loc["speed", "frontier"]
+    assert eng.loc["fetch_every_miss", "frontier"]
+    assert not eng.loc["host_compute", "frontier"]  # slower than fetch_every_miss at 0%
+    assert set(sq["source"]) == {"engine", "simulate"}
+    sve = study["tables"]["sim_vs_engine"]
+    assert np.allclose(sve["rel_error"], 0.1)  # the fixture's estimate is 1.1 x measured
+    assert study["doc"]["sim_vs_engine"][0]["median_abs_rel_error"] == pytest.approx(0.1)
+
+
+def test_generation_wilson_and_correlation(study):
+    gen = study["tables"]["generation"].set_index(["task", "policy"])
+    row = gen.loc[("gsm8k", "fetch_every_miss")]
+    assert row["n"] == 20 and row["accuracy"] == pytest.approx(0.6)
+    assert (row["acc_ci_lo"], row["acc_ci_hi"]) == pytest.approx((0.38658, 0.78119), abs=1e-4)
+    assert row["agree_exact"] == 1.0 and row["mass_agree_reason"].startswith("undefined")
+    # fixture: agreement = 1 - mass exactly -> rho = -1
+    assert gen.loc[("humaneval", "rule_015"), "mass_agree_rho"] == pytest.approx(-1.0)
+
+
+def test_small_helpers():
+    assert wilson_ci(0, 10)[0] == 0.0 and wilson_ci(10, 10)[1] == 1.0
+    assert wilson_ci(0, 0) == (None, None)
+    lo, hi = median_ci(np.arange(101.0))
+    assert lo < 50 < hi and hi - lo < 30
+    c = correlation([1, 2], [3, 4])
+    assert c["r"] is None and "n = 2" in c["reason"]
+    c = correlation([1, 1, 1, 1], [1, 2, 3, 4])
+    assert c["r"] is None and "constant" in c["reason"]
+
+
+def test_missing_inputs_do_not_crash(tmp_path):
+    doc = run_analysis({}, {"policies": {}}, tmp_path / "empty")
+    assert all(p["status"] == "missing" for p in doc["parts"].values()), doc["parts"]
+    for name in OUTPUT_FILES:
+        assert (tmp_path / "empty" / f"{name}.parquet").is_file()
+    # only simulate: the speed/quality part still needs Δppl
+    inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
+    doc = run_analysis({"simulate": inputs["simulate"]}, params, tmp_path / "sim_only")
+    assert doc["parts"]["simulate"]["status"] == "ok"
+    assert doc["parts"]["summary"]["status"] == "ok"
+    assert doc["parts"]["speed_quality"]["status"] == "missing"
+    assert doc["parts"]["expb"]["status"] == "missing"
+
+
+def test_bad_arguments_raise_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown kind 'emulated'"):
+        run_analysis({"emulated": []}, {}, tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="inputs\\['emulate'\\]"):
+        run_analysis({"emulate": [tmp_path / "nope.parquet"]}, {}, tmp_path / "x")
+    with pytest.raises(ValueError, match="n_boot"):
+        run_analysis({}, {"n_boot": 1}, tmp_path / "x")
+    with pytest.raises(ValueError, match="primary"):
+        run_analysis({}, {"expb": {"alpha": 0.05}}, tmp_path / "x")
+    with pytest.raises(ValueError, match="rule"):
+        run_analysis({}, {"policies": {"p": {"rule": "nope"}}}, tmp_path / "x")
+
+
+def test_deterministic(tmp_path, study):
+    doc = run_analysis(study["inputs"], study["params"], tmp_path / "again")
+    assert doc == study["doc"]
+    again = pd.read_parquet(tmp_path / "again" / "summary.parquet")
+    pd.testing.assert_frame_equal(again, study["tables"]["summary"])
+
+
+def test_models_are_analysed_separately(tmp_path):
+    """Two models' artefacts in one call: per-model results, a `model` column everywhere."""
+    inputs_a, params = make_study(
+        tmp_path / "results", model="a", names=["fetch_every_miss", "rule_015"]
+    )
+    inputs_b, _ = make_study(
+        tmp_path / "results",
+        model="b",
+        names=["fetch_every_miss", "rule_015"],
+        expb_case="no_evidence",
+    )
+    inputs = {k: inputs_a[k] + inputs_b[k] for k in inputs_a}
+    inputs["engine_bench"] = inputs_a["engine_bench"]
+    doc = run_analysis(inputs, params, tmp_path / "an")
+    assert doc["models"] == ["a", "b"]
+    assert [e["decision"]["outcome"] for e in doc["expb"]] == ["heavy worse", "no evidence"]
+    summary = pd.read_parquet(tmp_path / "an" / "summary.parquet")
+    assert summary[["model", "policy"]].values.tolist() == [
+        ["a", "fetch_every_miss"],
+        ["a", "rule_015"],
+        ["b", "fetch_every_miss"],
+        ["b", "rule_015"],
+    ]
+    assert np.allclose(summary.loc[summary["policy"] == "rule_015", "dppl_pct"], 6.0)
+    assert doc["parts"]["quality"]["status"] == "ok"
+    assert {r["model"] for r in doc["provenance"] if r["kind"] == "emulate"} == {"a", "b"}
