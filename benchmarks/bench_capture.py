@@ -1,0 +1,155 @@
+"""Capture overhead vs a plain forward pass over the same streams (target: ratio <= 1.15).
+
+Model: Qwen3-Next-shaped at the reference routing geometry (E=512, top-10, renormalized,
+shared expert), hidden 128, expert width 16, 4 layers (3 linear + 1 full attention), random
+weights. Both sides load the checkpoint with `moesub.models.load_model` and run one forward
+per stream (batch 1, `use_cache=False`); the capture side additionally computes the NLL,
+records every router's logits and writes both Parquet tables. Reported: the ratio measured
+stream by stream back to back on one loaded model, and the end-to-end ratio (best of
+`--repeats`, alternating). By default time is this process's CPU time with one torch thread,
+which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
+elapsed time on an idle machine.
+
+    PYTHONPATH=src python benchmarks/bench_capture.py [--streams 4 --length 512 --repeats 3]
+        [--clock cpu|wall --threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import transformers as tf
+
+from moesub.capture import capture_stream, load_trace, router_writer, run_capture
+from moesub.io import write_parquet
+from moesub.models import load_model, moe_blocks, moe_info
+
+_clock = time.perf_counter  # set by --clock
+
+
+def build_model(path: Path, vocab: int, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    for b in moe_blocks(model):
+        torch.nn.init.normal_(b.gate.weight, std=0.1)  # non-trivial routing
+    model.save_pretrained(path)
+
+
+def build_streams(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    T = n * length
+    write_parquet(
+        {
+            "stream": np.repeat(np.arange(n, dtype=np.int32), length),
+            "pos": np.tile(np.arange(length, dtype=np.int32), n),
+            "token_id": rng.integers(3, vocab, T).astype(np.int32),
+            "doc_id": np.repeat(np.arange(n, dtype=np.int32), length),
+            "doc_start": np.tile(np.arange(length) == 0, n),
+        },
+        path,
+    )
+
+
+def plain(model_dir: Path, streams: Path) -> float:
+    """End to end: load the checkpoint, one plain forward per stream."""
+    t0 = _clock()
+    model, _ = load_model(model_dir)
+    t = pq.read_table(streams).to_pydict()
+    ids = np.asarray(t["token_id"], dtype=np.int64)
+    stream = np.asarray(t["stream"])
+    with torch.inference_mode():
+        for s in np.unique(stream):
+            model(input_ids=torch.from_numpy(ids[stream == s])[None], use_cache=False)
+    return _clock() - t0
+
+
+def capture(model_dir: Path, streams: Path, out: Path) -> float:
+    """End to end: `run_capture` (load, forward + NLL + router recording, both tables)."""
+    t0 = _clock()
+    run_capture(model_dir, streams, out / "tok.parquet", out / "router.parquet", {})
+    return _clock() - t0
+
+
+def interleaved(model_dir: Path, streams: Path, out: Path, repeats: int) -> list[float]:
+    """Per repeat: sum over streams of capture_stream time / plain forward time, measured
+    back to back on the same loaded model (robust to load from other processes)."""
+    model, _ = load_model(model_dir)
+    info = moe_info(model)
+    t = pq.read_table(streams).to_pydict()
+    ids = np.asarray(t["token_id"], dtype=np.int64)
+    stream = np.asarray(t["stream"])
+    rows_per_group = int(64 * 2**20 // (4 * info.num_experts * info.num_layers))
+    ratios = []
+    meta = {"num_experts": info.num_experts}
+    for _ in range(repeats):
+        tp = tc = 0.0
+        with router_writer(out / "r.parquet", info.num_experts, meta) as writer:
+            for s in np.unique(stream):
+                x = ids[stream == s]
+                t0 = _clock()
+                with torch.inference_mode():
+                    model(input_ids=torch.from_numpy(x)[None], use_cache=False)
+                t1 = _clock()
+                capture_stream(model, writer, int(s), x, rows_per_group)
+                t2 = _clock()
+                tp, tc = tp + t1 - t0, tc + t2 - t1
+        ratios.append(tc / tp)
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP spin)")
+    ap.add_argument(
+        "--clock", choices=["cpu", "wall"], default="cpu",
+        help="cpu: process CPU time (robust on a shared machine); wall: elapsed time",
+    )  # fmt: skip
+    args = ap.parse_args()
+    global _clock
+    _clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    print(f"clock {args.clock}, torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        build_model(d / "model", args.vocab)
+        build_streams(d / "streams.parquet", args.streams, args.length, args.vocab)
+        plain(d / "model", d / "streams.parquet")  # warm-up (first forward is slow)
+        ratios = interleaved(d / "model", d / "streams.parquet", d, args.repeats)
+        tp, tc = [], []
+        for _ in range(args.repeats):
+            tp.append(plain(d / "model", d / "streams.parquet"))
+            tc.append(capture(d / "model", d / "streams.parquet", d))
+        mb = (d / "router.parquet").stat().st_size / 2**20
+        t0 = time.perf_counter()
+        trace = load_trace(d / "router.parquet")
+        t_load = time.perf_counter() - t0
+    tokens = args.streams * args.length
+    print(f"tokens {tokens}, router table {mb:.1f} MiB")
+    print(f"per-stream interleaved capture/plain: median {np.median(ratios):.3f}, all "
+          f"{[round(r, 3) for r in ratios]}  (target <= 1.15)")  # fmt: skip
+    print(f"end to end plain   best {min(tp):.3f} s ({tokens / min(tp):.0f} tok/s)")
+    print(f"end to end capture best {min(tc):.3f} s ({tokens / min(tc):.0f} tok/s)")
+    print(f"end to end capture / plain = {min(tc) / min(tp):.3f}")
+    print(f"load_trace: {t_load:.3f} s wall for {trace.num_tokens} tokens ({mb:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

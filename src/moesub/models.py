@@ -1,0 +1,414 @@
+"""Adapters for transformers' sparse-MoE causal LMs: structure, loading, router hook, exact NLL.
+
+Supported families (transformers 5 module layout, measured on 5.24): Qwen3-Next, Qwen3-MoE,
+Qwen2-MoE, OLMoE, FlexOlmo and Mixtral. In all of them decoder layer `i` is
+`model.model.layers[i]`, its MLP is `layer.mlp`, and an MoE layer's MLP is a sparse block with
+
+- `block.gate`: a TopKRouter with `weight [E, H]`, `top_k`, `num_experts` whose forward maps
+  hidden states `[N, H]` to `(router_logits [N, E], weights [N, k], ids [N, k])`: softmax in
+  float32, top-k of the probabilities (descending), renormalized over the k when
+  `norm_topk_prob` (always for Mixtral);
+- `block.experts`: fused 3-D parameters `gate_up_proj [E, 2I, H]` (gate half first) and
+  `down_proj [E, H, I]`;
+- Qwen3-Next / Qwen2-MoE only: `block.shared_expert` (a dense MLP) and `block.shared_expert_gate`.
+
+A forward hook on `block.gate` that returns `(logits, weights, new_ids)` makes the block compute
+expert `new_ids[n, j]` with slot weight `weights[n, j]`: this is how substitution is emulated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+# model_type -> whether the router always renormalizes its top-k weights (no config flag).
+_FAMILIES: dict[str, bool] = {
+    "qwen3_next": False,
+    "qwen3_moe": False,
+    "qwen2_moe": False,
+    "olmoe": False,
+    "flex_olmo": False,
+    "mixtral": True,
+}
+SUPPORTED_FAMILIES = tuple(sorted(_FAMILIES))
+_BLOCK_ATTRS = ("mlp", "block_sparse_moe")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+RouteFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    """Routing geometry of an MoE model (the same in every MoE layer)."""
+
+    family: str  # config.model_type
+    num_layers: int  # number of MoE layers L
+    layer_indices: tuple[int, ...]  # decoder-layer index of each MoE layer, ascending
+    num_experts: int  # routed experts per layer E
+    top_k: int  # experts selected per token k
+    norm_topk_prob: bool  # top-k weights renormalized to sum 1
+    hidden_size: int  # H
+    expert_width: int  # I (an expert's intermediate size)
+    has_shared_expert: bool
+    vocab_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["layer_indices"] = list(self.layer_indices)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# structure
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"model {type(model).__name__}: no decoder layer list at `model.model.layers`"
+        )
+    return layers
+
+
+def _family(model: nn.Module) -> str:
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"model family {family!r} ({type(model).__name__}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return family
+
+
+def _is_sparse_block(block: nn.Module | None) -> bool:
+    experts = getattr(block, "experts", None)
+    gate = getattr(block, "gate", None)
+    return (
+        isinstance(gate, nn.Module)
+        and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        and hasattr(gate, "top_k")
+        and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+        and isinstance(getattr(experts, "down_proj", None), torch.Tensor)
+    )
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(decoder-layer index, sparse block) for every MoE layer, in layer order."""
+    out = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        for attr in _BLOCK_ATTRS:
+            block = getattr(layer, attr, None)
+            if _is_sparse_block(block):
+                out.append((i, block))
+                break
+    return out
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks of `model`, in layer order (MoE layer l is element l)."""
+    _family(model)
+    blocks = [b for _, b in _moe_layers(model)]
+    if not blocks:
+        raise ValueError(f"model {type(model).__name__} has no sparse MoE layer")
+    return blocks
+
+
+def expert_weights(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's fused expert parameters `(gate_up [E, 2I, H], down [E, H, I])` (not copies)."""
+    if not _is_sparse_block(block):
+        raise ValueError(f"{type(block).__name__} is not a sparse MoE block")
+    gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+    E, two_i, H = gate_up.shape
+    if down.shape != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(
+            f"{type(block).__name__}: unexpected expert layout gate_up {tuple(gate_up.shape)}, "
+            f"down {tuple(down.shape)} (expected [E, 2I, H] and [E, H, I])"
+        )
+    return gate_up, down
+
+
+def moe_info(model: nn.Module) -> MoEInfo:
+    """Measure the routing geometry from the model's modules (works on a meta-device model)."""
+    family = _family(model)
+    layers = _moe_layers(model)
+    if not layers:
+        raise ValueError(f"model {type(model).__name__} ({family}) has no sparse MoE layer")
+    geoms = set()
+    for _, block in layers:
+        gate_up, _ = expert_weights(block)
+        E, two_i, H = gate_up.shape
+        router = block.gate
+        norm = bool(getattr(router, "norm_topk_prob", False)) or _FAMILIES[family]
+        geoms.add((E, int(router.top_k), norm, H, two_i // 2, hasattr(block, "shared_expert")))
+    if len(geoms) != 1:
+        raise ValueError(f"model {type(model).__name__}: MoE layers differ in geometry: {geoms}")
+    E, k, norm, H, width, shared = geoms.pop()
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    return MoEInfo(
+        family=family,
+        num_layers=len(layers),
+        layer_indices=tuple(i for i, _ in layers),
+        num_experts=E,
+        top_k=k,
+        norm_topk_prob=norm,
+        hidden_size=H,
+        expert_width=width,
+        has_shared_expert=shared,
+        vocab_size=int(cfg.vocab_size),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _check_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model directory {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise ValueError(f"model path {str(p)!r} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{str(p)!r} is not a Hugging Face checkpoint: it has no config.json")
+    return p
+
+
+def _load_config(p: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(p)!r}: cannot read the model config: {e}") from e
+
+
+def check_checkpoint(path: str | os.PathLike) -> MoEInfo:
+    """Validate a local checkpoint without loading its weights and return its routing geometry.
+
+    The model is built on the meta device from its config (no memory, no weights), so the
+    answer comes from the same module-structure code as `moe_info`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    p = _check_dir(path)
+    has_weights = any((p / f).is_file() for f in _WEIGHT_FILES) or any(p.glob("*.safetensors"))
+    if not has_weights:
+        raise ValueError(
+            f"{str(p)!r} is not a complete checkpoint: no weight files ({', '.join(_WEIGHT_FILES)})"
+        )
+    config = _load_config(p)
+    family = getattr(config, "model_type", None)
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"{str(p)!r}: model family {family!r} is not a supported MoE family "
+            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # transformers raises many kinds for a bad config
+        raise ValueError(f"{str(p)!r}: cannot build the model from its config: {e}") from e
+    try:
+        return moe_info(model)
+    except ValueError as e:
+        raise ValueError(f"{str(p)!r}: {e}") from e
+
+
+def _realign(model: nn.Module, alignment: int = 64) -> None:
+    """Copy CPU tensors that are not `alignment`-byte aligned into fresh (aligned) memory.
+
+    Weights loaded from safetensors on CPU are views into the memory-mapped file at 8-byte
+    offsets, and MKL's float32 GEMM rounds differently depending on operand alignment (measured:
+    last-bit differences in router logits between a loaded model and the same weights in
+    fresh memory). Fresh allocations make results independent of how the weights arrived.
+    """
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type == "cpu" and t.data_ptr() % alignment:
+                t.data = t.data.clone(memory_format=torch.contiguous_format)
+
+
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, Any]:
+    """Load a local MoE checkpoint (eval mode) and its tokenizer (None if the dir has none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_checkpoint(path)
+    p = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
+    _realign(model)
+    tokenizer = None
+    if any((p / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# router hook
+
+
+class RouterHook:
+    """Context manager: call `on_route` at every MoE layer's router, optionally replacing ids.
+
+    `on_route(layer, logits, weights, ids)` gets the MoE layer index `l` (0..L-1), the router
+    logits `[N, E]` as float32 (N = B*T rows, row-major over (batch, time); do not modify),
+    the slot weights `[N, k]` and selected ids `[N, k]` in the model's slot order. It returns
+    None (keep the model's choice) or replacement ids `[N, k]` in the same slot order: slot j
+    then computes expert `new[n, j]` with the unchanged weight `weights[n, j]`.
+    With `on_route` returning None or the same ids, the model's output is bit-identical.
+    """
+
+    def __init__(self, model: nn.Module, on_route: RouteFn):
+        self.model = model
+        self.on_route = on_route
+        self.blocks = moe_blocks(model)
+        self._handles: list[Any] = []
+
+    def _make_hook(self, layer: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            logits, weights, ids = output  # [N, E], [N, k], [N, k]
+            new = self.on_route(layer, logits.float(), weights, ids)
+            if new is None:
+                return None
+            new = torch.as_tensor(new, device=ids.device).to(ids.dtype)
+            if new.shape != ids.shape:
+                raise ValueError(
+                    f"on_route for layer {layer} returned ids of shape {tuple(new.shape)}, "
+                    f"expected {tuple(ids.shape)}"
+                )
+            return logits, weights, new
+
+        return hook
+
+    def __enter__(self) -> RouterHook:
+        if self._handles:
+            raise RuntimeError("RouterHook is already installed")
+        for layer, block in enumerate(self.blocks):
+            self._handles.append(block.gate.register_forward_hook(self._make_hook(layer)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def align_ids(
+    model_ids: torch.Tensor,
+    selected: torch.Tensor | np.ndarray,
+    computed: torch.Tensor | np.ndarray,
+    logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Map the policy core's per-rank result onto the model's slot order.
+
+    `selected[n, r]` is the core's rank-r expert (top-k by logit, ties to the lower id) and
+    `computed[n, r]` the expert it actually computes for that rank; `model_ids[n, j]` is the
+    model's slot-j expert. Returns `new[n, j] = computed[n, r]` where `selected[n, r] ==
+    model_ids[n, j]` (vectorised), on `model_ids`' device and dtype.
+
+    The two selections are the same SET except at an exact tie at the k-th place (two experts
+    with equal router probability; the model's `torch.topk` may break it either way). Without
+    `logits` such a row raises ValueError. With `logits` `[N, E]` (the router logits the hook
+    received) a row whose differing experts have identical probabilities is resolved by giving
+    the model's tied slot the core's tied rank (the slot weight is the same either way); any
+    other mismatch still raises.
+    """
+    sel = torch.as_tensor(selected, device=model_ids.device).long()  # [N, k]
+    comp = torch.as_tensor(computed, device=model_ids.device).to(model_ids.dtype)  # [N, k]
+    mid = model_ids.long()  # [N, k]
+    if sel.shape != mid.shape or comp.shape != mid.shape:
+        raise ValueError(
+            f"align_ids: shapes differ: model_ids {tuple(mid.shape)}, selected "
+            f"{tuple(sel.shape)}, computed {tuple(comp.shape)}"
+        )
+    eq = mid[:, :, None] == sel[:, None, :]  # [N, k(slot), k(rank)]
+    ok = eq.sum(-1) == 1  # [N, k]
+    rank = eq.to(torch.int8).argmax(-1)  # [N, k]: matching rank per slot
+    bad = (~ok.all(-1)).nonzero().flatten()
+    if bad.numel():
+        if logits is None:
+            n = int(bad[0])
+            raise ValueError(
+                f"align_ids: {bad.numel()} row(s) where the model's top-k set differs from the "
+                f"policy core's (a tie at the k-th place), e.g. row {n}: model "
+                f"{sorted(mid[n].tolist())} vs core {sorted(sel[n].tolist())}; pass the "
+                "router logits to resolve exact ties"
+            )
+        rank = _resolve_ties(mid, sel, eq, rank, bad, logits)
+    return comp.gather(1, rank)
+
+
+def _resolve_ties(mid, sel, eq, rank, bad, logits):
+    probs = torch.softmax(logits.float(), dim=-1)  # as the router computes them, all rows
+    rank = rank.clone()
+    for n in bad.tolist():  # rare rows only
+        slots = (eq[n].sum(-1) != 1).nonzero().flatten()  # model slots without a match
+        ranks = (eq[n].sum(0) != 1).nonzero().flatten()  # core ranks without a match
+        p_model = probs[n, mid[n, slots]]
+        p_core = probs[n, sel[n, ranks]]
+        if (
+            len(slots) != len(ranks)
+            or (eq[n].sum(-1) > 1).any()
+            or not torch.equal(p_model, p_model[0].expand_as(p_model))
+            or not torch.equal(p_core, p_model[0].expand_as(p_core))
+        ):
+            raise ValueError(
+                f"align_ids: row {n}: the model's top-k set {sorted(mid[n].tolist())} differs "
+                f"from the policy core's {sorted(sel[n].tolist())} and not by an exact tie"
+            )
+        rank[n, slots] = ranks
+    return rank
+
+
+# --------------------------------------------------------------------------------------------
+# exact teacher-forced NLL
+
+
+@torch.inference_mode()
+def stream_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int | None = None) -> np.ndarray:
+    """Per-token NLL `[B, T]` float64 (NaN at position 0) from ONE teacher-forced forward.
+
+    The single forward used by capture and emulate (bit-exactness between them depends on it):
+    `model(input_ids, use_cache=False)` in the model's dtype, then log-softmax in float32 over
+    the vocabulary, cast to float64. The log-softmax runs over `chunk` positions at a time
+    (default: about 2^18 logits per chunk on CPU, 2^26 on GPU); results do not depend on it.
+    On CPU, small chunks matter: one [T, V] log-softmax buffer made the NLL cost 23% of a
+    forward of the tiny model (fresh large allocations page-fault), 32-row chunks 4%.
+    Note: the batch composition (B, T) must also match for bit-identical results.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    device = next(model.parameters()).device
+    ids = input_ids.to(device=device, dtype=torch.long)  # [B, T]
+    logits = model(input_ids=ids, use_cache=False).logits  # [B, T, V]
+    B, T, V = logits.shape
+    if chunk is None:
+        budget = 2**18 if device.type == "cpu" else 2**26
+        chunk = max(1, budget // (B * V))
+    out = torch.full((B, T), float("nan"), dtype=torch.float64)
+    for s in range(0, T - 1, chunk):
+        e = min(s + chunk, T - 1)
+        lp = torch.log_softmax(logits[:, s:e].float(), dim=-1)  # [B, e-s, V]
+        tok = lp.gather(-1, ids[:, s + 1 : e + 1, None]).squeeze(-1)  # [B, e-s]
+        out[:, s + 1 : e + 1] = -tok.double().cpu()
+    return out.numpy()
