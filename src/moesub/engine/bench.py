@@ -1,0 +1,441 @@
+"""Real-size, trace-driven engine benchmark (how the speed claims are measured without the model).
+
+Experts of a real model's shapes (default Qwen3-Next-80B-A3B: H=2048, expert width 512, E=512,
+top-10, bf16 = 6 MiB per expert) with random weights, for a configurable number of layers, are
+driven by synthetic router decisions (`moesub.synthetic`) through the same engine as the model
+decode loop (`OffloadEngine`: policy core, real synchronous copies, background admissions,
+grouped compute from the slots). Per layer a real-size router matmul runs on the fast device and
+its result is brought back to the host (the synchronization a real router imposes) before the
+core decides from the synthetic logits; attention and the shared expert are not modelled.
+
+Every policy runs in ONE process over the same trace from the same frequency-initial resident
+set, one after the other; the output holds one row per policy with time per token and its
+ratios to `fetch_every_miss` and `host_compute`, and the simulator's cost-model prediction
+(calibrated in the same run) with its relative error.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+from tqdm.auto import tqdm
+
+from moesub.engine.cache import CudaTier, DiskTier, require_cuda
+from moesub.engine.calibrate import (
+    cost_dict,
+    measure_expert_compute,
+    measure_host_compute,
+    measure_link,
+    predicted_time_per_token,
+)
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.store import (
+    DTYPES,
+    StoreLayout,
+    measure_read_bandwidth,
+    open_or_write_store,
+    random_experts,
+)
+from moesub.io import write_parquet
+from moesub.policy import Policy
+
+ALL_RESIDENT = "all_resident"
+STUDY_POLICIES: dict[str, dict[str, Any]] = {
+    "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
+    "host_compute": {"rule": "host_compute"},
+    "rule_015": {"rule": "threshold", "tau": 0.15, "eviction": "lru"},
+    "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
+    "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+    ALL_RESIDENT: {"rule": "fetch_all"},
+}
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    """The `engine_bench:` section of config.yaml (every key optional)."""
+
+    layers: int = 2  # MoE layers simulated (each costs E * 6 MiB of disk / pinned memory)
+    num_experts: int = 512
+    hidden: int = 2048
+    width: int = 512  # expert intermediate size I
+    top_k: int = 10
+    fraction: float = 0.25
+    dtype: str = "bfloat16"
+    tokens: int = 256  # measured tokens per policy
+    warmup: int = 32  # tokens run before measuring (cache state evolves, time not recorded)
+    rounds: int = 2  # every policy runs `rounds` times over the trace (order varied per round)
+    calib_tokens: int = 4096  # synthetic tokens the frequency-initial set is counted on
+    seed: int = 0
+    store_path: str | None = None  # disk tier expert file (default: beside out_path)
+    staging_buffers: int = 4
+    threads: int | None = None
+    progress: bool = True
+    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(STUDY_POLICIES))
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | None) -> BenchParams:
+        params = dict(params or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"params: unknown engine-bench option(s) {unknown}; known {sorted(known)}"
+            )
+        p = cls(**params)
+        for name in ("layers", "num_experts", "hidden", "width", "top_k", "tokens", "calib_tokens",
+                     "staging_buffers", "rounds"):  # fmt: skip
+            v = getattr(p, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"params.{name}={v!r} must be a positive integer")
+        if isinstance(p.warmup, bool) or not isinstance(p.warmup, int) or p.warmup < 0:
+            raise ValueError(f"params.warmup={p.warmup!r} must be an integer >= 0")
+        if p.dtype not in DTYPES:
+            raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
+        if not 0 < p.fraction <= 1:
+            raise ValueError(f"params.fraction={p.fraction!r} must be in (0, 1]")
+        if p.capacity < p.top_k:
+            raise ValueError(
+                f"params.fraction={p.fraction} gives C={p.capacity} < top_k={p.top_k}: the cache "
+                "is too small for k"
+            )
+        if not p.policies:
+            raise ValueError("params.policies: at least one policy is required")
+        for name, spec in p.policies.items():
+            if name != ALL_RESIDENT:
+                Policy.from_dict(dict(spec))
+        return p
+
+    @property
+    def capacity(self) -> int:
+        return int(math.floor(self.fraction * self.num_experts + 0.5))
+
+    def layout(self) -> StoreLayout:
+        return StoreLayout(
+            num_layers=self.layers,
+            num_experts=self.num_experts,
+            hidden=self.hidden,
+            width=self.width,
+            dtype=self.dtype,
+            fingerprint=f"random-seed{self.seed}",
+        )
+
+
+def frequency_initial(logits: np.ndarray, k: int, capacity: int) -> np.ndarray:
+    """(L, C): per layer the C experts most often in the top-k of `logits` (T, L, E), ties to
+    the lower id (the capture stage's frequency-initial rule)."""
+    from moesub.capture import topk_mask
+
+    counts = topk_mask(logits, k).sum(axis=0)  # (L, E)
+    return np.argsort(-counts, axis=1, kind="stable")[:, :capacity].astype(np.int32)
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+@dataclass
+class _Run:
+    wall_s: np.ndarray
+    fetch_wait_s: np.ndarray
+    bytes_sync: np.ndarray
+    bytes_bg: np.ndarray
+    counts: np.ndarray  # (T, 5)
+    admissions: int
+
+
+@torch.inference_mode()
+def _run_policy(
+    engine: OffloadEngine,
+    trace: np.ndarray,
+    router_w: list[torch.Tensor],
+    h0: torch.Tensor,
+    warmup: int,
+    desc: str,
+    progress: bool,
+) -> _Run:
+    """Drive the engine over `trace` (T, L, E); the first `warmup` tokens are not recorded."""
+    engine.reset()
+    T, L, _E = trace.shape
+    dev = h0.device
+    n = T - warmup
+    wall, wait = np.zeros(n), np.zeros(n)
+    bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    counts = np.zeros((n, 5), np.int64)
+    admissions = 0
+    for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
+        engine.begin_token()
+        t0 = time.perf_counter()
+        hidden = h0  # (1, H) every token enters with the same hidden state
+        for layer in range(L):
+            x = _rms_norm(hidden)
+            # the router on the fast device; its logits must reach the host before deciding
+            (x @ router_w[layer].T).float().cpu()
+            s = engine.route(layer, trace[t, layer][None])
+            slot, host = engine.step_ids(s)
+            w = torch.from_numpy(s.weights).to(device=dev, dtype=hidden.dtype)
+            y = engine.compute(layer, x, torch.from_numpy(slot).to(dev), w, host)
+            hidden = hidden + y
+        st = engine.end_token()  # synchronizes
+        dt = time.perf_counter() - t0
+        if t >= warmup:
+            i = t - warmup
+            wall[i], wait[i] = dt, st.fetch_wait_s
+            bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
+            counts[i] = st.counts
+            admissions += st.admissions
+    if not torch.isfinite(hidden.float()).all():
+        raise RuntimeError("benchmark hidden state became non-finite")
+    return _Run(wall, wait, bsync, bbg, counts, admissions)
+
+
+def _random_pinned(lay: StoreLayout, seed: int, dev: torch.device):
+    """One layer of random experts ((E, 2I, H), (E, H, I)) in pinned host memory."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = []
+    for shape, fan_in in (((lay.num_experts, *lay.gate_up_shape), lay.hidden),
+                          ((lay.num_experts, *lay.down_shape), lay.width)):  # fmt: skip
+        host = torch.empty(shape, dtype=lay.torch_dtype).pin_memory()
+        for e in range(0, lay.num_experts, 64):
+            part = torch.randn((min(64, lay.num_experts - e), *shape[1:]), generator=g, device=dev)
+            host[e : e + part.shape[0]].copy_((part * fan_in**-0.5).to(lay.torch_dtype))
+        out.append(host)
+    return out[0], out[1]
+
+
+def _concat_runs(runs: list[_Run]) -> _Run:
+    return _Run(
+        wall_s=np.concatenate([r.wall_s for r in runs]),
+        fetch_wait_s=np.concatenate([r.fetch_wait_s for r in runs]),
+        bytes_sync=np.concatenate([r.bytes_sync for r in runs]),
+        bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
+        counts=np.concatenate([r.counts for r in runs]),
+        admissions=sum(r.admissions for r in runs),
+    )
+
+
+def _calibrate_bench(tier, store, trace, initial, router_w, h0, p: BenchParams, info) -> dict:
+    """The simulator's cost-model figures measured on this tier (as `calibrate` does for a
+    model). `dense_layer_s` is everything a layer costs besides expert compute and copies
+    (router, norm, the policy core step, Python): measured on an all-hit pass over the trace
+    restricted to the resident experts, minus k expert computations."""
+    k, L = p.top_k, p.layers
+    if isinstance(tier, DiskTier):
+        bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
+        info.update(
+            disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
+            store_mode=bw.mode,
+        )  # fmt: skip
+    link_bw, link_lat = measure_link(tier, seed=p.seed)
+    expert_s = measure_expert_compute(tier, k, seed=p.seed)
+    host_s = measure_host_compute(tier, k, seed=p.seed)
+    n = min(trace.shape[0], 48)
+    hits_only = trace[:n].copy()  # (n, L, E): non-resident experts can never be selected
+    for layer in range(L):
+        mask = np.ones(p.num_experts, bool)
+        mask[initial[layer]] = False
+        hits_only[:, layer, mask] -= 1e4
+    engine = OffloadEngine(
+        tier, p.num_experts, k, initial.shape[1], Policy(rule="fetch_all"), initial, tier.act
+    )
+    run = _run_policy(engine, hits_only, router_w, h0, min(8, n // 2), "calibrate", False)
+    if run.counts[:, 0].sum() != run.counts.sum():
+        raise RuntimeError("calibration pass: expected only hits")
+    raw_dense = _dense_layer_s(router_w[0], h0, tier.synchronize)
+    dense = max(float(np.median(run.wall_s)) / L - k * expert_s, raw_dense)
+    info.update(dense_layer_raw_s=raw_dense)
+    return cost_dict(link_bw, link_lat, p.layout().expert_bytes, expert_s, host_s, dense)
+
+
+def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 20) -> float:
+    from moesub.engine.calibrate import _timeit
+
+    def one() -> None:
+        x = _rms_norm(h0)
+        (x @ router_w.T).float().cpu()
+        _ = h0 + x
+
+    return _timeit(one, sync, reps)
+
+
+def run_benchmark(
+    params: Mapping[str, Any] | None, device: str, out_path: str | os.PathLike
+) -> pl.DataFrame:
+    """Real-size engine benchmark on `device` ('cpu' = disk->RAM tier, 'cuda' = pinned->GPU).
+
+    Writes one row per policy (`policy, device, tier, layers, tokens, time_per_token_median_s,
+    time_per_token_p90_s, fetch_wait_s, bytes_sync, bytes_bg, hit_rate, sub_rate,
+    speedup_vs_fetch_every_miss, speedup_vs_host_compute`, plus `time_per_token_mean_s,
+    est_time_per_token_s, sim_rel_error`) to `out_path` atomically and returns the table.
+    `fetch_wait_s`, `bytes_sync`, `bytes_bg` are means per token.
+    """
+    from moesub.synthetic import synthetic_logits
+
+    p = BenchParams.from_dict(params)
+    dev = require_cuda(device)
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    lay = p.layout()
+    C, k, E, L = p.capacity, p.top_k, p.num_experts, p.layers
+    out_path = Path(out_path)
+    # memory checks before any work: slots (C) and, for all_resident, all E experts per layer
+    need_ram = L * lay.expert_bytes * (E if ALL_RESIDENT in p.policies else C)
+    if dev.type == "cuda":
+        need_ram = L * E * lay.expert_bytes  # pinned host copy of every expert
+    avail = _mem_available()
+    if avail is not None and need_ram > 0.8 * avail:
+        raise ValueError(
+            f"params.layers={L}: the benchmark needs ~{need_ram / 2**30:.1f} GiB of host memory, "
+            f"only {avail / 2**30:.1f} GiB available; use fewer layers"
+        )
+    store_path = Path(p.store_path) if p.store_path else out_path.parent / "bench_experts.bin"
+    if dev.type == "cpu":
+        store_path.parent.mkdir(parents=True, exist_ok=True)
+        free = os.statvfs(store_path.parent)
+        free_b = free.f_bavail * free.f_frsize
+        have = store_path.stat().st_size if store_path.is_file() else 0
+        if lay.file_bytes - have > 0.9 * free_b:
+            raise ValueError(
+                f"params.layers={L}: the expert file needs {lay.file_bytes / 2**30:.1f} GiB, "
+                f"{free_b / 2**30:.1f} GiB free at {store_path.parent}"
+            )
+    store = None
+    if dev.type == "cpu":
+        store = open_or_write_store(
+            store_path, lay, random_experts(lay, p.seed), progress=p.progress
+        )
+
+    g = torch.Generator().manual_seed(p.seed + 1)
+    dt = lay.torch_dtype
+    router_w = [
+        (torch.randn(E, p.hidden, generator=g) * p.hidden**-0.5).to(device=dev, dtype=dt)
+        for _ in range(L)
+    ]
+    h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
+    trace_all = synthetic_logits(p.calib_tokens + p.warmup + p.tokens, L, E, seed=p.seed)
+    initial = frequency_initial(trace_all[: p.calib_tokens], k, C)
+    trace = np.ascontiguousarray(trace_all[p.calib_tokens :])
+    act = torch.nn.functional.silu
+    host = None
+    if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
+        host = [_random_pinned(lay, p.seed + layer, dev) for layer in range(L)]
+
+    def make_tier(capacity: int):
+        if dev.type == "cpu":
+            return DiskTier(store, capacity, k, act, p.staging_buffers)
+        return CudaTier(host, capacity, dev, act, p.staging_buffers)
+
+    # policies in rounds; the order rotates every round and is reversed every other round, so
+    # that drift in the machine's load does not favour a policy; one tier at a time (C slots per
+    # layer, or E for all_resident)
+    names = list(p.policies)
+    order = []
+    for r in range(p.rounds):
+        rot = names[r % len(names) :] + names[: r % len(names)]
+        order += rot if r % 2 == 0 else rot[::-1]
+    info: dict[str, Any] = {}
+    parts: dict[str, list[_Run]] = {n: [] for n in names}
+    tier, tier_cap, cost, description, engine = None, 0, None, "", None
+    try:
+        for name in [None, *order]:  # None: the calibration pass, first
+            cap = E if name == ALL_RESIDENT else C
+            if tier is None or tier_cap != cap:
+                if tier is not None:
+                    tier.close()
+                    tier = engine = None  # frees the slot buffers before allocating others
+                    gc.collect()
+                tier, tier_cap = make_tier(cap), cap
+                description = description or tier.description
+            if name is None:
+                cost = _calibrate_bench(tier, store, trace, initial, router_w, h0, p, info)
+                continue
+            if name == ALL_RESIDENT:
+                pol, init = Policy(rule="fetch_all"), np.tile(np.arange(E, dtype=np.int32), (L, 1))
+            else:
+                pol, init = Policy.from_dict(dict(p.policies[name])), initial
+            engine = OffloadEngine(tier, E, k, cap, pol, init, act)
+            parts[name].append(_run_policy(engine, trace, router_w, h0, p.warmup, name, p.progress))
+    finally:
+        if tier is not None:
+            tier.close()
+        if store is not None:
+            store.close()
+    runs = {n: _concat_runs(rs) for n, rs in parts.items()}
+
+    rows = []
+    for name, r in runs.items():
+        slots = max(int(r.counts.sum()), 1)
+        c = r.counts.sum(axis=0)
+        counts = {
+            "tokens": len(r.wall_s) * L,
+            "hit": c[0], "fetch": c[1], "sub": c[2], "host": c[3], "forced": c[4],
+            "admissions": r.admissions,
+        }  # fmt: skip
+        est = predicted_time_per_token(cost, counts, L)
+        mean = float(r.wall_s.mean())
+        rows.append(
+            {
+                "policy": name,
+                "device": dev.type,
+                "tier": tier_kind(dev),
+                "layers": L,
+                "tokens": len(r.wall_s),
+                "time_per_token_median_s": float(np.median(r.wall_s)),
+                "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
+                "time_per_token_mean_s": mean,
+                "fetch_wait_s": float(r.fetch_wait_s.mean()),
+                "bytes_sync": float(r.bytes_sync.mean()),
+                "bytes_bg": float(r.bytes_bg.mean()),
+                "hit_rate": float(c[0] / slots),
+                "sub_rate": float(c[2] / slots),
+                "est_time_per_token_s": float(est),
+                "sim_rel_error": float((est - mean) / mean),
+            }
+        )
+    out = pl.DataFrame(rows)
+    med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))
+    for col, base in (("speedup_vs_fetch_every_miss", "fetch_every_miss"),
+                      ("speedup_vs_host_compute", "host_compute")):  # fmt: skip
+        ref = med.get(base)
+        out = out.with_columns(
+            (pl.lit(ref, pl.Float64) / pl.col("time_per_token_median_s")).alias(col)
+        )
+    meta = {
+        "device": str(dev),
+        "tier": description,
+        "params": asdict(p),
+        "capacity": C,
+        "expert_bytes": lay.expert_bytes,
+        "cost_model": cost,
+        "threads": torch.get_num_threads(),
+        "note": "routed experts + real-size router only (no attention / shared expert); "
+        "synthetic routing (moesub.synthetic); est_time_per_token_s = simulator cost model "
+        "calibrated in this run, sim_rel_error = (est - measured mean) / measured mean",
+        **info,
+    }
+    write_parquet(out, out_path, metadata=meta)
+    return out
+
+
+def tier_kind(dev: torch.device) -> str:
+    return DiskTier.kind if dev.type == "cpu" else CudaTier.kind

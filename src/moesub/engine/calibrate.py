@@ -1,0 +1,179 @@
+"""Cost-model calibration: measure the running machine's link and compute costs.
+
+Writes the JSON that `moesub.simulate.CostModel.from_json` reads (exactly its keys):
+`link_bandwidth_Bps, transfer_latency_s, expert_bytes, expert_compute_s, host_expert_compute_s,
+dense_layer_s, background_shares_link`. On the disk->RAM tier the "link" is the disk read path
+(page cache bypassed) and `host_expert_compute_s` includes the fresh disk read each host miss
+costs there; on CUDA the link is pinned host -> GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moesub.engine.cache import CudaTier, DiskTier
+from moesub.engine.kernels import grouped_experts
+from moesub.engine.store import measure_read_bandwidth
+
+COST_KEYS = (
+    "link_bandwidth_Bps",
+    "transfer_latency_s",
+    "expert_bytes",
+    "expert_compute_s",
+    "host_expert_compute_s",
+    "dense_layer_s",
+    "background_shares_link",
+)
+
+
+def _timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` over `reps` runs (after `warmup`), synchronized."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_link(tier, samples: int = 16, seed: int = 0) -> tuple[float, float]:
+    """(bytes/s for expert-sized copies slow -> fast tier, seconds of fixed cost per transfer)."""
+    if isinstance(tier, DiskTier):
+        bw = measure_read_bandwidth(tier.store, reads=samples, seed=seed)
+        return bw.bytes_per_s, bw.latency_s
+    if isinstance(tier, CudaTier):
+        gu, dn = tier.host[0]
+        s = tier.slots[0]
+        rng = np.random.default_rng(seed)
+        picks = rng.choice(gu.shape[0], size=min(samples, gu.shape[0]), replace=False).tolist()
+
+        def copy_experts() -> None:
+            for i, e in enumerate(picks):
+                slot = i % s.capacity
+                s.gate_up[slot].copy_(gu[e], non_blocking=True)
+                s.down[slot].copy_(dn[e], non_blocking=True)
+
+        t = _timeit(copy_experts, tier.synchronize, reps=3)
+        small_h = torch.empty(4096, dtype=torch.uint8).pin_memory()
+        small_d = torch.empty(4096, dtype=torch.uint8, device=tier.device)
+        lat = _timeit(lambda: small_d.copy_(small_h, non_blocking=True), tier.synchronize, 20)
+        return len(picks) * tier.expert_bytes / t, lat
+    raise ValueError(f"unknown tier {type(tier).__name__}")
+
+
+def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
+    """Seconds to compute one expert for one token from fast-tier slots (k at once, / k). Each
+    run uses k other random slots, so weights come from memory as in decoding, not from cache."""
+    s = tier.slots[0]
+    if s.capacity < k:
+        raise ValueError(f"capacity {s.capacity} < k={k}")
+    g = torch.Generator().manual_seed(seed)
+    H = s.gate_up.shape[-1]
+    x = torch.randn(1, H, generator=g).to(device=s.gate_up.device, dtype=s.gate_up.dtype)
+    rng = np.random.default_rng(seed)
+    sets = [
+        torch.from_numpy(rng.choice(s.capacity, size=k, replace=False)).view(1, k).to(x.device)
+        for _ in range(reps + 2)
+    ]
+    it = iter(sets)
+    w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
+
+    def run() -> None:
+        grouped_experts(x, next(it), w, s.gate_up, s.down, tier.act)
+
+    t = _timeit(run, tier.synchronize, reps)
+    return t / k
+
+
+def measure_host_compute(tier, k: int, reps: int = 5, seed: int = 0) -> float:
+    """Seconds per host_compute miss (k misses of one token at once, / k); on the disk tier this
+    includes the fresh uncached read of each missed expert."""
+    s = tier.slots[0]
+    E = tier.layout.num_experts if isinstance(tier, DiskTier) else tier.host[0][0].shape[0]
+    H = s.gate_up.shape[-1]
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
+    x = x.to(device=s.gate_up.device, dtype=s.gate_up.dtype)
+    w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
+    sets = [rng.choice(E, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
+    it = iter(sets)
+    t = _timeit(lambda: tier.host_forward(0, x, next(it), w), tier.synchronize, reps)
+    return t / k
+
+
+def cost_dict(
+    link_bandwidth_Bps: float,
+    transfer_latency_s: float,
+    expert_bytes: int,
+    expert_compute_s: float,
+    host_expert_compute_s: float,
+    dense_layer_s: float,
+) -> dict[str, Any]:
+    return {
+        "link_bandwidth_Bps": float(link_bandwidth_Bps),
+        "transfer_latency_s": float(transfer_latency_s),
+        "expert_bytes": float(expert_bytes),
+        "expert_compute_s": float(expert_compute_s),
+        "host_expert_compute_s": float(host_expert_compute_s),
+        "dense_layer_s": float(dense_layer_s),
+        # admissions (background reads / side-stream copies) use the same disk / PCIe link
+        "background_shares_link": True,
+    }
+
+
+def measure_tier_costs(tier, k: int, expert_bytes: int, dense_layer_s: float) -> dict[str, Any]:
+    """All cost-model figures measurable on a tier (dense time given by the caller)."""
+    bw, lat = measure_link(tier)
+    return cost_dict(
+        bw,
+        lat,
+        expert_bytes,
+        measure_expert_compute(tier, k),
+        measure_host_compute(tier, k),
+        dense_layer_s,
+    )
+
+
+def predicted_time_per_token(cost: dict[str, Any], counts: dict[str, float], layers: int):
+    """The simulator's cost-model estimate (`moesub.simulate.CostModel.time_per_token`)."""
+    from moesub.simulate import CostModel
+
+    return CostModel(**{k: cost[k] for k in COST_KEYS}).time_per_token(counts, layers)
+
+
+def calibrate(
+    model_dir: str | os.PathLike,
+    device: str,
+    out_json: str | os.PathLike,
+    params: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Measure link bandwidth, per-transfer latency, per-expert compute (fast tier and host),
+    and dense time per layer for the model at `model_dir` on `device`; write the cost-model
+    JSON to `out_json` (atomically) and return it.
+
+    `params` (optional) are engine params (`store_path`, `dtype`, `staging_buffers`, ...).
+    """
+    from moesub.engine.decode import EngineParams, build_engine_model, time_dense_layer
+    from moesub.io import write_json
+
+    opts = EngineParams.from_dict(params)
+    setup = build_engine_model(model_dir, device, opts, capacity=None, out_path=out_json)
+    try:
+        k = setup.info.top_k
+        dense = time_dense_layer(setup, tokens=opts.calibrate_tokens)
+        cost = measure_tier_costs(setup.tier, k, setup.expert_bytes, dense)
+    finally:
+        setup.tier.close()
+    write_json(cost, Path(out_json))
+    return cost

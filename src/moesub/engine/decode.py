@@ -1,0 +1,441 @@
+"""The engine's decode loop over a real model: teacher-forced, one token at a time, KV cache.
+
+Per token and MoE layer: the router runs on the fast device -> its logits go to the policy core
+(`OffloadEngine.route`: completed admissions installed, core step, synchronous copies of
+FETCH/FORCED experts into the slots the core freed, new admissions handed to the background)
+-> the router hook returns the *cache slot* of every computed expert in the model's slot order
+(`models.align_ids`) -> the block's experts module (replaced by `EngineExperts`) computes from
+the slot tensors with one grouped matmul per projection, plus host_compute misses on the host.
+The model's own expert weights are dropped: experts live only in the slow tier and the slots.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from moesub.engine.cache import CudaTier, DiskTier, require_cuda
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.store import (
+    DTYPES,
+    StoreLayout,
+    dtype_name,
+    measure_read_bandwidth,
+    model_experts,
+    open_or_write_store,
+    tensor_fingerprint,
+)
+from moesub.io import write_parquet
+from moesub.policy import HOST, Policy
+
+ALL_RESIDENT = "all_resident"  # reserved policy name: every expert in fast memory (the floor)
+ROW_COLUMNS = (
+    "stream", "pos", "wall_s", "fetch_wait_s", "bytes_sync", "bytes_bg",
+    "hit", "fetch", "sub", "host", "forced", "nll",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """The `engine:` section of config.yaml (every key optional)."""
+
+    dtype: str = "float32"  # model and expert dtype
+    store_path: str | None = None  # expert file of the disk tier (default: beside the model)
+    staging_buffers: int = 4  # background admissions in flight at most
+    max_streams: int | None = None  # decode only the first n streams (smoke runs)
+    max_tokens: int | None = None  # decode only the first n tokens of each stream
+    threads: int | None = None  # torch CPU threads (None = torch's default)
+    progress: bool = True
+    calibrate_tokens: int = 32  # decode steps timed for dense_layer_s
+    cost_path: str | None = None  # cost-model JSON (calibrate): adds the simulator's estimate
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
+        params = dict(params or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"params: unknown engine option(s) {unknown}; known: {sorted(known)}")
+        p = cls(**params)
+        if p.dtype not in DTYPES:
+            raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
+        for name in ("staging_buffers", "max_streams", "max_tokens", "threads", "calibrate_tokens"):
+            v = getattr(p, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"params.{name}={v!r} must be a positive integer")
+        return p
+
+
+class EngineExperts(nn.Module):
+    """Replaces a block's experts: computes from the engine's slots (ids = slot indices).
+
+    Without an engine attached (dense-time calibration) it returns zeros. `gate_up_proj` /
+    `down_proj` are the layer's slot tensors (plain attributes, not parameters: `model.to` leaves
+    them where the tier put them), so the block still reads as a sparse MoE block.
+    """
+
+    def __init__(self, layer: int, slots) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate_up_proj = slots.gate_up  # (C, 2I, H)
+        self.down_proj = slots.down  # (C, H, I)
+        self.engine: OffloadEngine | None = None
+        self.host_ids: np.ndarray | None = None  # (N, k) model slot order, set by the router
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.engine is None:
+            return torch.zeros_like(hidden)
+        return self.engine.compute(self.layer, hidden, top_k_index, top_k_weights, self.host_ids)
+
+
+class EngineRouter:
+    """RouterHook callback: the core decides, the engine copies, the experts see slot ids."""
+
+    def __init__(self, engine: OffloadEngine, experts: list[EngineExperts]) -> None:
+        self.engine, self.experts = engine, experts
+
+    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        from moesub.models import align_ids
+
+        z = np.ascontiguousarray(logits.detach().float().cpu().numpy())  # (1, E)
+        s = self.engine.route(layer, z)
+        host = None
+        if (s.status == HOST).any():
+            computed = np.where(s.status == HOST, s.selected, -1)
+            host = align_ids(ids.cpu(), s.selected, computed, logits=logits.cpu()).numpy()
+        self.experts[layer].host_ids = host
+        return align_ids(ids, s.selected, s.slot, logits=logits)  # slot per model slot, -1 HOST
+
+
+@dataclass
+class EngineSetup:
+    """A loaded model whose experts live in a tier (see `build_engine_model`)."""
+
+    model: nn.Module
+    info: Any  # moesub.models.MoEInfo
+    tier: DiskTier | CudaTier
+    experts: list[EngineExperts]
+    act: Any
+    expert_bytes: int
+    device: torch.device
+    bandwidth: dict[str, Any] | None  # disk tier: measured read bandwidth
+
+
+def default_store_path(model_dir: str | os.PathLike, dtype: str) -> Path:
+    """`<model_dir>/../engine/experts-<dtype>.bin` (results/{model}/engine/ in the pipeline)."""
+    return Path(model_dir).resolve().parent / "engine" / f"experts-{dtype}.bin"
+
+
+def build_engine_model(
+    model_dir: str | os.PathLike,
+    device: str,
+    opts: EngineParams,
+    capacity: int | None,
+    out_path: str | os.PathLike | None = None,
+    measure_bandwidth: bool = False,
+) -> EngineSetup:
+    """Load the model, move its experts to the slow tier (disk file written once, or pinned host
+    memory), allocate `capacity` slots per layer (default k) and swap in `EngineExperts`."""
+    from moesub.models import expert_weights, load_model, moe_blocks, moe_info
+
+    dev = require_cuda(device)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    dtype = DTYPES[opts.dtype]
+    model, _tok = load_model(model_dir, dtype=dtype, device="cpu")
+    info = moe_info(model)
+    C = info.top_k if capacity is None else capacity
+    if not info.top_k <= C <= info.num_experts:
+        raise ValueError(
+            f"cache capacity {C} is too small for k={info.top_k} (or exceeds E={info.num_experts})"
+        )
+    blocks = moe_blocks(model)
+    weights = [expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
+    act = blocks[0].experts.act_fn
+    bandwidth = None
+    if dev.type == "cpu":
+        layout = StoreLayout(
+            num_layers=info.num_layers,
+            num_experts=info.num_experts,
+            hidden=info.hidden_size,
+            width=info.expert_width,
+            dtype=dtype_name(dtype),
+            fingerprint=tensor_fingerprint(
+                t for gu, dn in weights for t in (gu[:, 0, :], dn[:, 0, :])
+            ),
+        )
+        path = (
+            Path(opts.store_path) if opts.store_path else default_store_path(model_dir, opts.dtype)
+        )
+        store = open_or_write_store(path, layout, model_experts(weights), progress=opts.progress)
+        tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, opts.staging_buffers)
+        if measure_bandwidth:
+            bw = measure_read_bandwidth(store, reads=min(32, info.num_layers * info.num_experts))
+            bandwidth = {"read_bandwidth_Bps": bw.bytes_per_s, "read_latency_s": bw.latency_s}
+        expert_bytes = layout.expert_bytes
+    else:
+        host = [(gu.detach().contiguous(), dn.detach().contiguous()) for gu, dn in weights]
+        tier = CudaTier(host, C, dev, act, opts.staging_buffers)
+        expert_bytes = tier.expert_bytes
+        del host
+    experts = []
+    for layer, block in enumerate(blocks):
+        block.experts = EngineExperts(layer, tier.slots[layer])
+        experts.append(block.experts)
+    del weights
+    gc.collect()
+    model.to(dev)
+    return EngineSetup(model, info, tier, experts, act, expert_bytes, dev, bandwidth)
+
+
+def _step(model: nn.Module, token: int, cache: Any, device: torch.device):
+    ids = torch.tensor([[token]], dtype=torch.long, device=device)
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    return out.logits[0, -1], out.cache
+
+
+@torch.inference_mode()
+def time_dense_layer(setup: EngineSetup, tokens: int = 32, seed: int = 0) -> float:
+    """Seconds per MoE layer of one decode step with the routed experts skipped (attention,
+    router, shared expert, embeddings and head amortized over the layers)."""
+    for m in setup.experts:
+        m.engine = None
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, setup.info.vocab_size, (tokens + 2,), generator=g).tolist()
+    cache, times = None, []
+    for i, tok in enumerate(ids):
+        t0 = time.perf_counter()
+        logits, cache = _step(setup.model, tok, cache, setup.device)
+        float(logits[0])  # synchronize
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / setup.info.num_layers
+
+
+@torch.inference_mode()
+def decode_stream(
+    setup: EngineSetup, engine: OffloadEngine, token_ids: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Teacher-forced decoding of one stream from fresh caches; per-token measurements."""
+    engine.reset()
+    T = len(token_ids)
+    cols = {c: np.zeros(T, np.float64) for c in ("wall_s", "fetch_wait_s", "mass")}
+    ints = {c: np.zeros(T, np.int64) for c in ("bytes_sync", "bytes_bg")}
+    counts = np.zeros((T, 5), np.int64)
+    nll = np.full(T, np.nan)
+    admissions = 0
+    cache = None
+    for t in range(T):
+        engine.begin_token()
+        t0 = time.perf_counter()
+        logits, cache = _step(setup.model, int(token_ids[t]), cache, setup.device)
+        if t + 1 < T:
+            lp = torch.log_softmax(logits.float(), dim=-1)  # as moesub.models.stream_nll
+            nll[t + 1] = -float(lp[int(token_ids[t + 1])])
+        st = engine.end_token()  # synchronizes the fast device
+        cols["wall_s"][t] = time.perf_counter() - t0
+        cols["fetch_wait_s"][t] = st.fetch_wait_s
+        cols["mass"][t] = st.mass
+        ints["bytes_sync"][t] = st.bytes_sync
+        ints["bytes_bg"][t] = st.bytes_bg
+        counts[t] = st.counts
+        admissions += st.admissions
+    return {**cols, **ints, "counts": counts, "nll": nll, "admissions": admissions}
+
+
+def _require_file(path: str | os.PathLike, arg: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{arg}: {str(p)!r} does not exist")
+    return p
+
+
+def summary(wall_s: np.ndarray, nll: np.ndarray) -> dict[str, float]:
+    ok = np.isfinite(nll)
+    return {
+        "tokens": int(len(wall_s)),
+        "time_per_token_median_s": float(np.median(wall_s)) if len(wall_s) else math.nan,
+        "time_per_token_p90_s": float(np.percentile(wall_s, 90)) if len(wall_s) else math.nan,
+        "time_per_token_mean_s": float(np.mean(wall_s)) if len(wall_s) else math.nan,
+        "ppl": float(np.exp(nll[ok].mean())) if ok.any() else math.nan,
+    }
+
+
+def run_engine(
+    model_dir: str | os.PathLike,
+    tokens_path: str | os.PathLike,
+    initial_sets_path: str | os.PathLike,
+    name: str,
+    policy: Mapping[str, Any],
+    fraction: float,
+    device: str,
+    out_path: str | os.PathLike,
+    params: Mapping[str, Any] | None = None,
+) -> Path:
+    """Decode every stream of a capture token table with the real offloading engine.
+
+    Writes one row per token (`stream, pos, wall_s, fetch_wait_s, bytes_sync, bytes_bg, hit,
+    fetch, sub, host, forced, nll`, plus `mass`) with metadata `policy, name, fraction,
+    capacity, device, tier, ...` and a `summary` (median / p90 time per token, perplexity).
+    `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
+    Each stream starts from fresh caches holding the initial set (as in emulate). Every input is
+    checked before decoding; the output is written atomically at the end.
+    """
+    from moesub.capture import read_initial_set
+    from moesub.emulate import check_initial, check_token_table, iter_streams, policy_from_dict
+    from moesub.models import RouterHook, check_checkpoint
+    from moesub.policy import CORE_BUILD_ID
+
+    _require_file(model_dir, "model_dir")
+    tokens_path = _require_file(tokens_path, "tokens_path")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    all_resident = name == ALL_RESIDENT
+    pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
+    if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    opts = EngineParams.from_dict(params)
+    require_cuda(device)
+    info = check_checkpoint(model_dir)
+    E, k = info.num_experts, info.top_k
+    capacity = math.floor(float(fraction) * E + 0.5)
+    if all_resident:
+        capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (info.num_layers, 1))
+    else:
+        if capacity < k:
+            raise ValueError(
+                f"fraction {fraction} gives a cache of C={capacity} experts per layer, too small "
+                f"for top-k={k} (E={E})"
+            )
+        _require_file(initial_sets_path, "initial_sets_path")
+        initial = check_initial(
+            read_initial_set(initial_sets_path, fraction), info.num_layers, E, capacity
+        )
+    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    streams = list(iter_streams(tokens))[: opts.max_streams]
+
+    setup = build_engine_model(model_dir, device, opts, capacity, out_path, measure_bandwidth=True)
+    engine = OffloadEngine(setup.tier, E, k, capacity, pol, initial, setup.act)
+    for m in setup.experts:
+        m.engine = engine
+    frames = []
+    admissions = 0
+    try:
+        with RouterHook(setup.model, EngineRouter(engine, setup.experts)):
+            bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
+            for stream, rows in bar:
+                rows = rows.head(opts.max_tokens) if opts.max_tokens else rows
+                r = decode_stream(setup, engine, rows["token_id"].to_numpy())
+                admissions += r["admissions"]
+                frames.append(
+                    pl.DataFrame(
+                        {
+                            "stream": np.full(len(rows), stream, np.int32),
+                            "pos": rows["pos"].to_numpy().astype(np.int32),
+                            "wall_s": r["wall_s"],
+                            "fetch_wait_s": r["fetch_wait_s"],
+                            "bytes_sync": r["bytes_sync"],
+                            "bytes_bg": r["bytes_bg"],
+                            **{
+                                n: r["counts"][:, i].astype(np.int32)
+                                for i, n in enumerate(("hit", "fetch", "sub", "host", "forced"))
+                            },  # fmt: skip
+                            "nll": r["nll"],
+                            "mass": r["mass"],
+                        }
+                    ).with_columns(pl.col("nll").fill_nan(None))
+                )
+    finally:
+        engine.close()
+    out = pl.concat(frames)
+    nll = out["nll"].fill_null(np.nan).to_numpy()
+    meta = {
+        "policy": pol.to_dict() if all_resident else dict(policy),
+        "name": name,
+        "fraction": float(fraction),
+        "capacity": int(capacity),
+        "device": str(setup.device),
+        "tier": setup.tier.description,
+        "tier_kind": setup.tier.kind,
+        "expert_bytes": int(setup.expert_bytes),
+        "core_build_id": CORE_BUILD_ID,
+        "num_layers": setup.info.num_layers,
+        "dtype": opts.dtype,
+        "summary": summary(out["wall_s"].to_numpy(), nll),
+        "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
+    }
+    if setup.bandwidth:
+        meta.update(setup.bandwidth)
+    if opts.cost_path:
+        meta.update(simulator_estimate(out, opts.cost_path, setup.info.num_layers, admissions))
+    return write_parquet(out, out_path, metadata=meta)
+
+
+def simulator_estimate(
+    rows: pl.DataFrame, cost_path: str | os.PathLike, num_layers: int, admissions: int
+) -> dict[str, float]:
+    """The simulator's cost-model time per token for this run's counts, and its relative error
+    against the measured mean time per token."""
+    import json
+
+    from moesub.engine.calibrate import predicted_time_per_token
+
+    cost = json.loads(_require_file(cost_path, "params.cost_path").read_text())
+    counts = {c: int(rows[c].sum()) for c in ("hit", "fetch", "sub", "host", "forced")}
+    counts.update(tokens=rows.height * num_layers, admissions=admissions)
+    est = predicted_time_per_token(cost, counts, num_layers)
+    mean = float(rows["wall_s"].mean())
+    return {"est_time_per_token_s": est, "sim_rel_error": (est - mean) / mean}
+
+
+def summarize_engine(
+    paths: Mapping[str, str | os.PathLike],
+    baseline: str = "fetch_every_miss",
+    host_baseline: str = "host_compute",
+) -> pl.DataFrame:
+    """Per-policy summary over engine outputs `{name: path}` (same model, device, streams):
+    median / p90 time per token, speedup vs `baseline` and `host_baseline` (median time ratio),
+    perplexity and Δppl % vs `baseline`."""
+    rows = []
+    for name, path in paths.items():
+        df = pl.read_parquet(_require_file(path, f"paths[{name!r}]"))
+        nll = df["nll"].drop_nulls().to_numpy()
+        wall = df["wall_s"].to_numpy()
+        rows.append(
+            {
+                "policy": name,
+                "tokens": df.height,
+                "time_per_token_median_s": float(np.median(wall)),
+                "time_per_token_p90_s": float(np.percentile(wall, 90)),
+                "fetch_wait_s": float(df["fetch_wait_s"].mean()),
+                "ppl": float(np.exp(nll.mean())),
+            }
+        )
+    out = pl.DataFrame(rows)
+    by = {r["policy"]: r for r in rows}
+    for col, base in (
+        ("speedup_vs_fetch_every_miss", baseline),
+        ("speedup_vs_host_compute", host_baseline),
+    ):
+        ref = by.get(base, {}).get("time_per_token_median_s")
+        out = out.with_columns(
+            (pl.lit(ref, pl.Float64) / pl.col("time_per_token_median_s")).alias(col)
+        )
+    ref_ppl = by.get(baseline, {}).get("ppl")
+    return out.with_columns(
+        ((pl.col("ppl") / pl.lit(ref_ppl, pl.Float64) - 1) * 100).alias(
+            "dppl_pct_vs_fetch_every_miss"
+        )
+    )

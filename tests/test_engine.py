@@ -1,0 +1,434 @@
+"""moesub.engine: the expert store (O_DIRECT / fadvise reads, faults), the engine driver against
+the policy core and a full-weight reference, background admission, the decode loop's NLL against
+the capture, the real-size benchmark's table (tiny shapes here), calibration, and the CUDA tier
+(`-m cuda`, skipped without a GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import transformers as tf
+
+from moesub.capture import run_capture, write_initial_sets
+from moesub.engine import (
+    ALL_RESIDENT,
+    BenchParams,
+    ExpertStore,
+    StoreLayout,
+    calibrate,
+    measure_read_bandwidth,
+    run_benchmark,
+    run_engine,
+    summarize_engine,
+    write_store,
+)
+from moesub.engine import decode as decode_mod
+from moesub.engine.cache import CudaTier, DiskTier, require_cuda
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
+from moesub.io import read_metadata, write_parquet
+from moesub.models import moe_blocks
+from moesub.policy import FETCH, HOST, SUB, Policy, scan
+from moesub.simulate import CostModel
+from moesub.synthetic import synthetic_logits
+
+ACT = torch.nn.functional.silu
+HAS_CUDA = torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------- helpers
+def small_layout(hidden=64, width=16, dtype="float32", L=2, E=16) -> StoreLayout:
+    return StoreLayout(L, E, hidden, width, dtype, fingerprint="test")
+
+
+def write_random(path: Path, layout: StoreLayout, seed: int = 0) -> list:
+    experts = [(gu.clone(), dn.clone()) for gu, dn in random_experts(layout, seed)]
+    write_store(path, layout, iter(experts), progress=False)
+    return experts
+
+
+def reference(hidden, ids, weights, experts, layer, E):
+    """Sum_r w_r * expert_{ids[r]}(x) from the full weights (a plain loop)."""
+    out = torch.zeros_like(hidden)
+    for n in range(hidden.shape[0]):
+        for r in range(ids.shape[1]):
+            gu, dn = experts[layer * E + int(ids[n, r])]
+            g, u = (gu @ hidden[n]).chunk(2)
+            out[n] += float(weights[n, r]) * (dn @ (ACT(g) * u))
+    return out
+
+
+# ----------------------------------------------------------------------------------- store
+@pytest.mark.parametrize("hidden,width,mode", [(64, 16, "O_DIRECT"), (24, 6, "posix_fadvise")])
+def test_store_roundtrip_and_cache_bypass(tmp_path, hidden, width, mode):
+    lay = small_layout(hidden, width)
+    experts = write_random(tmp_path / "x.bin", lay)
+    with ExpertStore(tmp_path / "x.bin", expected=lay) as store:
+        assert store.mode.startswith(mode)
+        assert (tmp_path / "x.bin").stat().st_size == lay.file_bytes
+        gu = aligned_empty(lay.gate_up_shape, torch.float32)
+        dn = aligned_empty(lay.down_shape, torch.float32)
+        for i in (0, 5, lay.num_experts + 3, 2 * lay.num_experts - 1):
+            store.read_into(i // lay.num_experts, i % lay.num_experts, gu, dn)
+            assert torch.equal(gu, experts[i][0]) and torch.equal(dn, experts[i][1])
+        bw = measure_read_bandwidth(store, reads=8)
+        assert bw.bytes_per_s > 0 and bw.latency_s > 0 and bw.reads == 8
+    assert lay.direct_capable == (mode == "O_DIRECT")
+
+
+def test_store_faults(tmp_path):
+    lay = small_layout()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ExpertStore(tmp_path / "missing.bin")
+    write_random(tmp_path / "x.bin", lay)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        ExpertStore(tmp_path / "x.bin", expected=small_layout(E=32))
+    with pytest.raises(ValueError, match="other weights"):
+        ExpertStore(tmp_path / "x.bin", expected=StoreLayout(2, 16, 64, 16, "float32", "other"))
+    data = (tmp_path / "x.bin").read_bytes()
+    (tmp_path / "t.bin").write_bytes(data[: len(data) - 4096])
+    with pytest.raises(ValueError, match="truncated"):
+        ExpertStore(tmp_path / "t.bin")
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 8192)
+    with pytest.raises(ValueError, match="not an expert store"):
+        ExpertStore(tmp_path / "bad.bin")
+    # a wrong expert shape while writing: error, and no partial file left behind
+    bad = iter([(torch.zeros(32, 64), torch.zeros(64, 8))])
+    with pytest.raises(ValueError, match="expert shape mismatch"):
+        write_store(tmp_path / "w.bin", lay, bad, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.bin", "t.bin", "x.bin"]
+    # the engine's derived store: a truncated one is reported and rewritten from the source
+    with pytest.warns(UserWarning, match="truncated"):
+        store = open_or_write_store(tmp_path / "t.bin", lay, random_experts(lay, 0), False)
+    store.close()
+    assert (tmp_path / "t.bin").stat().st_size == lay.file_bytes
+    with pytest.raises(FileNotFoundError, match="no source"):
+        open_or_write_store(tmp_path / "none.bin", lay, None)
+
+
+# ----------------------------------------------------------------------------------- engine
+def drive(engine, trace, experts, E, hidden_dim, seed=0):
+    """Run the engine over `trace` (T, L, E); check every computed output against the full-
+    weight reference of the core's computed ids; return the statuses (T, L, k)."""
+    g = torch.Generator().manual_seed(seed)
+    T, L, _ = trace.shape
+    statuses = []
+    for t in range(T):
+        engine.begin_token()
+        row = []
+        for layer in range(L):
+            x = torch.randn(1, hidden_dim, generator=g)
+            s = engine.route(layer, trace[t, layer][None])
+            slot, host = engine.step_ids(s)
+            w = torch.from_numpy(s.weights).float()
+            dev = engine.tier.slots[layer].gate_up.device
+            y = engine.compute(layer, x.to(dev), torch.from_numpy(slot).to(dev), w.to(dev), host)
+            ref = reference(x, s.ids, s.weights, experts, layer, E)
+            torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-5)
+            row.append(s.status[0])
+        engine.end_token()
+        statuses.append(row)
+    return np.array(statuses)
+
+
+@pytest.mark.parametrize("rule", ["fetch_all", "threshold", "host_compute"])
+def test_disk_engine_matches_core_and_full_weights(tmp_path, rule):
+    lay = small_layout()
+    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
+    experts = write_random(tmp_path / "x.bin", lay)
+    trace = synthetic_logits(40, L, E, seed=3)
+    pol = Policy(rule=rule, tau=0.3)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    engine = OffloadEngine(DiskTier(store, C, k, ACT), E, k, C, pol, None, ACT)
+    try:
+        status = drive(engine, trace, experts, E, lay.hidden)
+    finally:
+        engine.close()
+    # no admission: the engine's decisions are exactly the whole-stream scan's
+    assert np.array_equal(status, scan(trace, k, C, pol).status)
+    assert (status == {"fetch_all": FETCH, "threshold": SUB, "host_compute": HOST}[rule]).any()
+
+
+def test_background_admission_installs_real_copies(tmp_path):
+    lay = small_layout()
+    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
+    experts = write_random(tmp_path / "x.bin", lay)
+    trace = synthetic_logits(120, L, E, seed=5)
+    pol = Policy(rule="first_choice", eviction="lfu", beta=0.5)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    engine = OffloadEngine(DiskTier(store, C, k, ACT, staging_buffers=2), E, k, C, pol, None, ACT)
+    bytes_bg = 0
+    try:
+        g = torch.Generator().manual_seed(0)
+        for t in range(trace.shape[0]):
+            engine.begin_token()
+            for layer in range(L):
+                s = engine.route(layer, trace[t, layer][None])
+                x = torch.randn(1, lay.hidden, generator=g)
+                slot, _ = engine.step_ids(s)
+                y = engine.compute(layer, x, torch.from_numpy(slot), torch.from_numpy(s.weights))
+                ref = reference(x, s.ids, s.weights, experts, layer, E)
+                torch.testing.assert_close(y, ref.to(y.dtype), rtol=1e-4, atol=1e-5)
+            bytes_bg += engine.end_token().bytes_bg
+        admitted = sum(c.counters()["admissions"] for c in engine.caches)
+    finally:
+        engine.close()
+    assert admitted > 0 and bytes_bg == admitted * lay.expert_bytes
+
+
+def test_engine_rejects_batched_steps(tmp_path):
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin")
+    engine = OffloadEngine(DiskTier(store, 6, 4, ACT), 16, 4, 6, Policy(), None, ACT)
+    try:
+        with pytest.raises(ValueError, match="one token per step"):
+            engine.route(0, synthetic_logits(2, 1, 16)[:, 0])
+    finally:
+        engine.close()
+
+
+def test_cuda_requested_but_absent():
+    if HAS_CUDA:
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="CUDA was requested"):
+        require_cuda("cuda")
+    with pytest.raises(ValueError, match="expected 'cpu' or 'cuda"):
+        require_cuda("tpu")
+
+
+# ----------------------------------------------------------------------------------- model
+VOCAB, E_M, K_M, L_M, FRACTION = 97, 16, 4, 2, 0.375  # C = 6
+
+
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, num_hidden_layers=L_M, head_dim=16, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=E_M, num_experts_per_tok=K_M, moe_intermediate_size=16,
+        shared_expert_intermediate_size=8, norm_topk_prob=True, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2, layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    for block in moe_blocks(model):
+        torch.nn.init.normal_(block.gate.weight, std=0.5)
+        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.3)
+        torch.nn.init.normal_(block.experts.down_proj, std=0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_stage")
+    tiny_model().save_pretrained(root / "model")
+    rng = np.random.default_rng(7)
+    frames = []
+    for s, n in enumerate([16, 12]):
+        frames.append(
+            pl.DataFrame(
+                {
+                    "stream": np.full(n, s, np.int32),
+                    "pos": np.arange(n, dtype=np.int32),
+                    "token_id": rng.integers(3, VOCAB, n).astype(np.int32),
+                    "doc_id": np.full(n, s, np.int32),
+                    "doc_start": np.arange(n) == 0,
+                }
+            )
+        )
+    write_parquet(pl.concat(frames), root / "streams.parquet")
+    run_capture(
+        root / "model", root / "streams.parquet", root / "tokens.parquet", root / "router.parquet"
+    )
+    write_initial_sets(root / "router.parquet", [FRACTION], root / "initial.parquet")
+    return root
+
+
+def engine_run(stage, name, policy, tmp_path, device="cpu", **params):
+    out = tmp_path / f"{name}.parquet"
+    opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False, **params}
+    run_engine(
+        stage / "model", stage / "tokens.parquet", stage / "initial.parquet", name, policy,
+        FRACTION, device, out, opts,
+    )  # fmt: skip
+    return pl.read_parquet(out), read_metadata(out)
+
+
+def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
+    captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
+    df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path)
+    assert list(df.columns[:12]) == list(decode_mod.ROW_COLUMNS)
+    assert meta["tier_kind"] == "disk->RAM" and "fresh uncached disk read" in meta["tier"]
+    assert meta["capacity"] == 6 and meta["read_bandwidth_Bps"] > 0
+    nll = df["nll"].to_numpy()
+    assert np.isnan(nll[df["pos"].to_numpy() == 0]).all()
+    ok = ~np.isnan(captured)
+    # KV-cache decoding vs one full forward: equal up to float rounding (measured <= 1e-6)
+    np.testing.assert_allclose(nll[ok], captured[ok], rtol=0, atol=5e-6)
+    assert df["fetch"].sum() > 0 and df["sub"].sum() == 0  # misses really fetched
+    assert (df["bytes_sync"] == df["fetch"] * meta["expert_bytes"]).all()
+    assert (df["hit"] + df["fetch"] == L_M * K_M).all()
+    # all_resident and host_compute compute the same exact model
+    full, fmeta = engine_run(stage, ALL_RESIDENT, {}, tmp_path)
+    assert fmeta["capacity"] == E_M and (full["hit"] == L_M * K_M).all()
+    np.testing.assert_allclose(full["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=5e-6)
+    host, _ = engine_run(stage, "host_compute", {"rule": "host_compute"}, tmp_path)
+    assert host["host"].sum() > 0 and host["fetch"].sum() == 0
+    np.testing.assert_allclose(host["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=5e-6)
+    summ = summarize_engine(
+        {
+            "fetch_every_miss": tmp_path / "fetch_every_miss.parquet",
+            "host_compute": tmp_path / "host_compute.parquet",
+        }
+    )
+    assert (
+        summ.filter(pl.col("policy") == "fetch_every_miss")["speedup_vs_fetch_every_miss"][0] == 1
+    )
+
+
+def test_substituting_policy_changes_nll(stage, tmp_path):
+    captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
+    spec = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
+    df, meta = engine_run(stage, "speed", spec, tmp_path)
+    assert meta["policy"] == spec
+    assert df["sub"].sum() > 0
+    # admissions were copied by the background I/O thread and installed through the model path
+    assert df["bytes_bg"].sum() > 0 and df["bytes_bg"].sum() % meta["expert_bytes"] == 0
+    ok = ~np.isnan(df["nll"].to_numpy())
+    assert np.abs(df["nll"].to_numpy()[ok] - captured[: df.height][ok]).max() > 1e-3
+
+
+def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
+    fem = {"rule": "fetch_all"}
+    with pytest.raises(ValueError, match="too small for top-k"):
+        run_engine(
+            stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x", fem, 0.1,
+            "cpu", tmp_path / "o.parquet",
+        )  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="tokens_path"):
+        run_engine(stage / "model", tmp_path / "no.parquet", stage / "initial.parquet", "x", fem,
+                   FRACTION, "cpu", tmp_path / "o.parquet")  # fmt: skip
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="CUDA was requested"):
+            engine_run(stage, "x", fem, tmp_path, device="cuda")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        engine_run(stage, "x", fem, tmp_path, bogus=1)
+    # a store written from other weights of the same shape is rejected, not silently used
+    bad = tmp_path / "other.bin"
+    lay = StoreLayout(L_M, E_M, 64, 16, "float32", fingerprint="someone-else")
+    write_store(bad, lay, random_experts(lay, 0), progress=False)
+    from moesub.engine.store import ExpertStore as _Store
+
+    with pytest.raises(ValueError, match="other weights"):
+        _Store(bad, expected=StoreLayout(L_M, E_M, 64, 16, "float32", fingerprint="mine"))
+
+    # an interrupted run leaves no output and no temp file
+    calls = {"n": 0}
+    real = decode_mod.decode_stream
+
+    def interrupted(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(decode_mod, "decode_stream", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine_run(stage, "fetch_every_miss", fem, tmp_path)
+    assert not any(p.name.startswith((".fetch_every_miss", "fetch_every_miss"))
+                   for p in tmp_path.iterdir())  # fmt: skip
+
+
+def test_calibrate_writes_the_cost_model(stage, tmp_path):
+    out = tmp_path / "cost.json"
+    cost = calibrate(
+        stage / "model", "cpu", out,
+        {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
+         "calibrate_tokens": 4},
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data == cost
+    # the engine reports the simulator's estimate from this cost model for its own counts
+    df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path,
+                          max_streams=1, cost_path=str(out))  # fmt: skip
+    assert meta["est_time_per_token_s"] > 0 and df["stream"].unique().to_list() == [0]
+    assert meta["sim_rel_error"] == pytest.approx(
+        (meta["est_time_per_token_s"] - df["wall_s"].mean()) / df["wall_s"].mean()
+    )
+    model = CostModel.from_json(out)  # exactly the simulator's keys
+    assert model.expert_bytes == 3 * 64 * 16 * 4
+    for key in ("link_bandwidth_Bps", "transfer_latency_s", "expert_compute_s",
+                "host_expert_compute_s", "dense_layer_s"):  # fmt: skip
+        assert data[key] > 0, key
+
+
+# ----------------------------------------------------------------------------------- bench
+def test_benchmark_table(tmp_path):
+    params = dict(
+        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
+        warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
+    )  # fmt: skip
+    df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
+    assert set(df["policy"]) == {
+        "fetch_every_miss", "host_compute", "rule_015", "quality", "speed", ALL_RESIDENT,
+    }  # fmt: skip
+    by = {r["policy"]: r for r in df.iter_rows(named=True)}
+    assert by["fetch_every_miss"]["speedup_vs_fetch_every_miss"] == 1.0
+    assert by["host_compute"]["speedup_vs_host_compute"] == 1.0
+    assert by[ALL_RESIDENT]["hit_rate"] == 1.0 and by[ALL_RESIDENT]["bytes_sync"] == 0
+    assert by["fetch_every_miss"]["sub_rate"] == 0 and by["fetch_every_miss"]["bytes_sync"] > 0
+    assert by["speed"]["sub_rate"] > 0
+    r = by["speed"]
+    assert r["speedup_vs_fetch_every_miss"] == pytest.approx(
+        by["fetch_every_miss"]["time_per_token_median_s"] / r["time_per_token_median_s"]
+    )
+    meta = read_metadata(tmp_path / "bench.parquet")
+    assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
+    CostModel(**meta["cost_model"])
+    with pytest.raises(ValueError, match="too small for k"):
+        BenchParams.from_dict({"fraction": 0.01})
+    with pytest.raises(ValueError, match="unknown engine-bench"):
+        BenchParams.from_dict({"layer": 2})
+
+
+# ----------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", ["fetch_all", "threshold", "host_compute"])
+def test_cuda_engine_matches_core_and_full_weights(rule):
+    lay = small_layout()
+    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
+    experts = [(gu.clone(), dn.clone()) for gu, dn in random_experts(lay, 0)]
+    host = [
+        (torch.stack([experts[layer * E + e][0] for e in range(E)]),
+         torch.stack([experts[layer * E + e][1] for e in range(E)]))
+        for layer in range(L)
+    ]  # fmt: skip
+    trace = synthetic_logits(40, L, E, seed=3)
+    pol = Policy(rule=rule, tau=0.3)
+    tier = CudaTier(host, C, torch.device("cuda"), ACT)
+    engine = OffloadEngine(tier, E, k, C, pol, None, ACT)
+    try:
+        status = drive(engine, trace, experts, E, lay.hidden)
+    finally:
+        engine.close()
+    assert np.array_equal(status, scan(trace, k, C, pol).status)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_background_admission_and_decode(stage, tmp_path):
+    captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
+    df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path, "cuda")
+    assert meta["tier_kind"] == "pinned->CUDA"
+    ok = ~np.isnan(captured)
+    np.testing.assert_allclose(df["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=1e-4)
+    spec = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
+    df, _ = engine_run(stage, "speed", spec, tmp_path, "cuda")
+    assert df["sub"].sum() > 0 and df["bytes_bg"].sum() > 0
