@@ -148,6 +148,26 @@ class ScanResult:
     mass: np.ndarray  # float64 (T, L): substituted mass per token-layer
     selected: np.ndarray  # int32 (T, L, k): the router's top-k by rank
 
+    @classmethod
+    def empty(cls, T: int, L: int, k: int) -> ScanResult:
+        return cls(
+            ids=np.empty((T, L, k), np.int32),
+            weights=np.empty((T, L, k), np.float64),
+            status=np.empty((T, L, k), np.int8),
+            mass=np.empty((T, L), np.float64),
+            selected=np.empty((T, L, k), np.int32),
+        )
+
+
+def _check_scan_args(
+    logits: Any, k: int, capacity: int, policy: Any, initial: Any
+) -> tuple[np.ndarray, np.ndarray | None]:
+    logits = _check_logits(logits, 3)
+    T, L, E = logits.shape
+    _check_sizes(E, k, capacity)
+    _check_policy(policy)
+    return logits, _check_initial(initial, (L, capacity), E)
+
 
 def scan(
     logits: np.ndarray,
@@ -157,18 +177,8 @@ def scan(
     initial: np.ndarray | None = None,
 ) -> ScanResult:
     """Replay a whole (T, L, E) float32 trace through the policy, layer by layer."""
-    logits = _check_logits(logits, 3)
-    T, L, E = logits.shape
-    _check_sizes(E, k, capacity)
-    policy = _check_policy(policy)
-    init = _check_initial(initial, (L, capacity), E)
-    r = ScanResult(
-        ids=np.empty((T, L, k), np.int32),
-        weights=np.empty((T, L, k), np.float64),
-        status=np.empty((T, L, k), np.int8),
-        mass=np.empty((T, L), np.float64),
-        selected=np.empty((T, L, k), np.int32),
-    )
+    logits, init = _check_scan_args(logits, k, capacity, policy, initial)
+    r = ScanResult.empty(*logits.shape[:2], k)
     _core.scan(
         logits,
         k,
@@ -303,17 +313,9 @@ def reference_scan(
     policy: Policy,
     initial: np.ndarray | None = None,
 ) -> ScanResult:
-    logits = _check_logits(logits, 3)
-    T, L, E = logits.shape
-    _check_sizes(E, k, capacity)
-    init = _check_initial(initial, (L, capacity), E)
-    out = ScanResult(
-        ids=np.empty((T, L, k), np.int32),
-        weights=np.empty((T, L, k), np.float64),
-        status=np.empty((T, L, k), np.int8),
-        mass=np.empty((T, L), np.float64),
-        selected=np.empty((T, L, k), np.int32),
-    )
+    logits, init = _check_scan_args(logits, k, capacity, policy, initial)
+    L = logits.shape[1]
+    out = ScanResult.empty(*logits.shape[:2], k)
     for layer in range(L):
         row = list(range(capacity)) if init is None else [int(e) for e in init[layer]]
         _reference_layer(logits[:, layer], k, policy, row, out, layer)
