@@ -151,10 +151,11 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
     int32_t* sel = selected + t * k;
     select_topk(z, E, k, sel, vals.data());
     gate_weights(vals.data(), k, weights + t * k);
-    // Every selected expert that is not substituted is computed exactly.
+    // Every selected expert that is not substituted is computed exactly; a substituted one
+    // cannot stand in for itself or for another selected expert either.
     for (int r = 0; r < k; ++r) {
       ids[t * k + r] = sel[r];
-      if (!sub_mask[t * k + r]) stamp[sel[r]] = t;
+      stamp[sel[r]] = t;
     }
     for (int r = 0; r < k; ++r) {
       if (!sub_mask[t * k + r]) continue;

@@ -55,7 +55,8 @@ int32_t best_substitute(const float* z, const int32_t* resident, int C, const in
                         int64_t t);
 
 // Experiment B: substitute exactly the ranks in `sub_mask` (T, k) from a static resident set;
-// every other selected expert is computed exactly. Outputs are (T, k).
+// every other selected expert is computed exactly. Candidates exclude all selected experts.
+// Outputs are (T, k).
 void forced_substitution(const float* logits, int64_t T, int E, int k, const int32_t* resident,
                          int C, const uint8_t* sub_mask, int32_t* ids, double* weights,
                          int32_t* selected);

@@ -190,8 +190,8 @@ def test_forced_substitution_picks_core_substitutes():
     mask[:, 2] = True
     ids, w, sel = forced_substitution(x, k, resident, mask)
     for t in range(T):
-        computed = {int(e) for r, e in enumerate(sel[t]) if not mask[t, r]}
-        cand = [e for e in resident.tolist() if e not in computed]
+        selected = {int(e) for e in sel[t]}  # a substituted expert never stands in for itself
+        cand = [e for e in resident.tolist() if e not in selected]
         best = min(cand, key=lambda e: (-x[t, e], e))
         assert ids[t, 2] == best
         np.testing.assert_array_equal(np.delete(ids[t], 2), np.delete(sel[t], 2))
