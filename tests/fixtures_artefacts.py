@@ -245,7 +245,7 @@ def write_expb(
     realized: float,
     dnll_per_stream: np.ndarray,
 ) -> Path:
-    """Experiment B run: constant mass `realized` per token, ΔNLL `dnll_per_stream[s]`."""
+    """Experiment B run: realized mass `realized` per token-layer, ΔNLL `dnll_per_stream[s]`."""
     s = tok["stream"]
     nll = tok["nll"] + dnll_per_stream[s]
     n = nll.size
@@ -256,8 +256,11 @@ def write_expb(
             "doc_id": tok["doc_id"],
             "doc_start": tok["doc_start"],
             "nll": _nll_array(nll),
-            "mass": np.full(n, realized),
+            "mass": np.full(n, realized * N_LAYERS),
             "n_sub": np.full(n, 1 if condition == "heavy" else 4, dtype=np.int32),
+            "layer_mass": pa.array(
+                [[realized] * N_LAYERS] * n, type=pa.list_(pa.float64(), N_LAYERS)
+            ),
         }
     )
     path = root / "expb" / condition / f"m{label(target)}.parquet"

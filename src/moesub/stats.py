@@ -737,7 +737,9 @@ class _Analysis:
         per = self.con.execute(
             f"""
             SELECT f.condition, f.target_mass, t.stream,
-                   count(*) AS n_tok, sum(t.mass) AS sum_mass, sum(t.n_sub) AS n_sub,
+                   -- m* is a mass per token-layer: count token-layers, not tokens
+                   sum(len(t.layer_mass)) AS n_tok, sum(t.mass) AS sum_mass,
+                   sum(t.n_sub) AS n_sub,
                    count(t.nll - c.nll) AS n_nll, coalesce(sum(t.nll - c.nll), 0) AS sum_dnll
             FROM read_parquet({_sql_list(self.inputs["expb"])}, filename=true) t
             JOIN {files} f USING (filename)
