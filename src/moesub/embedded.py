@@ -1,0 +1,661 @@
+"""The embedded default model: a tiny Qwen3-Next MoE trained here, on CPU, from the stdlib.
+
+Everything the model needs ships with every Python installation:
+
+- **corpus**: the running interpreter's standard-library ``.py`` sources plus the English
+  reference text of ``pydoc_data.topics`` (one document per topic). Excluded: test suites
+  (any ``test``/``tests``/``idle_test`` directory, so a Debian-style Python without the test
+  package gives the same kind of corpus), ``site-packages``/``dist-packages``, ``__pycache__``,
+  the machine-specific ``_sysconfigdata*`` modules, ``pydoc_data/topics.py`` itself (its
+  topics are separate documents) and files that are not valid UTF-8. ``idlelib`` is kept: it is
+  ordinary application code. Documents are split into train / calib / eval by a sha256 hash of
+  their stdlib-relative path, so the split does not depend on the seed or on which other files
+  exist.
+- **tokenizer**: byte-level BPE trained with ``tokenizers`` on the train split, saved as a
+  ``PreTrainedTokenizerFast`` (``AutoTokenizer.from_pretrained`` loads it).
+- **model**: transformers' own ``Qwen3NextForCausalLM`` (3 linear : 1 full attention, shared
+  expert) with the reference model's routing geometry (512 routed experts, top-10, renormalized)
+  and small widths, trained with AdamW + cosine under a token and/or wall-clock budget.
+
+``build_model(out_dir, params)`` writes the HF checkpoint, tokenizer, ``train_log.parquet``,
+``corpus_files.parquet`` and ``train_summary.json`` into ``out_dir`` atomically.
+
+Determinism: corpus, split and tokenizer depend on the Python installation only; weights depend
+on ``seed`` and the torch thread count. A run with only a token budget (``max_tokens`` set,
+``train_seconds=None``) is bit-reproducible (training runs with torch's deterministic
+algorithms: the grouped_mm experts backward is otherwise thread-order dependent). Under a
+wall-clock budget the cosine schedule follows the elapsed time, so the number of steps (and the
+weights) vary with machine load; the steps, tokens and time actually used are recorded in
+``train_summary.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import platform
+import shutil
+import signal
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from moesub.io import write_json, write_parquet
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2
+
+PYDOC_TOPICS = "pydoc_data/topics.py"
+EXCLUDED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
+SPLITS = ("train", "calib", "eval")
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class EmbeddedConfig:
+    """Every knob of the embedded model (config.yaml ``embedded:`` section)."""
+
+    seed: int = 0
+    # corpus split (fractions of documents, by path hash; the rest is train)
+    calib_fraction: float = 0.05
+    eval_fraction: float = 0.05
+    # tokenizer
+    vocab_size: int = 8192
+    min_frequency: int = 2
+    # model geometry (Qwen3NextConfig)
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    full_attention_interval: int = 4  # every 4th layer full attention: 3 linear : 1 full
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    moe_intermediate_size: int = 16
+    shared_expert_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    max_position_embeddings: int = 4096
+    # training
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    train_seconds: float | None = 600.0
+    max_tokens: int | None = None
+    eval_tokens: int = 65536  # held-out tokens scored for the perplexity (eval split)
+    train_max_bytes: int | None = None  # cap the training text (tests, smoke runs); None = all
+    threads: int | None = None  # torch.set_num_threads; None = leave as is
+    # torch deterministic algorithms while training: the default grouped_mm experts backward
+    # accumulates gradients in a thread-dependent order otherwise
+    deterministic: bool = True
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> EmbeddedConfig:
+        params = dict(params or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in params:
+            if key not in known:
+                raise ValueError(
+                    f"params: unknown embedded-model key {key!r} (known: {sorted(known)})"
+                )
+        cfg = cls(**params)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"params: {msg}")
+
+        positive = [
+            "vocab_size", "hidden_size", "num_hidden_layers", "full_attention_interval",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "batch_size",
+            "min_frequency", "eval_tokens", "max_position_embeddings",
+        ]  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and value > 0,
+                f"{name} must be a positive int, got {value!r}",
+            )
+        need(isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
+        need(
+            self.vocab_size >= 256 + len(SPECIAL_TOKENS),
+            f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + specials)",
+        )
+        need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok > num_experts")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_attention_heads must be a multiple of num_key_value_heads",
+        )
+        need(
+            self.linear_num_value_heads % self.linear_num_key_heads == 0,
+            "linear_num_value_heads must be a multiple of linear_num_key_heads",
+        )
+        need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size < 0")
+        need(isinstance(self.seq_len, int) and self.seq_len >= 2, "seq_len must be an int >= 2")
+        need(self.seq_len <= self.max_position_embeddings, "seq_len > max_position_embeddings")
+        for name in ("calib_fraction", "eval_fraction"):
+            value = getattr(self, name)
+            need(0 < value < 1, f"{name} must be in (0, 1), got {value!r}")
+        need(self.calib_fraction + self.eval_fraction < 1, "calib + eval fractions must be < 1")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]")
+        need(self.warmup_steps >= 0, "warmup_steps must be >= 0")
+        need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef must be >= 0")
+        need(self.grad_clip > 0, "grad_clip must be > 0")
+        need(
+            self.train_seconds is not None or self.max_tokens is not None,
+            "set train_seconds and/or max_tokens (a training budget)",
+        )
+        need(
+            self.train_seconds is None or self.train_seconds > 0,
+            f"train_seconds must be > 0, got {self.train_seconds!r}",
+        )
+        need(
+            self.max_tokens is None or self.max_tokens >= self.tokens_per_step,
+            f"max_tokens must be >= batch_size * seq_len = {self.tokens_per_step}",
+        )
+        need(self.threads is None or self.threads > 0, "threads must be > 0")
+        need(
+            self.train_max_bytes is None or self.train_max_bytes > 0,
+            "train_max_bytes must be > 0 (or None)",
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def layer_types(self) -> list[str]:
+        n = self.full_attention_interval
+        return [
+            "full_attention" if (i + 1) % n == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# corpus
+
+
+@dataclass(frozen=True)
+class CorpusDoc:
+    path: str  # stdlib-relative posix path; pydoc topics: "pydoc_data/topics.py#<topic>"
+    package: str  # top-level package, or the module name of a top-level module
+    split: str
+    kind: str  # "code" | "text"
+    nbytes: int
+
+
+def stdlib_dir() -> Path:
+    """The running Python's standard-library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_of(path: str, calib_fraction: float, eval_fraction: float) -> str:
+    """Stable split of a document by the sha256 of its relative path."""
+    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") / 2.0**64
+    if h < eval_fraction:
+        return "eval"
+    if h < eval_fraction + calib_fraction:
+        return "calib"
+    return "train"
+
+
+def _package_of(rel: str) -> str:
+    head = rel.split("#", 1)[0].split("/")
+    return head[0] if len(head) > 1 else head[0].removesuffix(".py")
+
+
+@functools.lru_cache(maxsize=4)
+def _pydoc_topics(root: Path) -> dict[str, str]:
+    """`pydoc_data.topics.topics` of the Python at `root` ({} when the module is absent)."""
+    path = root / PYDOC_TOPICS
+    if not path.is_file():
+        return {}
+    spec = importlib.util.spec_from_file_location("_moesub_pydoc_topics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    topics = getattr(module, "topics", {})
+    return {str(k): str(v) for k, v in topics.items()}
+
+
+def _code_files(root: Path) -> Iterator[tuple[str, Path]]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py") or name.startswith("_sysconfigdata"):
+                continue
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if rel != PYDOC_TOPICS:
+                yield rel, full
+
+
+def read_document(path: str, root: Path | None = None) -> str:
+    """Text of a corpus document (as listed in corpus_files.parquet) from the stdlib at `root`."""
+    root = stdlib_dir() if root is None else Path(root)
+    if "#" in path:
+        file, topic = path.split("#", 1)
+        if file != PYDOC_TOPICS:
+            raise ValueError(f"path: unknown corpus document {path!r}")
+        topics = _pydoc_topics(root)
+        if topic not in topics:
+            raise FileNotFoundError(f"path: pydoc topic {topic!r} not in {root / PYDOC_TOPICS}")
+        return topics[topic]
+    full = root / path
+    if not full.is_file():
+        raise FileNotFoundError(f"path: corpus file {path!r} not found under {root}")
+    return full.read_bytes().decode("utf-8")
+
+
+def collect_corpus(
+    cfg: EmbeddedConfig, root: Path | None = None
+) -> tuple[list[CorpusDoc], list[str]]:
+    """All corpus documents (sorted by path) and their texts, with their split."""
+    root = stdlib_dir() if root is None else Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"root: standard-library directory {root} does not exist")
+    items: list[tuple[str, str, str]] = []  # (rel, kind, text)
+    for rel, full in tqdm(list(_code_files(root)), desc="corpus: reading stdlib", unit="file"):
+        try:
+            text = full.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text.strip():
+            items.append((rel, "code", text))
+    for topic, text in _pydoc_topics(root).items():
+        if text.strip():
+            items.append((f"{PYDOC_TOPICS}#{topic}", "text", text))
+    items.sort(key=lambda it: it[0])
+    docs = [
+        CorpusDoc(
+            path=rel,
+            package=_package_of(rel),
+            split=split_of(rel, cfg.calib_fraction, cfg.eval_fraction),
+            kind=kind,
+            nbytes=len(text.encode()),
+        )
+        for rel, kind, text in items
+    ]
+    if not docs:
+        raise FileNotFoundError(f"root: no usable .py sources under {root}")
+    return docs, [text for _, _, text in items]
+
+
+def corpus_table(docs: list[CorpusDoc]) -> dict[str, list]:
+    return {
+        "path": [d.path for d in docs],
+        "split": [d.split for d in docs],
+        "package": [d.package for d in docs],
+        "kind": [d.kind for d in docs],
+        "bytes": [d.nbytes for d in docs],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, min_frequency: int = 2):
+    """Byte-level BPE (`tokenizers`) wrapped as a transformers PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    batches = [texts[i : i + 64] for i in range(0, len(texts), 64)]
+    it = tqdm(batches, desc="tokenizer: training BPE", unit="batch")
+    tok.train_from_iterator(it, trainer=trainer, length=len(texts))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=1_000_000,
+    )
+
+
+def encode_documents(tokenizer, texts: list[str], desc: str, sep_id: int | None) -> np.ndarray:
+    """Concatenated token ids (int32) of `texts`, each followed by `sep_id` when given."""
+    backend = tokenizer.backend_tokenizer
+    parts: list[np.ndarray] = []
+    for i in tqdm(range(0, len(texts), 256), desc=desc, unit="batch"):
+        for enc in backend.encode_batch(texts[i : i + 256], add_special_tokens=False):
+            parts.append(np.asarray(enc.ids, dtype=np.int32))
+            if sep_id is not None:
+                parts.append(np.asarray([sep_id], dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# model and training
+
+
+def model_config(cfg: EmbeddedConfig, tokenizer):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=4 * cfg.hidden_size,  # dense MLP (unused: every layer is MoE)
+        num_hidden_layers=cfg.num_hidden_layers,
+        layer_types=cfg.layer_types(),
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        max_position_embeddings=cfg.max_position_embeddings,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def lr_at(step: int, cfg: EmbeddedConfig, progress: float) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then cosine down to `min_lr_ratio * lr`.
+
+    `progress` in [0, 1] is the fraction of the post-warmup budget used (see `train`).
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(max(progress, 0.0), 1.0)
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(model: torch.nn.Module, cfg: EmbeddedConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+
+
+def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, list], dict]:
+    """Train `model` on random windows of `tokens` (int32, 1-D) within the budget.
+
+    The cosine's progress after warmup is the larger of the token budget used and the
+    wall-clock budget used, so the learning rate reaches its floor exactly when the first budget
+    runs out. With only `max_tokens` the run is a pure function of the seed (and thread count).
+    Returns the per-step log (step, tokens, loss, aux_loss, lr, elapsed_s) and run facts.
+    """
+    if tokens.size <= cfg.seq_len:
+        raise ValueError(f"corpus: {tokens.size} training tokens, fewer than seq_len={cfg.seq_len}")
+    rng = np.random.default_rng([cfg.seed, 1])
+    data = torch.from_numpy(tokens.astype(np.int64))
+    window = torch.arange(cfg.seq_len)
+    opt = _optimizer(model, cfg)
+    max_steps = None if cfg.max_tokens is None else cfg.max_tokens // cfg.tokens_per_step
+    log: dict[str, list] = {
+        k: [] for k in ("step", "tokens", "loss", "aux_loss", "lr", "elapsed_s")
+    }
+    model.train()
+    start = time.perf_counter()
+    warm_end_s = 0.0  # elapsed time when warmup ended
+    step = 0
+    bar = tqdm(total=max_steps, desc="training", unit="step", mininterval=2.0)
+    while True:
+        elapsed = time.perf_counter() - start
+        if max_steps is not None and step >= max_steps:
+            break
+        if cfg.train_seconds is not None and elapsed >= cfg.train_seconds:
+            break
+        if step == cfg.warmup_steps:
+            warm_end_s = elapsed
+        progress = 0.0
+        if max_steps is not None:
+            progress = (step - cfg.warmup_steps) / max(max_steps - cfg.warmup_steps, 1)
+        if cfg.train_seconds is not None and step >= cfg.warmup_steps:
+            span = max(cfg.train_seconds - warm_end_s, 1e-9)
+            progress = max(progress, (elapsed - warm_end_s) / span)
+        lr = lr_at(step, cfg, progress)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        offsets = rng.integers(0, data.numel() - cfg.seq_len, size=cfg.batch_size)
+        batch = data[torch.from_numpy(offsets)[:, None] + window]  # (B, seq_len)
+        out = model(input_ids=batch, labels=batch, output_router_logits=True, use_cache=False)
+        aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        ce = float(out.loss.detach()) - cfg.router_aux_loss_coef * aux
+        for key, value in (
+            ("step", step),
+            ("tokens", step * cfg.tokens_per_step),
+            ("loss", ce),
+            ("aux_loss", aux),
+            ("lr", lr),
+            ("elapsed_s", time.perf_counter() - start),
+        ):
+            log[key].append(value)
+        bar.update(1)
+        bar.set_postfix(loss=f"{ce:.3f}", lr=f"{lr:.2e}", refresh=False)
+    bar.close()
+    model.eval()
+    facts = {
+        "steps": step,
+        "tokens_seen": step * cfg.tokens_per_step,
+        "train_time_s": time.perf_counter() - start,
+        "stopped_on": "max_tokens" if max_steps is not None and step >= max_steps else "time",
+    }
+    return log, facts
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@torch.no_grad()
+def heldout_perplexity(model, tokens: np.ndarray, seq_len: int, max_tokens: int) -> dict:
+    """exp(mean NLL) over non-overlapping `seq_len` windows of held-out `tokens`."""
+    n_win = min(tokens.size // seq_len, max(max_tokens // seq_len, 1))
+    if n_win == 0:
+        raise ValueError(f"eval split: {tokens.size} tokens, fewer than seq_len={seq_len}")
+    data = torch.from_numpy(tokens[: n_win * seq_len].astype(np.int64)).view(n_win, seq_len)
+    model.eval()
+    total, count = 0.0, 0
+    for i in tqdm(range(0, n_win, 8), desc="held-out perplexity", unit="batch"):
+        x = data[i : i + 8]  # (b, seq_len)
+        logits = model(input_ids=x, use_cache=False).logits.float()  # (b, seq_len, V)
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += float(nll)
+        count += x[:, 1:].numel()
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
+
+
+# --------------------------------------------------------------------------------------------
+# the pipeline entry point
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp dir beside `out_dir`; it replaces `out_dir` only on success."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / "prev")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        umask = os.umask(0)
+        os.umask(umask)
+        out.chmod(0o777 & ~umask)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM (what schedulers send) into SystemExit so temp dirs get cleaned up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train_subset(docs: list[CorpusDoc], texts: list[str], max_bytes: int | None) -> list[str]:
+    """Train-split texts; with `max_bytes`, a hash-ordered subset of about that size."""
+    train = [(d, t) for d, t in zip(docs, texts, strict=True) if d.split == "train"]
+    if max_bytes is None:
+        return [t for _, t in train]
+    train.sort(key=lambda dt: hashlib.sha256(b"subset:" + dt[0].path.encode()).digest())
+    out, total = [], 0
+    for doc, text in train:
+        if total >= max_bytes:
+            break
+        out.append(text)
+        total += doc.nbytes
+    return out
+
+
+def build_model(out_dir: str | os.PathLike, params: dict[str, Any] | None = None) -> Path:
+    """Build the embedded default model into `out_dir` (atomically); returns `out_dir`.
+
+    Writes the HF checkpoint (config.json, model.safetensors), the tokenizer files,
+    train_log.parquet, corpus_files.parquet and train_summary.json.
+    """
+    cfg = EmbeddedConfig.from_params(params)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    out = Path(out_dir)
+    wall0 = time.perf_counter()
+    docs, texts = collect_corpus(cfg)
+    train_texts = _train_subset(docs, texts, cfg.train_max_bytes)
+    eval_texts = [t for d, t in zip(docs, texts, strict=True) if d.split == "eval"]
+    for split, items in (("train", train_texts), ("eval", eval_texts)):
+        if not items:
+            raise ValueError(f"corpus: the {split} split is empty; adjust the split fractions")
+
+    with _sigterm_raises(), atomic_dir(out) as tmp:
+        corpus_meta = {"stdlib": str(stdlib_dir()), "python": platform.python_version()}
+        write_parquet(corpus_table(docs), tmp / "corpus_files.parquet", metadata=corpus_meta)
+        tokenizer = train_tokenizer(train_texts, cfg.vocab_size, cfg.min_frequency)
+        if len(tokenizer) != cfg.vocab_size:
+            raise ValueError(
+                f"params: vocab_size={cfg.vocab_size} but the corpus only supports "
+                f"{len(tokenizer)} tokens"
+            )
+        tokenizer.save_pretrained(tmp)
+        eos = tokenizer.eos_token_id
+        train_ids = encode_documents(tokenizer, train_texts, "tokenizing train", eos)
+        eval_ids = encode_documents(tokenizer, eval_texts, "tokenizing eval", eos)
+
+        from transformers import Qwen3NextForCausalLM
+
+        torch.manual_seed(cfg.seed)
+        model = Qwen3NextForCausalLM(model_config(cfg, tokenizer))
+        n_params = sum(p.numel() for p in model.parameters())
+        with _deterministic(cfg.deterministic):
+            log, facts = train(model, train_ids, cfg)
+        write_parquet(log, tmp / "train_log.parquet", metadata={"config": dataclasses.asdict(cfg)})
+        ppl = heldout_perplexity(model, eval_ids, cfg.seq_len, cfg.eval_tokens)
+        model.save_pretrained(tmp)
+        summary = {
+            "config": dataclasses.asdict(cfg),
+            **facts,
+            "tokens_per_s": facts["tokens_seen"] / max(facts["train_time_s"], 1e-9),
+            "final_train_loss": log["loss"][-1] if log["loss"] else None,
+            "heldout_perplexity": ppl["perplexity"],
+            "heldout_nll": ppl["nll"],
+            "heldout_tokens": ppl["tokens"],
+            "num_parameters": n_params,
+            "corpus": {
+                s: {
+                    "files": sum(d.split == s for d in docs),
+                    "bytes": sum(d.nbytes for d in docs if d.split == s),
+                }
+                for s in SPLITS
+            },
+            "train_corpus_tokens": int(train_ids.size),
+            "eval_corpus_tokens": int(eval_ids.size),
+            "python": platform.python_version(),
+            "stdlib": str(stdlib_dir()),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "build_seconds": time.perf_counter() - wall0,
+        }
+        write_json(summary, tmp / "train_summary.json")
+    return out
