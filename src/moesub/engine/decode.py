@@ -1,4 +1,8 @@
-"""The engine's decode loop over a real model: teacher-forced, one token at a time, KV cache.
+"""The engine's decode loop over a real model: one token at a time with the KV cache.
+
+One loop (`decode_tokens`) serves teacher forcing (`run_engine`: every stream token fed, NLL of
+the next one) and free-running greedy generation (`EngineModel.generate` / `generate`: the prompt
+fed token by token, then the argmax of each step fed back), from fresh caches every time.
 
 Per token and MoE layer: the router runs on the fast device -> its logits go to the policy core
 (`OffloadEngine.route`: completed admissions installed, core step, synchronous copies of
@@ -15,7 +19,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moesub.engine.cache import CudaTier, DiskTier, require_cuda
-from moesub.engine.runtime import OffloadEngine
+from moesub.engine.runtime import ADMISSION_TIMINGS, OffloadEngine
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
@@ -60,6 +64,10 @@ class EngineParams:
     progress: bool = True
     calibrate_tokens: int = 32  # decode steps timed for dense_layer_s
     cost_path: str | None = None  # cost-model JSON (calibrate): adds the simulator's estimate
+    # background admissions usable when their copy completes ("completion"), or exactly
+    # policy.delay tokens after the request, waiting for the copy if needed ("delay": the
+    # emulator's and simulator's decisions, token for token)
+    admission: str = "completion"
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
@@ -71,6 +79,8 @@ class EngineParams:
         p = cls(**params)
         if p.dtype not in DTYPES:
             raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
+        if p.admission not in ADMISSION_TIMINGS:
+            raise ValueError(f"params.admission={p.admission!r} not in {list(ADMISSION_TIMINGS)}")
         for name in ("staging_buffers", "max_streams", "max_tokens", "threads", "calibrate_tokens"):
             v = getattr(p, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -225,34 +235,73 @@ def time_dense_layer(setup: EngineSetup, tokens: int = 32, seed: int = 0) -> flo
 
 
 @torch.inference_mode()
-def decode_stream(
-    setup: EngineSetup, engine: OffloadEngine, token_ids: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Teacher-forced decoding of one stream from fresh caches; per-token measurements."""
+def decode_tokens(
+    setup: EngineSetup,
+    engine: OffloadEngine,
+    inputs: Sequence[int] | np.ndarray,
+    max_new_tokens: int = 0,
+    stop_ids: Collection[int] = frozenset(),
+) -> dict[str, Any]:
+    """Decode from fresh caches, one token per step: feed `inputs` (P >= 1 tokens; NLL of each
+    next input recorded), then continue greedily for up to `max_new_tokens` tokens (argmax of
+    each step's logits fed back; a token in `stop_ids` ends it and is not kept).
+
+    Returns per-step arrays over the S steps run (`wall_s, fetch_wait_s, admit_wait_s, mass,
+    bytes_sync, bytes_bg` (S,), `counts` (S, 5), `nll` (S,) NaN where no input followed), plus
+    `generated` (tokens), `stopped` and `admissions`. Generated token i came from step P-1+i;
+    the last generated token is never fed (S = P + n - 1, or P + n when a stop token ended it).
+    """
+    P = len(inputs)
+    if P == 0:
+        raise ValueError("inputs: decoding needs at least one input token")
     engine.reset()
-    T = len(token_ids)
-    cols = {c: np.zeros(T, np.float64) for c in ("wall_s", "fetch_wait_s", "mass")}
-    ints = {c: np.zeros(T, np.int64) for c in ("bytes_sync", "bytes_bg")}
-    counts = np.zeros((T, 5), np.int64)
-    nll = np.full(T, np.nan)
+    S = P + max(max_new_tokens - 1, 0)  # most steps that can run
+    cols = {c: np.zeros(S, np.float64) for c in ("wall_s", "fetch_wait_s", "admit_wait_s", "mass")}
+    ints = {c: np.zeros(S, np.int64) for c in ("bytes_sync", "bytes_bg")}
+    counts = np.zeros((S, 5), np.int64)
+    nll = np.full(S, np.nan)
+    generated: list[int] = []
+    stopped = False
     admissions = 0
-    cache = None
-    for t in range(T):
+    cache, token, t = None, int(inputs[0]), 0
+    for t in range(S):
         engine.begin_token()
         t0 = time.perf_counter()
-        logits, cache = _step(setup.model, int(token_ids[t]), cache, setup.device)
-        if t + 1 < T:
+        logits, cache = _step(setup.model, token, cache, setup.device)
+        if t + 1 < P:  # teacher forcing: the next input is given
+            token = int(inputs[t + 1])
             lp = torch.log_softmax(logits.float(), dim=-1)  # as moesub.models.stream_nll
-            nll[t + 1] = -float(lp[int(token_ids[t + 1])])
+            nll[t + 1] = -float(lp[token])
+        elif max_new_tokens:  # free running: greedy (ties to the lower id, as torch.argmax)
+            token = int(torch.argmax(logits))
         st = engine.end_token()  # synchronizes the fast device
         cols["wall_s"][t] = time.perf_counter() - t0
         cols["fetch_wait_s"][t] = st.fetch_wait_s
+        cols["admit_wait_s"][t] = st.admit_wait_s
         cols["mass"][t] = st.mass
         ints["bytes_sync"][t] = st.bytes_sync
         ints["bytes_bg"][t] = st.bytes_bg
         counts[t] = st.counts
         admissions += st.admissions
-    return {**cols, **ints, "counts": counts, "nll": nll, "admissions": admissions}
+        if t + 1 >= P and max_new_tokens:
+            if token in stop_ids:
+                stopped = True
+                break
+            generated.append(token)
+            if len(generated) == max_new_tokens:
+                break
+    n = t + 1  # steps run
+    out: dict[str, Any] = {c: v[:n] for c, v in {**cols, **ints}.items()}
+    out.update(counts=counts[:n], nll=nll[:n], generated=generated, stopped=stopped)
+    out["admissions"] = admissions
+    return out
+
+
+def decode_stream(
+    setup: EngineSetup, engine: OffloadEngine, token_ids: np.ndarray
+) -> dict[str, Any]:
+    """Teacher-forced decoding of one stream from fresh caches; per-token measurements."""
+    return decode_tokens(setup, engine, token_ids)
 
 
 def _require_file(path: str | os.PathLike, arg: str) -> Path:
@@ -271,6 +320,294 @@ def summary(wall_s: np.ndarray, nll: np.ndarray) -> dict[str, float]:
         "time_per_token_mean_s": float(np.mean(wall_s)) if len(wall_s) else math.nan,
         "ppl": float(np.exp(nll[ok].mean())) if ok.any() else math.nan,
     }
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Checked inputs of one engine (`resolve_engine`): nothing loaded yet."""
+
+    name: str
+    policy: Policy
+    policy_meta: dict[str, Any]  # the policy as given (artefact metadata)
+    fraction: float
+    capacity: int  # C (E for all_resident)
+    initial: np.ndarray  # int32 (L, C) resident set every stream / prompt starts from
+    device: torch.device
+    opts: EngineParams
+    info: Any  # moesub.models.MoEInfo
+
+
+def resolve_engine(
+    model_dir: str | os.PathLike,
+    name: str,
+    policy: Mapping[str, Any] | Policy | None,
+    fraction: float,
+    device: str,
+    params: Mapping[str, Any] | None = None,
+    initial: np.ndarray | None = None,
+    initial_sets_path: str | os.PathLike | None = None,
+) -> EngineSpec:
+    """Check an engine's inputs without loading the model: the policy (ignored for
+    `all_resident`), the fraction against the checkpoint's E and k, the engine options, the
+    device, and the initial resident set: `initial` (L, C), read from `initial_sets_path` when
+    given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
+    from moesub.emulate import check_initial, policy_from_dict
+    from moesub.models import check_checkpoint
+
+    _require_file(model_dir, "model_dir")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    all_resident = name == ALL_RESIDENT
+    pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0.0 < float(fraction) <= 1.0
+    ):
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    opts = EngineParams.from_dict(params)
+    dev = require_cuda(device)
+    info = check_checkpoint(model_dir)
+    E, k, L = info.num_experts, info.top_k, info.num_layers
+    capacity = math.floor(float(fraction) * E + 0.5)
+    if all_resident:
+        capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    else:
+        if capacity < k:
+            raise ValueError(
+                f"fraction {fraction} gives a cache of C={capacity} experts per layer, too small "
+                f"for top-k={k} (E={E})"
+            )
+        if initial_sets_path is not None:
+            from moesub.capture import read_initial_set
+
+            _require_file(initial_sets_path, "initial_sets_path")
+            initial = read_initial_set(initial_sets_path, fraction)
+        initial = check_initial(initial, L, E, capacity)
+        if initial is None:
+            initial = np.tile(np.arange(capacity, dtype=np.int32), (L, 1))
+    meta = pol.to_dict() if all_resident or isinstance(policy, Policy) else dict(policy)
+    return EngineSpec(name, pol, meta, float(fraction), capacity, initial, dev, opts, info)
+
+
+@dataclass
+class EngineDecodeResult:
+    """One greedy continuation on the engine: `tokens`, `mass`, `stopped` as
+    `moesub.emulate.DecodeResult`; per generated token i, what the step that produced it cost
+    (the step that fed the prompt's last token for i = 0)."""
+
+    tokens: list[int]  # generated tokens, stop token excluded
+    mass: list[float]  # substituted gate mass, summed over layers
+    stopped: bool  # a stop token ended it (before max_new_tokens)
+    wall_s: np.ndarray  # float64 (n,) synchronized wall time of the step
+    fetch_wait_s: np.ndarray  # float64 (n,) blocked on synchronous copies
+    admit_wait_s: np.ndarray  # float64 (n,) blocked on due admissions (admission="delay")
+    bytes_sync: np.ndarray  # int64 (n,)
+    bytes_bg: np.ndarray  # int64 (n,)
+    counts: np.ndarray  # int64 (n, 5) slots per status code, summed over layers
+    prompt_tokens: int  # P
+    prompt_wall_s: float  # wall time of the P - 1 prompt steps that produced no token
+    admissions: int  # admission requests over the whole decode
+
+    @classmethod
+    def empty(cls, prompt_tokens: int) -> EngineDecodeResult:
+        """Nothing generated and no step run (max_new_tokens = 0)."""
+        f, i = np.zeros(0, np.float64), np.zeros(0, np.int64)
+        return cls([], [], False, f, f, f, i, i, np.zeros((0, 5), np.int64), prompt_tokens, 0.0, 0)
+
+    @classmethod
+    def from_steps(cls, r: dict[str, Any], prompt_tokens: int) -> EngineDecodeResult:
+        n = len(r["generated"])
+        gen = slice(prompt_tokens - 1, prompt_tokens - 1 + n)  # steps that produced a token
+        return cls(
+            tokens=list(r["generated"]),
+            mass=r["mass"][gen].tolist(),
+            stopped=bool(r["stopped"]),
+            wall_s=r["wall_s"][gen],
+            fetch_wait_s=r["fetch_wait_s"][gen],
+            admit_wait_s=r["admit_wait_s"][gen],
+            bytes_sync=r["bytes_sync"][gen],
+            bytes_bg=r["bytes_bg"][gen],
+            counts=r["counts"][gen],
+            prompt_tokens=prompt_tokens,
+            prompt_wall_s=float(r["wall_s"][: prompt_tokens - 1].sum()),
+            admissions=int(r["admissions"]),
+        )
+
+
+def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
+    """Prompts as lists of token ids: a list of non-empty integer sequences in [0, vocab)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        arr = np.asarray(prompt)
+        if isinstance(prompt, (str, bytes)) or arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {prompt!r}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {arr.dtype}")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise ValueError(
+                f"prompts[{i}] holds token ids in [{arr.min()}, {arr.max()}], outside the "
+                f"model's vocabulary [0, {vocab_size})"
+            )
+        out.append(arr.astype(np.int64).tolist())
+    return out
+
+
+def _check_generation(max_new_tokens: Any, stop_ids: Any) -> frozenset[int]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+        raise ValueError(f"stop_ids must be a collection of token ids, got {stop_ids!r}")
+    stop = list(stop_ids)
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in stop):
+        raise ValueError(f"stop_ids must hold integer token ids, got {stop!r}")
+    return frozenset(int(s) for s in stop)
+
+
+class EngineModel:
+    """A model whose routed experts live in the engine's tiers, decoding under one policy.
+
+    Built once (model loaded, expert store opened or written once, slots allocated, router hook
+    installed) and reused for any number of streams (`decode`) or prompts (`generate`); each
+    starts from fresh caches holding the initial resident set. `close()` (or `with`) releases it.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, spec: EngineSpec, out_path=None) -> None:
+        from moesub.models import RouterHook
+
+        self.spec = spec
+        self.setup = build_engine_model(
+            model_dir, str(spec.device), spec.opts, spec.capacity, out_path, measure_bandwidth=True
+        )
+        info = self.setup.info
+        try:
+            self.engine = OffloadEngine(
+                self.setup.tier, info.num_experts, info.top_k, spec.capacity, spec.policy,
+                spec.initial, self.setup.act, admission=spec.opts.admission,
+            )  # fmt: skip
+        except BaseException:
+            self.setup.tier.close()
+            raise
+        for m in self.setup.experts:
+            m.engine = self.engine
+        self._hook = RouterHook(self.setup.model, EngineRouter(self.engine, self.setup.experts))
+        self._hook.__enter__()
+        self.closed = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.setup.info.vocab_size
+
+    def decode(
+        self,
+        inputs: Sequence[int] | np.ndarray,
+        max_new_tokens: int = 0,
+        stop_ids: Collection[int] = frozenset(),
+    ) -> dict[str, Any]:
+        """`decode_tokens` on this engine (per-step measurements; see there)."""
+        if self.closed:
+            raise RuntimeError("this EngineModel is closed")
+        return decode_tokens(self.setup, self.engine, inputs, max_new_tokens, stop_ids)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_ids: Iterable[int] = (),
+        progress: bool | None = None,
+    ) -> list[EngineDecodeResult]:
+        """Greedy generation, one prompt at a time: the prompt fed token by token, then up to
+        `max_new_tokens` tokens, each the argmax of the step before. Every input is checked
+        before the first prompt runs."""
+        stop = _check_generation(max_new_tokens, stop_ids)
+        prompts = check_prompts(prompts, self.vocab_size)
+        progress = self.spec.opts.progress if progress is None else progress
+        results = []
+        for prompt in tqdm(
+            prompts, desc=f"engine generate {self.spec.name}", unit="prompt", disable=not progress
+        ):
+            if max_new_tokens == 0:  # nothing to generate: no step runs (as greedy_decode)
+                results.append(EngineDecodeResult.empty(len(prompt)))
+                continue
+            r = self.decode(prompt, max_new_tokens, stop)
+            results.append(EngineDecodeResult.from_steps(r, len(prompt)))
+        return results
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._hook.__exit__(None, None, None)
+            self.engine.close()
+
+    def __enter__(self) -> EngineModel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_engine(
+    model_dir: str | os.PathLike,
+    name: str,
+    policy: Mapping[str, Any] | Policy | None,
+    fraction: float,
+    device: str = "cpu",
+    initial: np.ndarray | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> EngineModel:
+    """Build an `EngineModel` (inputs checked first, see `resolve_engine`). `initial` (L, C) is
+    the resident set every prompt starts from (None: experts 0..C-1, as `moesub.emulate`)."""
+    spec = resolve_engine(model_dir, name, policy, fraction, device, params, initial=initial)
+    return EngineModel(model_dir, spec)
+
+
+def generate(
+    model: EngineModel | str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Iterable[int] = (),
+    *,
+    name: str | None = None,
+    policy: Mapping[str, Any] | Policy | None = None,
+    fraction: float | None = None,
+    device: str | None = None,
+    initial: np.ndarray | None = None,
+    params: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+) -> list[EngineDecodeResult]:
+    """Greedy generation on the offloading engine (the engine's counterpart of
+    `moesub.emulate.greedy_decode`; with params `admission="delay"` the same tokens).
+
+    `model` is an `EngineModel` from `open_engine` (reused across calls; name, policy, fraction,
+    device, initial and params were fixed when it was built and must not be passed) or a model
+    directory (an engine is built for this call from them, then closed).
+    """
+    if isinstance(model, EngineModel):
+        given = {
+            k: v
+            for k, v in dict(
+                name=name, policy=policy, fraction=fraction, device=device, initial=initial,
+                params=params,
+            ).items()
+            if v is not None
+        }  # fmt: skip
+        if given:
+            raise ValueError(
+                f"generate: {sorted(given)} are fixed when the engine is built (open_engine); "
+                "do not pass them with an EngineModel"
+            )
+        return model.generate(prompts, max_new_tokens, stop_ids, progress)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be an EngineModel or a model directory, got {model!r}")
+    spec = resolve_engine(model, name, policy, fraction, device or "cpu", params, initial=initial)
+    _check_generation(max_new_tokens, stop_ids)
+    check_prompts(prompts, spec.info.vocab_size)
+    with EngineModel(model, spec) as eng:
+        return eng.generate(prompts, max_new_tokens, stop_ids, progress)
 
 
 def run_engine(
@@ -293,79 +630,54 @@ def run_engine(
     Each stream starts from fresh caches holding the initial set (as in emulate). Every input is
     checked before decoding; the output is written atomically at the end.
     """
-    from moesub.capture import read_initial_set
-    from moesub.emulate import check_initial, check_token_table, iter_streams, policy_from_dict
-    from moesub.models import RouterHook, check_checkpoint
+    from moesub.emulate import check_token_table, iter_streams
     from moesub.policy import CORE_BUILD_ID
 
     _require_file(model_dir, "model_dir")
     tokens_path = _require_file(tokens_path, "tokens_path")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
-    all_resident = name == ALL_RESIDENT
-    pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
-    if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    opts = EngineParams.from_dict(params)
-    require_cuda(device)
-    info = check_checkpoint(model_dir)
-    E, k = info.num_experts, info.top_k
-    capacity = math.floor(float(fraction) * E + 0.5)
-    if all_resident:
-        capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (info.num_layers, 1))
-    else:
-        if capacity < k:
-            raise ValueError(
-                f"fraction {fraction} gives a cache of C={capacity} experts per layer, too small "
-                f"for top-k={k} (E={E})"
-            )
-        _require_file(initial_sets_path, "initial_sets_path")
-        initial = check_initial(
-            read_initial_set(initial_sets_path, fraction), info.num_layers, E, capacity
-        )
-    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    spec = resolve_engine(
+        model_dir, name, policy, fraction, device, params,
+        initial_sets_path=None if name == ALL_RESIDENT else initial_sets_path,
+    )  # fmt: skip
+    opts = spec.opts
+    tokens = check_token_table(pl.read_parquet(tokens_path), spec.info.vocab_size)
     streams = list(iter_streams(tokens))[: opts.max_streams]
 
-    setup = build_engine_model(model_dir, device, opts, capacity, out_path, measure_bandwidth=True)
-    engine = OffloadEngine(setup.tier, E, k, capacity, pol, initial, setup.act)
-    for m in setup.experts:
-        m.engine = engine
     frames = []
-    admissions = 0
-    try:
-        with RouterHook(setup.model, EngineRouter(engine, setup.experts)):
-            bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
-            for stream, rows in bar:
-                rows = rows.head(opts.max_tokens) if opts.max_tokens else rows
-                r = decode_stream(setup, engine, rows["token_id"].to_numpy())
-                admissions += r["admissions"]
-                frames.append(
-                    pl.DataFrame(
-                        {
-                            "stream": np.full(len(rows), stream, np.int32),
-                            "pos": rows["pos"].to_numpy().astype(np.int32),
-                            "wall_s": r["wall_s"],
-                            "fetch_wait_s": r["fetch_wait_s"],
-                            "bytes_sync": r["bytes_sync"],
-                            "bytes_bg": r["bytes_bg"],
-                            **{
-                                n: r["counts"][:, i].astype(np.int32)
-                                for i, n in enumerate(("hit", "fetch", "sub", "host", "forced"))
-                            },  # fmt: skip
-                            "nll": r["nll"],
-                            "mass": r["mass"],
-                        }
-                    ).with_columns(pl.col("nll").fill_nan(None))
-                )
-    finally:
-        engine.close()
+    admissions, admit_wait_s = 0, 0.0
+    with EngineModel(model_dir, spec, out_path) as eng:
+        setup = eng.setup
+        bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
+        for stream, rows in bar:
+            rows = rows.head(opts.max_tokens) if opts.max_tokens else rows
+            r = decode_stream(setup, eng.engine, rows["token_id"].to_numpy())
+            admissions += r["admissions"]
+            admit_wait_s += float(r["admit_wait_s"].sum())
+            frames.append(
+                pl.DataFrame(
+                    {
+                        "stream": np.full(len(rows), stream, np.int32),
+                        "pos": rows["pos"].to_numpy().astype(np.int32),
+                        "wall_s": r["wall_s"],
+                        "fetch_wait_s": r["fetch_wait_s"],
+                        "bytes_sync": r["bytes_sync"],
+                        "bytes_bg": r["bytes_bg"],
+                        **{
+                            n: r["counts"][:, i].astype(np.int32)
+                            for i, n in enumerate(("hit", "fetch", "sub", "host", "forced"))
+                        },  # fmt: skip
+                        "nll": r["nll"],
+                        "mass": r["mass"],
+                    }
+                ).with_columns(pl.col("nll").fill_nan(None))
+            )
     out = pl.concat(frames)
     nll = out["nll"].fill_null(np.nan).to_numpy()
     meta = {
-        "policy": pol.to_dict() if all_resident else dict(policy),
+        "policy": spec.policy_meta,
         "name": name,
-        "fraction": float(fraction),
-        "capacity": int(capacity),
+        "fraction": spec.fraction,
+        "capacity": int(spec.capacity),
         "device": str(setup.device),
         "tier": setup.tier.description,
         "tier_kind": setup.tier.kind,
@@ -373,6 +685,8 @@ def run_engine(
         "core_build_id": CORE_BUILD_ID,
         "num_layers": setup.info.num_layers,
         "dtype": opts.dtype,
+        "admission": opts.admission,
+        "admit_wait_s": admit_wait_s,  # blocked on due admissions (admission="delay" only)
         "summary": summary(out["wall_s"].to_numpy(), nll),
         "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
     }

@@ -1,0 +1,269 @@
+"""moesub.engine generation: free-running greedy decoding on the offloading engine (prompt fed one
+token per step, then argmax fed back) against the exact model and the emulator's decode mode
+(`moesub.emulate.greedy_decode`), the engine's admission="delay" timing against the policy core's
+whole-stream `scan`, stop ids, and input checks. Tiny random Qwen3-Next model (E=16, k=4, C=6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from moesub.emulate import emulate_stream, greedy_decode
+from moesub.engine import EngineDecodeResult, generate, open_engine
+from moesub.engine import decode as decode_mod
+from moesub.engine.cache import DiskTier
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
+from moesub.models import moe_blocks
+from moesub.policy import SUB, Policy, scan
+from moesub.synthetic import synthetic_logits
+
+VOCAB, E, K, L, FRACTION, C = 97, 16, 4, 4, 0.375, 6
+QUALITY = {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5}
+SPEED = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
+# prompts of 1 to 9 tokens; under QUALITY the second one triggers background admissions
+PROMPTS = [[75], [52, 84, 46, 37, 8, 45], [89, 43, 6, 70], [63, 75, 83, 23, 58, 78, 27, 35, 81]]
+NEW = 12
+ACT = torch.nn.functional.silu
+
+
+def tiny_model(seed: int = 0):
+    """Random Qwen3-Next (3 linear + 1 full attention layers, shared expert); router and experts
+    scaled up so that routing is decisive and substitutions change later routing."""
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, num_hidden_layers=L, head_dim=16, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, norm_topk_prob=True, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    for block in moe_blocks(model):
+        torch.nn.init.normal_(block.gate.weight, std=0.5)
+        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.4)
+        torch.nn.init.normal_(block.experts.down_proj, std=0.4)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one torch thread is ~20x faster than two on a shared, loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_generate")
+    model = tiny_model()
+    model.save_pretrained(root / "model")
+    rng = np.random.default_rng(1)
+    initial = np.stack([rng.permutation(E)[:C] for _ in range(L)]).astype(np.int32)
+    return root, model, initial
+
+
+def params(root, **kw):
+    return {"store_path": str(root / "experts.bin"), "progress": False, **kw}
+
+
+@pytest.fixture(scope="module")
+def exact(stage):
+    """The exact model's greedy continuations (the emulator's decode mode, no policy)."""
+    return greedy_decode(stage[1], PROMPTS, None, C, None, NEW)
+
+
+@pytest.fixture(scope="module")
+def quality_engine(stage):
+    root, _model, initial = stage
+    eng = open_engine(
+        root / "model", "quality", QUALITY, FRACTION, "cpu", initial,
+        params(root, admission="delay"),
+    )  # fmt: skip
+    yield eng
+    eng.close()
+
+
+# --------------------------------------------------------------------------- driver level
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(rule="first_choice", eviction="lfu", beta=0.5),
+        Policy(rule="threshold", tau=0.3, eviction="lru", beta=0.3, delay=2),
+    ],
+)
+def test_delay_admission_reproduces_the_core_scan(tmp_path, policy):
+    """admission="delay": every decision equals the core's own fixed-delay scan, even with one
+    staging buffer (several due copies per token queue behind each other)."""
+    lay = StoreLayout(2, E, 24, 8, "float32", fingerprint="test")
+    write_store(tmp_path / "x.bin", lay, random_experts(lay, 0), progress=False)
+    trace = synthetic_logits(80, lay.num_layers, E, seed=4)  # (T, L, E)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    tier = DiskTier(store, C, K, ACT, staging_buffers=1)
+    engine = OffloadEngine(tier, E, K, C, policy, None, ACT, admission="delay")
+    ids, status, bytes_bg = [], [], 0
+    try:
+        for t in range(trace.shape[0]):
+            engine.begin_token()
+            steps = [engine.route(layer, trace[t, layer][None]) for layer in range(lay.num_layers)]
+            ids.append([s.ids[0] for s in steps])
+            status.append([s.status[0] for s in steps])
+            bytes_bg += engine.end_token().bytes_bg
+        installed = sum(c.counters()["admissions"] for c in engine.caches)
+    finally:
+        engine.close()
+    ref = scan(trace, K, C, policy)
+    assert np.array_equal(np.array(status), ref.status)
+    assert np.array_equal(np.array(ids), ref.ids)
+    assert installed > 0 and 0 < bytes_bg <= installed * lay.expert_bytes
+    with pytest.raises(ValueError, match="admission='soon'"):
+        OffloadEngine(DiskTier(ExpertStore(tmp_path / "x.bin"), C, K, ACT), E, K, C, policy,
+                      None, ACT, admission="soon")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- generation
+def test_fetch_every_miss_generates_the_exact_model(stage, exact):
+    root, model, initial = stage
+    res = generate(
+        root / "model", PROMPTS, NEW, name="fetch_every_miss", policy={"rule": "fetch_all"},
+        fraction=FRACTION, initial=initial, params=params(root),
+    )  # fmt: skip
+    # greedy_decode(policy=None) is transformers' own greedy generate (tests/test_emulate.py)
+    hf = model.generate(
+        torch.tensor([PROMPTS[0]]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
+    )[0, len(PROMPTS[0]) :].tolist()
+    assert res[0].tokens == hf
+    for prompt, r, x in zip(PROMPTS, res, exact, strict=True):
+        assert isinstance(r, EngineDecodeResult)
+        assert r.tokens == x.tokens
+        assert r.mass == [0.0] * NEW and not r.stopped
+        assert r.counts[:, SUB].sum() == 0 and r.counts[:, 1].sum() > 0  # misses really fetched
+        assert (r.bytes_sync > 0).any()
+        assert r.prompt_tokens == len(prompt) and r.wall_s.shape == (NEW,)
+
+
+@pytest.mark.parametrize("name,policy", [("quality", QUALITY), ("speed", SPEED)])
+def test_substituting_policy_generates_the_emulators_tokens(
+    stage, exact, quality_engine, name, policy
+):
+    """Same policy, capacity and initial set: the engine's greedy tokens are the emulator's,
+    token for token, and so is the substituted mass per token (float noise aside)."""
+    root, model, initial = stage
+    if name == "quality":
+        eng, close = quality_engine, False
+    else:
+        eng = open_engine(
+            root / "model", name, policy, FRACTION, "cpu", initial, params(root, admission="delay")
+        )
+        close = True
+    try:
+        res = eng.generate(PROMPTS, NEW)
+    finally:
+        if close:
+            eng.close()
+    if close:
+        with pytest.raises(RuntimeError, match="closed"):
+            eng.generate(PROMPTS, NEW)
+    emu = greedy_decode(model, PROMPTS, Policy.from_dict(policy), C, initial, NEW)
+    for r, x in zip(res, emu, strict=True):
+        assert r.tokens == x.tokens
+        np.testing.assert_allclose(r.mass, x.mass, rtol=0, atol=1e-5)
+        assert (r.counts.sum(axis=1) == L * K).all()
+    assert any(r.tokens != x.tokens for r, x in zip(res, exact, strict=True))  # policy mattered
+    assert sum(r.admissions for r in res) > 0  # background admissions were copied and installed
+    assert sum(int(r.bytes_bg.sum()) for r in res) > 0
+
+
+def test_one_loop_serves_teacher_forcing(stage, quality_engine):
+    """`decode` with no new tokens is the teacher-forced path of run_engine: per-token mass and
+    NLL are the emulator's for the same stream (one loop for both modes)."""
+    _root, model, initial = stage
+    seq = np.random.default_rng(3).integers(3, VOCAB, 16)
+    r = quality_engine.decode(seq)
+    trace = emulate_stream(model, seq, Policy.from_dict(QUALITY), C, initial)
+    assert r["generated"] == [] and r["wall_s"].shape == (16,)
+    np.testing.assert_allclose(r["mass"], trace.mass.sum(axis=1), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(r["nll"][1:], trace.nll[1:], rtol=0, atol=1e-4)
+    assert r["mass"].sum() > 0
+    with pytest.raises(ValueError, match="at least one input token"):
+        quality_engine.decode([])
+
+
+def test_stop_ids(quality_engine):
+    eng = quality_engine
+    (full,) = eng.generate(PROMPTS[1:2], NEW)
+    assert not full.stopped and len(full.tokens) == NEW
+    stop = full.tokens[3]
+    first = full.tokens.index(stop)
+    (cut,) = eng.generate(PROMPTS[1:2], NEW, stop_ids={stop, VOCAB + 5})
+    assert cut.stopped and cut.tokens == full.tokens[:first] and len(cut.wall_s) == first
+    assert cut.mass == full.mass[:first]  # every prompt starts from the initial set
+    (none,) = eng.generate(PROMPTS[:1], 0)
+    assert none.tokens == [] and none.mass == [] and none.wall_s.shape == (0,)
+
+
+def test_bad_input(stage, quality_engine, monkeypatch):
+    root, _model, initial = stage
+    eng = quality_engine
+    for bad, match in [
+        ([[]], r"prompts\[0\] must be a non-empty"),
+        ([[3, VOCAB]], r"prompts\[0\] holds token ids in \[3, 97\]"),
+        ([[1.5]], "integer token ids"),
+        ("abc", "list of token-id lists"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            eng.generate(bad, 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        eng.generate(PROMPTS, -1)
+    with pytest.raises(ValueError, match="stop_ids must hold integer"):
+        eng.generate(PROMPTS, 4, stop_ids=["x"])
+    with pytest.raises(ValueError, match=r"\['fraction', 'policy'\] are fixed"):
+        generate(eng, PROMPTS, 4, policy=QUALITY, fraction=0.5)
+    # a model directory: every check runs before the model is loaded
+    monkeypatch.setattr(decode_mod, "build_engine_model", lambda *a, **k: pytest.fail("built"))
+    model_dir = root / "model"
+    cases = [
+        (dict(prompts=[[3, 500]]), "outside the model's vocabulary"),
+        (dict(fraction=0.1), "too small for top-k"),
+        (dict(policy={"rule": "nope"}), "unknown rule"),
+        (dict(params=params(root, admission="soon")), "params.admission"),
+        (dict(initial=initial[:, :5]), "initial resident set has shape"),
+        (dict(name=""), "non-empty policy name"),
+        (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), "CUDA was requested"))
+    for kw, match in cases:
+        args = dict(
+            prompts=PROMPTS, max_new_tokens=4, name="quality", policy=QUALITY,
+            fraction=FRACTION, initial=initial, params=params(root),
+        )  # fmt: skip
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            generate(model_dir, **args)
+    with pytest.raises(FileNotFoundError, match="model_dir"):
+        generate(root / "missing", PROMPTS, 4, name="x", policy=QUALITY, fraction=FRACTION)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generation_matches_the_emulator(stage):
+    """Pinned->CUDA tier, admissions on the side stream at the core's delay: the emulator's
+    tokens (the emulator also on the GPU, so both see GPU rounding)."""
+    import copy
+
+    root, model, initial = stage
+    with open_engine(
+        root / "model", "speed", SPEED, FRACTION, "cuda", initial, params(root, admission="delay")
+    ) as eng:
+        res = eng.generate(PROMPTS, NEW)
+    emu = greedy_decode(
+        copy.deepcopy(model).to("cuda"), PROMPTS, Policy.from_dict(SPEED), C, initial, NEW
+    )
+    assert [r.tokens for r in res] == [x.tokens for x in emu]
+    assert sum(int(r.bytes_bg.sum()) for r in res) > 0
