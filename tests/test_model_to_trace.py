@@ -1,0 +1,83 @@
+"""Issue 3 end to end: train the test-size embedded model, reload it with the Auto classes, build
+streams, capture, and check the trace against an independent plain forward pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_embedded import TINY
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from moesub.capture import load_trace, read_initial_set, run_capture, write_initial_sets
+from moesub.embedded import build_model
+from moesub.io import read_metadata
+from moesub.policy import Policy, capacity_for
+from moesub.simulate import GridPoint, simulate
+from moesub.streams import build_streams
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m2t")
+    model_dir = build_model(root / "model", TINY)
+    params = {
+        "eval": {"n_streams": 2, "stream_len": 96},
+        "calib": {"n_streams": 2, "stream_len": 96},
+    }
+    build_streams(
+        model_dir, {"kind": "embedded"}, params, root / "eval.parquet", root / "calib.parquet"
+    )
+    for split in ("eval", "calib"):
+        run_capture(
+            model_dir,
+            root / f"{split}.parquet",
+            root / f"{split}_tokens.parquet",
+            root / f"{split}_router.parquet",
+            {"device": "cpu", "dtype": "float32"},
+        )
+    return root, model_dir
+
+
+def test_reload_with_auto_classes_and_capture_matches_plain_forward(captured):
+    root, model_dir = captured
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) == TINY["vocab_size"]
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+
+    tokens = pq.read_table(root / "eval_tokens.parquet")
+    assert tokens.column_names == ["stream", "pos", "token_id", "doc_id", "doc_start", "nll"]
+    router = pq.read_table(root / "eval_router.parquet")
+    assert router.column_names == ["stream", "pos", "layer", "logits"]
+    assert router.schema.field("logits").type.list_size == TINY["num_experts"]
+    meta = read_metadata(root / "eval_router.parquet")
+    assert (meta["num_experts"], meta["top_k"], meta["num_layers"]) == (64, 4, 2)
+    assert meta["norm_topk_prob"] is True
+
+    t = tokens.to_pandas()
+    for s, g in t.groupby("stream"):
+        ids = torch.tensor(g["token_id"].to_numpy(), dtype=torch.long)[None]
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        logp = torch.log_softmax(out.logits[0].float(), -1).double()
+        plain = -logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+        np.testing.assert_allclose(g["nll"].to_numpy()[1:], plain, rtol=0, atol=1e-6)
+        assert np.isnan(g["nll"].to_numpy()[0])
+        # router logits: the trace equals the model's own output_router_logits
+        trace = load_trace(root / "eval_router.parquet")
+        i = trace.streams.index(int(s))
+        for layer, lg in enumerate(out.router_logits):
+            np.testing.assert_array_equal(trace.logits[i][:, layer], lg.float().numpy())
+
+
+def test_initial_sets_and_simulation_on_the_captured_trace(captured):
+    root, _ = captured
+    write_initial_sets(root / "calib_router.parquet", [0.25], root / "initial.parquet")
+    init = read_initial_set(root / "initial.parquet", 0.25)
+    assert init.shape == (2, capacity_for(0.25, 64))
+    trace = load_trace(root / "eval_router.parquet")
+    df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 0.25)], {16: init})
+    total = df.filter(df["layer"] == -1).row(0, named=True)
+    assert 0 < total["hit_rate"] <= total["belady_hit_rate"] <= 1
