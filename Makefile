@@ -17,7 +17,8 @@ install-test: install
 	bash scripts/install_system.sh
 
 report: install
-	$(VENV)/bin/snakemake --cores $(CORES) --profile profiles/default results/report.html
+	bash scripts/get_gsm8k.sh $(VENV)
+	$(VENV)/bin/snakemake --cores $(CORES) results/report.html
 
 test: install-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
