@@ -53,9 +53,7 @@ def main() -> None:
     threads = os.cpu_count() or 1
     s = best_of(lambda: simulate([x], k, grid, belady=False, n_threads=threads), repeat=1)
     sweep = steps * len(grid) / s
-    print(
-        f"simulate sweep     {len(grid)} points {sweep / 1e6:7.2f} M steps/s ({threads} threads)"
-    )
+    print(f"simulate sweep     {len(grid)} points {sweep / 1e6:7.2f} M steps/s ({threads} threads)")
     xs = x[: args.ref_tokens]
     p = POLICIES["quality"]
     s_ref = best_of(lambda: reference_scan(xs, k, C, p), repeat=1)
