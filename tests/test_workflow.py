@@ -1,0 +1,385 @@
+"""The Snakemake pipeline, driven through the `snakemake` CLI in a temporary copy of the workflow.
+
+Fast tests: config helpers (`moesub.config`), schema vs the library's parameter dataclasses,
+`snakemake --lint`, `snakefmt --check`, dry runs listing every stage, bad configs rejected before
+any job (naming the key, writing nothing).
+
+Slow tests (`-m slow`): the test config (tests/config/config.yaml) runs the whole DAG to
+results/report.html; a second run schedules nothing; changing one policy's tau reruns only that
+policy's jobs plus analysis and report; touching the capture script reruns capture and what
+depends on it but not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moesub import config as mcfg
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "tests/config")
+TEST_CONFIG = "tests/config/config.yaml"
+# Every rule of the DAG for an embedded model ("all" is the target).
+STAGES = {
+    "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
+    "calibrate", "emulate", "expb", "engine", "engine_bench", "generate", "analysis", "report",
+}  # fmt: skip
+BIN = Path(sys.executable).parent
+# expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
+EXPB_ANALYSIS_KEYS = ("masses", "conditions", "primary", "alpha", "min_heavy_fraction", "max_gap")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers (also used by tests/test_slurm.py)
+
+
+def copy_workflow(dest: Path) -> Path:
+    """A runnable copy of the workflow (no results) at `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def snakemake(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the snakemake CLI of this interpreter in `cwd`; stdout holds stdout + stderr."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(
+        [str(BIN / "snakemake"), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def planned_jobs(cwd: Path, *args: str) -> set[tuple[str, str]]:
+    """(rule, first output) of every job a dry run schedules."""
+    run = snakemake(cwd, "--dry-run", *args)
+    assert run.returncode == 0, run.stdout[-4000:]
+    jobs: set[tuple[str, str]] = set()
+    rule = None
+    for line in run.stdout.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):$", line)
+        if m:
+            if rule is not None:
+                jobs.add((rule, ""))
+            rule = m.group(1)
+            continue
+        m = re.match(r"^\s+output: ([^,\s]+)", line)
+        if m and rule is not None:
+            jobs.add((rule, m.group(1)))
+            rule = None
+    if rule is not None:
+        jobs.add((rule, ""))
+    return jobs
+
+
+def load_test_config() -> dict:
+    return yaml.safe_load((REPO / TEST_CONFIG).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# moesub.config
+
+
+def test_expand_policies_default_config():
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    pols = mcfg.expand_policies(cfg)
+    named = {"fetch_every_miss", "substitute_all", "rule_015", "first_choice", "quality", "speed"}
+    assert named | {"host_compute"} <= set(pols)
+    assert pols["rule_tau0.08"] == {**pols["rule_015"], "tau": 0.08}
+    assert pols["quality_beta0.25"] == {**pols["quality"], "beta": 0.25}
+    assert pols["quality_beta1"]["beta"] == 1.0
+    assert pols["speed"] == {
+        "rule": "first_choice", "tau": 0.0, "eviction": "lfu", "beta": 0.5, "delay": 1
+    }  # fmt: skip
+
+
+def test_expand_policies_errors():
+    base = {"policies": {"a": {"rule": "threshold", "tau": 0.1}}}
+    with pytest.raises(ValueError, match=r"sweeps.tau.base='nope'"):
+        mcfg.expand_policies({**base, "sweeps": {"tau": {"base": "nope", "values": [0.1]}}})
+    clash = {"policies": {**base["policies"], "rule_tau0.2": {"rule": "fetch_all"}}}
+    with pytest.raises(ValueError, match="rule_tau0.2.*already exists"):
+        mcfg.expand_policies({**clash, "sweeps": {"tau": {"base": "a", "values": [0.2]}}})
+    with pytest.raises(ValueError, match=r"policies.b.rule='nope'"):
+        mcfg.expand_policies({"policies": {"b": {"rule": "nope"}}})
+    with pytest.raises(ValueError, match="reserved"):
+        mcfg.expand_policies({"policies": {"all_resident": {"rule": "fetch_all"}}})
+    with pytest.raises(ValueError, match="name 'a/b'"):
+        mcfg.expand_policies({"policies": {"a/b": {"rule": "fetch_all"}}})
+    with pytest.raises(ValueError, match=r"engine.policies: unknown policy name\(s\) \['x'\]"):
+        mcfg.policy_subset({"a": {}}, ["a", "x"], "engine.policies")
+    assert mcfg.policy_subset({"a": {}}, ["all_resident"], "w", extra=("all_resident",))
+
+
+def test_capacity_checks():
+    cfg = {"models": {"m": {"embedded": True}}, "embedded": {"num_experts": 64,
+           "num_experts_per_tok": 4}, "fractions": [0.25, 0.03]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"fractions\[1\]=0.03 gives capacity C=2 < k=4"):
+        mcfg.check_capacities(cfg)
+    cfg["fractions"] = [0.25, 1.0]
+    assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
+    assert mcfg.capacity(0.25, 512) == 128 and mcfg.capacity(0.5, 3) == 2
+
+
+def test_checkpoint_geometry(tmp_path):
+    ckpt = tmp_path / "mixtral"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(
+        json.dumps({"num_local_experts": 8, "num_experts_per_tok": 2})
+    )
+    cfg = {"models": {"mx": {"path": str(ckpt)}}, "fractions": [0.25]}
+    assert mcfg.check_capacities(cfg) == {"mx": (8, 2)}
+    cfg["fractions"] = [0.1]
+    with pytest.raises(ValueError, match=r"C=1 < k=2 .*config.json of models.mx.path"):
+        mcfg.check_capacities(cfg)
+    nested = tmp_path / "vl"
+    nested.mkdir()
+    (nested / "config.json").write_text(
+        json.dumps({"text_config": {"num_experts": 512, "num_experts_per_tok": 10}})
+    )
+    assert mcfg.read_checkpoint_geometry(nested, "w") == (512, 10)
+    (nested / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
+        mcfg.read_checkpoint_geometry(nested, "w")
+    with pytest.raises(FileNotFoundError, match="models.gone.path"):
+        mcfg.check_capacities({"models": {"gone": {"path": str(tmp_path / "x")}},
+                               "fractions": [0.25]})  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["config.yaml", TEST_CONFIG])
+def test_load_config(path):
+    cfg = mcfg.load_config(REPO / path)
+    assert cfg["models"]
+
+
+# --------------------------------------------------------------------------------------------
+# the schema follows the library's parameter dataclasses (a renamed option fails here)
+
+
+def _schema_keys(schema: dict, *path: str) -> set[str]:
+    node = schema
+    for key in path:
+        node = node["properties"][key]
+    return set(node["properties"])
+
+
+@pytest.mark.parametrize(
+    ("path", "target", "workflow_keys"),
+    [
+        (("embedded",), "moesub.embedded:EmbeddedConfig", set()),
+        (("streams",), "moesub.streams:StreamsConfig", {"source"}),
+        (("capture",), "moesub.capture:CaptureParams", set()),
+        (("emulate",), "moesub.emulate:EmulateParams", {"policies"}),
+        (("expb",), "moesub.expb:ExpBParams", set(EXPB_ANALYSIS_KEYS)),
+        (("engine",), "moesub.engine.decode:EngineParams", {"devices", "policies", "bench"}),
+        (("engine", "bench"), "moesub.engine.bench:BenchParams", {"enabled"}),
+        (("generate",), "moesub.generate:GenerateParams", {"tasks", "policies"}),
+        (("generate", "tasks", "gsm8k"), "moesub.generate:GenerateParams", {"path"}),
+        (("generate", "tasks", "humaneval"), "moesub.generate:GenerateParams", {"path"}),
+        (("analysis",), "moesub.stats:AnalysisParams", set()),
+        (("cost",), "moesub.simulate:CostModel", set()),
+    ],
+)
+def test_schema_matches_library(path, target, workflow_keys):
+    import importlib
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    module, name = target.split(":")
+    fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    keys = _schema_keys(schema, *path) - workflow_keys
+    assert keys <= fields, f"config {'.'.join(path)} keys unknown to {target}: {keys - fields}"
+
+
+def test_expb_decision_rule_keys():
+    """The expb keys the workflow keeps from the expb jobs are the analysis' decision rule."""
+    from moesub.stats import ExpBRule
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    rule = {f.name for f in dataclasses.fields(ExpBRule)}
+    assert rule <= _schema_keys(schema, "expb")
+
+
+# --------------------------------------------------------------------------------------------
+# lint, format, dry runs, bad configs
+
+
+def test_lint(tmp_path):
+    wf = copy_workflow(tmp_path / "wf")
+    run = snakemake(wf, "--lint")
+    assert run.returncode == 0, run.stdout
+    assert "Congratulations, your workflow is in a good condition" in run.stdout, run.stdout
+
+
+def test_snakefmt():
+    run = subprocess.run(
+        [str(BIN / "snakefmt"), "--check", "Snakefile", "workflow"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("configfile", [None, TEST_CONFIG])
+def test_dry_run_lists_every_stage(tmp_path, configfile):
+    wf = copy_workflow(tmp_path / "wf")
+    args = ["--configfile", configfile] if configfile else []
+    jobs = planned_jobs(wf, *args)
+    rules = {rule for rule, _ in jobs}
+    assert rules == STAGES | {"all"}
+    outputs = {out for _, out in jobs}
+    assert "results/report.html" in outputs
+    # one job per (policy, fraction) and stage; the sweeps expand into named policies
+    cfg = mcfg.load_config(wf / (configfile or "config.yaml"))
+    n_policies = len(mcfg.expand_policies(cfg))
+    assert sum(rule == "simulate" for rule, _ in jobs) == n_policies * len(cfg["fractions"])
+    assert not (wf / "results").exists()
+
+
+def _bad(cfg: dict, edit) -> dict:
+    edit(cfg)
+    return cfg
+
+
+BAD_CONFIGS = {
+    "unknown_top_key": (lambda c: c.update(polices={}), "'polices' was unexpected"),
+    "unknown_policy_key": (
+        lambda c: c["policies"]["quality"].update(tua=0.1),
+        "'tua' was unexpected",
+    ),
+    "wrong_type": (
+        lambda c: c["streams"]["eval"].update(n_streams="two"),
+        "instance['streams']['eval']['n_streams']",
+    ),
+    "unknown_rule": (
+        lambda c: c["policies"]["rule_015"].update(rule="fetch_some"),
+        "'fetch_some' is not one of",
+    ),
+    "fraction_zero": (lambda c: c.update(fractions=[0.0]), "instance['fractions'][0]"),
+    "fraction_above_one": (lambda c: c.update(fractions=[1.5]), "instance['fractions'][0]"),
+    "capacity_below_k": (lambda c: c.update(fractions=[0.03]), "fractions[0]=0.03 gives"),
+    "unknown_policy_in_stage": (
+        lambda c: c["generate"].update(policies=["speedy"]),
+        "generate.policies: unknown policy name(s) ['speedy']",
+    ),
+    "missing_checkpoint": (
+        lambda c: c["models"].update(real={"path": "/nonexistent/ckpt"}),
+        "models.real.path",
+    ),
+    "bad_stream_source": (
+        lambda c: c["streams"]["source"].update(path="x.jsonl"),
+        "instance['streams']['source']['path']",
+    ),
+}
+
+
+# Through the CLI (a few; each costs a Snakemake start): schema errors and a parse-time check.
+CLI_CASES = ("unknown_policy_key", "wrong_type", "capacity_below_k")
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_bad_config_rejected_before_any_job(tmp_path, case):
+    edit, message = BAD_CONFIGS[case]
+    wf = copy_workflow(tmp_path / "wf")
+    (wf / "bad.yaml").write_text(yaml.safe_dump(_bad(load_test_config(), edit)))
+    run = snakemake(wf, "--cores", "1", "--configfile", "bad.yaml", timeout=120)
+    assert run.returncode != 0
+    assert message in run.stdout, run.stdout[-3000:]
+    for written in ("results", "logs"):
+        assert not (wf / written).exists(), f"{written}/ was written for a rejected config"
+    metadata = wf / ".snakemake" / "metadata"
+    assert not metadata.exists() or not any(metadata.iterdir())
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_rejected_by_load_config(tmp_path, case):
+    """The same schema and checks as the Snakefile, in process (`moesub.config.load_config`)."""
+    edit, message = BAD_CONFIGS[case]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_bad(load_test_config(), edit)))
+    key = re.sub(r"instance\[|\]\[|\]", lambda m: "." if m.group() == "][" else "", message)
+    key = key.replace("'", "")
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        mcfg.load_config(path, REPO / "workflow/schemas/config.schema.yaml")
+    assert message in str(err.value) or key in str(err.value), str(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# the whole DAG (slow: a few minutes on 2 cores)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    wf = copy_workflow(tmp_path_factory.mktemp("full") / "wf")
+    run = snakemake(wf, "--cores", "2", "--configfile", TEST_CONFIG, timeout=3600)
+    assert run.returncode == 0, run.stdout[-8000:]
+    return wf
+
+
+@pytest.mark.slow
+def test_full_run_produces_report(full_run):
+    html = (full_run / "results" / "report.html").read_text()
+    assert "<html" in html[:1000].lower() and "</html>" in html[-1000:].lower()
+    assert (full_run / "results" / "analysis" / "analysis.json").is_file()
+    # heavy rules leave a benchmark (wall time per job) next to the results
+    bench = {p.relative_to(full_run / "results" / "benchmarks").parts[1]
+             for p in (full_run / "results" / "benchmarks").rglob("*.tsv")
+             if len(p.relative_to(full_run / "results" / "benchmarks").parts) > 2}  # fmt: skip
+    assert {"simulate", "emulate", "expb", "engine", "generate"} <= bench
+
+
+@pytest.mark.slow
+def test_second_run_schedules_nothing(full_run):
+    assert planned_jobs(full_run, "--configfile", TEST_CONFIG) == set()
+
+
+@pytest.mark.slow
+def test_one_policy_change_reruns_only_that_policy(full_run):
+    cfg = load_test_config()
+    cfg["policies"]["quality"]["tau"] = 0.2
+    (full_run / "tau.yaml").write_text(yaml.safe_dump(cfg))
+    jobs = planned_jobs(full_run, "--configfile", "tau.yaml") - {("all", "")}
+    touched = {(rule, out.split("/")[-2] if rule != "engine_bench" else "") for rule, out in jobs}
+    for rule, out in jobs:
+        if rule in ("simulate", "emulate", "engine", "generate"):
+            assert out.split("/")[-2] == "quality", (rule, out)
+    expected = {("simulate", "quality"), ("emulate", "quality"), ("engine", "quality")}
+    expected |= {("generate", "quality")}  # both tasks: same (rule, policy) key
+    # the real-size benchmark times the quality policy among others in one job
+    expected |= {("engine_bench", ""), ("analysis", "results"), ("report", "results")}
+    assert touched == expected, sorted(jobs)
+    assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
+
+
+@pytest.mark.slow
+def test_touching_capture_script_reruns_capture_not_model(full_run):
+    script = full_run / "workflow" / "scripts" / "capture.py"
+    st = script.stat()
+    try:
+        os.utime(script)
+        rules = {rule for rule, _ in planned_jobs(full_run, "--configfile", TEST_CONFIG)}
+    finally:
+        os.utime(script, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert "capture" in rules
+    assert {"initial_sets", "simulate", "emulate", "engine", "analysis", "report"} <= rules
+    assert not rules & {"model_embedded", "streams", "engine_bench", "calibrate"}

@@ -1,0 +1,280 @@
+# Helpers shared by the stage files (functions and constants only, no rules).
+#
+# Everything below runs at parse time, after the schema validation in the Snakefile, so a bad
+# config (unknown policy name in a stage's list, C < k, a checkpoint without config.json) fails
+# here, naming the key, before any job is scheduled or any file written.
+#
+# Invalidation: each rule's params carry only the settings that rule uses (one policy's dict,
+# one config section), so editing a policy reruns only that policy's jobs plus analysis/report.
+
+import os
+import re
+
+from moesub.config import (
+    ALL_RESIDENT,
+    ALL_RESIDENT_POLICY,
+    check_capacities,
+    expand_policies,
+    canonical,
+    number_label,
+    stage_policies,
+)
+
+# Threads of the jobs that should run alone on a local machine (training; the engine, whose
+# timings other jobs would disturb): Snakemake caps a rule's threads to --cores. On a cluster,
+# profiles/slurm sets every rule's threads (cpus per task) explicitly.
+ALL_CORES = 1024
+
+POLICIES = expand_policies(config)
+GEOMETRY = check_capacities(config)  # model -> (E, k)
+MODELS = list(config["models"])
+EMBEDDED_MODELS = [m for m in MODELS if config["models"][m].get("embedded")]
+CHECKPOINT_MODELS = [m for m in MODELS if not config["models"][m].get("embedded")]
+FRACTIONS = [number_label(f) for f in config["fractions"]]
+# Resident sets are needed for every cache fraction and for Experiment B's resident set.
+INITIAL_SET_FRACTIONS = sorted(set(config["fractions"]) | {config["expb"]["fraction"]})
+
+STAGE_POLICIES = stage_policies(config, POLICIES)
+SIMULATE_POLICIES = STAGE_POLICIES["simulate"]
+EMULATE_POLICIES = STAGE_POLICIES["emulate"]
+ENGINE_POLICIES = STAGE_POLICIES["engine"]
+BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
+GENERATE_POLICIES = STAGE_POLICIES["generate"]
+ENGINE_DEVICES = config["engine"]["devices"]
+TASKS = list(config["generate"]["tasks"])
+EXPB_MASSES = [number_label(m) for m in config["expb"]["masses"]]
+EXPB_CONDITIONS = config["expb"]["conditions"]
+# Experiment B keys consumed by the workflow (masses, conditions) or by the analysis (the
+# decision rule), not by the expb jobs: changing the decision rule reruns only the analysis.
+EXPB_ANALYSIS_KEYS = [
+    "masses",
+    "conditions",
+    "primary",
+    "alpha",
+    "min_heavy_fraction",
+    "max_gap",
+]
+
+
+def alternation(names):
+    """Wildcard regex matching exactly these names (matches nothing for an empty list)."""
+    return "|".join(re.escape(n) for n in names) if names else "(?!x)x"
+
+
+def section(name, exclude=()):
+    """A config section minus the keys the workflow itself consumes (policy lists, ...)."""
+    return canonical({k: v for k, v in config[name].items() if k not in exclude})
+
+
+def model_dir(wildcards):
+    """The model's checkpoint directory: built by the pipeline, or the configured path."""
+    spec = config["models"][wildcards.model]
+    if spec.get("embedded"):
+        return f"results/{wildcards.model}/model"
+    return spec["path"]
+
+
+def model_artefact(name):
+    """What a model-consuming job waits for: the built model's summary or the checkpoint check."""
+    if config["models"][name].get("embedded"):
+        return f"results/{name}/model/train_summary.json"
+    return f"results/{name}/checkpoint.json"
+
+
+def model_input(wildcards):
+    return model_artefact(wildcards.model)
+
+
+def checkpoint_config(wildcards):
+    """A real checkpoint's config.json (its mtime reruns the check and everything downstream)."""
+    return os.path.join(config["models"][wildcards.model]["path"], "config.json")
+
+
+def streams_source(wildcards):
+    """Local source files are inputs (editing them reruns streams and everything downstream)."""
+    source = config["streams"]["source"]
+    if source["kind"] != "text":
+        return []
+    return [source[key] for key in ("path", "calib_path") if source.get(key)]
+
+
+def policy_dict(name):
+    return canonical(ALL_RESIDENT_POLICY if name == ALL_RESIDENT else POLICIES[name])
+
+
+def policy_params(wildcards):
+    """Only this policy's settings: editing another policy leaves this job's params unchanged."""
+    return policy_dict(wildcards.policy)
+
+
+def core_build_id(wildcards):
+    """Identity of the compiled policy core: rebuilding the core reruns the jobs that use it."""
+    from moesub.policy import CORE_BUILD_ID
+
+    return CORE_BUILD_ID
+
+
+def cost_calibration(wildcards):
+    """The calibration the simulator's cost model starts from: the first engine device's."""
+    return f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
+
+
+def engine_env(wildcards):
+    """Conda environment of the engine rules: the CUDA one for the cuda tier."""
+    return (
+        "../../envs/cuda.yaml" if wildcards.device == "cuda" else "../../envs/cpu.yaml"
+    )
+
+
+def engine_params(wildcards):
+    """The engine section minus what the workflow consumes; the disk tier's expert file lives
+    under results/ (for a real checkpoint too, never beside the user's checkpoint)."""
+    params = section("engine", exclude=["devices", "policies", "bench"])
+    dtype = params.get("dtype", "float32")
+    params.setdefault(
+        "store_path", f"results/{wildcards.model}/engine/experts-{dtype}.bin"
+    )
+    return canonical(params)
+
+
+def bench_params(wildcards):
+    """The real-size benchmark's settings, with the dicts of the policies it times."""
+    bench = config["engine"]["bench"]
+    params = {k: v for k, v in bench.items() if k not in ("enabled", "policies")}
+    if BENCH_POLICIES is not None:
+        params["policies"] = {name: policy_dict(name) for name in BENCH_POLICIES}
+    return canonical(params)
+
+
+def task_path(wildcards):
+    """A generation task's data path (None: the task's bundled default)."""
+    return config["generate"]["tasks"][wildcards.task].get("path")
+
+
+def task_data(wildcards):
+    """The task's data file as an input when it exists: missing data is reported, not fatal."""
+    path = task_path(wildcards)
+    return [path] if path and os.path.exists(path) else []
+
+
+def generate_reference(wildcards):
+    """The baseline policy's output of the same task: other policies' agreement is measured
+    against it (the baseline itself, or a run without the baseline, has none)."""
+    baseline = config["analysis"]["baseline"]
+    if wildcards.policy == baseline or baseline not in GENERATE_POLICIES:
+        return []
+    return [
+        f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/f{wildcards.fraction}.parquet"
+    ]
+
+
+def generate_params(wildcards):
+    """Generation settings of this task (over the shared decoding settings), plus the reference."""
+    task = {
+        k: v
+        for k, v in config["generate"]["tasks"][wildcards.task].items()
+        if k != "path"
+    }
+    shared = section("generate", exclude=["tasks", "policies"])
+    params = {**shared, **task}
+    reference = generate_reference(wildcards)
+    if reference:
+        params["reference_path"] = reference[0]
+    return canonical(params)
+
+
+def analysis_params():
+    """What the statistics need besides the artefacts: policies, baselines, Experiment B rule."""
+    expb_rule = ("primary", "alpha", "min_heavy_fraction", "max_gap")
+    params = {
+        **config["analysis"],
+        "policies": POLICIES,
+        "expb": {k: config["expb"][k] for k in expb_rule if k in config["expb"]},
+    }
+    return canonical(params)
+
+
+def report_params():
+    """The configuration shown in the report (validated, defaults filled, policies expanded)."""
+    return canonical({**config, "policies": POLICIES})
+
+
+# Final artefacts of each stage (for analysis, report and the dry-run listing).
+
+
+def simulate_outputs():
+    return expand(
+        "results/{model}/simulate/{policy}/f{fraction}.parquet",
+        model=MODELS,
+        policy=SIMULATE_POLICIES,
+        fraction=FRACTIONS,
+    )
+
+
+def emulate_outputs():
+    return expand(
+        "results/{model}/emulate/{policy}/f{fraction}.parquet",
+        model=MODELS,
+        policy=EMULATE_POLICIES,
+        fraction=FRACTIONS,
+    )
+
+
+def expb_outputs():
+    return expand(
+        "results/{model}/expb/{condition}/m{mass}.parquet",
+        model=MODELS,
+        condition=EXPB_CONDITIONS,
+        mass=EXPB_MASSES,
+    )
+
+
+def engine_outputs():
+    return expand(
+        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+        model=MODELS,
+        device=ENGINE_DEVICES,
+        policy=ENGINE_POLICIES,
+        fraction=FRACTIONS,
+    )
+
+
+def calibration_outputs():
+    return expand(
+        "results/{model}/engine/{device}/calibration.json",
+        model=MODELS,
+        device=ENGINE_DEVICES,
+    )
+
+
+def bench_outputs():
+    if not config["engine"]["bench"]["enabled"]:
+        return []
+    return expand("results/engine_bench/{device}.parquet", device=ENGINE_DEVICES)
+
+
+def generate_outputs():
+    return expand(
+        "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",
+        model=MODELS,
+        task=TASKS,
+        policy=GENERATE_POLICIES,
+        fraction=FRACTIONS,
+    )
+
+
+def analysis_inputs():
+    """Every artefact the analysis reads, by kind (the dict handed to moesub.stats)."""
+    return {
+        "model_summary": [model_artefact(m) for m in MODELS],
+        "capture_tokens": expand(
+            "results/{model}/capture/eval_tokens.parquet", model=MODELS
+        ),
+        "simulate": simulate_outputs(),
+        "emulate": emulate_outputs(),
+        "expb": expb_outputs(),
+        "calibration": calibration_outputs(),
+        "engine": engine_outputs(),
+        "engine_bench": bench_outputs(),
+        "generate": generate_outputs(),
+    }

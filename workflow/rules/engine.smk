@@ -1,0 +1,63 @@
+# Stage 5 (engine): the real offloading engine. Cost-model calibration, per-policy runs on the
+# model's evaluation streams, and the real-expert-size benchmark. profiles/slurm sends these
+# jobs to the GPU partition.
+
+
+rule calibrate:
+    input:
+        model=model_input,
+    output:
+        "results/{model}/engine/{device}/calibration.json",
+    log:
+        "logs/{model}/engine/{device}/calibrate.log",
+    benchmark:
+        "results/benchmarks/{model}/engine/{device}/calibrate.tsv"
+    conda:
+        engine_env
+    threads: ALL_CORES
+    params:
+        model_dir=model_dir,
+        engine=engine_params,
+    script:
+        "../scripts/calibrate.py"
+
+
+rule engine:
+    input:
+        model=model_input,
+        tokens="results/{model}/capture/eval_tokens.parquet",
+        initial_sets="results/{model}/initial_sets.parquet",
+    output:
+        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+    log:
+        "logs/{model}/engine/{device}/{policy}_f{fraction}.log",
+    benchmark:
+        "results/benchmarks/{model}/engine/{device}/{policy}_f{fraction}.tsv"
+    conda:
+        engine_env
+    threads: ALL_CORES
+    params:
+        model_dir=model_dir,
+        policy=policy_params,
+        fraction=lambda wildcards: float(wildcards.fraction),
+        core=core_build_id,
+        engine=engine_params,
+    script:
+        "../scripts/engine.py"
+
+
+rule engine_bench:
+    output:
+        "results/engine_bench/{device}.parquet",
+    log:
+        "logs/engine_bench/{device}.log",
+    benchmark:
+        "results/benchmarks/engine_bench/{device}.tsv"
+    conda:
+        engine_env
+    threads: ALL_CORES
+    params:
+        bench=bench_params,
+        core=core_build_id,
+    script:
+        "../scripts/engine_bench.py"

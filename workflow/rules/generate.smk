@@ -1,0 +1,27 @@
+# Stage 6 (generate): greedy generation (GSM8K, HumanEval) under each policy.
+
+
+rule generate:
+    input:
+        model=model_input,
+        initial_sets="results/{model}/initial_sets.parquet",
+        data=task_data,
+        reference=generate_reference,
+    output:
+        "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",
+    log:
+        "logs/{model}/generate/{task}/{policy}_f{fraction}.log",
+    benchmark:
+        "results/benchmarks/{model}/generate/{task}/{policy}_f{fraction}.tsv"
+    conda:
+        "../../envs/cpu.yaml"
+    threads: 1
+    params:
+        model_dir=model_dir,
+        data_path=task_path,
+        policy=policy_params,
+        fraction=lambda wildcards: float(wildcards.fraction),
+        core=core_build_id,
+        generate=generate_params,
+    script:
+        "../scripts/generate.py"
