@@ -62,6 +62,8 @@ def _fake_stdlib(root: Path) -> Path:
         "__pycache__/abc.cpython-311.py": "stale\n",
         "_sysconfigdata__linux.py": "build_time_vars = {}\n",
         "latin1.py": b"# caf\xe9\n",
+        "encodings/cp999.py": '""" Codec cp999 generated from X.TXT with gencodec.py.\n"""\n',
+        "encodings/utf_8.py": '""" Python utf-8 Codec\n"""\n',
         "empty.py": "\n",
         "pydoc_data/__init__.py": "",
         "pydoc_data/topics.py": "topics = {'if': 'The if statement.\\n', 'while': 'Loops.\\n'}\n",
@@ -83,6 +85,7 @@ def test_corpus_filters_and_packages(tmp_path):
     assert paths == sorted(paths)
     assert paths == [
         "abc.py",
+        "encodings/utf_8.py",
         "idlelib/editor.py",
         "json/__init__.py",
         "json/decoder.py",
