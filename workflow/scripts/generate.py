@@ -5,6 +5,7 @@ import logging
 import sys
 
 import torch
+
 from moesub.generate import run_generate
 
 sys.stdout = sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115
