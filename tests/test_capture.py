@@ -214,7 +214,7 @@ def test_capture_input_errors(tiny_next, tmp_path):
     write_parquet({k: v for k, v in cols.items() if k != "doc_id"}, tmp_path / "nodoc.parquet")
     with pytest.raises(ValueError, match="doc_id"):
         run_capture(model_dir, tmp_path / "nodoc.parquet", *out)
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match="unknown capture option"):
         run_capture(model_dir, tmp_path / "s.parquet", *out, params={"batch": 4})
     with pytest.raises(FileNotFoundError, match="nomodel"):
         run_capture(tmp_path / "nomodel", tmp_path / "s.parquet", *out)

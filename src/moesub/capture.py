@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.io import atomic_path, read_metadata, write_parquet
+from moesub.params import options_from
 
 STREAM_COLUMNS = ("stream", "pos", "token_id", "doc_id", "doc_start")
 TRACE_META_KEYS = ("num_experts", "top_k", "num_layers", "norm_topk_prob")
@@ -64,14 +65,7 @@ class CaptureParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> CaptureParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(params) - known
-        if unknown:
-            raise ValueError(
-                f"capture params: unknown key(s) {sorted(unknown)}; known {sorted(known)}"
-            )
-        p = cls(**params)
+        p = options_from(cls, params, "capture")
         if p.dtype not in _DTYPES:
             raise ValueError(f"capture params dtype: {p.dtype!r} not in {sorted(_DTYPES)}")
         if not (p.row_group_mb > 0):

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from moesub.capture import read_initial_set
 from moesub.io import read_metadata, write_parquet
 from moesub.models import RouterHook, align_ids, load_model, moe_info, stream_nll
+from moesub.params import options_from
 from moesub.policy import CORE_BUILD_ID, LayerCache, Policy
 
 STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")  # index = status code
@@ -49,12 +50,7 @@ class EmulateParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EmulateParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"params: unknown emulate option(s) {unknown}; known: {sorted(known)}")
-        out = cls(**params)
+        out = options_from(cls, params, "emulate")
         if out.max_streams is not None and int(out.max_streams) < 1:
             raise ValueError(f"params.max_streams must be >= 1, got {out.max_streams}")
         if out.dtype is not None and out.dtype not in DTYPES:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from moesub.emulate import (
 )
 from moesub.io import read_metadata, write_parquet
 from moesub.models import RouterHook, load_model, moe_info, stream_nll
+from moesub.params import options_from
 from moesub.policy import CORE_BUILD_ID, forced_substitution
 
 CONDITIONS = ("heavy", "light")
@@ -130,12 +131,7 @@ class ExpBParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> ExpBParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"params: unknown expb option(s) {unknown}; known: {sorted(known)}")
-        out = cls(**params)
+        out = options_from(cls, params, "expb")
         if out.resident not in ("initial", "all"):
             raise ValueError(f"params.resident must be 'initial' or 'all', got {out.resident!r}")
         if not isinstance(out.fraction, (int, float)) or not 0.0 < float(out.fraction) <= 1.0:

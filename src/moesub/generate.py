@@ -33,6 +33,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from moesub.io import atomic_path, write_parquet
+from moesub.params import options_from
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +85,7 @@ class GenerateParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(
-                f"params: unknown generate option(s) {unknown}; known: {sorted(known)}"
-            )
-        out = cls(**params)
+        out = options_from(cls, params, "generate")
         out.check()
         return out
 

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.io import write_parquet
+from moesub.params import options_from
 from moesub.policy import Policy
 
 ALL_RESIDENT = "all_resident"
@@ -84,14 +85,7 @@ class BenchParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> BenchParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(
-                f"params: unknown engine-bench option(s) {unknown}; known {sorted(known)}"
-            )
-        p = cls(**params)
+        p = options_from(cls, params, "engine-bench")
         for name in ("layers", "num_experts", "hidden", "width", "top_k", "tokens", "calib_tokens",
                      "staging_buffers", "rounds"):  # fmt: skip
             v = getattr(p, name)

@@ -20,7 +20,7 @@ import math
 import os
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from moesub.engine.store import (
     tensor_fingerprint,
 )
 from moesub.io import write_parquet
+from moesub.params import options_from
 from moesub.policy import HOST, Policy
 
 ALL_RESIDENT = "all_resident"  # reserved policy name: every expert in fast memory (the floor)
@@ -71,12 +72,7 @@ class EngineParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
-        params = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"params: unknown engine option(s) {unknown}; known: {sorted(known)}")
-        p = cls(**params)
+        p = options_from(cls, params, "engine")
         if p.dtype not in DTYPES:
             raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
         if p.admission not in ADMISSION_TIMINGS:
