@@ -115,3 +115,15 @@ def test_bad_simulator_input(streams):
         simulate(streams, 4, [GridPoint("f", Policy(), 1.5)])
     with pytest.raises(ValueError, match="no resident set for capacity 16"):
         simulate(streams, 4, grid, initial_sets={8: np.zeros((3, 8), np.int32)})
+
+
+def test_write_cost_model_applies_overrides(tmp_path):
+    from moesub.simulate import write_cost_model
+
+    calib = tmp_path / "calibration.json"
+    calib.write_text(json.dumps({"link_bandwidth_Bps": 2e9, "dense_layer_s": 1e-3}))
+    cost = write_cost_model(str(calib), {"dense_layer_s": 5e-4}, str(tmp_path / "cost.json"))
+    assert (cost.link_bandwidth_Bps, cost.dense_layer_s) == (2e9, 5e-4)
+    assert CostModel.from_json(tmp_path / "cost.json") == cost
+    with pytest.raises(ValueError, match="unknown cost-model key.*bandwith"):
+        write_cost_model(str(calib), {"bandwith": 1}, str(tmp_path / "x.json"))

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 from moesub import _core
-from moesub.io import write_parquet
+from moesub.io import write_json, write_parquet
 from moesub.policy import CORE_BUILD_ID, Policy, _check_initial, _check_sizes, capacity_for
 
 COUNTER_NAMES = (
@@ -61,6 +61,17 @@ class CostModel:
         if self.background_shares_link:
             t += counts["admissions"] / T * self.expert_bytes / self.link_bandwidth_Bps
         return t
+
+
+def write_cost_model(calibration_path: str | None, overrides: dict, out_path: str) -> CostModel:
+    """The engine's measured cost model (or the defaults) with config overrides, as JSON."""
+    base = CostModel.from_json(calibration_path) if calibration_path else CostModel()
+    unknown = set(overrides) - {f.name for f in fields(CostModel)}
+    if unknown:
+        raise ValueError(f"cost: unknown cost-model key(s) {sorted(unknown)}")
+    cost = replace(base, **overrides)
+    write_json(asdict(cost), out_path)
+    return cost
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,10 @@
 """Rule emulate: exact emulation of one policy (moesub.emulate.run_emulate)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
-import logging
-import sys
-
-import torch
-
 from moesub.emulate import run_emulate
+from moesub.logs import job_setup
 
-sys.stdout = sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115
-logging.basicConfig(
-    stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
-)
-torch.set_num_threads(snakemake.threads)
+job_setup(snakemake.log[0], snakemake.threads)
 
 run_emulate(
     snakemake.params.model_dir,

@@ -2,15 +2,12 @@
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
 import logging
-import sys
 
 from moesub.io import write_json
+from moesub.logs import job_setup
 from moesub.models import check_checkpoint
 
-sys.stdout = sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115
-logging.basicConfig(
-    stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
-)
+job_setup(snakemake.log[0])
 
 info = check_checkpoint(snakemake.params.path)
 logging.info("checkpoint %s: %s", snakemake.params.path, info)

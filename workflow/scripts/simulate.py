@@ -1,15 +1,10 @@
 """Rule simulate: replay the captured router trace under one policy (moesub.simulate)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
-import logging
-import sys
-
+from moesub.logs import job_setup
 from moesub.simulate import run_simulate
 
-sys.stdout = sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: SIM115
-logging.basicConfig(
-    stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
-)
+job_setup(snakemake.log[0])
 
 run_simulate(
     snakemake.input.router,
