@@ -7,7 +7,12 @@ rule report:
         analysis="results/analysis",
     output:
         html="results/report.html",
-        figures=directory("results/figures"),
+        figures=report(
+            directory("results/figures"),
+            patterns=["{name}.png"],
+            category="Figures",
+            caption="../report/figures.rst",
+        ),
     log:
         "logs/report.log",
     benchmark:
