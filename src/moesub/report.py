@@ -475,7 +475,7 @@ def summary_rows(summary: pd.DataFrame) -> list[dict[str, str]]:
                 "rule": _cell(g("rule"))
                 + (f" τ={g('tau'):g}" if g("rule") == "threshold" else "")
                 + (f" β={g('beta'):g}" if (g("beta") or 0) > 0 else "")
-                + (f" {g('eviction')}" if g("eviction") else ""),
+                + (f" {g('eviction')}" if isinstance(g("eviction"), str) else ""),
                 "sub_rate": _cell(
                     g("sub_rate") * 100
                     if g("sub_rate") is not None and not _isnan(g("sub_rate"))
