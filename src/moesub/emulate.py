@@ -429,6 +429,24 @@ def require_file(path: str | os.PathLike, arg: str) -> Path:
     return path
 
 
+def load_for_capture(
+    model_dir: str | os.PathLike, tokens_path: Path, dtype: str | None, device: str
+) -> tuple[Any, Any, pl.DataFrame, str]:
+    """The model in the capture's dtype (unless `dtype` overrides it), checked against the
+    capture token table (E/k/L recorded there, token ids within the vocabulary).
+
+    Returns (model, MoEInfo, token table, dtype)."""
+    token_meta = read_metadata(tokens_path)
+    dtype = dtype or token_meta.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"tokens_path: capture dtype {dtype!r} not in {sorted(DTYPES)}")
+    model, _tokenizer = load_model(model_dir, dtype=DTYPES[dtype], device=device)
+    info = moe_info(model)
+    check_geometry(token_meta, info, "tokens_path")
+    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    return model, info, tokens, dtype
+
+
 def run_emulate(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
@@ -455,15 +473,10 @@ def run_emulate(
     if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
 
-    token_meta = read_metadata(tokens_path)
-    dtype = opts.dtype or token_meta.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise ValueError(f"tokens_path: capture dtype {dtype!r} not in {sorted(DTYPES)}")
-    model, _tokenizer = load_model(model_dir, dtype=DTYPES[dtype], device=opts.torch_device())
-    info = moe_info(model)
-    check_geometry(token_meta, info, "tokens_path")
+    model, info, tokens, dtype = load_for_capture(
+        model_dir, tokens_path, opts.dtype, opts.torch_device()
+    )
     capacity = capacity_for(fraction, info.num_experts, info.top_k)
-    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
     initial = check_initial(
         read_initial_set(initial_sets_path, fraction), info.num_layers, info.num_experts, capacity
     )

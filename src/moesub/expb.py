@@ -34,16 +34,16 @@ from moesub.emulate import (
     DTYPES,
     EmulateParams,
     capacity_for,
-    check_geometry,
     check_initial,
     check_token_table,
     computed_ids,
     iter_streams,
+    load_for_capture,
     model_device,
     require_file,
 )
-from moesub.io import read_metadata, write_parquet
-from moesub.models import RouterHook, load_model, moe_info, stream_nll
+from moesub.io import write_parquet
+from moesub.models import RouterHook, moe_info, stream_nll
 from moesub.params import options_from
 from moesub.policy import CORE_BUILD_ID, forced_substitution
 
@@ -272,14 +272,9 @@ def run_expb(
     if not isinstance(target_mass, (int, float)) or not 0.0 < float(target_mass) < 1.0:
         raise ValueError(f"target_mass must be a number in (0, 1), got {target_mass!r}")
 
-    token_meta = read_metadata(tokens_path)
-    dtype = opts.dtype or token_meta.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise ValueError(f"tokens_path: capture dtype {dtype!r} not in {sorted(DTYPES)}")
-    model, _tokenizer = load_model(model_dir, dtype=DTYPES[dtype], device=opts.torch_device())
-    info = moe_info(model)
-    check_geometry(token_meta, info, "tokens_path")
-    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    model, info, tokens, dtype = load_for_capture(
+        model_dir, tokens_path, opts.dtype, opts.torch_device()
+    )
     if opts.resident == "all":
         resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
         capacity = info.num_experts
