@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers as tf
+from test_emulate import VOCAB, E, K, L, tiny_model  # the one tiny-model builder
 
 from moesub.emulate import emulate_stream, greedy_decode
 from moesub.engine import EngineDecodeResult, generate, open_engine
@@ -16,37 +16,16 @@ from moesub.engine import decode as decode_mod
 from moesub.engine.cache import DiskTier
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
-from moesub.models import moe_blocks
 from moesub.policy import SUB, Policy, scan
 from moesub.synthetic import synthetic_logits
 
-VOCAB, E, K, L, FRACTION, C = 97, 16, 4, 4, 0.375, 6
+FRACTION, C = 0.375, 6
 QUALITY = {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5}
 SPEED = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
 # prompts of 1 to 9 tokens; under QUALITY the second one triggers background admissions
 PROMPTS = [[75], [52, 84, 46, 37, 8, 45], [89, 43, 6, 70], [63, 75, 83, 23, 58, 78, 27, 35, 81]]
 NEW = 12
 ACT = torch.nn.functional.silu
-
-
-def tiny_model(seed: int = 0):
-    """Random Qwen3-Next (3 linear + 1 full attention layers, shared expert); router and experts
-    scaled up so that routing is decisive and substitutions change later routing."""
-    torch.manual_seed(seed)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, num_hidden_layers=L, head_dim=16, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, norm_topk_prob=True, bos_token_id=0,
-        eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for block in moe_blocks(model):
-        torch.nn.init.normal_(block.gate.weight, std=0.5)
-        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.4)
-        torch.nn.init.normal_(block.experts.down_proj, std=0.4)
-    return model
 
 
 @pytest.fixture(scope="module", autouse=True)
