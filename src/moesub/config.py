@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moesub.policy import EVICTIONS, RULES
+
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
-RULES = ("fetch_all", "substitute_all", "first_choice", "threshold", "host_compute")
-EVICTIONS = ("lru", "lfu")
+
+
 POLICY_DEFAULTS: dict[str, Any] = {"tau": 0.0, "eviction": "lru", "beta": 0.0, "delay": 1}
 # The engine's reserved policy name: every expert in fast memory (the floor on time per token).
 # It may be listed in engine.policies / engine.bench.policies but not defined under policies:.
