@@ -6,7 +6,10 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
+#include <string>
 
 #include "policy.hpp"
 #include "simulate.hpp"
@@ -77,7 +80,9 @@ NB_MODULE(_core, m) {
       .def("pending", &LayerCache::pending, nb::arg("expert"))
       .def_prop_ro("t", &LayerCache::t);
 
-  // Whole-stream scan: every layer of a (T, L, E) trace, one after another, into (T, L, k) outputs.
+  // Whole-stream scan of a (T, L, E) trace into (T, L, k) outputs. Tokens go in blocks of 16
+  // through all L layer caches, so the trace and the outputs are read and written front to back.
+  // A NaN/inf logit raises ValueError naming its (token, layer, expert); outputs are then junk.
   m.def("scan",
         [](Array<const float, 3> logits, int k, int C, int rule, double tau, int eviction,
            double beta, int64_t delay, std::optional<Array<const int32_t, 2>> initial,
@@ -87,11 +92,29 @@ NB_MODULE(_core, m) {
           const PolicyParams p = make_policy(rule, tau, eviction, beta, delay);
           const int32_t* init = initial ? initial->data() : nullptr;
           nb::gil_scoped_release release;
-          for (int64_t l = 0; l < L; ++l) {
-            LayerCache cache(static_cast<int>(E), k, C, p, init ? init + l * C : nullptr, false);
-            StepOut out{ids.data() + l * k, weights.data() + l * k, status.data() + l * k,
-                        selected.data() + l * k, nullptr, L * k, mass.data() + l, L, nullptr};
-            cache.step(logits.data() + l * E, T, L * E, out);
+          std::vector<LayerCache> caches;
+          caches.reserve(L);
+          for (int64_t l = 0; l < L; ++l)
+            caches.emplace_back(static_cast<int>(E), k, C, p, init ? init + l * C : nullptr, false);
+          constexpr int64_t kBlock = 1;
+          for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
+            const int64_t n = std::min(kBlock, T - t0);
+            for (int64_t l = 0; l < L; ++l) {
+              const int64_t row = t0 * L + l;
+              StepOut out{ids.data() + row * k, weights.data() + row * k, status.data() + row * k,
+                          selected.data() + row * k, nullptr, L * k, mass.data() + row, L, nullptr};
+              try {
+                caches[l].step(logits.data() + row * E, n, L * E, out);
+              } catch (const NonFiniteLogits& bad) {
+                const int64_t t = t0 + bad.token;
+                const float* z = logits.data() + (t * L + l) * E;
+                int64_t e = 0;
+                while (std::isfinite(z[e])) ++e;
+                throw std::invalid_argument("logits: contain NaN or inf (at index (" +
+                                            std::to_string(t) + ", " + std::to_string(l) + ", " +
+                                            std::to_string(e) + "))");
+              }
+            }
           }
         });
 

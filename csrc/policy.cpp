@@ -1,10 +1,57 @@
 #include "policy.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
+
+// The top-k filter is plain C++ that compilers vectorize; on x86-64 Linux an AVX2 clone is picked
+// at load time. Only exact operations (compare, max) are vectorized, so every clone gives
+// bit-identical results.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define MOESUB_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MOESUB_SIMD_CLONES
+#endif
 
 namespace moesub {
+
+// Short vectors (GCC/Clang vector extensions: AVX2 or SSE on x86, NEON on Arm) for the few
+// loops compilers do not vectorize on their own. Only exact operations are used.
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+static inline f32x8 load(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline i32x8 load(const int32_t* p) {
+  i32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+typedef int64_t i64x4 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+static inline i64x4 load(const int64_t* p) {
+  i64x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline i32x4 load4(const int32_t* p) {
+  i32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline f32x8 broadcast(float x) { return f32x8{} + x; }
+static inline i64x4 broadcast(int64_t x) { return i64x4{} + x; }
+static inline i32x4 broadcast4(int32_t x) { return i32x4{} + x; }
+static inline i32x8 broadcast(int32_t x) { return i32x8{} + x; }
+static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) { return mask ? a : b; }
+static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return mask ? a : b; }
+static inline i64x4 select(i64x4 mask, i64x4 a, i64x4 b) { return mask ? a : b; }
+static inline i32x4 select(i32x4 mask, i32x4 a, i32x4 b) { return mask ? a : b; }
 
 // Insert (v, e) into a sorted top-k list of n entries; a later expert displaces an earlier one
 // only if its logit is strictly larger, so equal logits keep the lower id first.
@@ -20,56 +67,135 @@ static inline void topk_insert(float v, int32_t e, int k, int& n, int32_t* ids, 
   ids[pos] = e;
 }
 
-void select_topk(const float* z, int E, int k, int32_t* ids, float* vals) {
-  // Fast path: the k-th largest block maximum is a lower bound on the k-th largest logit, so
-  // only the few logits reaching it are candidates; candidates are then placed by their rank
-  // (logit descending, ties to the lower id) without data-dependent branches.
-  // Reference path (small E): plain insertion over all experts.
-  constexpr int B = 16, kMaxE = 4096;
-  const int nb = E / B;
-  if (nb < k || E > kMaxE) {
-    int n = 0;
-    for (int e = 0; e < E; ++e) topk_insert(z[e], e, k, n, ids, vals);
-    return;
+// Reference path: plain insertion over every expert.
+static bool topk_by_insertion(const float* z, int E, int k, int32_t* ids, float* vals) {
+  int n = 0;
+  for (int e = 0; e < E; ++e) {
+    if (!std::isfinite(z[e])) return false;
+    topk_insert(z[e], e, k, n, ids, vals);
   }
-  float bmax[kMaxE / B];
-  for (int b = 0; b < nb; ++b) {
-    const float* zb = z + b * B;
-    float m = zb[0];
-    for (int i = 1; i < B; ++i) m = zb[i] > m ? zb[i] : m;
-    bmax[b] = m;
+  return true;
+}
+
+// Fast path. Lane i holds experts i, i + 32, i + 64, ...; the k-th largest lane maximum `thr` is
+// reached by at least k logits, so it bounds the k-th largest logit from below, and candidates
+// are the logits >= thr. One pass keeps each lane's maximum, its expert and the runner-up, so a
+// top lane is rescanned only if its runner-up also reaches thr. Stages avoid data-dependent
+// branches: candidates sit at random positions, and mispredictions cost more than the work.
+constexpr int kLanes = 32, kVecs = kLanes / 8, kMaxFastE = 4096, kRankWidth = 16;
+
+MOESUB_SIMD_CLONES
+static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* vals) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  // 1. per lane: maximum, its expert, runner-up; and a finiteness probe (x * 0 is NaN exactly
+  // when x is NaN or inf)
+  f32x8 m[kVecs], m2[kVecs], probe[kVecs];
+  i32x8 arg[kVecs], lane[kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    for (int i = 0; i < 8; ++i) lane[v][i] = 8 * v + i;
+    m[v] = load(z + 8 * v);
+    m2[v] = broadcast(-kInf);
+    probe[v] = m[v] * 0.0f;
+    arg[v] = lane[v];
   }
-  // thr = the k-th largest block maximum: the smallest maximum with fewer than k above it
-  float thr = std::numeric_limits<float>::infinity();
-  for (int b = 0; b < nb; ++b) {
-    int above = 0;
-    for (int j = 0; j < nb; ++j) above += bmax[j] > bmax[b];
-    thr = (above < k && bmax[b] < thr) ? bmax[b] : thr;
+  const int full = E / kLanes * kLanes;
+  for (int j = kLanes; j < full; j += kLanes)
+    for (int v = 0; v < kVecs; ++v) {
+      const f32x8 x = load(z + j + 8 * v);
+      const i32x8 gt = x > m[v];
+      m2[v] = select(gt, m[v], select(x > m2[v], x, m2[v]));
+      arg[v] = select(gt, lane[v] + j, arg[v]);
+      m[v] = select(gt, x, m[v]);
+      probe[v] += x * 0.0f;
+    }
+  float lane_m[kLanes], lane_m2[kLanes];
+  int32_t lane_arg[kLanes];
+  for (int v = 0; v < kVecs; ++v) {
+    std::memcpy(lane_m + 8 * v, &m[v], sizeof m[v]);
+    std::memcpy(lane_m2 + 8 * v, &m2[v], sizeof m2[v]);
+    std::memcpy(lane_arg + 8 * v, &arg[v], sizeof arg[v]);
   }
-  int32_t cand[kMaxE];
-  float cval[kMaxE];
+  bool finite = true;
+  for (int v = 0; v < kVecs; ++v)
+    for (int i = 0; i < 8; ++i) finite &= probe[v][i] == 0.0f;
+  for (int e = full; e < E; ++e) {  // ragged tail
+    const int i = e - full;
+    const float x = z[e];
+    finite &= std::isfinite(x);
+    lane_m2[i] = x > lane_m[i] ? lane_m[i] : (x > lane_m2[i] ? x : lane_m2[i]);
+    lane_arg[i] = x > lane_m[i] ? e : lane_arg[i];
+    lane_m[i] = x > lane_m[i] ? x : lane_m[i];
+  }
+  if (!finite) return false;
+  for (int v = 0; v < kVecs; ++v) m[v] = load(lane_m + 8 * v);  // with the tail
+  // 2. top lanes: fewer than k lane maxima strictly above; thr = the smallest of their maxima
+  i32x8 above[kVecs] = {};
+  for (int i = 0; i < kLanes; ++i) {
+    const f32x8 mi = broadcast(lane_m[i]);
+    for (int v = 0; v < kVecs; ++v) above[v] -= mi > m[v];  // a true mask is -1
+  }
+  f32x8 top_m = broadcast(kInf);
+  for (int v = 0; v < kVecs; ++v) {
+    const f32x8 mv = select(above[v] < broadcast(k), m[v], broadcast(kInf));
+    top_m = select(mv < top_m, mv, top_m);
+  }
+  float thr = kInf;
+  for (int i = 0; i < 8; ++i) thr = top_m[i] < thr ? top_m[i] : thr;
+  // 3. candidates: each top lane's maximum, plus its other logits >= thr if its runner-up
+  // reaches thr (a rare rescan)
+  int32_t cand[kMaxFastE];
+  float cval[kMaxFastE];
   int nc = 0;
-  for (int b = 0; b < nb; ++b) {
-    if (bmax[b] < thr) continue;
-    for (int e = b * B; e < (b + 1) * B; ++e) {
+  uint32_t rescan = 0;
+  for (int i = 0; i < kLanes; ++i) {
+    cand[nc] = lane_arg[i];
+    cval[nc] = lane_m[i];
+    nc += lane_m[i] >= thr;
+    rescan |= static_cast<uint32_t>(lane_m2[i] >= thr) << i;
+  }
+  for (; rescan; rescan &= rescan - 1) {
+    const int i = __builtin_ctz(rescan);
+    for (int e = i; e < E; e += kLanes) {
       cand[nc] = e;
       cval[nc] = z[e];
-      nc += z[e] >= thr;
+      nc += (z[e] >= thr) & (e != lane_arg[i]);
     }
   }
-  for (int e = nb * B; e < E; ++e) {  // ragged tail
-    cand[nc] = e;
-    cval[nc] = z[e];
-    nc += z[e] >= thr;
+  // 4. rank = candidates before it in (logit descending, id ascending). Ranks are a permutation,
+  // so each candidate is written to its rank unconditionally. Up to 16 candidates (the common
+  // case) are padded to a fixed width; more (exact ties) go through insertion.
+  if (nc > kRankWidth) {
+    for (int a = 1; a < nc; ++a)  // restore id order for insertion's tie rule
+      for (int b = a; b > 0 && cand[b] < cand[b - 1]; --b) {
+        std::swap(cand[b], cand[b - 1]);
+        std::swap(cval[b], cval[b - 1]);
+      }
+    int n = 0;
+    for (int a = 0; a < nc; ++a) topk_insert(cval[a], cand[a], k, n, ids, vals);
+    return true;
   }
-  for (int i = 0; i < nc; ++i) {  // candidates are in id order: j < i means a lower id
-    int rank = 0;
-    for (int j = 0; j < nc; ++j) rank += (cval[j] > cval[i]) | ((cval[j] == cval[i]) & (j < i));
-    if (rank < k) {
-      ids[rank] = cand[i];
-      vals[rank] = cval[i];
-    }
+  for (int a = nc; a < kRankWidth; ++a) {  // distinct padding ranks after every candidate
+    cand[a] = std::numeric_limits<int32_t>::max() - a;
+    cval[a] = -std::numeric_limits<float>::infinity();
   }
+  int32_t ranked_ids[kRankWidth];
+  float ranked_vals[kRankWidth];
+  int32_t rank[kRankWidth] = {};
+  for (int b = 0; b < kRankWidth; ++b)
+    for (int a = 0; a < kRankWidth; ++a)
+      rank[a] += (cval[b] > cval[a]) | ((cval[b] == cval[a]) & (cand[b] < cand[a]));
+  for (int a = 0; a < kRankWidth; ++a) {
+    ranked_ids[rank[a]] = cand[a];
+    ranked_vals[rank[a]] = cval[a];
+  }
+  std::copy(ranked_ids, ranked_ids + k, ids);
+  std::copy(ranked_vals, ranked_vals + k, vals);
+  return true;
+}
+
+bool select_topk(const float* z, int E, int k, int32_t* ids, float* vals) {
+  if (E < kLanes || E > kMaxFastE || k > kLanes) return topk_by_insertion(z, E, k, ids, vals);
+  return topk_by_lanes(z, E, k, ids, vals);
 }
 
 void gate_weights(const float* vals, int k, double* w) {
@@ -82,97 +208,130 @@ void gate_weights(const float* vals, int k, double* w) {
   for (int r = 0; r < k; ++r) w[r] /= sum;
 }
 
-LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
-    : E_(E), k_(k), C_(C), p_(p), external_(external), slot_of_(E, -1), expert_in_slot_(C, -1),
-      freq_(E, 0), last_(E, -1), acc_(E, 0.0), pending_(E, 0), stamp_(E, -1), sel_(k), vals_(k),
-      w_(k) {
-  if (k < 1 || k > kMaxTopK || C < k || C > E)
-    throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
-  for (int s = 0; s < C; ++s) {
-    const int32_t e = initial ? initial[s] : s;
-    if (e < 0 || e >= E || slot_of_[e] != -1)
-      throw std::invalid_argument("initial resident set must hold distinct experts in [0, E)");
-    slot_of_[e] = s;
-    expert_in_slot_[s] = e;
-  }
-}
+// Substitute choice of step 5 over prepared candidates: zs[s] is the logit of the expert in slot
+// s, or kExcluded if it may not stand in (it is already in the token's computed set). Returns the
+// expert with the highest logit, ties to the lower id; -1 if none. Callers fill zs once per token
+// and exclude each pick, so a substitution costs two branch-free passes over C floats.
+constexpr float kExcluded = -std::numeric_limits<float>::infinity();  // logits are finite
 
-int32_t LayerCache::pick_victim() const {
-  int32_t best = -1;
-  for (int s = 0; s < C_; ++s) {
-    const int32_t e = expert_in_slot_[s];
-    if (e < 0 || stamp_[e] == t_) continue;  // empty, or pinned by the current token
-    if (best < 0) {
-      best = e;
-      continue;
-    }
-    bool less;
-    if (p_.eviction == Eviction::Lfu && freq_[e] != freq_[best])
-      less = freq_[e] < freq_[best];
-    else if (last_[e] != last_[best])
-      less = last_[e] < last_[best];
-    else
-      less = e < best;
-    if (less) best = e;
+MOESUB_SIMD_CLONES
+static int32_t best_substitute(const float* zs, const int32_t* resident, int C) {
+  const int full = C / 8 * 8;
+  f32x8 vmax = broadcast(kExcluded);
+  for (int s = 0; s < full; s += 8) vmax = select(load(zs + s) > vmax, load(zs + s), vmax);
+  float best_z = kExcluded;
+  for (int i = 0; i < 8; ++i) best_z = vmax[i] > best_z ? vmax[i] : best_z;
+  for (int s = full; s < C; ++s) best_z = zs[s] > best_z ? zs[s] : best_z;
+  if (best_z == kExcluded) return -1;
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+  i32x8 vbest = broadcast(kNone);
+  for (int s = 0; s < full; s += 8) {
+    const i32x8 e = select(load(zs + s) == broadcast(best_z), load(resident + s), broadcast(kNone));
+    vbest = select(e < vbest, e, vbest);
   }
-  return best;
-}
-
-int32_t LayerCache::insert(int32_t e) {
-  // The cache is always full (it starts from C residents), so every insertion evicts.
-  const int32_t victim = pick_victim();
-  if (victim < 0) throw std::logic_error("policy core: no evictable expert (all pinned)");
-  const int32_t slot = slot_of_[victim];
-  slot_of_[victim] = -1;
-  ++counters_.evictions;
-  slot_of_[e] = slot;
-  expert_in_slot_[slot] = e;
-  return slot;
-}
-
-int32_t best_substitute(const float* z, const int32_t* resident, int C, const int64_t* stamp,
-                        int64_t t) {
-  int32_t best = -1;
-  for (int s = 0; s < C; ++s) {
-    const int32_t e = resident[s];
-    if (e < 0 || stamp[e] == t) continue;  // not resident, or already in the computed set
-    if (best < 0 || z[e] > z[best] || (z[e] == z[best] && e < best)) best = e;
-  }
+  int32_t best = kNone;
+  for (int i = 0; i < 8; ++i) best = vbest[i] < best ? vbest[i] : best;
+  for (int s = full; s < C; ++s) best = (zs[s] == best_z && resident[s] < best) ? resident[s] : best;
   return best;
 }
 
 void forced_substitution(const float* logits, int64_t T, int E, int k, const int32_t* resident,
                          int C, const uint8_t* sub_mask, int32_t* ids, double* weights,
                          int32_t* selected) {
-  std::vector<int64_t> stamp(E, -1);
-  std::vector<float> vals(k);
+  std::vector<int32_t> slot_of(E, -1);
+  for (int s = 0; s < C; ++s) slot_of[resident[s]] = s;
+  std::vector<float> vals(k), zs(C);
   for (int64_t t = 0; t < T; ++t) {
     const float* z = logits + t * E;
     int32_t* sel = selected + t * k;
-    select_topk(z, E, k, sel, vals.data());
+    if (!select_topk(z, E, k, sel, vals.data())) throw NonFiniteLogits(t);
     gate_weights(vals.data(), k, weights + t * k);
     // Every selected expert that is not substituted is computed exactly; a substituted one
     // cannot stand in for itself or for another selected expert either.
+    for (int s = 0; s < C; ++s) zs[s] = z[resident[s]];
     for (int r = 0; r < k; ++r) {
       ids[t * k + r] = sel[r];
-      stamp[sel[r]] = t;
+      if (slot_of[sel[r]] >= 0) zs[slot_of[sel[r]]] = kExcluded;
     }
     for (int r = 0; r < k; ++r) {
       if (!sub_mask[t * k + r]) continue;
-      const int32_t s = best_substitute(z, resident, C, stamp.data(), t);
+      const int32_t s = best_substitute(zs.data(), resident, C);
       if (s < 0) throw std::invalid_argument("forced_substitution: no substitute candidate left");
       ids[t * k + r] = s;
-      stamp[s] = t;
+      zs[slot_of[s]] = kExcluded;
     }
   }
+}
+
+LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
+    : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
+      key_(C), acc_(E, 0.0), sel_(k), vals_(k), w_(k), zs_(C) {
+  if (k < 1 || k > kMaxTopK || C < k || C > E)
+    throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
+  for (int s = 0; s < C; ++s) {
+    const int32_t e = initial ? initial[s] : s;
+    if (e < 0 || e >= E || expert_[e].slot != -1)
+      throw std::invalid_argument("initial resident set must hold distinct experts in [0, E)");
+    expert_[e].slot = s;
+    expert_in_slot_[s] = e;
+    key_[s] = eviction_key(e);
+  }
+}
+
+// Eviction order (smallest first): lfu (freq, last use, id); lru (last use, id). The key packs
+// the first two (last use + 1, so never-used experts with last = -1 come first); ties on the key
+// go to the lower id in pick_victim.
+int64_t LayerCache::eviction_key(int32_t e) const {
+  const int64_t recency = expert_[e].last + 1;
+  return p_.eviction == Eviction::Lfu ? (static_cast<int64_t>(expert_[e].freq) << 32) | recency : recency;
+}
+
+MOESUB_SIMD_CLONES
+static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, int64_t pinned) {
+  // Two branch-free passes: the smallest key, then the lowest id holding it.
+  const int full = C / 4 * 4;
+  i64x4 vmin = broadcast(pinned);
+  for (int s = 0; s < full; s += 4) vmin = select(load(key + s) < vmin, load(key + s), vmin);
+  int64_t best_key = pinned;
+  for (int i = 0; i < 4; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
+  for (int s = full; s < C; ++s) best_key = key[s] < best_key ? key[s] : best_key;
+  if (best_key == pinned) return -1;
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+  i32x4 vbest = broadcast4(kNone);
+  for (int s = 0; s < full; s += 4) {
+    const i32x4 holds = __builtin_convertvector(load(key + s) == broadcast(best_key), i32x4);
+    const i32x4 e = select(holds, load4(expert + s), broadcast4(kNone));
+    vbest = select(e < vbest, e, vbest);
+  }
+  int32_t best = kNone;
+  for (int i = 0; i < 4; ++i) best = vbest[i] < best ? vbest[i] : best;
+  for (int s = full; s < C; ++s) best = (key[s] == best_key && expert[s] < best) ? expert[s] : best;
+  return best;
+}
+
+int32_t LayerCache::pick_victim() const {
+  return smallest_key(key_.data(), expert_in_slot_.data(), C_, kPinned);
+}
+
+std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
+  // The cache is always full (it starts from C residents), so every insertion evicts.
+  const int32_t victim = pick_victim();
+  if (victim < 0) throw std::logic_error("policy core: no evictable expert (all pinned)");
+  const int32_t slot = expert_[victim].slot;
+  expert_[victim].slot = -1;
+  ++counters_.evictions;
+  expert_[e].slot = slot;
+  expert_in_slot_[slot] = e;
+  key_[slot] = eviction_key(e);
+  return {slot, victim};
 }
 
 void LayerCache::apply_ready_admissions() {
   while (!queue_.empty() && queue_.begin()->first <= t_) {
     const int32_t e = queue_.begin()->second;
     queue_.erase(queue_.begin());
-    pending_[e] = 0;
-    if (slot_of_[e] >= 0) continue;
+    expert_[e].pending = false;
+    if (expert_[e].slot >= 0) continue;
     insert(e);
     ++counters_.admissions;
   }
@@ -180,38 +339,36 @@ void LayerCache::apply_ready_admissions() {
 
 std::pair<int32_t, int32_t> LayerCache::admit(int32_t e) {
   if (!external_) throw std::invalid_argument("admit() needs external_admission=True");
-  if (e < 0 || e >= E_ || !pending_[e])
+  if (e < 0 || e >= E_ || !expert_[e].pending)
     throw std::invalid_argument("admit(): expert has no pending admission");
-  pending_[e] = 0;
-  if (slot_of_[e] >= 0) return {slot_of_[e], -1};
-  // Between tokens nothing is pinned: stamps hold earlier tokens only.
-  const int32_t evicted = pick_victim();
-  const int32_t slot = insert(e);
+  expert_[e].pending = false;
+  if (expert_[e].slot >= 0) return {expert_[e].slot, -1};
   ++counters_.admissions;
-  return {slot, evicted};
+  return insert(e);  // between tokens nothing is pinned
 }
 
 void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out) {
-  const bool host = p_.rule == Rule::HostCompute;
+  if (t_ + T > kMaxTokens)
+    throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
   for (int64_t i = 0; i < T; ++i, ++t_) {
     const float* z = logits + i * row_stride;
     // 1. admissions that are ready
     if (!external_) apply_ready_admissions();
     // 2. selection
-    select_topk(z, E_, k_, sel_.data(), vals_.data());
+    if (!select_topk(z, E_, k_, sel_.data(), vals_.data())) throw NonFiniteLogits(i);
     gate_weights(vals_.data(), k_, w_.data());
     const int64_t o = i * out.k_stride;
     int8_t st[kMaxTopK];
     int32_t ids[kMaxTopK], slots[kMaxTopK];
-    for (int r = 0; r < k_; ++r) ++freq_[sel_[r]];
-    // 3. classify; hits join the computed set (and are pinned) at once
+    for (int r = 0; r < k_; ++r) ++expert_[sel_[r]].freq;
+    // 3. classify; hits join the computed set at once, which pins them (eviction key = kPinned)
     for (int r = 0; r < k_; ++r) {
       const int32_t e = sel_[r];
       ids[r] = e;
-      slots[r] = slot_of_[e];
-      if (slot_of_[e] >= 0) {
+      slots[r] = expert_[e].slot;
+      if (slots[r] >= 0) {
         st[r] = HIT;
-        stamp_[e] = t_;
+        key_[slots[r]] = kPinned;
         continue;
       }
       switch (p_.rule) {
@@ -221,45 +378,53 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
         case Rule::Threshold: st[r] = (r == 0 || w_[r] >= p_.tau) ? FETCH : SUB; break;
         case Rule::HostCompute: st[r] = HOST; break;
       }
-      if (host) stamp_[e] = t_;
     }
     // 4. fetches in rank order
     for (int r = 0; r < k_; ++r) {
       if (st[r] != FETCH) continue;
       const int32_t e = sel_[r];
-      slots[r] = insert(e);
-      stamp_[e] = t_;
+      slots[r] = insert(e).first;
+      key_[slots[r]] = kPinned;
       acc_[e] = 0.0;
     }
-    // 5. substitutions in rank order
+    // 5. substitutions in rank order; candidates are the residents not pinned by now
     double m = 0.0;
+    bool candidates_ready = false;
     for (int r = 0; r < k_; ++r) {
       if (st[r] != SUB) continue;
       const int32_t e = sel_[r];
-      const int32_t s = best_substitute(z, expert_in_slot_.data(), C_, stamp_.data(), t_);
+      if (!candidates_ready) {  // residents, less the computed set so far (hits, fetches)
+        for (int s = 0; s < C_; ++s) zs_[s] = z[expert_in_slot_[s]];
+        for (int q = 0; q < k_; ++q)
+          if (st[q] == HIT || st[q] == FETCH) zs_[slots[q]] = kExcluded;
+        candidates_ready = true;
+      }
+      const int32_t s = best_substitute(zs_.data(), expert_in_slot_.data(), C_);
       if (s < 0) {  // unreachable with a full cache and k <= C; kept for the contract
         st[r] = FORCED;
-        slots[r] = insert(e);
-        stamp_[e] = t_;
+        slots[r] = insert(e).first;
+        key_[slots[r]] = kPinned;
+        zs_[slots[r]] = kExcluded;
         acc_[e] = 0.0;
         continue;
       }
       ids[r] = s;
-      slots[r] = slot_of_[s];
-      stamp_[s] = t_;
+      slots[r] = expert_[s].slot;
+      key_[slots[r]] = kPinned;
+      zs_[slots[r]] = kExcluded;
       m += w_[r];
       acc_[e] += w_[r];
-      if (p_.beta > 0.0 && acc_[e] >= p_.beta && !pending_[e]) {
-        pending_[e] = 1;
+      if (p_.beta > 0.0 && acc_[e] >= p_.beta && !expert_[e].pending) {
+        expert_[e].pending = true;
         acc_[e] = 0.0;
         ++counters_.admission_requests;
         if (!external_) queue_.emplace(t_ + p_.delay, e);
         if (out.admissions) out.admissions->emplace_back(t_, e);
       }
     }
-    // 6. recency; outputs; counters
+    // 6. recency, which also unpins the computed residents; counters
     for (int r = 0; r < k_; ++r) {
-      last_[ids[r]] = t_;
+      expert_[ids[r]].last = static_cast<int32_t>(t_);
       switch (st[r]) {
         case HIT: ++counters_.hit; break;
         case FETCH: ++counters_.fetch; break;
@@ -267,7 +432,10 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
         case HOST: ++counters_.host; break;
         case FORCED: ++counters_.forced; break;
       }
-      if (st[r] == HOST) slots[r] = -1;
+      if (st[r] == HOST)
+        slots[r] = -1;
+      else
+        key_[slots[r]] = eviction_key(ids[r]);
     }
     ++counters_.tokens;
     if (out.ids) std::copy(ids, ids + k_, out.ids + o);
@@ -284,7 +452,8 @@ int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, i
   // Selections of every token, then each (token, rank)'s next use of the same expert.
   std::vector<int32_t> sel(T * k);
   std::vector<float> vals(k);
-  for (int64_t t = 0; t < T; ++t) select_topk(logits + t * row_stride, E, k, &sel[t * k], vals.data());
+  for (int64_t t = 0; t < T; ++t)
+    if (!select_topk(logits + t * row_stride, E, k, &sel[t * k], vals.data())) throw NonFiniteLogits(t);
   const int64_t never = std::numeric_limits<int64_t>::max();
   std::vector<int64_t> next_after(T * k), upcoming(E, never);
   for (int64_t t = T - 1; t >= 0; --t) {

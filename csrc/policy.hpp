@@ -4,7 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,16 +46,20 @@ struct StepOut {
   std::vector<std::pair<int64_t, int32_t>>* admissions = nullptr;  // (token, expert) enqueued
 };
 
-// Top-k of one logit row: ranked by logit descending, ties to the lower id.
-void select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out);
+// A logit row held NaN or inf; `token` is the row's index within the call.
+struct NonFiniteLogits : std::invalid_argument {
+  explicit NonFiniteLogits(int64_t t)
+      : std::invalid_argument("logits: contain NaN or inf (token " + std::to_string(t) + ")"),
+        token(t) {}
+  int64_t token;
+};
+
+// Top-k of one logit row: ranked by logit descending, ties to the lower id. Returns false (and
+// leaves the outputs undefined) if the row holds NaN or inf.
+bool select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out);
 
 // Normalized gate weights of the selected logits (float64), in rank order.
 void gate_weights(const float* vals, int k, double* w_out);
-
-// Substitute choice of step 5: the resident expert with the highest logit that is not in the
-// token's computed set (stamp == t), ties to the lower id; -1 if none.
-int32_t best_substitute(const float* z, const int32_t* resident, int C, const int64_t* stamp,
-                        int64_t t);
 
 // Experiment B: substitute exactly the ranks in `sub_mask` (T, k) from a static resident set;
 // every other selected expert is computed exactly. Candidates exclude all selected experts.
@@ -66,7 +73,8 @@ class LayerCache {
   LayerCache(int num_experts, int k, int capacity, PolicyParams policy, const int32_t* initial,
              bool external_admission);
 
-  // Process `T` consecutive tokens; `logits` rows are `row_stride` floats apart.
+  // Process `T` consecutive tokens; `logits` rows are `row_stride` floats apart. Throws
+  // NonFiniteLogits at a NaN/inf row, after the rows before it were processed.
   void step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out);
 
   // External-admission mode: the copy of `expert` completed; make it resident now.
@@ -76,29 +84,39 @@ class LayerCache {
   int64_t t() const { return t_; }
   const std::vector<int32_t>& resident() const { return expert_in_slot_; }
   const Counters& counters() const { return counters_; }
-  bool pending(int32_t expert) const { return pending_[expert] != 0; }
+  bool pending(int32_t expert) const { return expert_[expert].pending; }
 
  private:
-  int32_t pick_victim() const;             // unpinned resident with the smallest eviction key
-  int32_t insert(int32_t expert);          // evicts a victim; returns the freed slot
+  // Eviction keys are kept per slot, so choosing a victim is a branch-free pass over C keys.
+  // A resident in the current token's computed set is pinned: its key is kPinned until step 6.
+  static constexpr int64_t kPinned = std::numeric_limits<int64_t>::max();
+  static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
+  int64_t eviction_key(int32_t expert) const;
+  int32_t pick_victim() const;                    // resident with the smallest key, -1 if pinned
+  std::pair<int32_t, int32_t> insert(int32_t e);  // evicts the victim: (freed slot, victim)
   void apply_ready_admissions();
 
   int E_, k_, C_;
   PolicyParams p_;
   bool external_;
   int64_t t_ = 0;
-  std::vector<int32_t> slot_of_;         // E: slot or -1
+  struct Expert {  // per-expert state, together: a token touches it for each selected expert
+    int32_t slot = -1;   // cache slot, -1 if not resident
+    int32_t freq = 0;    // times selected
+    int32_t last = -1;   // last token it was computed at
+    bool pending = false;  // an admission is queued
+  };
+  std::vector<Expert> expert_;           // E
   std::vector<int32_t> expert_in_slot_;  // C: expert or -1
-  std::vector<int64_t> freq_, last_;
+  std::vector<int64_t> key_;             // C: eviction key of the slot's expert, or kPinned
   std::vector<double> acc_;
-  std::vector<uint8_t> pending_;
   std::set<std::pair<int64_t, int32_t>> queue_;  // (ready time, expert)
-  std::vector<int64_t> stamp_;                   // token at which the expert joined the computed set
   Counters counters_;
   // scratch
   std::vector<int32_t> sel_;
   std::vector<float> vals_;
   std::vector<double> w_;
+  std::vector<float> zs_;  // best_substitute's scratch
 };
 
 // Belady's optimal eviction for fetch-every-miss over one layer of a token stream: evict the

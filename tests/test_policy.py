@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -26,11 +27,11 @@ from moesub.policy import (
 
 
 @st.composite
-def cases(draw):
-    E = draw(st.integers(2, 20))
-    k = draw(st.integers(1, min(E, 6)))
+def cases(draw, num_experts=st.integers(2, 20), max_k=6, max_tokens=40):
+    E = draw(num_experts)
+    k = draw(st.integers(1, min(E, max_k)))
     C = draw(st.integers(k, E))
-    T = draw(st.integers(1, 40))
+    T = draw(st.integers(1, max_tokens))
     L = draw(st.integers(1, 3))
     rule = draw(st.sampled_from(RULES))
     beta = 0.0 if rule == "host_compute" else draw(st.sampled_from([0.0, 0.05, 0.3, 0.5, 1.0]))
@@ -67,8 +68,19 @@ def test_scan_matches_reference(case):
     assert_same(scan(logits, k, C, policy, initial), reference_scan(logits, k, C, policy, initial))
 
 
+# E >= 32 takes the core's lane-filtered top-k; E not a multiple of 32 leaves a ragged tail
+wide_cases = cases(num_experts=st.sampled_from([32, 45, 64, 70, 100]), max_k=12, max_tokens=25)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wide_cases)
+def test_scan_matches_reference_wide_rows(case):
+    logits, k, C, policy, initial = case
+    assert_same(scan(logits, k, C, policy, initial), reference_scan(logits, k, C, policy, initial))
+
+
 @settings(max_examples=150, deadline=None)
-@given(cases(), st.lists(st.integers(1, 15), min_size=1, max_size=6))
+@given(st.one_of(cases(), wide_cases), st.lists(st.integers(1, 15), min_size=1, max_size=6))
 def test_streaming_matches_whole_scan(case, chunks):
     logits, k, C, policy, initial = case
     T, L, E = logits.shape
@@ -287,13 +299,36 @@ def test_bad_layer_cache_arguments():
         ext.admit(5)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([160, 512, 1000]), st.sampled_from([1, 8, 10]))
-def test_topk_fast_path_matches_lexsort(seed, E, k):
-    """Large E takes the block-maximum fast path; check it against a full sort, ties included."""
+@settings(max_examples=120, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([32, 33, 63, 160, 512, 1000, 4096, 5000]),
+    st.sampled_from([1, 8, 10, 16, 32, 33]),
+    st.sampled_from(["normal", "duplicated", "constant"]),
+)
+def test_topk_fast_path_matches_lexsort(seed, E, k, kind):
+    """E >= 32 takes the lane-filtered fast path (up to E = 4096, k = 32); check every path
+    against a full sort: exact ties, a ragged tail, rows with one value."""
+    k = min(k, E)
     rng = np.random.default_rng(seed)
-    x = (rng.normal(size=(50, 1, E)) * 0.5).astype(np.float16).astype(np.float32)
-    x[::7, 0, : E // 2] = x[::7, 0, E // 2 : 2 * (E // 2)]  # exact duplicates across blocks
+    x = (rng.normal(size=(40, 1, E)) * 0.5).astype(np.float16).astype(np.float32)
+    if kind == "duplicated":  # exact duplicates across lanes and within them
+        x[:, 0, : E // 2] = x[:, 0, E // 2 : 2 * (E // 2)]
+        x[:, 0, ::32] = x[:, 0, :1]
+    elif kind == "constant":
+        x[:] = x[:, :, :1]
     got = scan(x, k, k, Policy()).selected[:, 0]
-    order = np.lexsort((np.arange(E)[None].repeat(50, 0), -x[:, 0]), axis=1)[:, :k]
+    order = np.lexsort((np.arange(E)[None].repeat(40, 0), -x[:, 0]), axis=1)[:, :k]
     np.testing.assert_array_equal(got, order)
+
+
+@pytest.mark.parametrize("E", [8, 64, 70])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_logits_found_in_every_top_k_path(E, bad):
+    """The core's own check (scan skips a separate NumPy pass): small rows, lanes, ragged tail."""
+    x = np.random.default_rng(0).normal(size=(5, 3, E)).astype(np.float32)
+    for where in [(0, 0, 0), (3, 2, E - 1), (4, 1, E // 2)]:
+        y = x.copy()
+        y[where] = bad
+        with pytest.raises(ValueError, match="NaN or inf.*" + re.escape(str(where))):
+            scan(y, 2, 4, Policy())
