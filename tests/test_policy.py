@@ -25,9 +25,11 @@ from moesub.policy import (
     scan,
 )
 
+SMALL_E = st.integers(2, 20)
+
 
 @st.composite
-def cases(draw, num_experts=st.integers(2, 20), max_k=6, max_tokens=40):
+def cases(draw, num_experts=SMALL_E, max_k=6, max_tokens=40):
     E = draw(num_experts)
     k = draw(st.integers(1, min(E, max_k)))
     C = draw(st.integers(k, E))
