@@ -80,8 +80,8 @@ NB_MODULE(_core, m) {
       .def("pending", &LayerCache::pending, nb::arg("expert"))
       .def_prop_ro("t", &LayerCache::t);
 
-  // Whole-stream scan of a (T, L, E) trace into (T, L, k) outputs. Tokens go in blocks of 16
-  // through all L layer caches, so the trace and the outputs are read and written front to back.
+  // Whole-stream scan of a (T, L, E) trace into (T, L, k) outputs, token by token: the top-k of
+  // all L rows of a token first (the trace is read front to back), then each layer's cache.
   // A NaN/inf logit raises ValueError naming its (token, layer, expert); outputs are then junk.
   m.def("scan",
         [](Array<const float, 3> logits, int k, int C, int rule, double tau, int eviction,
@@ -93,28 +93,30 @@ NB_MODULE(_core, m) {
           const int32_t* init = initial ? initial->data() : nullptr;
           nb::gil_scoped_release release;
           std::vector<LayerCache> caches;
-          caches.reserve(L);
-          for (int64_t l = 0; l < L; ++l)
+          std::vector<StepOut> outs;
+          for (int64_t l = 0; l < L; ++l) {
             caches.emplace_back(static_cast<int>(E), k, C, p, init ? init + l * C : nullptr, false);
-          constexpr int64_t kBlock = 1;
-          for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
-            const int64_t n = std::min(kBlock, T - t0);
+            outs.push_back({ids.data() + l * k, weights.data() + l * k, status.data() + l * k,
+                            selected.data() + l * k, nullptr, L * k, mass.data() + l, L, nullptr});
+          }
+          std::vector<int32_t> sel(L * k);
+          std::vector<double> w(L * k);
+          float vals[kMaxTopK];
+          for (int64_t t = 0; t < T; ++t) {
+            const float* rows = logits.data() + t * L * E;
             for (int64_t l = 0; l < L; ++l) {
-              const int64_t row = t0 * L + l;
-              StepOut out{ids.data() + row * k, weights.data() + row * k, status.data() + row * k,
-                          selected.data() + row * k, nullptr, L * k, mass.data() + row, L, nullptr};
-              try {
-                caches[l].step(logits.data() + row * E, n, L * E, out);
-              } catch (const NonFiniteLogits& bad) {
-                const int64_t t = t0 + bad.token;
-                const float* z = logits.data() + (t * L + l) * E;
+              const float* z = rows + l * E;
+              if (!select_topk(z, static_cast<int>(E), k, &sel[l * k], vals)) {
                 int64_t e = 0;
                 while (std::isfinite(z[e])) ++e;
                 throw std::invalid_argument("logits: contain NaN or inf (at index (" +
                                             std::to_string(t) + ", " + std::to_string(l) + ", " +
                                             std::to_string(e) + "))");
               }
+              gate_weights(vals, k, &w[l * k]);
             }
+            for (int64_t l = 0; l < L; ++l)
+              caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t);
           }
         });
 

@@ -87,27 +87,29 @@ constexpr int kLanes = 32, kVecs = kLanes / 8, kMaxFastE = 4096, kRankWidth = 16
 MOESUB_SIMD_CLONES
 static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* vals) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  // 1. per lane: maximum, its expert, runner-up; and a finiteness probe (x * 0 is NaN exactly
-  // when x is NaN or inf)
-  f32x8 m[kVecs], m2[kVecs], probe[kVecs];
-  i32x8 arg[kVecs], lane[kVecs];
+  // 1. per lane: maximum, its expert, runner-up; and whether any logit is NaN or inf (all
+  // exponent bits set), in one accumulator so that the loop's state fits in registers
+  const i32x8 exponent = broadcast(int32_t{0x7f800000});
+  f32x8 m[kVecs], m2[kVecs];
+  i32x8 arg[kVecs], lane[kVecs], non_finite = {};
   for (int v = 0; v < kVecs; ++v) {
     for (int i = 0; i < 8; ++i) lane[v][i] = 8 * v + i;
     m[v] = load(z + 8 * v);
     m2[v] = broadcast(-kInf);
-    probe[v] = m[v] * 0.0f;
     arg[v] = lane[v];
+    non_finite |= (reinterpret_cast<i32x8>(m[v]) & exponent) == exponent;
   }
   const int full = E / kLanes * kLanes;
-  for (int j = kLanes; j < full; j += kLanes)
-    for (int v = 0; v < kVecs; ++v) {
-      const f32x8 x = load(z + j + 8 * v);
-      const i32x8 gt = x > m[v];
-      m2[v] = select(gt, m[v], select(x > m2[v], x, m2[v]));
-      arg[v] = select(gt, lane[v] + j, arg[v]);
-      m[v] = select(gt, x, m[v]);
-      probe[v] += x * 0.0f;
-    }
+  for (int half = 0; half < kVecs; half += 2)  // two vectors at a time: the state fits registers
+    for (int j = kLanes; j < full; j += kLanes)
+      for (int v = half; v < half + 2; ++v) {
+        const f32x8 x = load(z + j + 8 * v);
+        const i32x8 gt = x > m[v];
+        m2[v] = select(gt, m[v], select(x > m2[v], x, m2[v]));
+        arg[v] = select(gt, lane[v] + j, arg[v]);
+        m[v] = select(gt, x, m[v]);
+        non_finite |= (reinterpret_cast<i32x8>(x) & exponent) == exponent;
+      }
   float lane_m[kLanes], lane_m2[kLanes];
   int32_t lane_arg[kLanes];
   for (int v = 0; v < kVecs; ++v) {
@@ -116,8 +118,7 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
     std::memcpy(lane_arg + 8 * v, &arg[v], sizeof arg[v]);
   }
   bool finite = true;
-  for (int v = 0; v < kVecs; ++v)
-    for (int i = 0; i < 8; ++i) finite &= probe[v][i] == 0.0f;
+  for (int i = 0; i < 8; ++i) finite &= non_finite[i] == 0;
   for (int e = full; e < E; ++e) {  // ragged tail
     const int i = e - full;
     const float x = z[e];
@@ -200,8 +201,8 @@ bool select_topk(const float* z, int E, int k, int32_t* ids, float* vals) {
 
 void gate_weights(const float* vals, int k, double* w) {
   const double z1 = vals[0];
-  double sum = 0.0;
-  for (int r = 0; r < k; ++r) {
+  double sum = w[0] = 1.0;  // exp(0)
+  for (int r = 1; r < k; ++r) {
     w[r] = std::exp(static_cast<double>(vals[r]) - z1);
     sum += w[r];
   }
@@ -265,7 +266,7 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
 
 LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
     : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
-      key_(C), acc_(E, 0.0), sel_(k), vals_(k), w_(k), zs_(C) {
+      key_(C), acc_(E, 0.0), sel_(k), w_(k), zs_(C) {
   if (k < 1 || k > kMaxTopK || C < k || C > E)
     throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
   for (int s = 0; s < C; ++s) {
@@ -327,14 +328,20 @@ std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
 }
 
 void LayerCache::apply_ready_admissions() {
-  while (!queue_.empty() && queue_.begin()->first <= t_) {
-    const int32_t e = queue_.begin()->second;
-    queue_.erase(queue_.begin());
+  // Requests are queued in token order with one delay, so the ready ones are a prefix of the
+  // queue, all made delay tokens ago; among them the lower expert id goes first.
+  if (queue_.empty() || queue_.front().first > t_) return;
+  auto ready = queue_.begin();
+  while (ready != queue_.end() && ready->first <= t_) ++ready;
+  std::sort(queue_.begin(), ready);
+  for (auto it = queue_.begin(); it != ready; ++it) {
+    const int32_t e = it->second;
     expert_[e].pending = false;
     if (expert_[e].slot >= 0) continue;
     insert(e);
     ++counters_.admissions;
   }
+  queue_.erase(queue_.begin(), ready);
 }
 
 std::pair<int32_t, int32_t> LayerCache::admit(int32_t e) {
@@ -348,103 +355,111 @@ std::pair<int32_t, int32_t> LayerCache::admit(int32_t e) {
 }
 
 void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out) {
-  if (t_ + T > kMaxTokens)
-    throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
-  for (int64_t i = 0; i < T; ++i, ++t_) {
+  for (int64_t i = 0; i < T; ++i) {
     const float* z = logits + i * row_stride;
-    // 1. admissions that are ready
-    if (!external_) apply_ready_admissions();
-    // 2. selection
-    if (!select_topk(z, E_, k_, sel_.data(), vals_.data())) throw NonFiniteLogits(i);
-    gate_weights(vals_.data(), k_, w_.data());
-    const int64_t o = i * out.k_stride;
-    int8_t st[kMaxTopK];
-    int32_t ids[kMaxTopK], slots[kMaxTopK];
-    for (int r = 0; r < k_; ++r) ++expert_[sel_[r]].freq;
-    // 3. classify; hits join the computed set at once, which pins them (eviction key = kPinned)
-    for (int r = 0; r < k_; ++r) {
-      const int32_t e = sel_[r];
-      ids[r] = e;
-      slots[r] = expert_[e].slot;
-      if (slots[r] >= 0) {
-        st[r] = HIT;
-        key_[slots[r]] = kPinned;
-        continue;
-      }
-      switch (p_.rule) {
-        case Rule::FetchAll: st[r] = FETCH; break;
-        case Rule::SubstituteAll: st[r] = SUB; break;
-        case Rule::FirstChoice: st[r] = r == 0 ? FETCH : SUB; break;
-        case Rule::Threshold: st[r] = (r == 0 || w_[r] >= p_.tau) ? FETCH : SUB; break;
-        case Rule::HostCompute: st[r] = HOST; break;
-      }
+    float vals[kMaxTopK];
+    if (!select_topk(z, E_, k_, sel_.data(), vals)) throw NonFiniteLogits(i);
+    gate_weights(vals, k_, w_.data());
+    step_selected(z, sel_.data(), w_.data(), out, i);
+  }
+}
+
+void LayerCache::step_selected(const float* z, const int32_t* sel, const double* w,
+                               const StepOut& out, int64_t i) {
+  if (t_ >= kMaxTokens)
+    throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
+  // 1. admissions that are ready (2. selection is the caller's: sel, w)
+  if (!external_) apply_ready_admissions();
+  const int64_t o = i * out.k_stride;
+  int8_t st[kMaxTopK];
+  int32_t ids[kMaxTopK], slots[kMaxTopK];
+  for (int r = 0; r < k_; ++r) ++expert_[sel[r]].freq;
+  // 3. classify; hits join the computed set at once, which pins them (eviction key = kPinned)
+  for (int r = 0; r < k_; ++r) {
+    const int32_t e = sel[r];
+    ids[r] = e;
+    slots[r] = expert_[e].slot;
+    if (slots[r] >= 0) {
+      st[r] = HIT;
+      key_[slots[r]] = kPinned;
+      continue;
     }
-    // 4. fetches in rank order
-    for (int r = 0; r < k_; ++r) {
-      if (st[r] != FETCH) continue;
-      const int32_t e = sel_[r];
+    switch (p_.rule) {
+      case Rule::FetchAll: st[r] = FETCH; break;
+      case Rule::SubstituteAll: st[r] = SUB; break;
+      case Rule::FirstChoice: st[r] = r == 0 ? FETCH : SUB; break;
+      case Rule::Threshold: st[r] = (r == 0 || w[r] >= p_.tau) ? FETCH : SUB; break;
+      case Rule::HostCompute: st[r] = HOST; break;
+    }
+  }
+  // 4. fetches in rank order
+  for (int r = 0; r < k_; ++r) {
+    if (st[r] != FETCH) continue;
+    const int32_t e = sel[r];
+    slots[r] = insert(e).first;
+    key_[slots[r]] = kPinned;
+    acc_[e] = 0.0;
+  }
+  // 5. substitutions in rank order; candidates are the residents not pinned by now
+  double m = 0.0;
+  bool candidates_ready = false;
+  for (int r = 0; r < k_; ++r) {
+    if (st[r] != SUB) continue;
+    const int32_t e = sel[r];
+    if (!candidates_ready) {  // residents, less the computed set so far (hits, fetches)
+      for (int s = 0; s < C_; ++s) zs_[s] = z[expert_in_slot_[s]];
+      for (int q = 0; q < k_; ++q)
+        if (st[q] == HIT || st[q] == FETCH) zs_[slots[q]] = kExcluded;
+      candidates_ready = true;
+    }
+    const int32_t s = best_substitute(zs_.data(), expert_in_slot_.data(), C_);
+    if (s < 0) {  // unreachable with a full cache and k <= C; kept for the contract
+      st[r] = FORCED;
       slots[r] = insert(e).first;
       key_[slots[r]] = kPinned;
-      acc_[e] = 0.0;
-    }
-    // 5. substitutions in rank order; candidates are the residents not pinned by now
-    double m = 0.0;
-    bool candidates_ready = false;
-    for (int r = 0; r < k_; ++r) {
-      if (st[r] != SUB) continue;
-      const int32_t e = sel_[r];
-      if (!candidates_ready) {  // residents, less the computed set so far (hits, fetches)
-        for (int s = 0; s < C_; ++s) zs_[s] = z[expert_in_slot_[s]];
-        for (int q = 0; q < k_; ++q)
-          if (st[q] == HIT || st[q] == FETCH) zs_[slots[q]] = kExcluded;
-        candidates_ready = true;
-      }
-      const int32_t s = best_substitute(zs_.data(), expert_in_slot_.data(), C_);
-      if (s < 0) {  // unreachable with a full cache and k <= C; kept for the contract
-        st[r] = FORCED;
-        slots[r] = insert(e).first;
-        key_[slots[r]] = kPinned;
-        zs_[slots[r]] = kExcluded;
-        acc_[e] = 0.0;
-        continue;
-      }
-      ids[r] = s;
-      slots[r] = expert_[s].slot;
-      key_[slots[r]] = kPinned;
       zs_[slots[r]] = kExcluded;
-      m += w_[r];
-      acc_[e] += w_[r];
-      if (p_.beta > 0.0 && acc_[e] >= p_.beta && !expert_[e].pending) {
-        expert_[e].pending = true;
-        acc_[e] = 0.0;
-        ++counters_.admission_requests;
-        if (!external_) queue_.emplace(t_ + p_.delay, e);
-        if (out.admissions) out.admissions->emplace_back(t_, e);
-      }
+      acc_[e] = 0.0;
+      continue;
     }
-    // 6. recency, which also unpins the computed residents; counters
-    for (int r = 0; r < k_; ++r) {
-      expert_[ids[r]].last = static_cast<int32_t>(t_);
-      switch (st[r]) {
-        case HIT: ++counters_.hit; break;
-        case FETCH: ++counters_.fetch; break;
-        case SUB: ++counters_.sub; break;
-        case HOST: ++counters_.host; break;
-        case FORCED: ++counters_.forced; break;
-      }
-      if (st[r] == HOST)
-        slots[r] = -1;
-      else
-        key_[slots[r]] = eviction_key(ids[r]);
+    ids[r] = s;
+    slots[r] = expert_[s].slot;
+    key_[slots[r]] = kPinned;
+    zs_[slots[r]] = kExcluded;
+    m += w[r];
+    acc_[e] += w[r];
+    if (p_.beta > 0.0 && acc_[e] >= p_.beta && !expert_[e].pending) {
+      expert_[e].pending = true;
+      acc_[e] = 0.0;
+      ++counters_.admission_requests;
+      if (!external_) queue_.emplace_back(t_ + p_.delay, e);
+      if (out.admissions) out.admissions->emplace_back(t_, e);
     }
-    ++counters_.tokens;
-    if (out.ids) std::copy(ids, ids + k_, out.ids + o);
-    if (out.status) std::copy(st, st + k_, out.status + o);
-    if (out.selected) std::copy(sel_.begin(), sel_.end(), out.selected + o);
-    if (out.weights) std::copy(w_.begin(), w_.end(), out.weights + o);
-    if (out.slot) std::copy(slots, slots + k_, out.slot + o);
-    if (out.mass) out.mass[i * out.mass_stride] = m;
   }
+  // 6. recency, which also unpins the computed residents; counters
+  for (int r = 0; r < k_; ++r) {
+    expert_[ids[r]].last = static_cast<int32_t>(t_);
+    switch (st[r]) {
+      case HIT: ++counters_.hit; break;
+      case FETCH: ++counters_.fetch; break;
+      case SUB: ++counters_.sub; break;
+      case HOST: ++counters_.host; break;
+      case FORCED: ++counters_.forced; break;
+    }
+    if (st[r] == HOST)
+      slots[r] = -1;
+    else
+      key_[slots[r]] = eviction_key(ids[r]);
+  }
+  ++counters_.tokens;
+  for (int r = 0; r < k_; ++r) {  // k is small: plain stores beat a memmove call per array
+    if (out.ids) out.ids[o + r] = ids[r];
+    if (out.status) out.status[o + r] = st[r];
+    if (out.selected) out.selected[o + r] = sel[r];
+    if (out.weights) out.weights[o + r] = w[r];
+    if (out.slot) out.slot[o + r] = slots[r];
+  }
+  if (out.mass) out.mass[i * out.mass_stride] = m;
+  ++t_;
 }
 
 int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, int k, int C,

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <limits>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -77,6 +77,13 @@ class LayerCache {
   // NonFiniteLogits at a NaN/inf row, after the rows before it were processed.
   void step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out);
 
+  // One token whose selection is already known: `sel` holds the top-k experts by rank and `w`
+  // their normalized gate weights (select_topk + gate_weights of `z`); outputs go to token `i`
+  // of `out`. Selection does not depend on the cache, so callers replaying many layers or
+  // policies over one trace select once.
+  void step_selected(const float* z, const int32_t* sel, const double* w, const StepOut& out,
+                     int64_t i);
+
   // External-admission mode: the copy of `expert` completed; make it resident now.
   // Returns (slot, evicted expert or -1); slot is the existing one if it was already resident.
   std::pair<int32_t, int32_t> admit(int32_t expert);
@@ -110,11 +117,10 @@ class LayerCache {
   std::vector<int32_t> expert_in_slot_;  // C: expert or -1
   std::vector<int64_t> key_;             // C: eviction key of the slot's expert, or kPinned
   std::vector<double> acc_;
-  std::set<std::pair<int64_t, int32_t>> queue_;  // (ready time, expert)
+  std::deque<std::pair<int64_t, int32_t>> queue_;  // (ready time, expert), in request order
   Counters counters_;
   // scratch
   std::vector<int32_t> sel_;
-  std::vector<float> vals_;
   std::vector<double> w_;
   std::vector<float> zs_;  // best_substitute's scratch
 };

@@ -151,13 +151,23 @@ class ScanResult:
 
     @classmethod
     def empty(cls, T: int, L: int, k: int) -> ScanResult:
-        return cls(
-            ids=np.empty((T, L, k), np.int32),
-            weights=np.empty((T, L, k), np.float64),
-            status=np.empty((T, L, k), np.int8),
-            mass=np.empty((T, L), np.float64),
-            selected=np.empty((T, L, k), np.int32),
-        )
+        # One allocation carved into the five arrays: a large block gets huge pages, so filling
+        # it costs a few page faults instead of thousands (a sixth of a whole scan's time).
+        specs = {
+            "ids": ((T, L, k), np.int32),
+            "weights": ((T, L, k), np.float64),
+            "status": ((T, L, k), np.int8),
+            "mass": ((T, L), np.float64),
+            "selected": ((T, L, k), np.int32),
+        }
+        sizes = [-(-math.prod(s) * np.dtype(d).itemsize // 64) * 64 for s, d in specs.values()]
+        block = np.empty(sum(sizes), np.uint8)
+        arrays, offset = {}, 0
+        for (name, (shape, dtype)), size in zip(specs.items(), sizes, strict=True):
+            count = math.prod(shape)
+            arrays[name] = block[offset : offset + size].view(dtype)[:count].reshape(shape)
+            offset += size
+        return cls(**arrays)
 
 
 def _check_scan_args(
