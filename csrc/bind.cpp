@@ -100,21 +100,21 @@ NB_MODULE(_core, m) {
                             selected.data() + l * k, nullptr, L * k, mass.data() + l, L, nullptr});
           }
           std::vector<int32_t> sel(L * k);
+          std::vector<float> vals(L * k);
           std::vector<double> w(L * k);
-          float vals[kMaxTopK];
           for (int64_t t = 0; t < T; ++t) {
             const float* rows = logits.data() + t * L * E;
             for (int64_t l = 0; l < L; ++l) {
               const float* z = rows + l * E;
-              if (!select_topk(z, static_cast<int>(E), k, &sel[l * k], vals)) {
+              if (!select_topk(z, static_cast<int>(E), k, &sel[l * k], &vals[l * k])) {
                 int64_t e = 0;
                 while (std::isfinite(z[e])) ++e;
                 throw std::invalid_argument("logits: contain NaN or inf (at index (" +
                                             std::to_string(t) + ", " + std::to_string(l) + ", " +
                                             std::to_string(e) + "))");
               }
-              gate_weights(vals, k, &w[l * k]);
             }
+            gate_weights(vals.data(), L, k, w.data());
             for (int64_t l = 0; l < L; ++l)
               caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t);
           }

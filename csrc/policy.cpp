@@ -33,7 +33,13 @@ static inline i32x8 load(const int32_t* p) {
   return v;
 }
 typedef int64_t i64x4 __attribute__((vector_size(32)));
+typedef double f64x4 __attribute__((vector_size(32)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
+static inline f64x4 load(const double* p) {
+  f64x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 static inline i64x4 load(const int64_t* p) {
   i64x4 v;
   std::memcpy(&v, p, sizeof v);
@@ -46,11 +52,13 @@ static inline i32x4 load4(const int32_t* p) {
 }
 static inline f32x8 broadcast(float x) { return f32x8{} + x; }
 static inline i64x4 broadcast(int64_t x) { return i64x4{} + x; }
+static inline f64x4 broadcast(double x) { return f64x4{} + x; }
 static inline i32x4 broadcast4(int32_t x) { return i32x4{} + x; }
 static inline i32x8 broadcast(int32_t x) { return i32x8{} + x; }
 static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) { return mask ? a : b; }
 static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return mask ? a : b; }
 static inline i64x4 select(i64x4 mask, i64x4 a, i64x4 b) { return mask ? a : b; }
+static inline f64x4 select(i64x4 mask, f64x4 a, f64x4 b) { return mask ? a : b; }
 static inline i32x4 select(i32x4 mask, i32x4 a, i32x4 b) { return mask ? a : b; }
 
 // Insert (v, e) into a sorted top-k list of n entries; a later expert displaces an earlier one
@@ -199,14 +207,53 @@ bool select_topk(const float* z, int E, int k, int32_t* ids, float* vals) {
   return topk_by_lanes(z, E, k, ids, vals);
 }
 
-void gate_weights(const float* vals, int k, double* w) {
-  const double z1 = vals[0];
-  double sum = w[0] = 1.0;  // exp(0)
-  for (int r = 1; r < k; ++r) {
-    w[r] = std::exp(static_cast<double>(vals[r]) - z1);
-    sum += w[r];
+// e^x for x <= 0, four at a time, within 1 ulp of std::exp (subnormals included): x = n ln2 + r
+// with |r| <= ln2 / 2, a degree-13 Taylor polynomial for e^r (truncation below 1e-17), and 2^n
+// applied in two exact halves. Only adds and multiplies, and the build turns off FMA contraction,
+// so every machine and clone computes the same bits. n is a multiple of 4. Many rows at once keep
+// the polynomial's long dependency chains overlapped.
+MOESUB_SIMD_CLONES
+static void exp_nonpositive(const double* x, int64_t n, double* out) {
+  constexpr double kInvLn2 = 1.4426950408889634;
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;  // trailing zeros: n * kLn2Hi is exact
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  constexpr double kInvFactorial[14] = {
+      1.0,           1.0,            1.0 / 2,         1.0 / 6,         1.0 / 24,
+      1.0 / 120,     1.0 / 720,      1.0 / 5040,      1.0 / 40320,     1.0 / 362880,
+      1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
+  for (int64_t i = 0; i < n; i += 4) {
+    f64x4 v = load(x + i);
+    v = select(v < broadcast(-746.0), broadcast(-746.0), v);  // e^-746 rounds to 0
+    const f64x4 t = v * kInvLn2 + kShifter;
+    const f64x4 nd = t - kShifter;
+    const i64x4 ni = reinterpret_cast<i64x4>(t) - reinterpret_cast<i64x4>(broadcast(kShifter));
+    const f64x4 r = (v - nd * kLn2Hi) - nd * kLn2Lo;
+    f64x4 p = broadcast(kInvFactorial[13]);
+    for (int d = 12; d >= 0; --d) p = p * r + kInvFactorial[d];
+    const i64x4 n1 = ni >> 1, n2 = ni - n1;
+    const f64x4 e = p * reinterpret_cast<f64x4>((n1 + 1023) << 52) *
+                    reinterpret_cast<f64x4>((n2 + 1023) << 52);
+    std::memcpy(out + i, &e, sizeof e);
   }
-  for (int r = 0; r < k; ++r) w[r] /= sum;
+}
+
+void gate_weights(const float* vals, int64_t rows, int k, double* w) {
+  constexpr int64_t kRows = 16;  // per batch, on the stack
+  double x[kRows * kMaxTopK], e[kRows * kMaxTopK];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t n = std::min(kRows, rows - r0) * k;
+    const float* v = vals + r0 * k;
+    for (int64_t j = 0; j < n; j += k)  // logit minus the row's largest: exponents <= 0
+      for (int r = 0; r < k; ++r) x[j + r] = static_cast<double>(v[j + r]) - v[j];
+    for (int64_t j = n; j % 4; ++j) x[j] = 0.0;
+    exp_nonpositive(x, (n + 3) / 4 * 4, e);
+    for (int64_t j = 0; j < n; j += k) {
+      double sum = 0.0;
+      for (int r = 0; r < k; ++r) sum += e[j + r];
+      for (int r = 0; r < k; ++r) w[r0 * k + j + r] = e[j + r] / sum;
+    }
+  }
 }
 
 // Substitute choice of step 5 over prepared candidates: zs[s] is the logit of the expert in slot
@@ -246,7 +293,7 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
     const float* z = logits + t * E;
     int32_t* sel = selected + t * k;
     if (!select_topk(z, E, k, sel, vals.data())) throw NonFiniteLogits(t);
-    gate_weights(vals.data(), k, weights + t * k);
+    gate_weights(vals.data(), 1, k, weights + t * k);
     // Every selected expert that is not substituted is computed exactly; a substituted one
     // cannot stand in for itself or for another selected expert either.
     for (int s = 0; s < C; ++s) zs[s] = z[resident[s]];
@@ -359,7 +406,7 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
     const float* z = logits + i * row_stride;
     float vals[kMaxTopK];
     if (!select_topk(z, E_, k_, sel_.data(), vals)) throw NonFiniteLogits(i);
-    gate_weights(vals, k_, w_.data());
+    gate_weights(vals, 1, k_, w_.data());
     step_selected(z, sel_.data(), w_.data(), out, i);
   }
 }
@@ -436,28 +483,27 @@ void LayerCache::step_selected(const float* z, const int32_t* sel, const double*
     }
   }
   // 6. recency, which also unpins the computed residents; counters
+  int64_t per_status[5] = {};
   for (int r = 0; r < k_; ++r) {
     expert_[ids[r]].last = static_cast<int32_t>(t_);
-    switch (st[r]) {
-      case HIT: ++counters_.hit; break;
-      case FETCH: ++counters_.fetch; break;
-      case SUB: ++counters_.sub; break;
-      case HOST: ++counters_.host; break;
-      case FORCED: ++counters_.forced; break;
-    }
+    ++per_status[st[r]];
     if (st[r] == HOST)
       slots[r] = -1;
     else
       key_[slots[r]] = eviction_key(ids[r]);
   }
+  counters_.hit += per_status[HIT];
+  counters_.fetch += per_status[FETCH];
+  counters_.sub += per_status[SUB];
+  counters_.host += per_status[HOST];
+  counters_.forced += per_status[FORCED];
   ++counters_.tokens;
-  for (int r = 0; r < k_; ++r) {  // k is small: plain stores beat a memmove call per array
-    if (out.ids) out.ids[o + r] = ids[r];
-    if (out.status) out.status[o + r] = st[r];
-    if (out.selected) out.selected[o + r] = sel[r];
-    if (out.weights) out.weights[o + r] = w[r];
-    if (out.slot) out.slot[o + r] = slots[r];
-  }
+  // k is small: plain stores beat a memmove call per array
+  if (out.ids) for (int r = 0; r < k_; ++r) out.ids[o + r] = ids[r];
+  if (out.status) for (int r = 0; r < k_; ++r) out.status[o + r] = st[r];
+  if (out.selected) for (int r = 0; r < k_; ++r) out.selected[o + r] = sel[r];
+  if (out.weights) for (int r = 0; r < k_; ++r) out.weights[o + r] = w[r];
+  if (out.slot) for (int r = 0; r < k_; ++r) out.slot[o + r] = slots[r];
   if (out.mass) out.mass[i * out.mass_stride] = m;
   ++t_;
 }

@@ -58,8 +58,10 @@ struct NonFiniteLogits : std::invalid_argument {
 // leaves the outputs undefined) if the row holds NaN or inf.
 bool select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out);
 
-// Normalized gate weights of the selected logits (float64), in rank order.
-void gate_weights(const float* vals, int k, double* w_out);
+// Normalized gate weights (float64) of `rows` rows of k selected logits in rank order, (rows, k):
+// softmax over the row, with the core's own exp (within 1 ulp of std::exp, the same bits on
+// every machine). Batching rows is faster; each row's result does not depend on the batch.
+void gate_weights(const float* vals, int64_t rows, int k, double* w_out);
 
 // Experiment B: substitute exactly the ranks in `sub_mask` (T, k) from a static resident set;
 // every other selected expert is computed exactly. Candidates exclude all selected experts.

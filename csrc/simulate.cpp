@@ -8,47 +8,85 @@
 
 namespace moesub {
 
-static void run_task(const std::vector<StreamView>& streams, int L, int E, int k,
-                     const GridPoint& gp, int layer, Counters* counters, double* mass,
-                     int64_t* belady) {
-  const int32_t* initial = gp.initial ? gp.initial + static_cast<int64_t>(layer) * gp.capacity : nullptr;
-  int64_t offset = 0;  // first token of the stream in the concatenated mass array
-  for (const StreamView& s : streams) {
-    LayerCache cache(E, k, gp.capacity, gp.policy, initial, false);
+static void add(Counters& into, const Counters& c) {
+  into.tokens += c.tokens;
+  into.hit += c.hit;
+  into.fetch += c.fetch;
+  into.sub += c.sub;
+  into.host += c.host;
+  into.forced += c.forced;
+  into.admission_requests += c.admission_requests;
+  into.admissions += c.admissions;
+  into.evictions += c.evictions;
+}
+
+// One layer of one stream through every grid point. Selection does not depend on the policy, so
+// each token's top-k and gate weights are computed once and shared by all G caches.
+static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
+                     const std::vector<GridPoint>& points, int layer,
+                     const std::vector<double*>& mass, Counters* counters, int64_t* belady) {
+  const int64_t row_stride = static_cast<int64_t>(L) * E;
+  const float* logits = s.logits + static_cast<int64_t>(layer) * E;
+  std::vector<LayerCache> caches;
+  std::vector<StepOut> outs;
+  for (size_t g = 0; g < points.size(); ++g) {
+    const GridPoint& gp = points[g];
+    const int32_t* initial =
+        gp.initial ? gp.initial + static_cast<int64_t>(layer) * gp.capacity : nullptr;
+    caches.emplace_back(E, k, gp.capacity, gp.policy, initial, false);
     StepOut out;
-    out.mass = mass + offset * L + layer;
+    out.mass = mass[g] + offset * L + layer;
     out.mass_stride = L;
-    const float* logits = s.logits + static_cast<int64_t>(layer) * E;
-    cache.step(logits, s.T, static_cast<int64_t>(L) * E, out);
-    const Counters& c = cache.counters();
-    counters->tokens += c.tokens;
-    counters->hit += c.hit;
-    counters->fetch += c.fetch;
-    counters->sub += c.sub;
-    counters->host += c.host;
-    counters->forced += c.forced;
-    counters->admission_requests += c.admission_requests;
-    counters->admissions += c.admissions;
-    counters->evictions += c.evictions;
-    if (belady) *belady += belady_hits(logits, s.T, static_cast<int64_t>(L) * E, E, k, gp.capacity, initial);
-    offset += s.T;
+    outs.push_back(out);
+  }
+  constexpr int64_t kChunk = 16;  // tokens selected together, for batched gate weights
+  int32_t sel[kChunk * kMaxTopK];
+  float vals[kChunk * kMaxTopK];
+  double w[kChunk * kMaxTopK];
+  for (int64_t t0 = 0; t0 < s.T; t0 += kChunk) {
+    const int64_t n = std::min(kChunk, s.T - t0);
+    for (int64_t i = 0; i < n; ++i)
+      if (!select_topk(logits + (t0 + i) * row_stride, E, k, sel + i * k, vals + i * k))
+        throw NonFiniteLogits(t0 + i);
+    gate_weights(vals, n, k, w);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* z = logits + (t0 + i) * row_stride;
+      for (size_t g = 0; g < caches.size(); ++g)
+        caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i);
+    }
+  }
+  for (size_t g = 0; g < points.size(); ++g) {
+    add(counters[g * L + layer], caches[g].counters());
+    if (points[g].belady)
+      belady[g * L + layer] += belady_hits(logits, s.T, row_stride, E, k, points[g].capacity,
+                                           points[g].initial ? points[g].initial +
+                                                                   static_cast<int64_t>(layer) *
+                                                                       points[g].capacity
+                                                             : nullptr);
   }
 }
 
 void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
                    const std::vector<GridPoint>& points, int n_threads, Counters* counters,
                    const std::vector<double*>& mass, int64_t* belady) {
-  const int64_t n_tasks = static_cast<int64_t>(points.size()) * L;
+  // Tasks are (stream, layer) pairs; each writes its own counters, summed in task order, so the
+  // result is the same for any number of threads.
+  const int64_t G = static_cast<int64_t>(points.size());
+  const int64_t n_tasks = static_cast<int64_t>(streams.size()) * L;
+  std::vector<int64_t> offset(streams.size(), 0);  // first token of each stream in `mass`
+  for (size_t i = 1; i < streams.size(); ++i) offset[i] = offset[i - 1] + streams[i - 1].T;
+  std::vector<Counters> task_counters(n_tasks * G * L);
+  std::vector<int64_t> task_belady(n_tasks * G * L, 0);
   std::atomic<int64_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;
   auto worker = [&] {
     for (int64_t task = next++; task < n_tasks; task = next++) {
-      const int64_t g = task / L;
+      const int64_t i = task / L;
       const int layer = static_cast<int>(task % L);
       try {
-        run_task(streams, L, E, k, points[g], layer, counters + task, mass[g],
-                 points[g].belady ? belady + task : nullptr);
+        run_task(streams[i], offset[i], L, E, k, points, layer, mass,
+                 &task_counters[task * G * L], &task_belady[task * G * L]);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = std::current_exception();
@@ -61,6 +99,11 @@ void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
   worker();
   for (auto& th : threads) th.join();
   if (error) std::rethrow_exception(error);
+  for (int64_t task = 0; task < n_tasks; ++task)
+    for (int64_t j = 0; j < G * L; ++j) {
+      add(counters[j], task_counters[task * G * L + j]);
+      belady[j] += task_belady[task * G * L + j];
+    }
 }
 
 }  // namespace moesub

@@ -1,5 +1,6 @@
 // Trace-driven simulator: a grid of (policy, capacity) points replayed over router-logit streams,
-// one task per (grid point, layer), spread over threads. Caches restart at every stream.
+// one task per (stream, layer) that steps every grid point from one shared top-k per token,
+// spread over threads. Caches restart at every stream.
 #pragma once
 
 #include <cstdint>
