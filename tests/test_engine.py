@@ -295,7 +295,9 @@ def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
 def test_substituting_policy_changes_nll(stage, tmp_path):
     captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
     spec = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
-    df, meta = engine_run(stage, "speed", spec, tmp_path)
+    # admission="delay" installs each copy at its due token (waiting for it if needed); with
+    # "completion" a short run can end before any copy lands
+    df, meta = engine_run(stage, "speed", spec, tmp_path, admission="delay")
     assert meta["policy"] == spec
     assert df["sub"].sum() > 0
     # admissions were copied by the background I/O thread and installed through the model path
