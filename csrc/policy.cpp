@@ -7,9 +7,10 @@
 #include <stdexcept>
 #include <string>
 
-// The top-k filter is plain C++ that compilers vectorize; on x86-64 Linux an AVX2 clone is picked
-// at load time. Only exact operations (compare, max) are vectorized, so every clone gives
-// bit-identical results.
+// The hot loops (top-k filter, exp, substitute and victim choice) use short vectors and are
+// compiled twice on x86-64 Linux, for AVX2 and for the baseline, one picked at load time. Both
+// clones run the same IEEE operations in the same order (and the build turns off FMA
+// contraction), so every machine computes the same bits.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define MOESUB_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
@@ -18,48 +19,27 @@
 
 namespace moesub {
 
-// Short vectors (GCC/Clang vector extensions: AVX2 or SSE on x86, NEON on Arm) for the few
-// loops compilers do not vectorize on their own. Only exact operations are used.
+// Short vectors: GCC/Clang vector extensions, lowered to AVX2 or SSE on x86 and NEON on Arm.
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-static inline f32x8 load(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline i32x8 load(const int32_t* p) {
-  i32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-typedef int64_t i64x4 __attribute__((vector_size(32)));
 typedef double f64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
-static inline f64x4 load(const double* p) {
-  f64x4 v;
+
+template <class V, class T>
+static inline V load(const T* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-static inline i64x4 load(const int64_t* p) {
-  i64x4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+template <class V, class T>
+static inline V broadcast(T x) {
+  return V{} + x;
 }
-static inline i32x4 load4(const int32_t* p) {
-  i32x4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+template <class M, class V>
+static inline V select(M mask, V a, V b) {
+  return mask ? a : b;
 }
-static inline f32x8 broadcast(float x) { return f32x8{} + x; }
-static inline i64x4 broadcast(int64_t x) { return i64x4{} + x; }
-static inline f64x4 broadcast(double x) { return f64x4{} + x; }
-static inline i32x4 broadcast4(int32_t x) { return i32x4{} + x; }
-static inline i32x8 broadcast(int32_t x) { return i32x8{} + x; }
-static inline f32x8 select(i32x8 mask, f32x8 a, f32x8 b) { return mask ? a : b; }
-static inline i32x8 select(i32x8 mask, i32x8 a, i32x8 b) { return mask ? a : b; }
-static inline i64x4 select(i64x4 mask, i64x4 a, i64x4 b) { return mask ? a : b; }
-static inline f64x4 select(i64x4 mask, f64x4 a, f64x4 b) { return mask ? a : b; }
-static inline i32x4 select(i32x4 mask, i32x4 a, i32x4 b) { return mask ? a : b; }
 
 // Insert (v, e) into a sorted top-k list of n entries; a later expert displaces an earlier one
 // only if its logit is strictly larger, so equal logits keep the lower id first.
@@ -97,13 +77,13 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // 1. per lane: maximum, its expert, runner-up; and whether any logit is NaN or inf (all
   // exponent bits set), in one accumulator so that the loop's state fits in registers
-  const i32x8 exponent = broadcast(int32_t{0x7f800000});
+  const i32x8 exponent = broadcast<i32x8>(int32_t{0x7f800000});
   f32x8 m[kVecs], m2[kVecs];
   i32x8 arg[kVecs], lane[kVecs], non_finite = {};
   for (int v = 0; v < kVecs; ++v) {
     for (int i = 0; i < 8; ++i) lane[v][i] = 8 * v + i;
-    m[v] = load(z + 8 * v);
-    m2[v] = broadcast(-kInf);
+    m[v] = load<f32x8>(z + 8 * v);
+    m2[v] = broadcast<f32x8>(-kInf);
     arg[v] = lane[v];
     non_finite |= (reinterpret_cast<i32x8>(m[v]) & exponent) == exponent;
   }
@@ -111,7 +91,7 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   for (int half = 0; half < kVecs; half += 2)  // two vectors at a time: the state fits registers
     for (int j = kLanes; j < full; j += kLanes)
       for (int v = half; v < half + 2; ++v) {
-        const f32x8 x = load(z + j + 8 * v);
+        const f32x8 x = load<f32x8>(z + j + 8 * v);
         const i32x8 gt = x > m[v];
         m2[v] = select(gt, m[v], select(x > m2[v], x, m2[v]));
         arg[v] = select(gt, lane[v] + j, arg[v]);
@@ -136,16 +116,16 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
     lane_m[i] = x > lane_m[i] ? x : lane_m[i];
   }
   if (!finite) return false;
-  for (int v = 0; v < kVecs; ++v) m[v] = load(lane_m + 8 * v);  // with the tail
+  for (int v = 0; v < kVecs; ++v) m[v] = load<f32x8>(lane_m + 8 * v);  // with the tail
   // 2. top lanes: fewer than k lane maxima strictly above; thr = the smallest of their maxima
   i32x8 above[kVecs] = {};
   for (int i = 0; i < kLanes; ++i) {
-    const f32x8 mi = broadcast(lane_m[i]);
+    const f32x8 mi = broadcast<f32x8>(lane_m[i]);
     for (int v = 0; v < kVecs; ++v) above[v] -= mi > m[v];  // a true mask is -1
   }
-  f32x8 top_m = broadcast(kInf);
+  f32x8 top_m = broadcast<f32x8>(kInf);
   for (int v = 0; v < kVecs; ++v) {
-    const f32x8 mv = select(above[v] < broadcast(k), m[v], broadcast(kInf));
+    const f32x8 mv = select(above[v] < broadcast<i32x8>(k), m[v], broadcast<f32x8>(kInf));
     top_m = select(mv < top_m, mv, top_m);
   }
   float thr = kInf;
@@ -218,18 +198,19 @@ static void exp_nonpositive(const double* x, int64_t n, double* out) {
   constexpr double kLn2Hi = 6.93147180369123816490e-01;  // trailing zeros: n * kLn2Hi is exact
   constexpr double kLn2Lo = 1.90821492927058770002e-10;
   constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds to an integer
+  constexpr int64_t kShifterBits = 0x4338000000000000;  // its bit pattern
   constexpr double kInvFactorial[14] = {
       1.0,           1.0,            1.0 / 2,         1.0 / 6,         1.0 / 24,
       1.0 / 120,     1.0 / 720,      1.0 / 5040,      1.0 / 40320,     1.0 / 362880,
       1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
   for (int64_t i = 0; i < n; i += 4) {
-    f64x4 v = load(x + i);
-    v = select(v < broadcast(-746.0), broadcast(-746.0), v);  // e^-746 rounds to 0
+    f64x4 v = load<f64x4>(x + i);
+    v = select(v < -746.0, broadcast<f64x4>(-746.0), v);  // e^-746 rounds to 0
     const f64x4 t = v * kInvLn2 + kShifter;
     const f64x4 nd = t - kShifter;
-    const i64x4 ni = reinterpret_cast<i64x4>(t) - reinterpret_cast<i64x4>(broadcast(kShifter));
+    const i64x4 ni = reinterpret_cast<i64x4>(t) - kShifterBits;  // n, from the low bits
     const f64x4 r = (v - nd * kLn2Hi) - nd * kLn2Lo;
-    f64x4 p = broadcast(kInvFactorial[13]);
+    f64x4 p = broadcast<f64x4>(kInvFactorial[13]);
     for (int d = 12; d >= 0; --d) p = p * r + kInvFactorial[d];
     const i64x4 n1 = ni >> 1, n2 = ni - n1;
     const f64x4 e = p * reinterpret_cast<f64x4>((n1 + 1023) << 52) *
@@ -265,21 +246,26 @@ constexpr float kExcluded = -std::numeric_limits<float>::infinity();  // logits 
 MOESUB_SIMD_CLONES
 static int32_t best_substitute(const float* zs, const int32_t* resident, int C) {
   const int full = C / 8 * 8;
-  f32x8 vmax = broadcast(kExcluded);
-  for (int s = 0; s < full; s += 8) vmax = select(load(zs + s) > vmax, load(zs + s), vmax);
+  f32x8 vmax = broadcast<f32x8>(kExcluded);
+  for (int s = 0; s < full; s += 8) {
+    const f32x8 x = load<f32x8>(zs + s);
+    vmax = select(x > vmax, x, vmax);
+  }
   float best_z = kExcluded;
   for (int i = 0; i < 8; ++i) best_z = vmax[i] > best_z ? vmax[i] : best_z;
   for (int s = full; s < C; ++s) best_z = zs[s] > best_z ? zs[s] : best_z;
   if (best_z == kExcluded) return -1;
   constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  i32x8 vbest = broadcast(kNone);
+  i32x8 vbest = broadcast<i32x8>(kNone);
   for (int s = 0; s < full; s += 8) {
-    const i32x8 e = select(load(zs + s) == broadcast(best_z), load(resident + s), broadcast(kNone));
+    const i32x8 e = select(load<f32x8>(zs + s) == best_z, load<i32x8>(resident + s),
+                           broadcast<i32x8>(kNone));
     vbest = select(e < vbest, e, vbest);
   }
   int32_t best = kNone;
   for (int i = 0; i < 8; ++i) best = vbest[i] < best ? vbest[i] : best;
-  for (int s = full; s < C; ++s) best = (zs[s] == best_z && resident[s] < best) ? resident[s] : best;
+  for (int s = full; s < C; ++s)
+    best = (zs[s] == best_z && resident[s] < best) ? resident[s] : best;
   return best;
 }
 
@@ -331,29 +317,34 @@ LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initi
 // go to the lower id in pick_victim.
 int64_t LayerCache::eviction_key(int32_t e) const {
   const int64_t recency = expert_[e].last + 1;
-  return p_.eviction == Eviction::Lfu ? (static_cast<int64_t>(expert_[e].freq) << 32) | recency : recency;
+  if (p_.eviction == Eviction::Lfu) return (static_cast<int64_t>(expert_[e].freq) << 32) | recency;
+  return recency;
 }
 
 MOESUB_SIMD_CLONES
 static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, int64_t pinned) {
   // Two branch-free passes: the smallest key, then the lowest id holding it.
   const int full = C / 4 * 4;
-  i64x4 vmin = broadcast(pinned);
-  for (int s = 0; s < full; s += 4) vmin = select(load(key + s) < vmin, load(key + s), vmin);
+  i64x4 vmin = broadcast<i64x4>(pinned);
+  for (int s = 0; s < full; s += 4) {
+    const i64x4 x = load<i64x4>(key + s);
+    vmin = select(x < vmin, x, vmin);
+  }
   int64_t best_key = pinned;
   for (int i = 0; i < 4; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
   for (int s = full; s < C; ++s) best_key = key[s] < best_key ? key[s] : best_key;
   if (best_key == pinned) return -1;
   constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  i32x4 vbest = broadcast4(kNone);
+  i32x4 vbest = broadcast<i32x4>(kNone);
   for (int s = 0; s < full; s += 4) {
-    const i32x4 holds = __builtin_convertvector(load(key + s) == broadcast(best_key), i32x4);
-    const i32x4 e = select(holds, load4(expert + s), broadcast4(kNone));
+    const i32x4 holds = __builtin_convertvector(load<i64x4>(key + s) == best_key, i32x4);
+    const i32x4 e = select(holds, load<i32x4>(expert + s), broadcast<i32x4>(kNone));
     vbest = select(e < vbest, e, vbest);
   }
   int32_t best = kNone;
   for (int i = 0; i < 4; ++i) best = vbest[i] < best ? vbest[i] : best;
-  for (int s = full; s < C; ++s) best = (key[s] == best_key && expert[s] < best) ? expert[s] : best;
+  for (int s = full; s < C; ++s)
+    best = (key[s] == best_key && expert[s] < best) ? expert[s] : best;
   return best;
 }
 
@@ -514,7 +505,8 @@ int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, i
   std::vector<int32_t> sel(T * k);
   std::vector<float> vals(k);
   for (int64_t t = 0; t < T; ++t)
-    if (!select_topk(logits + t * row_stride, E, k, &sel[t * k], vals.data())) throw NonFiniteLogits(t);
+    if (!select_topk(logits + t * row_stride, E, k, &sel[t * k], vals.data()))
+      throw NonFiniteLogits(t);
   const int64_t never = std::numeric_limits<int64_t>::max();
   std::vector<int64_t> next_after(T * k), upcoming(E, never);
   for (int64_t t = T - 1; t >= 0; --t) {

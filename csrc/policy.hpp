@@ -13,7 +13,13 @@
 
 namespace moesub {
 
-enum class Rule : int { FetchAll = 0, SubstituteAll = 1, FirstChoice = 2, Threshold = 3, HostCompute = 4 };
+enum class Rule : int {
+  FetchAll = 0,
+  SubstituteAll = 1,
+  FirstChoice = 2,
+  Threshold = 3,
+  HostCompute = 4
+};
 enum class Eviction : int { Lru = 0, Lfu = 1 };
 constexpr int kMaxTopK = 64;
 enum Status : int8_t { HIT = 0, FETCH = 1, SUB = 2, HOST = 3, FORCED = 4 };
