@@ -195,6 +195,19 @@ def test_first_choice_never_substituted_and_weights_normalized():
     assert ((r.status == FETCH) | (r.status == HIT) | (r.status == SUB)).all()
 
 
+@pytest.mark.parametrize("spread", [0.1, 3.0, 30.0, 800.0])
+def test_gate_weights_are_a_float64_softmax(spread):
+    """The core's own vectorized exp: weights within a few ulp of NumPy's softmax of the top-k,
+    down to gaps where e^x is subnormal or rounds to zero (spread 800)."""
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(300, 1, 64)) * spread).astype(np.float32)
+    r = scan(x, 16, 16, Policy())
+    top = np.take_along_axis(x[:, 0].astype(np.float64), r.selected[:, 0].astype(np.int64), 1)
+    e = np.exp(top - top[:, :1])
+    softmax = e / e.sum(1, keepdims=True)
+    np.testing.assert_allclose(r.weights[:, 0], softmax, rtol=2e-15, atol=1e-300)
+
+
 def test_forced_substitution_picks_core_substitutes():
     rng = np.random.default_rng(3)
     T, E, k = 50, 16, 4
