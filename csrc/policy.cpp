@@ -167,15 +167,24 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
     cand[a] = std::numeric_limits<int32_t>::max() - a;
     cval[a] = -std::numeric_limits<float>::infinity();
   }
+  // One signed 64-bit key per candidate orders (logit descending, id ascending): the logit's
+  // bits made monotone (-0 as +0, so that equal logits tie), then the id reversed.
+  int64_t key[kRankWidth];
+  for (int a = 0; a < kRankWidth; ++a) {
+    int32_t bits;
+    const float v = cval[a] + 0.0f;
+    std::memcpy(&bits, &v, sizeof bits);
+    key[a] = (static_cast<int64_t>(bits ^ ((bits >> 31) & 0x7fffffff)) << 32) |
+             (0x7fffffff - cand[a]);
+  }
+  i64x4 rank[kRankWidth / 4] = {};
+  for (int b = 0; b < kRankWidth; ++b)
+    for (int v = 0; v < kRankWidth / 4; ++v) rank[v] -= key[b] > load<i64x4>(key + 4 * v);
   int32_t ranked_ids[kRankWidth];
   float ranked_vals[kRankWidth];
-  int32_t rank[kRankWidth] = {};
-  for (int b = 0; b < kRankWidth; ++b)
-    for (int a = 0; a < kRankWidth; ++a)
-      rank[a] += (cval[b] > cval[a]) | ((cval[b] == cval[a]) & (cand[b] < cand[a]));
   for (int a = 0; a < kRankWidth; ++a) {
-    ranked_ids[rank[a]] = cand[a];
-    ranked_vals[rank[a]] = cval[a];
+    ranked_ids[rank[a / 4][a % 4]] = cand[a];
+    ranked_vals[rank[a / 4][a % 4]] = cval[a];
   }
   std::copy(ranked_ids, ranked_ids + k, ids);
   std::copy(ranked_vals, ranked_vals + k, vals);
