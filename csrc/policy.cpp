@@ -72,6 +72,31 @@ static bool topk_by_insertion(const float* z, int E, int k, int32_t* ids, float*
 // branches: candidates sit at random positions, and mispredictions cost more than the work.
 constexpr int kLanes = 32, kVecs = kLanes / 8, kMaxFastE = 4096, kRankWidth = 16;
 
+// Sorts n <= W candidates by (logit descending, id ascending) into ranked_ids/vals: each one's
+// rank is the number of candidates ahead of it, so all are placed without branches. One signed
+// 64-bit key per candidate orders both: the logit's bits made monotone (-0 as +0, so that equal
+// logits tie), then the id reversed. Padding keys sort after every candidate.
+template <int W>
+static inline void rank_candidates(const int32_t* cand, const float* cval, int n,
+                                   int32_t* ranked_ids, float* ranked_vals) {
+  int64_t key[W];
+  for (int a = 0; a < W; ++a) key[a] = std::numeric_limits<int64_t>::min() + (W - a);
+  for (int a = 0; a < n; ++a) {
+    int32_t bits;
+    const float v = cval[a] + 0.0f;
+    std::memcpy(&bits, &v, sizeof bits);
+    key[a] = (static_cast<int64_t>(bits ^ ((bits >> 31) & 0x7fffffff)) << 32) |
+             (0x7fffffff - cand[a]);
+  }
+  i64x4 rank[W / 4] = {};
+  for (int b = 0; b < W; ++b)
+    for (int v = 0; v < W / 4; ++v) rank[v] -= key[b] > load<i64x4>(key + 4 * v);
+  for (int a = 0; a < n; ++a) {
+    ranked_ids[rank[a / 4][a % 4]] = cand[a];
+    ranked_vals[rank[a / 4][a % 4]] = cval[a];
+  }
+}
+
 MOESUB_SIMD_CLONES
 static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* vals) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -134,13 +159,16 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   // reaches thr (a rare rescan)
   int32_t cand[kMaxFastE];
   float cval[kMaxFastE];
-  int nc = 0;
-  uint32_t rescan = 0;
+  uint32_t top = 0, rescan = 0;
   for (int i = 0; i < kLanes; ++i) {
+    top |= static_cast<uint32_t>(lane_m[i] >= thr) << i;
+    rescan |= static_cast<uint32_t>(lane_m2[i] >= thr) << i;
+  }
+  int nc = 0;
+  for (; top; top &= top - 1, ++nc) {  // about k lanes
+    const int i = __builtin_ctz(top);
     cand[nc] = lane_arg[i];
     cval[nc] = lane_m[i];
-    nc += lane_m[i] >= thr;
-    rescan |= static_cast<uint32_t>(lane_m2[i] >= thr) << i;
   }
   for (; rescan; rescan &= rescan - 1) {
     const int i = __builtin_ctz(rescan);
@@ -150,9 +178,7 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
       nc += (z[e] >= thr) & (e != lane_arg[i]);
     }
   }
-  // 4. rank = candidates before it in (logit descending, id ascending). Ranks are a permutation,
-  // so each candidate is written to its rank unconditionally. Up to 16 candidates (the common
-  // case) are padded to a fixed width; more (exact ties) go through insertion.
+  // 4. rank the candidates; more than 16 (exact ties) go through insertion instead
   if (nc > kRankWidth) {
     for (int a = 1; a < nc; ++a)  // restore id order for insertion's tie rule
       for (int b = a; b > 0 && cand[b] < cand[b - 1]; --b) {
@@ -163,29 +189,13 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
     for (int a = 0; a < nc; ++a) topk_insert(cval[a], cand[a], k, n, ids, vals);
     return true;
   }
-  for (int a = nc; a < kRankWidth; ++a) {  // distinct padding ranks after every candidate
-    cand[a] = std::numeric_limits<int32_t>::max() - a;
-    cval[a] = -std::numeric_limits<float>::infinity();
-  }
-  // One signed 64-bit key per candidate orders (logit descending, id ascending): the logit's
-  // bits made monotone (-0 as +0, so that equal logits tie), then the id reversed.
-  int64_t key[kRankWidth];
-  for (int a = 0; a < kRankWidth; ++a) {
-    int32_t bits;
-    const float v = cval[a] + 0.0f;
-    std::memcpy(&bits, &v, sizeof bits);
-    key[a] = (static_cast<int64_t>(bits ^ ((bits >> 31) & 0x7fffffff)) << 32) |
-             (0x7fffffff - cand[a]);
-  }
-  i64x4 rank[kRankWidth / 4] = {};
-  for (int b = 0; b < kRankWidth; ++b)
-    for (int v = 0; v < kRankWidth / 4; ++v) rank[v] -= key[b] > load<i64x4>(key + 4 * v);
   int32_t ranked_ids[kRankWidth];
   float ranked_vals[kRankWidth];
-  for (int a = 0; a < kRankWidth; ++a) {
-    ranked_ids[rank[a / 4][a % 4]] = cand[a];
-    ranked_vals[rank[a / 4][a % 4]] = cval[a];
-  }
+  // Candidates are padded to 12 (three quarters of rows) or 16.
+  if (nc <= 12)
+    rank_candidates<12>(cand, cval, nc, ranked_ids, ranked_vals);
+  else
+    rank_candidates<16>(cand, cval, nc, ranked_ids, ranked_vals);
   std::copy(ranked_ids, ranked_ids + k, ids);
   std::copy(ranked_vals, ranked_vals + k, vals);
   return true;
