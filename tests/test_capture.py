@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import transformers as tf
+from tiny_models import tiny_qwen3_next
 
 from moesub.capture import (
     BackgroundWriter,
@@ -22,7 +22,6 @@ from moesub.capture import (
     write_initial_sets,
 )
 from moesub.io import read_metadata, write_parquet
-from moesub.models import moe_blocks
 
 VOCAB, E, K, L = 61, 24, 5, 4
 LENGTHS = {3: 37, 0: 25, 7: 2}  # stream id -> length (not in id order, one tiny stream)
@@ -30,17 +29,7 @@ LENGTHS = {3: 37, 0: 25, 7: 2}  # stream id -> length (not in id order, one tiny
 
 @pytest.fixture(scope="module")
 def tiny_next(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=L,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for b in moe_blocks(model):
-        torch.nn.init.normal_(b.gate.weight, std=0.5)
+    model = tiny_qwen3_next(vocab=VOCAB, layers=L, experts=E, k=K)
     path = tmp_path_factory.mktemp("model") / "next"
     model.save_pretrained(path)
     return path, model

@@ -7,7 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-import transformers as tf
+from tiny_models import tiny_qwen3_next
 
 from moesub.capture import run_capture
 from moesub.emulate import (
@@ -22,7 +22,7 @@ from moesub.emulate import (
     summarize,
 )
 from moesub.io import read_metadata, write_parquet
-from moesub.models import moe_blocks, stream_nll
+from moesub.models import stream_nll
 from moesub.policy import FETCH, SUB, Policy, scan
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
@@ -30,24 +30,7 @@ SUBSTITUTING = Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5)
 
 
 def tiny_model(seed: int = 0):
-    """Random Qwen3-Next (3 linear + 1 full attention layers, shared expert). Router and expert
-    weights are scaled up so that routing is decisive and a substitution visibly changes the
-    hidden states that later layers route on."""
-    torch.manual_seed(seed)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, num_hidden_layers=L, head_dim=16, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, norm_topk_prob=True, bos_token_id=0,
-        eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for block in moe_blocks(model):
-        torch.nn.init.normal_(block.gate.weight, std=0.5)
-        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.4)
-        torch.nn.init.normal_(block.experts.down_proj, std=0.4)
-    return model
+    return tiny_qwen3_next(vocab=VOCAB, layers=L, experts=E, k=K, expert_std=0.4, seed=seed)
 
 
 def token_table(lengths: list[int], seed: int = 0) -> pl.DataFrame:

@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-import transformers as tf
+from tiny_models import tiny_qwen3_next
 
 from moesub.capture import run_capture, write_initial_sets
 from moesub.engine import (
@@ -32,7 +32,6 @@ from moesub.engine.cache import CudaTier, DiskTier, require_cuda
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.io import read_metadata, write_parquet
-from moesub.models import moe_blocks
 from moesub.policy import FETCH, HOST, SUB, Policy, scan
 from moesub.simulate import CostModel
 from moesub.synthetic import synthetic_logits
@@ -207,21 +206,10 @@ VOCAB, E_M, K_M, L_M, FRACTION = 97, 16, 4, 2, 0.375  # C = 6
 
 
 def tiny_model(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, num_hidden_layers=L_M, head_dim=16, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=E_M, num_experts_per_tok=K_M, moe_intermediate_size=16,
-        shared_expert_intermediate_size=8, norm_topk_prob=True, bos_token_id=0,
-        eos_token_id=1, pad_token_id=2, layer_types=["linear_attention", "full_attention"],
+    return tiny_qwen3_next(
+        vocab=VOCAB, layers=L_M, experts=E_M, k=K_M, hidden=64, expert_width=16,
+        layer_types=["linear_attention", "full_attention"], expert_std=0.3, seed=seed,
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for block in moe_blocks(model):
-        torch.nn.init.normal_(block.gate.weight, std=0.5)
-        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.3)
-        torch.nn.init.normal_(block.experts.down_proj, std=0.3)
-    return model
 
 
 @pytest.fixture(scope="module")

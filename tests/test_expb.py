@@ -6,9 +6,9 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_qwen3_next
 
 from moesub.expb import (
     ExpBParams,
@@ -20,7 +20,7 @@ from moesub.expb import (
     select_substitutions,
 )
 from moesub.io import read_metadata, write_parquet
-from moesub.models import moe_blocks, stream_nll
+from moesub.models import stream_nll
 from moesub.policy import forced_substitution
 
 VOCAB, E, K, L, C = 97, 16, 4, 3, 8
@@ -102,21 +102,11 @@ def test_selection_properties(case):
 
 # --------------------------------------------------------------------------- forced emulation
 def tiny_model(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = tf.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, num_hidden_layers=L, head_dim=16, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=E, num_experts_per_tok=K, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, norm_topk_prob=True,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],
+    return tiny_qwen3_next(
+        vocab=VOCAB, layers=L, experts=E, k=K, special_tokens=False, gate_std=0.3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"], expert_std=0.4,
+        seed=seed,
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for block in moe_blocks(model):
-        torch.nn.init.normal_(block.gate.weight, std=0.3)
-        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.4)
-        torch.nn.init.normal_(block.experts.down_proj, std=0.4)
-    return model
 
 
 def tokens(lengths, seed=0) -> pl.DataFrame:
