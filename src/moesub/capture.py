@@ -12,13 +12,11 @@ reads the table back into one `(T, L, E)` float32 array per stream.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moesub.io import atomic_path, read_metadata, write_parquet
+from moesub.io import ParquetStreamWriter, read_metadata, write_parquet
 from moesub.params import options_from
 
 STREAM_COLUMNS = ("stream", "pos", "token_id", "doc_id", "doc_start")
@@ -173,7 +171,7 @@ def router_rows(stream: int, logits: np.ndarray, pos0: int = 0) -> pa.Table:
 
 def capture_stream(
     model: torch.nn.Module,
-    writer: pq.ParquetWriter,
+    writer: ParquetStreamWriter | BackgroundWriter,
     stream_id: int,
     token_ids: np.ndarray,
     rows_per_group: int,
@@ -240,29 +238,23 @@ class BackgroundWriter:
         self.close()
 
 
-@contextlib.contextmanager
 def router_writer(
     path: str | os.PathLike, num_experts: int, metadata: Mapping[str, Any]
-) -> Iterator[pq.ParquetWriter]:
+) -> ParquetStreamWriter:
     """Row-group-at-a-time writer of a router table, atomic (the file appears on success).
 
-    Like `moesub.io.ParquetStreamWriter` (same JSON metadata encoding), but with dictionary
-    encoding and compression off for the float logits: pyarrow's default dictionary attempt on
-    512 floats per row made writing ~17x slower (1.65 s vs 0.095 s for 2048 tokens x 4 layers x
-    512 experts), which alone would exceed the capture-overhead budget; snappy saved nothing.
+    Dictionary encoding and compression are off for the float logits: pyarrow's default
+    dictionary attempt on 512 floats per row made writing ~17x slower (1.65 s vs 0.095 s for
+    2048 tokens x 4 layers x 512 experts), which alone would exceed the capture-overhead budget;
+    snappy saved nothing.
     """
-    meta = {k.encode(): json.dumps(v).encode() for k, v in metadata.items()}
-    schema = router_schema(num_experts).with_metadata(meta)
-    with (
-        atomic_path(path) as tmp,
-        pq.ParquetWriter(
-            tmp,
-            schema,
-            use_dictionary=["stream", "pos", "layer"],
-            compression={"stream": "snappy", "pos": "snappy", "layer": "snappy", "logits": "none"},
-        ) as writer,
-    ):
-        yield writer
+    return ParquetStreamWriter(
+        path,
+        router_schema(num_experts),
+        metadata,
+        use_dictionary=["stream", "pos", "layer"],
+        compression={"stream": "snappy", "pos": "snappy", "layer": "snappy", "logits": "none"},
+    )
 
 
 def run_capture(

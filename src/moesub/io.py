@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +68,19 @@ def write_parquet(
 
 
 class ParquetStreamWriter:
-    """Writes a large table one row group at a time; the file appears (atomically) on close."""
+    """Writes a large table one row group at a time; the file appears (atomically) on close.
 
-    def __init__(self, path: str | os.PathLike, schema: pa.Schema, metadata: dict | None = None):
+    `metadata` is JSON-encoded like `write_parquet`'s; `writer_options` go to
+    `pyarrow.parquet.ParquetWriter` (per-column dictionary encoding, compression).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        schema: pa.Schema,
+        metadata: Mapping[str, Any] | None = None,
+        **writer_options: Any,
+    ):
         self.path = Path(path)
         if metadata:
             meta = {k.encode(): json.dumps(v).encode() for k, v in metadata.items()}
@@ -78,11 +88,13 @@ class ParquetStreamWriter:
         self.schema = schema
         self._ctx = atomic_path(self.path)
         self._tmp = self._ctx.__enter__()
-        self._writer = pq.ParquetWriter(self._tmp, schema)
+        self._writer = pq.ParquetWriter(self._tmp, schema, **writer_options)
 
-    def write(self, data: Any) -> None:
-        table = _table(data, None)
-        self._writer.write_table(table.cast(self.schema))
+    def write_table(self, table: pa.Table) -> None:
+        """One row group (or more, for a large table)."""
+        if not table.schema.equals(self.schema, check_metadata=False):
+            table = table.cast(self.schema)
+        self._writer.write_table(table)
 
     def close(self) -> None:
         self._writer.close()
