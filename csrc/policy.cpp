@@ -41,6 +41,25 @@ static inline V select(M mask, V a, V b) {
   return mask ? a : b;
 }
 
+// The lowest id among the n entries whose value equals `best`, without branches: V holds values,
+// I the int32 ids of the same lanes.
+template <class V, class I, class T>
+static inline int32_t lowest_id_where(const T* value, T best, const int32_t* id, int n) {
+  constexpr int W = sizeof(V) / sizeof(T);
+  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+  const int full = n / W * W;
+  I lowest = broadcast<I>(kNone);
+  for (int s = 0; s < full; s += W) {
+    const I holds = __builtin_convertvector(load<V>(value + s) == best, I);
+    const I e = select(holds, load<I>(id + s), broadcast<I>(kNone));
+    lowest = select(e < lowest, e, lowest);
+  }
+  int32_t out = kNone;
+  for (int i = 0; i < W; ++i) out = lowest[i] < out ? lowest[i] : out;
+  for (int s = full; s < n; ++s) out = (value[s] == best && id[s] < out) ? id[s] : out;
+  return out;
+}
+
 // Insert (v, e) into a sorted top-k list of n entries; a later expert displaces an earlier one
 // only if its logit is strictly larger, so equal logits keep the lower id first.
 static inline void topk_insert(float v, int32_t e, int k, int& n, int32_t* ids, float* vals) {
@@ -274,18 +293,7 @@ static int32_t best_substitute(const float* zs, const int32_t* resident, int C) 
   for (int i = 0; i < 8; ++i) best_z = vmax[i] > best_z ? vmax[i] : best_z;
   for (int s = full; s < C; ++s) best_z = zs[s] > best_z ? zs[s] : best_z;
   if (best_z == kExcluded) return -1;
-  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  i32x8 vbest = broadcast<i32x8>(kNone);
-  for (int s = 0; s < full; s += 8) {
-    const i32x8 e = select(load<f32x8>(zs + s) == best_z, load<i32x8>(resident + s),
-                           broadcast<i32x8>(kNone));
-    vbest = select(e < vbest, e, vbest);
-  }
-  int32_t best = kNone;
-  for (int i = 0; i < 8; ++i) best = vbest[i] < best ? vbest[i] : best;
-  for (int s = full; s < C; ++s)
-    best = (zs[s] == best_z && resident[s] < best) ? resident[s] : best;
-  return best;
+  return lowest_id_where<f32x8, i32x8>(zs, best_z, resident, C);
 }
 
 void forced_substitution(const float* logits, int64_t T, int E, int k, const int32_t* resident,
@@ -353,18 +361,7 @@ static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, in
   for (int i = 0; i < 4; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
   for (int s = full; s < C; ++s) best_key = key[s] < best_key ? key[s] : best_key;
   if (best_key == pinned) return -1;
-  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  i32x4 vbest = broadcast<i32x4>(kNone);
-  for (int s = 0; s < full; s += 4) {
-    const i32x4 holds = __builtin_convertvector(load<i64x4>(key + s) == best_key, i32x4);
-    const i32x4 e = select(holds, load<i32x4>(expert + s), broadcast<i32x4>(kNone));
-    vbest = select(e < vbest, e, vbest);
-  }
-  int32_t best = kNone;
-  for (int i = 0; i < 4; ++i) best = vbest[i] < best ? vbest[i] : best;
-  for (int s = full; s < C; ++s)
-    best = (key[s] == best_key && expert[s] < best) ? expert[s] : best;
-  return best;
+  return lowest_id_where<i64x4, i32x4>(key, best_key, expert, C);
 }
 
 int32_t LayerCache::pick_victim() const {
