@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from tiny_models import tiny_qwen3_next
+from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.capture import run_capture, write_initial_sets
 from moesub.engine import (
@@ -216,21 +216,7 @@ def tiny_model(seed: int = 0):
 def stage(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_stage")
     tiny_model().save_pretrained(root / "model")
-    rng = np.random.default_rng(7)
-    frames = []
-    for s, n in enumerate([16, 12]):
-        frames.append(
-            pl.DataFrame(
-                {
-                    "stream": np.full(n, s, np.int32),
-                    "pos": np.arange(n, dtype=np.int32),
-                    "token_id": rng.integers(3, VOCAB, n).astype(np.int32),
-                    "doc_id": np.full(n, s, np.int32),
-                    "doc_start": np.arange(n) == 0,
-                }
-            )
-        )
-    write_parquet(pl.concat(frames), root / "streams.parquet")
+    write_parquet(random_streams([16, 12], VOCAB, seed=7), root / "streams.parquet")
     run_capture(
         root / "model", root / "streams.parquet", root / "tokens.parquet", root / "router.parquet"
     )

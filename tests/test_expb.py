@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_qwen3_next
+from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.expb import (
     ExpBParams,
@@ -110,19 +110,7 @@ def tiny_model(seed: int = 0):
 
 
 def tokens(lengths, seed=0) -> pl.DataFrame:
-    rng = np.random.default_rng(seed)
-    return pl.concat(
-        pl.DataFrame(
-            {
-                "stream": np.full(n, s, np.int32),
-                "pos": np.arange(n, dtype=np.int32),
-                "token_id": rng.integers(3, VOCAB, n).astype(np.int32),
-                "doc_id": np.full(n, s, np.int32),
-                "doc_start": np.arange(n) == 0,
-            }
-        )
-        for s, n in enumerate(lengths)
-    )
+    return random_streams(lengths, VOCAB, seed)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ that routing is decisive and a substitution visibly changes later layers."""
 
 from __future__ import annotations
 
+import numpy as np
+import polars as pl
 import torch
 import transformers as tf
 
@@ -43,3 +45,21 @@ def tiny_qwen3_next(
             torch.nn.init.normal_(block.experts.gate_up_proj, std=expert_std)
             torch.nn.init.normal_(block.experts.down_proj, std=expert_std)
     return model
+
+
+def random_streams(lengths: list[int], vocab: int, seed: int = 0) -> pl.DataFrame:
+    """A streams table (`moesub.streams` columns): one document per stream, random token ids in
+    [3, vocab) (0-2 are the special tokens)."""
+    rng = np.random.default_rng(seed)
+    return pl.concat(
+        pl.DataFrame(
+            {
+                "stream": np.full(n, s, np.int32),
+                "pos": np.arange(n, dtype=np.int32),
+                "token_id": rng.integers(3, vocab, n).astype(np.int32),
+                "doc_id": np.full(n, s, np.int32),
+                "doc_start": np.arange(n) == 0,
+            }
+        )
+        for s, n in enumerate(lengths)
+    )
