@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.io import ParquetStreamWriter, read_metadata, write_parquet
-from moesub.params import options_from
+from moesub.params import options_from, torch_device
 
 STREAM_COLUMNS = ("stream", "pos", "token_id", "doc_id", "doc_start")
 TRACE_META_KEYS = ("num_experts", "top_k", "num_layers", "norm_topk_prob")
@@ -69,11 +69,6 @@ class CaptureParams:
         if not (p.row_group_mb > 0):
             raise ValueError(f"capture params row_group_mb: must be > 0, got {p.row_group_mb!r}")
         return p
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +264,7 @@ def run_capture(
 
     opts = CaptureParams.from_dict(params)
     table, streams_meta = read_streams(streams_path)
-    model, _ = load_model(model_dir, dtype=_DTYPES[opts.dtype], device=opts.torch_device())
+    model, _ = load_model(model_dir, dtype=_DTYPES[opts.dtype], device=torch_device(opts.device))
     info = moe_info(model)
     token_ids = table.column("token_id").to_numpy()
     if token_ids.min() < 0 or token_ids.max() >= info.vocab_size:

@@ -30,8 +30,9 @@ from tqdm.auto import tqdm
 from moesub.capture import read_initial_set
 from moesub.io import read_metadata, write_parquet
 from moesub.models import RouterHook, align_ids, load_model, moe_info, stream_nll
-from moesub.params import options_from
+from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, LayerCache, Policy
+from moesub.policy import capacity_for as policy_capacity_for
 
 STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")  # index = status code
 TOKEN_COLUMNS = ("stream", "pos", "token_id", "doc_id", "doc_start")
@@ -51,23 +52,23 @@ class EmulateParams:
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EmulateParams:
         out = options_from(cls, params, "emulate")
-        if out.max_streams is not None and int(out.max_streams) < 1:
-            raise ValueError(f"params.max_streams must be >= 1, got {out.max_streams}")
-        if out.dtype is not None and out.dtype not in DTYPES:
-            raise ValueError(f"params.dtype must be one of {sorted(DTYPES)}, got {out.dtype!r}")
+        check_replay_options(out.max_streams, out.dtype)
         return out
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+
+def check_replay_options(max_streams: int | None, dtype: str | None) -> None:
+    """The options emulate and Experiment B share: a stream limit and the model dtype."""
+    if max_streams is not None and int(max_streams) < 1:
+        raise ValueError(f"params.max_streams must be >= 1, got {max_streams}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"params.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
 def capacity_for(fraction: float, num_experts: int, k: int) -> int:
     """Resident experts per layer, `floor(fraction * E + 0.5)`, checked against k <= C <= E."""
     if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    capacity = int(math.floor(float(fraction) * num_experts + 0.5))  # = policy.capacity_for
+    capacity = policy_capacity_for(float(fraction), num_experts)
     if not k <= capacity <= num_experts:
         raise ValueError(
             f"fraction {fraction} gives capacity {capacity}, outside [k={k}, E={num_experts}]"
@@ -474,7 +475,7 @@ def run_emulate(
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
 
     model, info, tokens, dtype = load_for_capture(
-        model_dir, tokens_path, opts.dtype, opts.torch_device()
+        model_dir, tokens_path, opts.dtype, torch_device(opts.device)
     )
     capacity = capacity_for(fraction, info.num_experts, info.top_k)
     initial = check_initial(

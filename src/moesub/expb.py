@@ -31,10 +31,9 @@ from tqdm.auto import tqdm
 
 from moesub.capture import read_initial_set
 from moesub.emulate import (
-    DTYPES,
-    EmulateParams,
     capacity_for,
     check_initial,
+    check_replay_options,
     check_token_table,
     computed_ids,
     iter_streams,
@@ -44,7 +43,7 @@ from moesub.emulate import (
 )
 from moesub.io import write_parquet
 from moesub.models import RouterHook, moe_info, stream_nll
-from moesub.params import options_from
+from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, forced_substitution
 
 CONDITIONS = ("heavy", "light")
@@ -136,14 +135,8 @@ class ExpBParams:
             raise ValueError(f"params.resident must be 'initial' or 'all', got {out.resident!r}")
         if not isinstance(out.fraction, (int, float)) or not 0.0 < float(out.fraction) <= 1.0:
             raise ValueError(f"params.fraction must be in (0, 1], got {out.fraction!r}")
-        if out.max_streams is not None and int(out.max_streams) < 1:
-            raise ValueError(f"params.max_streams must be >= 1, got {out.max_streams}")
-        if out.dtype is not None and out.dtype not in DTYPES:
-            raise ValueError(f"params.dtype must be one of {sorted(DTYPES)}, got {out.dtype!r}")
+        check_replay_options(out.max_streams, out.dtype)
         return out
-
-    def torch_device(self) -> torch.device:
-        return EmulateParams(device=self.device).torch_device()
 
 
 # --------------------------------------------------------------------------- router callback
@@ -273,7 +266,7 @@ def run_expb(
         raise ValueError(f"target_mass must be a number in (0, 1), got {target_mass!r}")
 
     model, info, tokens, dtype = load_for_capture(
-        model_dir, tokens_path, opts.dtype, opts.torch_device()
+        model_dir, tokens_path, opts.dtype, torch_device(opts.device)
     )
     if opts.resident == "all":
         resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))

@@ -33,7 +33,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from moesub.io import atomic_path, write_parquet
-from moesub.params import options_from
+from moesub.params import options_from, torch_device
 
 log = logging.getLogger(__name__)
 
@@ -434,16 +434,6 @@ def generate_rows(
 
 
 # --------------------------------------------------------------------------- stage entry point
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"params.device={name!r} but CUDA is not available")
-    return torch.device(name)
-
-
 def run_generate(
     model_dir: str | os.PathLike,
     task: str,
@@ -500,7 +490,7 @@ def run_generate(
         meta["missing_data"] = str(exc)
         return write_parquet(OUTPUT_SCHEMA.empty_table(), out_path, metadata=meta)
 
-    model, tokenizer = load_model(model_dir, device=_device(opts.device))
+    model, tokenizer = load_model(model_dir, device=torch_device(opts.device))
     if tokenizer is None:
         raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
     info = moe_info(model)

@@ -1,4 +1,5 @@
-"""Options dataclasses from config sections: unknown keys are errors that name the key."""
+"""Options dataclasses from config sections: unknown keys are errors that name the key; the
+`device` option every torch stage shares."""
 
 from __future__ import annotations
 
@@ -17,3 +18,15 @@ def options_from(cls: type[T], params: Mapping[str, Any] | None, what: str) -> T
     if unknown:
         raise ValueError(f"params: unknown {what} option(s) {unknown}; known: {sorted(known)}")
     return cls(**params)
+
+
+def torch_device(name: str):
+    """A stage's `device` option: "auto" (CUDA if available, else CPU), "cpu", "cuda[:n]"...;
+    asking for CUDA without it is an error before any work."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(name).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"params.device={name!r} but CUDA is not available")
+    return torch.device(name)
