@@ -1,0 +1,92 @@
+"""Statistics over the Parquet artefacts (DuckDB + scipy): the study's conclusions.
+
+`run_analysis(inputs, params, out_dir)` reads every artefact through DuckDB and writes, each
+atomically (`moesub.io`), into `out_dir`:
+
+- `analysis.json`: status of every part (ok / missing + reason), the scalar results (mass
+  hypothesis, Experiment B decision, admission totals, simulator error), params, provenance;
+- `summary.parquet`: one row per (policy, fraction): quality, substitution, cache, time,
+  speedups, generation;
+- `mass_points.parquet`: per (fraction, group, policy): the points behind the mass-hypothesis r;
+- `per_input.parquet`: per (policy, fraction, level): r between per-unit mass and ΔNLL;
+- `per_input_points.parquet`: per (policy, fraction, level, unit): mean mass, mean ΔNLL;
+- `expb.parquet`: per (target mass, stream): realized masses, ΔNLL, per-unit-mass difference;
+- `admission.parquet`: per (policy, fraction, bin of tokens since the last doc_start);
+- `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
+- `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;
+- `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;
+- `engine_bench.parquet`: the engine benchmark rows as measured;
+- `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
+  r(mass, agreement).
+
+Every output file is written even when its part is missing (then with no rows), so a workflow
+rule can name them all; `analysis.json["parts"][part]` says why a part is missing. Artefacts of
+several models (`results/{model}/...`) are analysed separately: every table has a `model`
+column and every scalar result in analysis.json a `model` key.
+
+Modules, one per part (each documents its decisions):
+
+- `load`: input checking, file metadata, the split by model, `Context` (DuckDB tables);
+- `intervals`: stream bootstrap, correlation, Wilson and median CIs;
+- `quality`: Δppl and speedup (the only place they are computed), per-policy quality;
+- `mass`: the mass hypothesis and its per-input form;
+- `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
+  speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
+- `params`: `AnalysisParams` (the config's `analysis:` plus policies and the expb rule);
+- `run`: `run_analysis`, the part order, the summary table, the output files.
+
+Part interface: a part is `def <name>_part(ctx: Context) -> None`, listed in `run.PARTS`. It
+reads the loaded DuckDB tables (`ctx.con`: `cap`, `emu`, `emu_base`), `ctx.inputs` (kind ->
+paths), `ctx.infos` (kind -> `FileInfo`), `ctx.p` (`AnalysisParams`) and the tables of earlier
+parts (`ctx.tables`), and fills `ctx.tables[name]` (a DataFrame without the `model` column:
+`run_analysis` adds it), `ctx.results[name]` (JSON-able dict or list of dicts, tagged with
+`model` by `run_analysis`) and `ctx.parts[name]` (`{"status": "ok"}` or `missing(reason)`).
+A table named in `run.OUTPUT_FILES` is written as `<name>.parquet`; the statistics themselves
+are pure functions of DataFrames / arrays inside the part's module.
+"""
+
+from moesub.stats.admission import find_twin
+from moesub.stats.expb import ExpBRule, expb_test
+from moesub.stats.intervals import (
+    boot_counts,
+    correlation,
+    median_ci,
+    percentile_ci,
+    rowwise_pearson,
+    wilson_ci,
+)
+from moesub.stats.load import (
+    DATA_KINDS,
+    EXTRA_KINDS,
+    check_inputs,
+    file_info,
+    model_of,
+    split_by_model,
+)
+from moesub.stats.params import AnalysisParams
+from moesub.stats.quality import dppl_pct
+from moesub.stats.run import OUTPUT_FILES, run_analysis
+from moesub.stats.timing import pareto_front
+
+__all__ = [
+    "DATA_KINDS",
+    "EXTRA_KINDS",
+    "OUTPUT_FILES",
+    "AnalysisParams",
+    "ExpBRule",
+    "boot_counts",
+    "check_inputs",
+    "correlation",
+    "dppl_pct",
+    "expb_test",
+    "file_info",
+    "find_twin",
+    "median_ci",
+    "model_of",
+    "pareto_front",
+    "percentile_ci",
+    "rowwise_pearson",
+    "run_analysis",
+    "split_by_model",
+    "wilson_ci",
+]

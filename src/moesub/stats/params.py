@@ -1,0 +1,66 @@
+"""What the analysis needs from the config (`AnalysisParams`), checked before any work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+from moesub.config import normalize_policy
+from moesub.stats.expb import ExpBRule
+from moesub.stats.load import number
+
+
+@dataclass(frozen=True)
+class AnalysisParams:
+    """What `run_analysis` needs from the config.
+
+    `policies`: name -> policy dict (config `policies:` after sweep expansion); `expb`: the
+    Experiment B rule (None: that part is reported missing); `n_boot` bootstrap resamples over
+    streams; `seed`; `ci_level`; `baseline` / `host_baseline`: the names speedups and Δppl are
+    relative to; `admission_bins`: left edges of the tokens-since-doc_start bins.
+    """
+
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expb: ExpBRule | None = None
+    n_boot: int = 2000
+    seed: int = 0
+    ci_level: float = 0.95
+    baseline: str = "fetch_every_miss"
+    host_baseline: str = "host_compute"
+    admission_bins: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any]) -> AnalysisParams:
+        if not isinstance(params, Mapping):
+            raise ValueError(f"params must be a mapping, got {type(params).__name__}")
+        policies = params.get("policies") or {}
+        if not isinstance(policies, Mapping):
+            raise ValueError("params['policies'] must map policy names to policy dicts")
+        table = {str(n): normalize_policy(str(n), dict(p)) for n, p in policies.items()}
+        expb = params.get("expb")
+        n_boot = params.get("n_boot", 2000)
+        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
+            raise ValueError(f"params['n_boot']={n_boot!r} must be an integer >= 10")
+        seed = params.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"params['seed']={seed!r} must be an integer >= 0")
+        ci_level = number(params.get("ci_level", 0.95), "params['ci_level']")
+        if not 0 < ci_level < 1:
+            raise ValueError(f"params['ci_level']={ci_level} must be in (0, 1)")
+        bins = tuple(int(b) for b in params.get("admission_bins", cls.admission_bins))
+        if not bins or bins[0] != 0 or any(b >= c for b, c in pairwise(bins)):
+            raise ValueError(
+                f"params['admission_bins']={list(bins)} must start at 0 and strictly increase"
+            )
+        return cls(
+            policies=table,
+            expb=ExpBRule.from_mapping(expb) if expb is not None else None,
+            n_boot=n_boot,
+            seed=seed,
+            ci_level=ci_level,
+            baseline=str(params.get("baseline", "fetch_every_miss")),
+            host_baseline=str(params.get("host_baseline", "host_compute")),
+            admission_bins=bins,
+        )
