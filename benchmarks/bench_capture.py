@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 import torch
 import transformers as tf
 
-from moesub.capture import capture_stream, load_trace, router_writer, run_capture
+from moesub.capture import CaptureParams, capture_batch, load_trace, router_writer, run_capture
 from moesub.io import write_parquet
-from moesub.models import load_model, moe_blocks, moe_info
+from moesub.models import load_model, moe_blocks, moe_info, stream_batches
 
 _clock = time.perf_counter  # set by --clock
 
@@ -64,16 +64,23 @@ def build_streams(path: Path, n: int, length: int, vocab: int, seed: int = 0) ->
     )
 
 
-def plain(model_dir: Path, streams: Path) -> float:
-    """End to end: load the checkpoint, one plain forward per stream."""
-    t0 = _clock()
-    model, _ = load_model(model_dir)
+def batches(streams: Path) -> list[np.ndarray]:
+    """(B, T) token ids of each forward, batched as run_capture batches them."""
     t = pq.read_table(streams).to_pydict()
     ids = np.asarray(t["token_id"], dtype=np.int64)
     stream = np.asarray(t["stream"])
+    per = [ids[stream == s] for s in np.unique(stream)]
+    groups = stream_batches([len(x) for x in per], CaptureParams().batch_tokens)
+    return [np.stack([per[i] for i in g]) for g in groups]
+
+
+def plain(model_dir: Path, streams: Path) -> float:
+    """End to end: load the checkpoint, one plain forward per batch of streams."""
+    t0 = _clock()
+    model, _ = load_model(model_dir)
     with torch.inference_mode():
-        for s in np.unique(stream):
-            model(input_ids=torch.from_numpy(ids[stream == s])[None], use_cache=False)
+        for x in batches(streams):
+            model(input_ids=torch.from_numpy(x), use_cache=False)
     return _clock() - t0
 
 
@@ -85,26 +92,22 @@ def capture(model_dir: Path, streams: Path, out: Path) -> float:
 
 
 def interleaved(model_dir: Path, streams: Path, out: Path, repeats: int) -> list[float]:
-    """Per repeat: sum over streams of capture_stream time / plain forward time, measured
+    """Per repeat: sum over batches of capture_batch time / plain forward time, measured
     back to back on the same loaded model (robust to load from other processes)."""
     model, _ = load_model(model_dir)
     info = moe_info(model)
-    t = pq.read_table(streams).to_pydict()
-    ids = np.asarray(t["token_id"], dtype=np.int64)
-    stream = np.asarray(t["stream"])
     rows_per_group = int(64 * 2**20 // (4 * info.num_experts * info.num_layers))
     ratios = []
     meta = {"num_experts": info.num_experts}
     for _ in range(repeats):
         tp = tc = 0.0
         with router_writer(out / "r.parquet", info.num_experts, meta) as writer:
-            for s in np.unique(stream):
-                x = ids[stream == s]
+            for x in batches(streams):
                 t0 = _clock()
                 with torch.inference_mode():
-                    model(input_ids=torch.from_numpy(x)[None], use_cache=False)
+                    model(input_ids=torch.from_numpy(x), use_cache=False)
                 t1 = _clock()
-                capture_stream(model, writer, int(s), x, rows_per_group)
+                capture_batch(model, writer, list(range(len(x))), x, rows_per_group)
                 t2 = _clock()
                 tp, tc = tp + t1 - t0, tc + t2 - t1
         ratios.append(tc / tp)

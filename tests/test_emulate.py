@@ -22,7 +22,7 @@ from moesub.emulate import (
     summarize,
 )
 from moesub.io import read_metadata, write_parquet
-from moesub.models import stream_nll
+from moesub.models import stream_batches, stream_nll
 from moesub.policy import FETCH, SUB, Policy, scan
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
@@ -119,6 +119,29 @@ def test_layer_major_equals_token_by_token_under_substitution_with_admission(mod
     assert np.nanmax(np.abs(fast.nll - exact_nll(model, token_table([64], seed=3)))) > 1e-3
 
 
+def test_stream_batches_groups_consecutive_equal_lengths():
+    assert stream_batches([40, 40, 40, 33, 33], 80) == [[0, 1], [2], [3, 4]]
+    assert stream_batches([40, 40, 40], None) == [[0], [1], [2]]
+    assert stream_batches([40, 40], 10) == [[0], [1]]  # a stream longer than the budget: alone
+    assert stream_batches([5, 7, 5], 1000) == [[0], [1], [2]]  # only consecutive equal lengths
+    with pytest.raises(ValueError, match="batch_tokens"):
+        stream_batches([4], 0)
+
+
+def test_batched_streams_make_the_same_decisions_as_one_stream_per_forward(model, initial):
+    tokens = token_table([40, 40, 40, 33], seed=11)
+    one = emulate_streams(model, tokens, SUBSTITUTING, C, initial, progress=False)
+    batched = emulate_streams(
+        model, tokens, SUBSTITUTING, C, initial, progress=False, batch_tokens=80
+    )  # forwards: streams [0, 1], [2], [3]
+    keys = ["stream", "pos", "doc_id", "doc_start", *STATUS_NAMES]
+    assert batched.select(keys).equals(one.select(keys))
+    assert batched["sub"].sum() > 0
+    for col in ("nll", "mass"):  # batched matmuls may round differently
+        a, b = (df[col].fill_null(np.nan).to_numpy() for df in (batched, one))
+        np.testing.assert_allclose(a, b, atol=1e-5, equal_nan=True)
+
+
 def test_emulated_counts_and_mass_match_the_trace(model, initial):
     tokens = token_table([50], seed=5)
     out = emulate_streams(model, tokens, SUBSTITUTING, C, initial, progress=False)
@@ -195,7 +218,10 @@ def test_run_emulate_writes_table_and_metadata(stage_inputs, model, initial):
     assert meta["name"] == "quality" and meta["capacity"] == C and meta["fraction"] == 0.375
     assert meta["policy"] == pol and len(meta["core_build_id"]) > 0
     tokens = pl.read_parquet(root / "tokens.parquet")
-    ref = emulate_streams(model, tokens, SUBSTITUTING, C, initial, progress=False)
+    batch_tokens = read_metadata(root / "tokens.parquet")["batch_tokens"]
+    ref = emulate_streams(
+        model, tokens, SUBSTITUTING, C, initial, progress=False, batch_tokens=batch_tokens
+    )
     assert df.equals(ref)
 
     base = run_emulate(

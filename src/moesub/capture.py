@@ -1,12 +1,14 @@
 """Exact capture (token table + router-logit table), trace loading, initial resident sets.
 
-Capture runs the exact model (every expert resident) over each stream with teacher forcing:
-one forward per stream, batch 1, through `moesub.models.stream_nll` (the same call the
-emulator makes), with a `RouterHook` recording every MoE layer's router logits.
+Capture runs the exact model (every expert resident) over the streams with teacher forcing:
+streams of equal length go through `moesub.models.stream_nll` (the same call the emulator
+makes) in batches of at most `batch_tokens` tokens (`moesub.models.stream_batches`; recorded in
+the token table's metadata so that replays batch identically), with a `RouterHook` recording
+every MoE layer's router logits.
 
 Router table rows are written in (stream, pos, layer) order, one fixed-size float32 list of
 length E per row, in row groups of about `row_group_mb`, by a background thread. Memory is
-bounded by one stream's logits (T x L x E float32) plus two pending row groups. `load_trace`
+bounded by one batch's logits (B x T x L x E float32) plus two pending row groups. `load_trace`
 reads the table back into one `(T, L, E)` float32 array per stream.
 """
 
@@ -59,6 +61,7 @@ class CaptureParams:
     dtype: str = "float32"  # model dtype: float32 | bfloat16 | float16
     device: str = "cpu"  # torch device, or "auto" (cuda if available)
     row_group_mb: float = 64.0  # router-table row-group size
+    batch_tokens: int = 4096  # tokens per teacher-forced forward (equal-length streams batched)
     name: str | None = None  # recorded as metadata `model` (default: the model directory)
 
     @classmethod
@@ -68,6 +71,14 @@ class CaptureParams:
             raise ValueError(f"capture params dtype: {p.dtype!r} not in {sorted(_DTYPES)}")
         if not (p.row_group_mb > 0):
             raise ValueError(f"capture params row_group_mb: must be > 0, got {p.row_group_mb!r}")
+        if (
+            isinstance(p.batch_tokens, bool)
+            or not isinstance(p.batch_tokens, int)
+            or p.batch_tokens < 1
+        ):
+            raise ValueError(
+                f"capture params batch_tokens: must be an integer >= 1, got {p.batch_tokens!r}"
+            )
         return p
 
 
@@ -141,7 +152,7 @@ class _Recorder:
         return None
 
     def take(self) -> np.ndarray:
-        """(T, L, E) float32 of the last forward; resets."""
+        """(N, L, E) float32 of the last forward (N = B*T rows, batch-major); resets."""
         if any(z is None for z in self.logits):
             raise RuntimeError("not every MoE layer's router ran in the forward")
         out = torch.stack(self.logits, dim=1).cpu().numpy()  # type: ignore[arg-type]
@@ -164,29 +175,34 @@ def router_rows(stream: int, logits: np.ndarray, pos0: int = 0) -> pa.Table:
     )
 
 
-def capture_stream(
+def capture_batch(
     model: torch.nn.Module,
     writer: ParquetStreamWriter | BackgroundWriter,
-    stream_id: int,
+    stream_ids: list[int],
     token_ids: np.ndarray,
     rows_per_group: int,
 ) -> np.ndarray:
-    """Capture one stream: one teacher-forced forward (batch 1) recording every router's logits.
+    """Capture B equal-length streams in one teacher-forced forward, recording every router.
 
-    Writes the stream's router rows to `writer` (`rows_per_group` positions per row group) and
-    returns its NLL `[T]` float64 (NaN at position 0).
+    `token_ids` (B, T). Writes each stream's router rows to `writer` (`rows_per_group`
+    positions per row group) and returns the NLL `(B, T)` float64 (NaN at position 0).
     """
     from moesub.models import RouterHook, moe_blocks, stream_nll
 
     recorder = _Recorder(len(moe_blocks(model)))
-    ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))[None]  # [1, T]
+    ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))  # (B, T)
+    B, T = ids.shape
     with RouterHook(model, recorder):
-        nll = stream_nll(model, ids)[0]  # [T]
-    logits = recorder.take()  # (T, L, E) float32
-    if not np.isfinite(logits).all():
-        raise ValueError(f"stream {stream_id}: the model produced NaN or infinite router logits")
-    for p in range(0, logits.shape[0], rows_per_group):
-        writer.write_table(router_rows(stream_id, logits[p : p + rows_per_group], p))
+        nll = stream_nll(model, ids)  # (B, T)
+    logits = recorder.take()  # (B*T, L, E) float32
+    logits = logits.reshape(B, T, *logits.shape[1:])  # (B, T, L, E)
+    for b, stream_id in enumerate(stream_ids):
+        if not np.isfinite(logits[b]).all():
+            raise ValueError(
+                f"stream {stream_id}: the model produced NaN or infinite router logits"
+            )
+        for p in range(0, T, rows_per_group):
+            writer.write_table(router_rows(stream_id, logits[b, p : p + rows_per_group], p))
     return nll
 
 
@@ -260,7 +276,7 @@ def run_capture(
     params: Mapping[str, Any] | None = None,
 ) -> None:
     """Capture NLL and router logits of the exact model over every stream (see module doc)."""
-    from moesub.models import load_model, moe_info
+    from moesub.models import load_model, moe_info, stream_batches
 
     opts = CaptureParams.from_dict(params)
     table, streams_meta = read_streams(streams_path)
@@ -282,15 +298,20 @@ def run_capture(
         "family": info.family,
         "layer_indices": list(info.layer_indices),
         "dtype": opts.dtype,
+        "batch_tokens": opts.batch_tokens,
     }
     rows_per_group = max(1, int(opts.row_group_mb * 2**20 // (4 * E * L)))  # positions per group
     stream = table.column("stream").to_numpy()
     starts = np.flatnonzero(np.r_[True, stream[1:] != stream[:-1]])
-    ends = np.r_[starts[1:], len(stream)]
+    lengths = np.diff(np.r_[starts, len(stream)])
+    batches = stream_batches(lengths.tolist(), opts.batch_tokens)
     nll = np.full(len(stream), np.nan)
     with router_writer(out_router, E, meta) as file_writer, BackgroundWriter(file_writer) as writer:
-        for a, b in tqdm(list(zip(starts, ends, strict=True)), desc="capture", unit="stream"):
-            nll[a:b] = capture_stream(model, writer, int(stream[a]), token_ids[a:b], rows_per_group)
+        for batch in tqdm(batches, desc="capture", unit="batch"):
+            T = int(lengths[batch[0]])
+            rows = starts[batch][:, None] + np.arange(T)  # (B, T) row indices
+            ids = [int(stream[starts[i]]) for i in batch]
+            nll[rows] = capture_batch(model, writer, ids, token_ids[rows], rows_per_group)
     pos = table.column("pos").to_numpy()
     tokens = table.append_column("nll", pa.array(nll, type=pa.float64(), mask=pos == 0))
     write_parquet(tokens, out_tokens, metadata={**streams_meta, **meta})

@@ -29,7 +29,14 @@ from tqdm.auto import tqdm
 
 from moesub.capture import read_initial_set
 from moesub.io import read_metadata, write_parquet
-from moesub.models import RouterHook, align_ids, load_model, moe_info, stream_nll
+from moesub.models import (
+    RouterHook,
+    align_ids,
+    load_model,
+    moe_info,
+    stream_batches,
+    stream_nll,
+)
 from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, LayerCache, Policy
 from moesub.policy import capacity_for as policy_capacity_for
@@ -234,6 +241,27 @@ def computed_ids(
     return align_ids(model_ids, selected, computed, logits=logits)
 
 
+@dataclass
+class BatchRouter:
+    """RouterHook callback for a forward over B equal-length streams: the hook's N = B*T rows
+    are batch-major, so stream b's rows `[b*T, (b+1)*T)` go through `routers[b]` (its own
+    per-layer caches); the replacement ids are concatenated back in the same order."""
+
+    routers: list[PolicyRouter]
+
+    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        T = logits.shape[0] // len(self.routers)
+        rows = [slice(b * T, (b + 1) * T) for b in range(len(self.routers))]
+        new = [
+            r(layer, logits[s], weights[s], ids[s]) for r, s in zip(self.routers, rows, strict=True)
+        ]
+        if all(n is None for n in new):
+            return None
+        return torch.cat(
+            [ids[s] if n is None else n.to(ids.device) for n, s in zip(new, rows, strict=True)]
+        )
+
+
 def make_caches(model, policy, capacity: int, initial: np.ndarray | None) -> list:
     """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None)."""
     info = moe_info(model)
@@ -254,15 +282,26 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def emulate_batch(
+    model, ids: np.ndarray, policy, capacity: int, initial=None, record=False
+) -> list[StreamTrace]:
+    """Layer-major emulation of B equal-length streams `ids` (B, T) in one teacher-forced
+    forward (`stream_nll`); every stream has its own fresh per-layer caches."""
+    ids = np.asarray(ids, dtype=np.int64)
+    routers = [
+        PolicyRouter(make_caches(model, policy, capacity, initial), record=record) for _ in ids
+    ]
+    with RouterHook(model, BatchRouter(routers)):
+        nll = stream_nll(model, torch.from_numpy(ids).to(model_device(model)))  # (B, T)
+    return [r.take(row) for r, row in zip(routers, nll, strict=True)]
+
+
 def emulate_stream(
     model, ids: Sequence[int] | np.ndarray, policy, capacity: int, initial=None, record=False
 ) -> StreamTrace:
-    """Layer-major emulation of one stream: one teacher-forced forward (`stream_nll`)."""
-    router = PolicyRouter(make_caches(model, policy, capacity, initial), record=record)
-    input_ids = torch.as_tensor(np.asarray(ids, dtype=np.int64)).view(1, -1)  # (1, T)
-    with RouterHook(model, router):
-        nll = stream_nll(model, input_ids.to(model_device(model)))[0]
-    return router.take(nll)
+    """Layer-major emulation of one stream (a batch of one)."""
+    ids = np.asarray(ids, dtype=np.int64)[None]  # (1, T)
+    return emulate_batch(model, ids, policy, capacity, initial, record)[0]
 
 
 def emulate_streams(
@@ -273,23 +312,32 @@ def emulate_streams(
     initial: np.ndarray | None = None,
     progress: bool = True,
     max_streams: int | None = None,
+    batch_tokens: int | None = None,
 ) -> pl.DataFrame:
     """Emulate every stream of a token table under `policy`; one row per token.
 
     Columns: `stream, pos, doc_id, doc_start, nll, mass (sum over layers), layer_mass list[L],
     hit, fetch, sub, host, forced` (slot counts summed over layers). Each stream starts from a
-    fresh cache per layer holding `initial` (L, C).
+    fresh cache per layer holding `initial` (L, C). Streams are batched as the capture batched
+    them (`batch_tokens`, from the capture's metadata; None = one stream per forward), which
+    bit-identical NLL needs.
     """
 
     info = moe_info(model)
     policy = policy_from_dict(policy)
     df = check_token_table(token_table, info.vocab_size)
     initial = check_initial(initial, info.num_layers, info.num_experts, capacity)
-    streams = list(iter_streams(df))[:max_streams]
+    streams = [rows for _stream, rows in iter_streams(df)][:max_streams]
     frames = []
-    for _stream, rows in tqdm(streams, desc="emulate", unit="stream", disable=not progress):
-        trace = emulate_stream(model, rows["token_id"].to_numpy(), policy, capacity, initial)
-        frames.append(stream_frame(rows, trace.nll, trace.mass, trace.counts))
+    bar = tqdm(total=len(streams), desc="emulate", unit="stream", disable=not progress)
+    for batch in stream_batches([r.height for r in streams], batch_tokens):
+        ids = np.stack([streams[i]["token_id"].to_numpy() for i in batch])  # (B, T)
+        for i, trace in zip(
+            batch, emulate_batch(model, ids, policy, capacity, initial), strict=True
+        ):
+            frames.append(stream_frame(streams[i], trace.nll, trace.mass, trace.counts))
+        bar.update(len(batch))
+    bar.close()
     return pl.concat(frames)
 
 
@@ -482,7 +530,14 @@ def run_emulate(
         read_initial_set(initial_sets_path, fraction), info.num_layers, info.num_experts, capacity
     )
     out = emulate_streams(
-        model, tokens, pol, capacity, initial, progress=opts.progress, max_streams=opts.max_streams
+        model,
+        tokens,
+        pol,
+        capacity,
+        initial,
+        progress=opts.progress,
+        max_streams=opts.max_streams,
+        batch_tokens=read_metadata(tokens_path).get("batch_tokens"),
     )
     meta = {
         "policy": dict(policy),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -382,6 +382,28 @@ def _resolve_ties(mid, sel, eq, rank, bad, logits):
 
 # --------------------------------------------------------------------------------------------
 # exact teacher-forced NLL
+
+
+def stream_batches(lengths: Sequence[int], batch_tokens: int | None) -> list[list[int]]:
+    """Group streams into teacher-forced forward batches: runs of consecutive streams of equal
+    length, at most `batch_tokens` tokens per batch (always >= 1 stream); None = one stream per
+    forward. Capture, emulation and Experiment B batch with this one function and the capture's
+    `batch_tokens`: the (B, T) of every forward must match for bit-identical NLL."""
+    if batch_tokens is not None and (isinstance(batch_tokens, bool) or int(batch_tokens) < 1):
+        raise ValueError(f"batch_tokens must be an integer >= 1 or None, got {batch_tokens!r}")
+    batches: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and batch_tokens is not None
+            and lengths[last[0]] == n
+            and (len(last) + 1) * n <= batch_tokens
+        ):
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 @torch.inference_mode()
