@@ -79,9 +79,7 @@ def rendered(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     inputs, params = make_study(root / "results", noise=0.3, admission_gain=0.05)
     run_analysis(inputs, params, root / "results" / "analysis")
-    out = render_report(
-        root / "results" / "analysis", inputs, params, root / "results" / "report.html"
-    )
+    out = render_report(root / "results" / "analysis", params, root / "results" / "report.html")
     return {"root": root, "html": out, "inputs": inputs, "params": params}
 
 
@@ -112,7 +110,7 @@ def test_missing_parts_render_with_messages(tmp_path):
     inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
     partial = {"simulate": inputs["simulate"], "capture_tokens": inputs["capture_tokens"]}
     run_analysis(partial, params, tmp_path / "an")
-    out = render_report(tmp_path / "an", partial, params, tmp_path / "out" / "report.html")
+    out = render_report(tmp_path / "an", params, tmp_path / "out" / "report.html")
     html = out.read_text()
     assert html.count('class="policy-row"') == 2
     assert "Experiment B: heavy worse" not in html
@@ -215,7 +213,7 @@ def test_two_models_render(tmp_path):
     inputs = {k: inputs_a[k] + inputs_b[k] for k in inputs_a}
     inputs["engine_bench"] = inputs_a["engine_bench"]
     run_analysis(inputs, params, tmp_path / "an")
-    html = render_report(tmp_path / "an", inputs, params, tmp_path / "report.html").read_text()
+    html = render_report(tmp_path / "an", params, tmp_path / "report.html").read_text()
     rows = re.findall(r'<tr class="policy-row" data-policy="([^"]+)" data-model="([^"]+)"', html)
     assert sorted(rows) == sorted((n, m) for n in names for m in ("a", "b"))
     assert "Outcome (a): heavy worse" in html and "Outcome (b): no evidence" in html

@@ -1,10 +1,9 @@
-# Stage 8 (report): results/report.html, self-contained.
+# Stage 8 (report): results/report.html, self-contained, from the analysis outputs only.
 
 
 rule report:
     input:
-        **analysis_inputs(),
-        analysis="results/analysis",
+        rules.analysis.output,
     output:
         html="results/report.html",
         figures=report(

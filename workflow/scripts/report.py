@@ -1,16 +1,17 @@
-"""Rule report: results/report.html (moesub.report.render_report)."""
+"""Rule report: results/report.html from the analysis outputs (moesub.report.render_report)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
+import os
+
 from moesub.logs import job_setup
 from moesub.report import render_report
 
 job_setup(snakemake.log[0])
 
-inputs = {kind: list(paths) for kind, paths in snakemake.input.items() if kind != "analysis"}
+# the inputs are the analysis rule's outputs, all in one folder
+analysis_dir = os.path.commonpath([os.path.abspath(p) for p in snakemake.input])
+if os.path.isfile(analysis_dir):
+    analysis_dir = os.path.dirname(analysis_dir)
 render_report(
-    snakemake.input.analysis,
-    inputs,
-    snakemake.params.report,
-    snakemake.output.html,
-    fig_dir=snakemake.output.figures,
+    analysis_dir, snakemake.params.report, snakemake.output.html, fig_dir=snakemake.output.figures
 )

@@ -1,0 +1,152 @@
+"""What the report reads: the analysis outputs only (`analysis.json` and its named Parquet files).
+
+The analysis writes one file per table (`analysis.json["files"]` names them); the report never
+opens a stage artefact. A table that is absent, unreadable or has no columns loads as an empty
+frame, and its reason is recorded once, so a section shows one clear message instead of an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+import pyarrow.parquet as pq
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """One Parquet file through DuckDB; an empty frame if it has no columns."""
+    if len(pq.read_schema(path)) == 0:
+        return pd.DataFrame()
+    con = duckdb.connect()
+    try:
+        return con.execute("SELECT * FROM read_parquet(?)", [str(path)]).df()
+    finally:
+        con.close()
+
+
+@dataclass
+class AnalysisOutputs:
+    """`analysis.json` (`doc`) and its tables; `absent`: table -> why it is not there."""
+
+    directory: Path
+    doc: dict[str, Any]
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.doc.get("params") or {}
+
+    @property
+    def ci_level(self) -> float:
+        return float(self.params.get("ci_level", 0.95))
+
+    @property
+    def baseline(self) -> str:
+        return str(self.params.get("baseline", "fetch_every_miss"))
+
+    @property
+    def models(self) -> list[str]:
+        return [str(m) for m in self.doc.get("models") or []]
+
+    def table(self, name: str) -> pd.DataFrame:
+        return self.tables.get(name, pd.DataFrame())
+
+    def part(self, name: str) -> dict[str, Any]:
+        return (self.doc.get("parts") or {}).get(name) or {}
+
+    def why_missing(self, part: str, table: str | None = None) -> str:
+        """One message for a part without data: the analysis's reason, else the file's."""
+        reason = self.part(part).get("reason")
+        if reason:
+            return summarize_reasons(str(reason))
+        if table is not None and table in self.absent:
+            return self.absent[table]
+        return f"the analysis wrote no {part} results"
+
+
+def load_outputs(analysis_dir: str | os.PathLike) -> AnalysisOutputs:
+    """`analysis.json` and every table it names (else every `*.parquet` beside it)."""
+    adir = Path(analysis_dir)
+    doc_path = adir / "analysis.json"
+    if not doc_path.is_file():
+        raise FileNotFoundError(f"analysis_dir={str(adir)!r} has no analysis.json (run_analysis)")
+    doc = json.loads(doc_path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{doc_path}: expected a JSON object, got {type(doc).__name__}")
+    files = doc.get("files") or {p.stem: p.name for p in sorted(adir.glob("*.parquet"))}
+    out = AnalysisOutputs(directory=adir, doc=doc)
+    for name, rel in files.items():
+        path = adir / str(rel)
+        if not path.is_file():
+            out.absent[name] = f"{path.name} is missing from the analysis outputs"
+            continue
+        try:
+            out.tables[name] = read_table(path)
+        except Exception as exc:  # noqa: BLE001 - shown in the report instead of failing it
+            out.absent[name] = f"{path.name} is unreadable: {exc}"
+    return out
+
+
+def column(df: pd.DataFrame, *names: str) -> str | None:
+    """The first of `names` that `df` has (analysis versions name some columns differently)."""
+    return next((n for n in names if n in df.columns), None)
+
+
+def finite(v: Any) -> bool:
+    """A real number that can be shown (not None, NaN, inf or a non-number)."""
+    if v is None or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def ci_label(level: float) -> str:
+    """'90% CI' for ci_level 0.9: every interval in the report is labelled from the config."""
+    return f"{100 * level:g}% CI"
+
+
+_JOB_PREFIX = re.compile(r"^(?:[\w.+-]+/)*[\w.+-]+: ")
+
+
+def summarize_reasons(text: str) -> str:
+    """Collapse a '; '-joined list of per-job reasons into one line per distinct reason.
+
+    "a: gsm8k/p1: no data; a: gsm8k/p2: no data" -> "no data (2 jobs: a: gsm8k/p1, ...)".
+    """
+    items = [t.strip() for t in text.split("; ") if t.strip()]
+    by_reason: dict[str, list[str]] = {}
+    for item in items:
+        rest, jobs = item, []
+        while m := _JOB_PREFIX.match(rest):
+            jobs.append(m.group(0)[:-2])
+            rest = rest[m.end() :]
+        by_reason.setdefault(rest, []).append(": ".join(jobs))
+    parts = []
+    for reason, jobs in by_reason.items():
+        named = [j for j in jobs if j]
+        if len(jobs) > 1:
+            shown = ", ".join(named[:3]) + (", …" if len(named) > 3 else "")
+            parts.append(f"{reason} ({len(jobs)} jobs: {shown})")
+        else:
+            parts.append(f"{named[0]}: {reason}" if named else reason)
+    return "; ".join(parts)
+
+
+def unique(values: Iterable[Any]) -> list[Any]:
+    """Values in first-seen order without repeats."""
+    seen: list[Any] = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    return seen

@@ -1,0 +1,134 @@
+"""`render_report`: the analysis outputs -> one self-contained HTML file (figures embedded)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from moesub.io import atomic_path
+from moesub.report.figures import FigureData, draw_figures
+from moesub.report.load import ci_label, load_outputs, summarize_reasons
+from moesub.report.tables import (
+    admission_table,
+    expb_targets_table,
+    frame_table,
+    generation_table,
+    headline,
+    mass_table,
+    models_table,
+    per_input_table,
+    policy_numbers,
+    summary_table,
+)
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE = "report.html.j2"
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the report was rendered (the analysis machine); engine devices come from the data."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages * size / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    for pkg in ("moesub", "torch", "transformers", "duckdb", "scipy", "seaborn"):
+        try:
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            info[pkg] = "not installed"
+    return info
+
+
+def render_report(
+    analysis_dir: str | os.PathLike,
+    params: Mapping[str, Any],
+    out_html: str | os.PathLike,
+    fig_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Render the report from the analysis outputs in `analysis_dir` (nothing else is read).
+
+    `params`: the configuration shown in the report (`params["machine"]`, if given, describes the
+    machine the measurements ran on). Figures also go to `fig_dir` (default `<out_html's
+    folder>/figures`) for Snakemake's `report()` tags. Returns `out_html`.
+    """
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a mapping, got {type(params).__name__}")
+    out = load_outputs(analysis_dir)
+    out_html = Path(out_html)
+    fig_dir = Path(fig_dir) if fig_dir is not None else out_html.parent / "figures"
+    numbers = policy_numbers(out)
+    figures = draw_figures(FigureData(out, numbers), fig_dir)
+    prov = out.doc.get("provenance") or []
+    parts = {
+        name: {
+            "status": p.get("status", "?"),
+            "why": summarize_reasons(str(p.get("reason") or p.get("note") or "")),
+        }
+        for name, p in (out.doc.get("parts") or {}).items()
+    }
+    ctx = {
+        "title": str(params.get("title", "moesub report")),
+        "ci": ci_label(out.ci_level),
+        "baseline": out.baseline,
+        "headline": headline(out),
+        "summary": summary_table(out, numbers),
+        "figures": {f.name: f for f in figures},
+        "parts": parts,
+        "why_missing": out.why_missing,
+        "mass": mass_table(out),
+        "per_input": per_input_table(out),
+        "expb": out.doc.get("expb") or [],
+        "expb_targets": expb_targets_table(out),
+        "admission": admission_table(out),
+        "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
+        "dppl_base": out.doc.get("dppl_base") or {},
+        "generation": generation_table(out),
+        "engine_bench": frame_table("bench-table", out.table("engine_bench")),
+        "models": models_table(out),
+        "absent": out.absent,
+        "machine": machine_info(),
+        "run_machine": params.get("machine"),
+        "devices": sorted(
+            {
+                f"{p['metadata'].get('device')} ({p['metadata'].get('tier')})"
+                for p in prov
+                if p.get("kind") == "engine"
+            }
+        ),
+        "build_ids": sorted(
+            {
+                str(p["metadata"]["core_build_id"])
+                for p in prov
+                if (p.get("metadata") or {}).get("core_build_id") is not None
+            }
+        ),
+        "provenance": prov,
+        "config": json.dumps(params, indent=2, sort_keys=True, default=str),
+        "analysis_params": json.dumps(out.params, indent=2, sort_keys=True),
+    }
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        autoescape=jinja2.select_autoescape(["html", "j2"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    html = env.get_template(TEMPLATE).render(**ctx)
+    with atomic_path(out_html, suffix=".html") as tmp:
+        tmp.write_text(html, encoding="utf-8")
+    return out_html

@@ -1,0 +1,375 @@
+"""The report's tables and headline sentences, formatted from the analysis outputs.
+
+A `Table` is headers plus rows of display strings; the template renders every table the same way
+(inside a horizontally scrolling box, so a wide table never widens the page). Headers carry
+units; intervals are labelled with the config's `ci_level`; mass is per token-layer throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from moesub.report.load import AnalysisOutputs, ci_label, finite, unique
+
+Row = Mapping[str, Any]
+
+
+@dataclass
+class Table:
+    """Headers and display rows; `numeric[i]` right-aligns column i; `attrs` per row."""
+
+    id: str
+    headers: list[str]
+    rows: list[list[str]]
+    numeric: list[bool]
+    attrs: list[dict[str, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+@dataclass(frozen=True)
+class Col:
+    header: str
+    cell: Callable[[Row], str]
+    numeric: bool = True
+
+
+def num(v: Any, fmt: str = "{:.3g}") -> str:
+    return fmt.format(float(v)) if finite(v) else "—"
+
+
+def pct(v: Any, digits: int = 1) -> str:
+    return f"{100 * float(v):.{digits}f}%" if finite(v) else "—"
+
+
+def interval(lo: Any, hi: Any, fmt: str = "{:.3g}") -> str:
+    if not (finite(lo) and finite(hi)):
+        return "—"
+    return f"[{fmt.format(float(lo))}, {fmt.format(float(hi))}]"
+
+
+def first(r: Row, *keys: str) -> Any:
+    """The first of `keys` that `r` holds with a value (analysis versions differ in names)."""
+    for k in keys:
+        v = r.get(k)
+        if v is not None and not (isinstance(v, float) and v != v):
+            return v
+    return None
+
+
+def power(r: Row) -> str:
+    """The design's smallest reachable p and its minimum detectable effect, when recorded."""
+    min_p = first(r, "min_p", "min_attainable_p")
+    mde = first(r, "mde")
+    if min_p is None and mde is None:
+        return "—"
+    return f"min p {num(min_p)}; MDE {num(mde)}"
+
+
+def make_table(
+    table_id: str,
+    records: Sequence[Row],
+    cols: Sequence[Col],
+    attrs: Callable[[Row], dict[str, str]] | None = None,
+) -> Table:
+    return Table(
+        id=table_id,
+        headers=[c.header for c in cols],
+        rows=[[c.cell(r) for c in cols] for r in records],
+        numeric=[c.numeric for c in cols],
+        attrs=[attrs(r) for r in records] if attrs else [{} for _ in records],
+    )
+
+
+def text(key: str) -> Callable[[Row], str]:
+    return lambda r: "—" if r.get(key) is None else str(r.get(key))
+
+
+# ---- policy numbers -----------------------------------------------------------------------------
+
+
+def policy_numbers(out: AnalysisOutputs) -> dict[str, int]:
+    """policy -> its number in the report (config order, then any other policy by name)."""
+    names = list((out.params.get("policies") or {}).keys())
+    for t in ("summary", "speed_quality", "mass_points", "sim_vs_engine"):
+        df = out.table(t)
+        if "policy" in df.columns:
+            names += sorted(df["policy"].astype(str).unique())
+    return {n: i + 1 for i, n in enumerate(unique(names))}
+
+
+# ---- tables -------------------------------------------------------------------------------------
+
+
+def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
+    s = out.table("summary")
+    if s.empty:
+        return make_table("summary", [], [])
+    ci = ci_label(out.ci_level)
+    mass = "mass_per_token_layer" if "mass_per_token_layer" in s.columns else "mass_mean"
+    tasks = sorted(c[: -len("_accuracy")] for c in s.columns if c.endswith("_accuracy"))
+
+    def rule(r: Row) -> str:
+        out_ = str(r.get("rule") or "—")
+        if r.get("rule") == "threshold" and finite(r.get("tau")):
+            out_ += f" τ={float(r['tau']):g}"
+        if finite(r.get("beta")) and float(r["beta"]) > 0:
+            out_ += f" β={float(r['beta']):g}"
+        if isinstance(r.get("eviction"), str):
+            out_ += f" {r['eviction']}"
+        return out_
+
+    def hit(r: Row) -> str:
+        v = first(r, "hit_rate", "sim_hit_rate")
+        return pct(v)
+
+    def dppl(r: Row) -> str:
+        if not finite(r.get("dppl_pct")):
+            return "—"
+        return f"{float(r['dppl_pct']):+.2f} {interval(r.get('dppl_ci_lo'), r.get('dppl_ci_hi'))}"
+
+    def task_cell(t: str) -> Callable[[Row], str]:
+        def cell(r: Row) -> str:
+            acc = r.get(f"{t}_accuracy")
+            if not finite(acc):
+                return "—"
+            lo = first(r, f"{t}_ci_low", f"{t}_acc_ci_lo")
+            hi = first(r, f"{t}_ci_high", f"{t}_acc_ci_hi")
+            ci_txt = interval(100 * lo, 100 * hi, "{:.0f}") if finite(lo) and finite(hi) else ""
+            return f"{100 * float(acc):.1f}% {ci_txt}".strip()
+
+        return cell
+
+    def time_ms(key: str) -> Callable[[Row], str]:
+        return lambda r: num(1e3 * float(r[key]) if finite(r.get(key)) else None)
+
+    cols = [
+        Col("#", lambda r: str(numbers.get(str(r["policy"]), ""))),
+        Col("model", text("model"), False),
+        Col("policy", text("policy"), False),
+        Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
+        Col("rule", rule, False),
+        Col("hit rate", hit),
+        Col("substitution rate", lambda r: pct(r.get("sub_rate"), 2)),
+        Col("mass / token-layer", lambda r: num(r.get(mass), "{:.4g}")),
+        Col(f"Δppl % [{ci}]", dppl),
+        Col("time / token, ms (engine)", time_ms("time_per_token_s")),
+        Col("simulated, ms / token", time_ms("sim_time_per_token_s")),
+        Col(
+            f"speedup vs {out.baseline}",
+            lambda r: num(r.get("speedup_vs_fetch_every_miss"), "{:.2f}×"),
+        ),
+        *[Col(f"{t} accuracy [{ci}]", task_cell(t)) for t in tasks],
+    ]
+    return make_table(
+        "summary",
+        s.to_dict("records"),
+        cols,
+        attrs=lambda r: {
+            "class": "policy-row",
+            "policy": str(r["policy"]),
+            "model": str(r.get("model", "")),
+        },
+    )
+
+
+def mass_table(out: AnalysisOutputs) -> Table:
+    ci = ci_label(out.ci_level)
+
+    def r_ci(r: Row) -> str:
+        txt = interval(first(r, "ci_lo", "r_ci_lo"), first(r, "ci_hi", "r_ci_hi"))
+        bias = first(r, "bias", "boot_bias", "r_bias")
+        return txt + (f" (bias {float(bias):+.3f})" if finite(bias) else "")
+
+    cols = [
+        Col("model", text("model"), False),
+        Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
+        Col("group", text("group"), False),
+        Col("n policies", text("n")),
+        Col(
+            "Pearson r",
+            lambda r: num(r.get("r"), "{:.3f}") if r.get("r") is not None else str(r.get("reason")),
+        ),
+        Col(f"bootstrap {ci} (bias-corrected)", r_ci),
+        Col("p", lambda r: num(r.get("p"))),
+        Col("power: smallest p; MDE", power, False),
+        Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
+        Col("policies", lambda r: ", ".join(r.get("policies") or []), False),
+    ]
+    return make_table("mass-table", out.doc.get("mass_hypothesis") or [], cols)
+
+
+def per_input_table(out: AnalysisOutputs) -> Table:
+    df = out.table("per_input")
+    ci = ci_label(out.ci_level)
+    cols = [
+        Col("model", text("model"), False),
+        Col("policy", text("policy"), False),
+        Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
+        Col("unit", text("level"), False),
+        Col("n units", text("n")),
+        Col("Pearson r", lambda r: num(r.get("r"), "{:.3f}")),
+        Col(f"r {ci}", lambda r: interval(r.get("r_ci_lo"), r.get("r_ci_hi"))),
+        Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
+        Col("note", lambda r: str(r.get("reason") or ""), False),
+    ]
+    return make_table("per-input-table", df.to_dict("records"), cols)
+
+
+def admission_table(out: AnalysisOutputs) -> Table:
+    ci = ci_label(out.ci_level)
+    cols = [
+        Col("model", text("model"), False),
+        Col("policy", text("policy"), False),
+        Col("twin (β = 0)", text("twin"), False),
+        Col(
+            "exact twin",
+            lambda r: (
+                "yes" if r.get("twin_exact") else "no: eviction differs, not an admission effect"
+            ),
+            False,
+        ),
+        Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
+        Col("tokens", text("n_tokens")),
+        Col("Δppl % vs twin", lambda r: num(r.get("dppl_pct_vs_twin"), "{:+.3f}")),
+        Col(ci, lambda r: interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.3f}")),
+        Col("power: smallest p; MDE", power, False),
+    ]
+    return make_table("admission-table", out.doc.get("admission") or [], cols)
+
+
+def expb_targets_table(out: AnalysisOutputs) -> Table:
+    rows = [
+        {"model": e.get("model", ""), **t}
+        for e in out.doc.get("expb") or []
+        for t in e.get("targets", [])
+    ]
+    cols = [
+        Col("model", text("model"), False),
+        Col("target m* / token-layer", lambda r: num(r.get("target_mass"), "{:g}")),
+        Col("primary", lambda r: "yes" if r.get("primary") else "", False),
+        Col("realized heavy", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
+        Col("realized light", lambda r: num(r.get("realized_light"), "{:.4g}")),
+        Col(
+            "valid",
+            lambda r: "—" if r.get("valid") is None else ("yes" if r["valid"] else "no"),
+            False,
+        ),
+        Col("n streams", lambda r: str(first(r, "n_used", "n_streams") or "—")),
+        Col("p (one-sided)", lambda r: num(r.get("p"))),
+        Col("power: smallest p; MDE", power, False),
+        Col("outcome", text("outcome"), False),
+    ]
+    return make_table("expb-targets", rows, cols)
+
+
+def generation_table(out: AnalysisOutputs) -> Table:
+    df = out.table("generation")
+    ci = ci_label(out.ci_level)
+    lo, hi = ("ci_low", "ci_high") if "ci_low" in df.columns else ("acc_ci_lo", "acc_ci_hi")
+    agree = "agreement" if "agreement" in df.columns else "agree_exact"
+    mass = next((c for c in ("mass_per_token_layer", "mass_mean", "mass") if c in df.columns), None)
+    cols = [
+        Col("model", text("model"), False),
+        Col("task", text("task"), False),
+        Col("policy", text("policy"), False),
+        Col("n problems", text("n")),
+        Col("accuracy", lambda r: pct(r.get("accuracy"))),
+        Col(
+            f"accuracy {ci} (Wilson)",
+            lambda r: (
+                interval(100 * r[lo], 100 * r[hi], "{:.1f}")
+                if finite(r.get(lo)) and finite(r.get(hi))
+                else "—"
+            ),
+        ),
+        Col(f"agreement with {out.baseline}", lambda r: pct(r.get(agree))),
+        Col("mass / token-layer", lambda r: num(r.get(mass), "{:.4g}") if mass else "—"),
+    ]
+    return make_table("generation-table", df.to_dict("records"), cols)
+
+
+def frame_table(table_id: str, df: pd.DataFrame) -> Table:
+    """Any frame as it is (e.g. the engine benchmark), numbers to 4 significant digits."""
+    records = df.to_dict("records")
+    cols = [
+        Col(str(c), lambda r, c=c: num(r[c], "{:.4g}") if isinstance(r[c], float) else str(r[c]))
+        for c in df.columns
+    ]
+    return make_table(table_id, records, cols)
+
+
+def models_table(out: AnalysisOutputs) -> Table:
+    """One row per model: models.parquet if the analysis wrote it, else each model's provenance."""
+    df = out.table("models")
+    if df.empty:
+        per_model: dict[str, dict[str, Any]] = {m: {"model": m} for m in out.models}
+        for p in out.doc.get("provenance") or []:
+            m = str(p.get("model", ""))
+            if m in per_model:
+                meta = p.get("metadata") or {}
+                for k in ("num_experts", "top_k", "num_layers"):
+                    if k in meta:
+                        per_model[m].setdefault(k, meta[k])
+        df = pd.DataFrame(list(per_model.values()))
+    if "model" in df.columns:
+        df = df[["model", *[c for c in df.columns if c != "model"]]]
+    return frame_table("model-meta", df)
+
+
+# ---- headline -----------------------------------------------------------------------------------
+
+
+def headline(out: AnalysisOutputs) -> list[str]:
+    """The headline numbers as sentences; every sentence starts with its model's name."""
+    ci = ci_label(out.ci_level)
+
+    def who(r: Row) -> str:
+        return f"{r.get('model') or 'model'}: "
+
+    lines = []
+    for r in out.doc.get("mass_hypothesis") or []:
+        what = f"mass hypothesis ({r['group']}, cache fraction {r['fraction']:g})"
+        if r.get("r") is not None:
+            bias = first(r, "bias", "boot_bias", "r_bias")
+            lines.append(
+                f"{who(r)}{what}: Pearson r = {r['r']:.3f}, bootstrap {ci} "
+                f"{interval(first(r, 'ci_lo', 'r_ci_lo'), first(r, 'ci_hi', 'r_ci_hi'))}"
+                + (f", bootstrap bias {float(bias):+.3f}" if finite(bias) else "")
+                + f", n = {r['n']} policies."
+            )
+        else:
+            lines.append(f"{who(r)}{what}: {r.get('reason')}; n = {r['n']}.")
+    for e in out.doc.get("expb") or []:
+        lines.append(f"{who(e)}Experiment B: {e['decision']['outcome_text']}")
+    s = out.table("summary")
+    for name in ("quality", "speed", "rule_015", "substitute_all"):
+        for r in s[s["policy"] == name].to_dict("records") if "policy" in s else []:
+            bits = []
+            if finite(r.get("dppl_pct")):
+                bits.append(
+                    f"Δppl {r['dppl_pct']:+.2f}% {ci} "
+                    f"{interval(r.get('dppl_ci_lo'), r.get('dppl_ci_hi'))}"
+                )
+            if finite(r.get("speedup_vs_fetch_every_miss")):
+                bits.append(f"{r['speedup_vs_fetch_every_miss']:.2f}× faster than {out.baseline}")
+            if finite(r.get("speedup_vs_host_compute")):
+                bits.append(f"{r['speedup_vs_host_compute']:.2f}× vs host_compute")
+            if bits:
+                lines.append(
+                    f"{who(r)}{name} (cache fraction {r['fraction']:g}): " + ", ".join(bits) + "."
+                )
+    for r in out.doc.get("admission") or []:
+        if r.get("dppl_pct_vs_twin") is not None:
+            exact = "" if r.get("twin_exact", True) else " (not an exact twin: eviction differs)"
+            lines.append(
+                f"{who(r)}admission: {r['policy']} vs {r['twin']}{exact}: Δppl "
+                f"{r['dppl_pct_vs_twin']:+.2f}% {ci} {interval(r.get('ci_lo'), r.get('ci_hi'))}"
+                f" over {r['n_tokens']} tokens."
+            )
+    return lines
