@@ -34,12 +34,14 @@ wildcard_constraints:
     device=r"cpu|cuda",
     split=r"eval|calib",
     condition=r"heavy|light",
+    design=r"study|matched",
     task=r"gsm8k|humaneval",
 
 
 include: "workflow/rules/model.smk"
 include: "workflow/rules/streams.smk"
 include: "workflow/rules/capture.smk"
+include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
 include: "workflow/rules/emulate.smk"
 include: "workflow/rules/expb.smk"

@@ -28,6 +28,8 @@ ALL_RESIDENT_POLICY: dict[str, Any] = {"rule": "fetch_all", **POLICY_DEFAULTS}
 # moesub.embedded.EmbeddedConfig defaults (repeated here so parse-time checks need no torch).
 EMBEDDED_DEFAULT_E = 512
 EMBEDDED_DEFAULT_K = 10
+# The cache fraction at which the study gives its regime figures (moesub.regime): 25% resident.
+REGIME_FRACTION = 0.25
 # Names become path components and Snakemake wildcard values.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

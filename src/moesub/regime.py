@@ -31,6 +31,7 @@ the figure the collapse criterion reads.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ import numpy as np
 import polars as pl
 
 from moesub.capture import load_trace, read_initial_set, topk_mask
+from moesub.config import REGIME_FRACTION
 from moesub.io import write_json, write_parquet
 from moesub.policy import Policy, capacity_for
 from moesub.simulate import GridPoint, simulate
@@ -269,10 +271,32 @@ def verdict(summary: dict[str, Any]) -> str:
     )
 
 
+def long_table(layers: pl.DataFrame) -> pl.DataFrame:
+    """The per-layer table as (layer, metric, value, reference, trace_study_reference) rows.
+
+    ``reference`` is the study's figure for the metric (all layers only; NaN where it gives
+    none), ``trace_study_reference`` the llama.cpp trace study's (hit rate only).
+    """
+    metrics = [c for c in layers.columns if c not in ("layer", "tokens", "capacity")]
+    long = layers.select(pl.col("layer").cast(pl.Int64), pl.col(metrics).cast(pl.Float64))
+    long = long.unpivot(index="layer", on=metrics, variable_name="metric", value_name="value")
+    study = {m: v for m, (v, _) in REFERENCES.items() if m in metrics}
+    trace = {"hit_rate": REFERENCES["hit_rate_llamacpp"][0]}
+    total = pl.col("layer") == -1
+    return long.with_columns(
+        pl.when(total)
+        .then(pl.col("metric").replace_strict(study, default=None, return_dtype=pl.Float64))
+        .alias("reference"),
+        pl.when(total)
+        .then(pl.col("metric").replace_strict(trace, default=None, return_dtype=pl.Float64))
+        .alias("trace_study_reference"),
+    ).with_columns(pl.col("reference", "trace_study_reference").fill_null(math.nan))
+
+
 def regime_from_files(
     router_path: str | os.PathLike,
     initial_sets_path: str | os.PathLike | None,
-    fraction: float,
+    fraction: float = REGIME_FRACTION,
 ) -> Regime:
     """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
     trace = load_trace(router_path)
