@@ -184,3 +184,26 @@ def test_from_files_round_trip(tmp_path):
     assert table.equals(direct.layers)
     assert direct.summary["capacity"] == 4
     assert direct.summary["fraction"] == 0.25
+
+
+def test_analysis_part_writes_regime_table_and_verdict(tmp_path):
+    from moesub.regime import long_table
+    from moesub.stats import run_analysis
+
+    rng = np.random.default_rng(2)
+    reg = measure_regime([rng.standard_normal((200, 2, 32)).astype(np.float32)], 2, 8, None)
+    model_dir = tmp_path / "results" / "toy"
+    from moesub.io import write_parquet
+
+    write_parquet(reg.layers, model_dir / "regime.parquet", metadata={"summary": reg.summary})
+    doc = run_analysis(
+        {"regime": [str(model_dir / "regime.parquet")]}, {"policies": {}}, tmp_path / "out"
+    )
+    table = pl.read_parquet(tmp_path / "out" / "regime.parquet")
+    assert set(table["model"]) == {"toy"}
+    assert table.drop("model").equals(long_table(reg.layers))
+    (entry,) = doc["regime"]
+    assert entry["model"] == "toy"
+    assert entry["verdict"] == reg.summary["verdict"]
+    assert entry["hit_rate"] == pytest.approx(reg.summary["hit_rate"])
+    assert doc["parts"]["regime"]["status"] == "ok"

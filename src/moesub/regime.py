@@ -31,7 +31,6 @@ the figure the collapse criterion reads.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,7 +273,7 @@ def verdict(summary: dict[str, Any]) -> str:
 def long_table(layers: pl.DataFrame) -> pl.DataFrame:
     """The per-layer table as (layer, metric, value, reference, trace_study_reference) rows.
 
-    ``reference`` is the study's figure for the metric (all layers only; NaN where it gives
+    ``reference`` is the study's figure for the metric (all layers only; null where it gives
     none), ``trace_study_reference`` the llama.cpp trace study's (hit rate only).
     """
     metrics = [c for c in layers.columns if c not in ("layer", "tokens", "capacity")]
@@ -290,7 +289,7 @@ def long_table(layers: pl.DataFrame) -> pl.DataFrame:
         pl.when(total)
         .then(pl.col("metric").replace_strict(trace, default=None, return_dtype=pl.Float64))
         .alias("trace_study_reference"),
-    ).with_columns(pl.col("reference", "trace_study_reference").fill_null(math.nan))
+    )
 
 
 def regime_from_files(

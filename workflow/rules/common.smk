@@ -274,6 +274,7 @@ def analysis_inputs():
         "capture_tokens": expand(
             "results/{model}/capture/eval_tokens.parquet", model=MODELS
         ),
+        "regime": expand("results/{model}/regime.parquet", model=MODELS),
         "simulate": simulate_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),

@@ -35,8 +35,9 @@ DATA_KINDS = (
     "engine_bench",
     "generate",
 )
-# Non-Parquet inputs the report shows (model summary JSON, engine calibration JSON).
-EXTRA_KINDS = ("model_summary", "calibration")
+# Non-Parquet inputs the report shows (model summary JSON, engine calibration JSON), and the
+# per-model regime table (results/{model}/regime.parquet), which the regime part reads itself.
+EXTRA_KINDS = ("model_summary", "calibration", "regime")
 FETCH_FIRST_RULES = ("threshold", "first_choice")
 SUBSTITUTE_FIRST_RULES = ("substitute_all",)
 NEVER_SUBSTITUTE_RULES = ("fetch_all", "host_compute")
@@ -80,6 +81,8 @@ def model_of(path: str, kind: str) -> str:
             if len(parts) >= 3 and parts[-2] == "model"
             else (parts[-2] if len(parts) >= 2 else "")
         )
+    if kind == "regime":  # results/{model}/regime.parquet
+        return parts[-2] if len(parts) >= 2 else ""
     stage = STAGE_DIRS.get(kind)
     for i in range(len(parts) - 2, 0, -1):
         if parts[i] == stage:

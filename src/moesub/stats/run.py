@@ -31,6 +31,7 @@ from moesub.stats.load import (
 from moesub.stats.mass import mass_hypothesis_part, per_input_part
 from moesub.stats.params import AnalysisParams
 from moesub.stats.quality import quality_part
+from moesub.stats.regime import regime_part
 from moesub.stats.timing import engine_bench, engine_part, simulate_part
 
 OUTPUT_FILES = (
@@ -45,6 +46,7 @@ OUTPUT_FILES = (
     "layer_hit_rates",
     "engine_bench",
     "generation",
+    "regime",
 )
 
 
@@ -127,6 +129,7 @@ PARTS: tuple[Callable[[Context], None], ...] = (
     simulate_part,
     engine_part,
     generation_part,
+    regime_part,
     summary_part,
 )
 
@@ -220,6 +223,7 @@ def run_analysis(
             "expb": tagged("expb"),
             "admission": tagged("admission"),
             "sim_vs_engine": tagged("sim_vs_engine"),
+            "regime": tagged("regime"),
             "provenance": [{**r, "model": m} for m, a in analyses.items() for r in a.provenance()]
             + bench_prov,
             "files": {name: f"{name}.parquet" for name in OUTPUT_FILES},
