@@ -259,6 +259,9 @@ def test_rebuild_replaces_existing_dir(tmp_path):
         ({"vocab_size": 100}, "vocab_size"),
         ({"eval_fraction": 0.6, "calib_fraction": 0.5}, "fractions"),
         ({"seq_len": 1}, "seq_len"),
+        ({"balance_pooling": "sequence"}, "balance_pooling"),
+        ({"balance_ema_steps": 0.5}, "balance_ema_steps"),
+        ({"router_z_loss_coef": -1.0}, "router_z_loss_coef"),
     ],
 )
 def test_bad_params(params, match, tmp_path):
@@ -292,3 +295,53 @@ def test_wall_clock_budget_stops_training():
     assert facts["steps"] == len(log["step"]) >= 1
     with pytest.raises(ValueError, match="seq_len"):
         embedded.train(model, tokens[:10], cfg)
+
+
+def _router_losses(**params) -> embedded.RouterLosses:
+    cfg = EmbeddedConfig.from_params({**TINY, "num_experts": 8, "num_experts_per_tok": 2, **params})
+    return embedded.RouterLosses(cfg, num_layers=1)
+
+
+def test_global_balance_loss_is_k_when_uniform_and_pools_f_by_ema():
+    losses = _router_losses(balance_pooling="global", balance_ema_steps=4)
+    # uniform router probabilities: E * sum_e f_e / E = sum_e f_e = k, whatever f is
+    terms = losses((torch.zeros(6, 8),))
+    assert float(terms["aux_loss"]) == pytest.approx(2.0)
+    assert "z_loss" not in terms
+    # the EMA moved 1/4 of the way from uniform (k/E) to that step's f, which sums to k
+    share = losses.share[0]
+    assert float(share.sum()) == pytest.approx(2.0)
+    assert sorted(set(share.tolist())) == pytest.approx([0.75 * 2 / 8, 0.75 * 2 / 8 + 0.25])
+    # the gradient flows through P only: d loss / d P_e = E * share_e (f carries none)
+    z = torch.randn(5, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    share_before = losses.share[0].clone()
+    terms = losses((z,))
+    terms["aux_loss"].backward()
+    f = torch.zeros(8)
+    for e in z.detach().topk(2, dim=-1).indices.reshape(-1):  # no ties in random logits
+        f[e] += 1 / 5
+    share = 0.75 * share_before + 0.25 * f
+    z2 = z.detach().clone().requires_grad_(True)
+    (8 * (share * torch.softmax(z2, dim=-1).mean(0)).sum()).backward()
+    torch.testing.assert_close(z.grad, z2.grad)
+
+
+def test_micro_batch_pooling_leaves_balancing_to_the_model_and_z_loss():
+    assert _router_losses(balance_pooling="micro_batch")((torch.zeros(3, 8),)) == {}
+    losses = _router_losses(router_z_loss_coef=1e-3)
+    terms = losses((torch.full((4, 8), 2.0), torch.zeros(4, 8)))
+    # logsumexp of 8 equal logits c is c + log 8; mean over the two layers
+    expect = ((2 + math.log(8)) ** 2 + math.log(8) ** 2) / 2
+    assert float(terms["z_loss"]) == pytest.approx(expect)
+
+
+def test_global_pooling_build_is_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    params = {**TINY, "balance_pooling": "global", "router_z_loss_coef": 1e-3}
+    params["max_tokens"] = 64 * 4 * 8
+    a, b = build_model(tmp_path / "a", params), build_model(tmp_path / "b", params)
+    wa, wb = (load_file(p / "model.safetensors") for p in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    log = pq.read_table(a / "train_log.parquet").to_pydict()
+    assert all(v > 0 for v in log["aux_loss"]) and all(v > 0 for v in log["z_loss"])

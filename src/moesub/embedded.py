@@ -70,6 +70,7 @@ SPLITS = ("train", "calib", "eval")
 # machine-generated data tables (the ~65 charmap codecs in `encodings`, 1.2 MB): near-identical
 # boilerplate + byte tables that would dominate the held-out perplexity and the streams
 GENERATED_MARKERS = ("with gencodec.py",)
+BALANCE_POOLINGS = ("micro_batch", "global")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,6 +105,12 @@ class EmbeddedConfig:
     shared_expert_intermediate_size: int = 64
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
+    # how the load-balancing loss pools its statistics (see `balance_loss`): "micro_batch" is
+    # transformers' built-in loss (f and P of the current micro-batch, pooled over layers);
+    # "global" is per layer, with f pooled over steps by an EMA of `balance_ema_steps` steps
+    balance_pooling: str = "micro_batch"
+    balance_ema_steps: float = 64.0
+    router_z_loss_coef: float = 0.0
     max_position_embeddings: int = 4096
     # training
     seq_len: int = 256
@@ -180,6 +187,12 @@ class EmbeddedConfig:
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]")
         need(self.warmup_steps >= 0, "warmup_steps must be >= 0")
         need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef must be >= 0")
+        need(
+            self.balance_pooling in BALANCE_POOLINGS,
+            f"balance_pooling must be one of {BALANCE_POOLINGS}, got {self.balance_pooling!r}",
+        )
+        need(self.balance_ema_steps >= 1, "balance_ema_steps must be >= 1")
+        need(self.router_z_loss_coef >= 0, "router_z_loss_coef must be >= 0")
         need(self.grad_clip > 0, "grad_clip must be > 0")
         need(
             self.train_seconds is not None or self.max_tokens is not None,
@@ -434,13 +447,57 @@ def _optimizer(model: torch.nn.Module, cfg: EmbeddedConfig) -> torch.optim.Optim
     )
 
 
+class RouterLosses:
+    """The router terms added to the language-model loss at each training step.
+
+    - Load balancing, ``balance_pooling="global"``: per MoE layer the Switch loss
+      ``E * sum_e f_e * P_e``, where ``P_e`` (mean router probability of expert e over the
+      micro-batch) carries the gradient and ``f_e`` (expert e's share of the top-k selections,
+      summing to k as in transformers' loss) is an EMA over the last ~``balance_ema_steps``
+      steps, without gradient; mean over layers (k when perfectly balanced). This is
+      global-batch balancing as Qwen3 trains: experts must be balanced over many batches, not
+      within each one, so they can specialize by topic (the cache's temporal locality). With
+      ``"micro_batch"`` the model's built-in loss (same formula, f and P of the micro-batch,
+      pooled over layers) is used instead and nothing is computed here.
+    - Router z-loss (ST-MoE): mean over layers and tokens of ``logsumexp(z)^2``.
+    """
+
+    def __init__(self, cfg: EmbeddedConfig, num_layers: int) -> None:
+        self.cfg = cfg
+        self.decay = 1.0 - 1.0 / cfg.balance_ema_steps
+        k, E = cfg.num_experts_per_tok, cfg.num_experts
+        # per layer the (E,) EMA of f (sums to k); replaced, not updated in place, each step:
+        # the previous step's tensor may still be saved for a backward pass
+        self.share = [torch.full((E,), k / E) for _ in range(num_layers)]
+
+    def __call__(self, router_logits: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        terms: dict[str, torch.Tensor] = {}
+        if cfg.router_z_loss_coef > 0:
+            z_sq = [torch.logsumexp(z.float(), dim=-1).square().mean() for z in router_logits]
+            terms["z_loss"] = torch.stack(z_sq).mean()
+        if cfg.balance_pooling == "global":
+            per_layer = []
+            for layer, z in enumerate(router_logits):  # z: (B * seq_len, E)
+                z = z.float()
+                probs_mean = torch.softmax(z, dim=-1).mean(dim=0)  # (E,)
+                ids = z.topk(cfg.num_experts_per_tok, dim=-1).indices  # (B * seq_len, k)
+                counts = torch.bincount(ids.reshape(-1), minlength=cfg.num_experts)
+                f = counts.to(torch.float32) / z.shape[0]  # (E,) sums to k
+                self.share[layer] = self.decay * self.share[layer] + (1.0 - self.decay) * f
+                per_layer.append(cfg.num_experts * (self.share[layer] * probs_mean).sum())
+            terms["aux_loss"] = torch.stack(per_layer).mean()
+        return terms
+
+
 def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, list], dict]:
     """Train `model` on random windows of `tokens` (int32, 1-D) within the budget.
 
     The cosine's progress after warmup is the larger of the token budget used and the
     wall-clock budget used, so the learning rate reaches its floor exactly when the first budget
     runs out. With only `max_tokens` the run is a pure function of the seed (and thread count).
-    Returns the per-step log (step, tokens, loss, aux_loss, lr, elapsed_s) and run facts.
+    Returns the per-step log (step, tokens, loss, aux_loss, z_loss, lr, elapsed_s) and run
+    facts; `loss` is the language-model cross-entropy alone.
     """
     if tokens.size <= cfg.seq_len:
         raise ValueError(f"corpus: {tokens.size} training tokens, fewer than seq_len={cfg.seq_len}")
@@ -448,9 +505,12 @@ def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, lis
     data = torch.from_numpy(tokens.astype(np.int64))
     window = torch.arange(cfg.seq_len)
     opt = _optimizer(model, cfg)
+    router_losses = RouterLosses(cfg, cfg.num_hidden_layers)
+    builtin_coef = cfg.router_aux_loss_coef if cfg.balance_pooling == "micro_batch" else 0.0
+    model.router_aux_loss_coef = builtin_coef  # the forward adds builtin_coef * built-in loss
     max_steps = None if cfg.max_tokens is None else cfg.max_tokens // cfg.tokens_per_step
     log: dict[str, list] = {
-        k: [] for k in ("step", "tokens", "loss", "aux_loss", "lr", "elapsed_s")
+        k: [] for k in ("step", "tokens", "loss", "aux_loss", "z_loss", "lr", "elapsed_s")
     }
     model.train()
     start = time.perf_counter()
@@ -477,18 +537,27 @@ def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, lis
         offsets = rng.integers(0, data.numel() - cfg.seq_len, size=cfg.batch_size)
         batch = data[torch.from_numpy(offsets)[:, None] + window]  # (B, seq_len)
         out = model(input_ids=batch, labels=batch, output_router_logits=True, use_cache=False)
-        aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
+        builtin_aux = float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
+        ce = float(out.loss.detach()) - builtin_coef * builtin_aux
+        terms = router_losses(out.router_logits)
+        loss = out.loss
+        if "aux_loss" in terms:
+            loss = loss + cfg.router_aux_loss_coef * terms["aux_loss"]
+        if "z_loss" in terms:
+            loss = loss + cfg.router_z_loss_coef * terms["z_loss"]
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
-        ce = float(out.loss.detach()) - cfg.router_aux_loss_coef * aux
+        aux = float(terms["aux_loss"].detach()) if "aux_loss" in terms else builtin_aux
+        z_loss = float(terms["z_loss"].detach()) if "z_loss" in terms else float("nan")
         for key, value in (
             ("step", step),
             ("tokens", step * cfg.tokens_per_step),
             ("loss", ce),
             ("aux_loss", aux),
+            ("z_loss", z_loss),
             ("lr", lr),
             ("elapsed_s", time.perf_counter() - start),
         ):
@@ -496,6 +565,7 @@ def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, lis
         bar.update(1)
         bar.set_postfix(loss=f"{ce:.3f}", lr=f"{lr:.2e}", refresh=False)
     bar.close()
+    model.router_aux_loss_coef = cfg.router_aux_loss_coef
     model.eval()
     facts = {
         "steps": step,
