@@ -1,5 +1,5 @@
 // The one policy core of moesub: per-layer expert cache, miss rules, substitution, eviction and
-// background admission, exactly as DESIGN.md "Policy semantics" specifies. Simulate, emulate and
+// background admission, exactly as docs/policy-semantics.md specifies. Simulate, emulate and
 // the engine all drive this class; `moesub.policy.reference_scan` is its plain-Python twin.
 #pragma once
 

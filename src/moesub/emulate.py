@@ -1,4 +1,4 @@
-"""Exact emulation of a model under a cache/substitution policy (DESIGN.md stage 4).
+"""Exact emulation of a model under a cache/substitution policy (stage 4 of docs/architecture.md).
 
 The model is recomputed with teacher forcing over each token stream. At every MoE layer a router
 hook hands that layer's logits for the whole stream to the policy core (`moesub.policy.LayerCache`,

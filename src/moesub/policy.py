@@ -1,6 +1,6 @@
 """The policy API: one C++ core (`moesub._core`) behind `scan` and `LayerCache`.
 
-Semantics are DESIGN.md "Policy semantics". `reference_scan` at the bottom of this file is a plain
+Semantics are docs/policy-semantics.md. `reference_scan` at the bottom of this file is a plain
 Python transcription of that text, kept only to test the core against.
 """
 
@@ -315,7 +315,7 @@ def forced_substitution(
 
 
 # ---------------------------------------------------------------------------------------------
-# reference implementation: DESIGN.md "Policy semantics", line by line (slow; tests only)
+# reference implementation: docs/policy-semantics.md, line by line (slow; tests only)
 
 
 def reference_scan(
