@@ -1,4 +1,5 @@
-"""moesub.expb: Experiment B selection rules (heavy / light) and the forced-substitution run."""
+"""moesub.expb: the study design's selection rules and its forced-substitution run (the matched
+design: tests/test_expb_matched.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tiny_models import random_streams, tiny_qwen3_next
 from moesub.expb import (
     ExpBParams,
     ForcedRouter,
+    StudyRule,
     expb_streams,
     run_expb,
     select_heavy,
@@ -129,8 +131,8 @@ def test_router_decisions(condition, resident):
     rng = np.random.default_rng(0)
     z = (rng.normal(size=(400, E)) * 1.5).astype(np.float32)
     m = 0.2
-    router = ForcedRouter(resident, condition, m, K)
-    ids, selected, realized, n_sub = router.decide(0, z)
+    router = ForcedRouter(resident, StudyRule(condition, m), K)
+    ids, selected, realized, n_sub, rank_sum = router.decide(0, z)
     assert (ids[:, 0] == selected[:, 0]).all()  # the first choice is never substituted
     assert (realized <= m + 1e-12).all() and realized.max() > 0
     assert np.array_equal(n_sub, (ids != selected).sum(1))
@@ -148,18 +150,20 @@ def test_router_decisions(condition, resident):
     mask = select_substitutions(w, condition, m)
     np.testing.assert_array_equal(ids != selected, mask)
     np.testing.assert_allclose(realized, (w * mask).sum(1), rtol=0, atol=0)
+    np.testing.assert_array_equal(rank_sum, (mask * np.arange(1, K + 1)).sum(1))
     assert (mask & np.isin(sel, resident[0])).any()  # the case occurs in this sample
 
 
 def test_expb_streams_realized_mass_and_nll(model, resident):
     tt = tokens([40, 24], seed=2)
-    out, realized = expb_streams(model, tt, "light", 0.25, resident, progress=False)
-    cols = ["stream", "pos", "doc_id", "doc_start", "nll", "mass", "n_sub", "layer_mass"]
+    out, realized = expb_streams(model, tt, "light", resident, target_mass=0.25, progress=False)
+    cols = ["stream", "pos", "doc_id", "doc_start", "nll", "mass", "layer_mass", "n_sub"]
+    cols += ["rank_sum", "n_planned"]
     assert out.columns == cols
     np.testing.assert_array_equal(np.stack(out["layer_mass"].to_list()), realized)
     assert realized.shape == (64, L) and (realized <= 0.25 + 1e-12).all()
-    np.testing.assert_allclose(out["mass"].to_numpy(), realized.sum(1))
-    assert out["n_sub"].sum() > 0
+    np.testing.assert_allclose(out["mass"].to_numpy(), realized.mean(1))  # per token-layer
+    assert out["n_sub"].sum() > 0 and (out["n_planned"] == out["n_sub"]).all()
     exact = np.concatenate(
         [
             stream_nll(model, torch.as_tensor(g["token_id"].to_numpy().astype(np.int64))[None])[0]
@@ -170,14 +174,16 @@ def test_expb_streams_realized_mass_and_nll(model, resident):
     assert np.isnan(got).sum() == 2
     assert np.nanmax(np.abs(got - exact)) > 1e-4  # substitution changed the model
     # a target below every eligible weight changes nothing: the run is exactly the exact model
-    none, zero = expb_streams(model, tt, "heavy", 1e-9, resident, progress=False)
+    none, zero = expb_streams(model, tt, "heavy", resident, target_mass=1e-9, progress=False)
     assert (zero == 0).all() and np.array_equal(
         none["nll"].fill_null(np.nan).to_numpy(), exact, equal_nan=True
     )
     with pytest.raises(ValueError, match="too small"):  # C < 2k - 1: a rank could lack a candidate
-        expb_streams(model, tt, "light", 0.25, resident[:, : 2 * K - 2], progress=False)
+        expb_streams(model, tt, "light", resident[:, : 2 * K - 2], target_mass=0.25)
     with pytest.raises(ValueError, match="resident set"):
-        expb_streams(model, tt, "light", 0.25, resident[:2], progress=False)
+        expb_streams(model, tt, "light", resident[:2], target_mass=0.25)
+    with pytest.raises(ValueError, match="not both"):
+        expb_streams(model, tt, "light", resident)
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +201,16 @@ def stage(tmp_path_factory, model, resident):
 
 def test_run_expb(stage, model, resident):
     out = run_expb(
-        stage / "model", stage / "tokens.parquet", stage / "initial_sets.parquet", "heavy", 0.1,
-        stage / "out" / "heavy.parquet", {"fraction": 0.5, "progress": False},
+        stage / "model", stage / "tokens.parquet", stage / "initial_sets.parquet", "study",
+        "heavy", 0.1, stage / "out" / "heavy.parquet", {"fraction": 0.5, "progress": False},
     )  # fmt: skip
     df = pl.read_parquet(out)
     meta = read_metadata(out)
-    assert meta["condition"] == "heavy" and meta["target_mass"] == 0.1
+    assert meta["design"] == "study" and meta["condition"] == "heavy" and meta["target_mass"] == 0.1
+    assert meta["mass_unit"] == "per token-layer"
     assert meta["capacity"] == C and meta["resident"] == "initial"
     ref, realized = expb_streams(
-        model, pl.read_parquet(stage / "tokens.parquet"), "heavy", 0.1, resident, progress=False
+        model, pl.read_parquet(stage / "tokens.parquet"), "heavy", resident, target_mass=0.1
     )
     assert df.equals(ref)
     assert meta["realized_mass_mean"] == pytest.approx(realized.mean())
@@ -215,14 +222,18 @@ def test_run_expb_rejects_bad_input(stage):
     args = (stage / "model", stage / "tokens.parquet", stage / "initial_sets.parquet")
     out = stage / "bad.parquet"
     with pytest.raises(ValueError, match="condition"):
-        run_expb(*args, "medium", 0.1, out, {"fraction": 0.5})
+        run_expb(*args, "study", "medium", 0.1, out, {"fraction": 0.5})
+    with pytest.raises(ValueError, match="design"):
+        run_expb(*args, "other", "heavy", 0.1, out, {"fraction": 0.5})
+    with pytest.raises(ValueError, match="heavy_mass is required"):
+        run_expb(*args, "matched", "heavy", 0.1, out, {"fraction": 0.5})
     with pytest.raises(ValueError, match="target_mass"):
-        run_expb(*args, "heavy", 1.5, out, {"fraction": 0.5})
+        run_expb(*args, "study", "heavy", 1.5, out, {"fraction": 0.5})
     with pytest.raises(ValueError, match="fraction"):
-        run_expb(*args, "heavy", 0.1, out, {"fraction": 0.25})  # no such set in the file
+        run_expb(*args, "study", "heavy", 0.1, out, {"fraction": 0.25})  # no such set in the file
     with pytest.raises(ValueError, match="resident"):
-        run_expb(*args, "heavy", 0.1, out, {"resident": "some"})
+        run_expb(*args, "study", "heavy", 0.1, out, {"resident": "some"})
     with pytest.raises(FileNotFoundError, match="tokens_path"):
-        run_expb(args[0], stage / "none.parquet", args[2], "heavy", 0.1, out)
+        run_expb(args[0], stage / "none.parquet", args[2], "study", "heavy", 0.1, out)
     assert not out.exists()
     assert ExpBParams.from_dict(None).fraction == 0.25

@@ -32,11 +32,12 @@ TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
     "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
-    "calibrate", "emulate", "expb", "engine", "engine_bench", "generate", "analysis", "report",
+    "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
+    "analysis", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
-EXPB_ANALYSIS_KEYS = ("masses", "conditions", "primary", "alpha", "min_heavy_fraction", "max_gap")
+EXPB_ANALYSIS_KEYS = ("designs", "alpha")
 
 
 # --------------------------------------------------------------------------------------------

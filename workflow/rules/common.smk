@@ -46,18 +46,11 @@ BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
 GENERATE_POLICIES = STAGE_POLICIES["generate"]
 ENGINE_DEVICES = config["engine"]["devices"]
 TASKS = list(config["generate"]["tasks"])
-EXPB_MASSES = [number_label(m) for m in config["expb"]["masses"]]
-EXPB_CONDITIONS = config["expb"]["conditions"]
-# Experiment B keys consumed by the workflow (masses, conditions) or by the analysis (the
-# decision rule), not by the expb jobs: changing the decision rule reruns only the analysis.
-EXPB_ANALYSIS_KEYS = [
-    "masses",
-    "conditions",
-    "primary",
-    "alpha",
-    "min_heavy_fraction",
-    "max_gap",
-]
+# Experiment B: design -> its targets and decision rule (schema defaults filled in).
+EXPB_DESIGNS = config["expb"]["designs"]
+# Experiment B keys the expb jobs do not read (the designs' targets and decision rules, the level
+# of the tests): changing a decision rule reruns only the analysis.
+EXPB_ANALYSIS_KEYS = ["designs", "alpha"]
 
 
 def alternation(names):
@@ -188,12 +181,15 @@ def generate_params(wildcards):
 
 
 def analysis_params():
-    """What the statistics need besides the artefacts: policies, baselines, Experiment B rule."""
-    expb_rule = ("primary", "alpha", "min_heavy_fraction", "max_gap")
+    """What the statistics need besides the artefacts: policies, baselines, Experiment B rules."""
+    expb_rules = {
+        design: {k: v for k, v in spec.items() if k != "masses"}
+        for design, spec in EXPB_DESIGNS.items()
+    }
     params = {
         **config["analysis"],
         "policies": POLICIES,
-        "expb": {k: config["expb"][k] for k in expb_rule if k in config["expb"]},
+        "expb": {"alpha": config["expb"]["alpha"], "designs": expb_rules},
     }
     return canonical(params)
 
@@ -225,12 +221,42 @@ def emulate_outputs():
 
 
 def expb_outputs():
-    return expand(
-        "results/{model}/expb/{condition}/m{mass}.parquet",
-        model=MODELS,
-        condition=EXPB_CONDITIONS,
-        mass=EXPB_MASSES,
-    )
+    return [
+        f"results/{model}/expb/{design}/{condition}/m{number_label(mass)}.parquet"
+        for model in MODELS
+        for design, spec in EXPB_DESIGNS.items()
+        for mass in spec["masses"]
+        for condition in ("heavy", "light")
+    ]
+
+
+def expb_feasibility_outputs():
+    return expand("results/{model}/expb/feasibility.parquet", model=MODELS)
+
+
+def expb_inputs(wildcards):
+    """An Experiment B job's inputs; the matched design also plans on the evaluation router
+    logits and checks its target against the feasibility pass."""
+    inputs = {
+        "model": model_artefact(wildcards.model),
+        "tokens": f"results/{wildcards.model}/capture/eval_tokens.parquet",
+        "initial_sets": f"results/{wildcards.model}/initial_sets.parquet",
+    }
+    if wildcards.design == "matched":
+        inputs["router"] = f"results/{wildcards.model}/capture/eval_router.parquet"
+        inputs["feasibility"] = f"results/{wildcards.model}/expb/feasibility.parquet"
+    return inputs
+
+
+def expb_params(wildcards):
+    """What one Experiment B job reads: the shared settings, plus the matched design's heavy
+    mass and hash seed for its jobs only (a study job does not rerun when they change).
+    """
+    params = section("expb", exclude=EXPB_ANALYSIS_KEYS + ["seed"])
+    if wildcards.design == "matched":
+        params["seed"] = config["expb"]["seed"]
+        params["heavy_mass"] = EXPB_DESIGNS["matched"]["heavy_mass"]
+    return canonical(params)
 
 
 def engine_outputs():
@@ -278,6 +304,7 @@ def analysis_inputs():
         "simulate": simulate_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
+        "expb_feasibility": expb_feasibility_outputs(),
         "calibration": calibration_outputs(),
         "engine": engine_outputs(),
         "engine_bench": bench_outputs(),

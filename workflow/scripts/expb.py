@@ -1,4 +1,4 @@
-"""Rule expb: Experiment B, one condition at one target mass (moesub.expb.run_expb)."""
+"""Rule expb: Experiment B, one design, condition and target mass (moesub.expb.run_expb)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
 from moesub.expb import run_expb
@@ -10,8 +10,11 @@ run_expb(
     snakemake.params.model_dir,
     snakemake.input.tokens,
     snakemake.input.initial_sets,
+    snakemake.wildcards.design,
     snakemake.wildcards.condition,
     snakemake.params.target_mass,
     snakemake.output[0],
     snakemake.params.expb,
+    router_path=snakemake.input.get("router"),
+    feasibility_path=snakemake.input.get("feasibility"),
 )
