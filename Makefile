@@ -17,7 +17,6 @@ install-test: install
 	bash scripts/install_system.sh
 
 report: install
-	bash scripts/get_gsm8k.sh $(VENV)
 	$(VENV)/bin/snakemake --cores $(CORES) results/report.html
 
 test: install-test
