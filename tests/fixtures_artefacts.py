@@ -33,8 +33,11 @@ POLICIES = {
     "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
     "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
     "host_compute": {"rule": "host_compute", "eviction": "lru"},
+    # the exact no-admission twins of quality and speed (same rule, tau, eviction; beta 0)
+    "rule_015_lfu": {"rule": "threshold", "tau": 0.15, "eviction": "lfu"},
+    "first_choice_lfu": {"rule": "first_choice", "eviction": "lfu"},
 }
-MASS = {  # mean substituted mass per token (summed over layers)
+MASS = {  # mean substituted mass per token as emulate writes it: summed over the N_LAYERS layers
     "fetch_every_miss": 0.0,
     "substitute_all": 1.2,
     "rule_015": 0.30,
@@ -43,6 +46,8 @@ MASS = {  # mean substituted mass per token (summed over layers)
     "quality": 0.24,
     "speed": 0.28,
     "host_compute": 0.0,
+    "rule_015_lfu": 0.27,
+    "first_choice_lfu": 0.32,
 }
 DPPL_PER_MASS = 20.0  # Δppl % per unit mean mass for policies that fetch the first choice
 DPPL_SUBSTITUTE_ALL = 150.0
@@ -55,6 +60,8 @@ TIME = {  # engine seconds per token
     "quality": 0.012,
     "speed": 0.010,
     "host_compute": 0.045,
+    "rule_015_lfu": 0.0125,
+    "first_choice_lfu": 0.0105,
 }
 N_CORRECT = {"gsm8k": 12, "humaneval": 8}  # baseline; each policy loses round(10 * mass)
 N_LAYERS = 4

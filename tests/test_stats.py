@@ -11,6 +11,7 @@ import pytest
 from fixtures_artefacts import (
     DPPL_PER_MASS,
     MASS,
+    N_LAYERS,
     POLICIES,
     TIME,
     make_study,
@@ -20,7 +21,7 @@ from fixtures_artefacts import (
 )
 from scipy import stats as sps
 
-from moesub.config import normalize_policy
+from moesub.config import missing_admission_twins, normalize_policy, stage_policies
 from moesub.stats import (
     OUTPUT_FILES,
     correlation,
@@ -43,7 +44,8 @@ def study(tmp_path_factory):
 
 def test_every_part_ok_and_every_file_written(study):
     parts = study["doc"]["parts"]
-    assert {p["status"] for p in parts.values()} == {"ok"}, parts
+    # the fixture has no regime table (the regime part has its own tests: tests/test_regime.py)
+    assert {p["status"] for n, p in parts.items() if n != "regime"} == {"ok"}, parts
     for name in OUTPUT_FILES:
         assert (study["root"] / "analysis" / f"{name}.parquet").is_file()
     on_disk = json.loads((study["root"] / "analysis" / "analysis.json").read_text())
@@ -55,22 +57,27 @@ def test_mass_hypothesis_r_is_one_by_construction(study):
     first = res["fetches first choice"]
     assert sorted(first["policies"]) == [
         "first_choice",
+        "first_choice_lfu",
         "quality",
         "rule_015",
+        "rule_015_lfu",
         "rule_tau0.08",
         "speed",
     ]
-    assert first["n"] == 5
+    assert first["n"] == 7
     assert first["r"] == pytest.approx(1.0, abs=1e-12)
-    assert 0.99 <= first["ci_lo"] <= first["ci_hi"] <= 1.0 + 1e-12
+    assert 0.99 <= first["r_ci_lo"] <= first["r_ci_hi"] <= 1.0 + 1e-12
+    assert abs(first["r_bias"]) < 1e-5  # r is ~1 in every resample
     assert first["n_boot_valid"] == study["params"]["n_boot"]
+    # the policies are nested sweeps: no parametric p-value or Fisher interval across them
+    assert "p" not in first and "rho_p" not in first
     sub = res["substitutes first choice"]
     assert sub["policies"] == ["substitute_all"] and sub["n"] == 1
     assert sub["r"] is None and "n = 1" in sub["reason"]
     pts = study["tables"]["mass_points"]
     pts = pts[pts["group"] == "fetches first choice"].set_index("policy")
     for name in first["policies"]:
-        assert pts.loc[name, "mass_mean"] == pytest.approx(MASS[name])
+        assert pts.loc[name, "mass_per_token_layer"] == pytest.approx(MASS[name] / N_LAYERS)
         assert pts.loc[name, "dppl_pct"] == pytest.approx(DPPL_PER_MASS * MASS[name])
 
 
@@ -108,6 +115,11 @@ def test_summary_known_values(study):
     assert s.loc["substitute_all", "dppl_pct"] == pytest.approx(150.0)
     lo, hi = s.loc["rule_015", ["dppl_ci_lo", "dppl_ci_hi"]]
     assert lo < 6.0 < hi
+    assert s.loc["rule_015", "dppl_ci_method"] == "bca"
+    assert abs(s.loc["rule_015", "dppl_bias"]) < hi - lo
+    assert s.loc["rule_015", "dppl_mde_pct"] > 0
+    # one mass unit: emulate's per-token sum over layers, divided by L
+    assert s.loc["rule_015", "mass_per_token_layer"] == pytest.approx(0.30 / N_LAYERS)
     for name in POLICIES:
         assert s.loc[name, "time_per_token_s"] == pytest.approx(TIME[name])
         assert s.loc[name, "speedup_vs_fetch_every_miss"] == pytest.approx(
@@ -186,52 +198,121 @@ def test_experiment_b_needs_rule_and_capture(tmp_path):
     )
 
 
-def test_admission_gain_by_tokens_since_doc_start(tmp_path):
-    """quality = its twin minus 0.1 nat on the first 4 tokens of each document, else equal."""
-    tok = tokens_table(5, 48, 16, seed=1)
-    since = tok["pos"] % 16
-    names = ["fetch_every_miss", "rule_015", "quality", "quality_lru"]
-    specs = {**POLICIES, "quality_lru": {**POLICIES["quality"], "eviction": "lru"}}
-    pols = {n: normalize_policy(n, specs[n]) for n in names}
+def _since_and_segment(tok):
+    """Brute force, token by token: tokens since the document start and the segment (0: the
+    stream's first document, 1: after a change)."""
+    since = np.zeros(tok["pos"].size, dtype=np.int64)
+    segment = np.zeros(tok["pos"].size, dtype=np.int64)
+    for i in range(tok["pos"].size):
+        if i == 0 or tok["stream"][i] != tok["stream"][i - 1]:
+            start, seg = tok["pos"][i], 0
+        elif tok["doc_start"][i]:
+            start, seg = tok["pos"][i], 1
+        since[i], segment[i] = tok["pos"][i] - start, seg
+    return since, segment
+
+
+def test_admission_bins_boundary_and_first_document(tmp_path):
+    """quality = its exact twin minus 0.3 nat on each later document's first token, 0.1 on
+    the token after it, 0.05 everywhere in the stream's first document: a boundary token binned
+    with the next one, a since counted from 1, or a first document pooled with later ones would
+    each mix these values. Documents have irregular lengths (4..23 tokens)."""
+    tok = tokens_table(6, 60, 60, seed=2)
+    rng = np.random.default_rng(7)
+    starts = np.zeros(tok["pos"].size, dtype=bool)
+    for s in range(6):  # irregular document starts, the stream's first at pos 0
+        cuts = np.cumsum(rng.integers(4, 24, size=10))
+        starts[s * 60 + np.concatenate([[0], cuts[cuts < 60]])] = True
+    tok["doc_start"] = starts
+    tok["doc_id"] = (np.cumsum(starts) - 1).astype(np.int32)
+    since, segment = _since_and_segment(tok)
+    effect = np.where(segment == 0, 0.05, np.where(since == 0, 0.3, np.where(since == 1, 0.1, 0)))
+    names = ["fetch_every_miss", "rule_015", "quality", "rule_015_lfu", "speed", "first_choice"]
+    pols = {n: normalize_policy(n, POLICIES[n]) for n in names}
     twin_nll = tok["nll"] + 0.2
     inputs = {"capture_tokens": [str(write_capture(tmp_path, tok))], "emulate": []}
     for n in names:
         nll = tok["nll"] if n == "fetch_every_miss" else twin_nll
         if pols[n]["beta"] > 0:
-            nll = twin_nll - 0.1 * (since < 4)
+            nll = twin_nll - effect
         mass = np.full(nll.size, 0.0 if n == "fetch_every_miss" else 0.3)
         inputs["emulate"].append(str(write_emulate(tmp_path, n, pols[n], tok, nll, mass)))
-    params = {"policies": pols, "n_boot": 50, "admission_bins": [0, 2, 4, 8]}
+    params = {"policies": pols, "n_boot": 50, "admission_bins": [1, 2, 4, 8, 16, 32, 64]}
     doc = run_analysis(inputs, params, tmp_path / "an")
     adm = pd.read_parquet(tmp_path / "an" / "admission.parquet")
-    totals = {r["policy"]: r for r in doc["admission"]}
-    assert totals["quality"]["twin"] == "rule_015" and not totals["quality"]["twin_exact"]
-    assert totals["quality_lru"]["twin"] == "rule_015" and totals["quality_lru"]["twin_exact"]
-    q = adm[adm["policy"] == "quality"].set_index("bin_label")
-    assert list(q.index) == ["0-1", "2-3", "4-7", "8+"]
-    assert q.loc["0-1", "dnll_mean"] == pytest.approx(-0.1)
-    assert q.loc["2-3", "dnll_mean"] == pytest.approx(-0.1)
-    assert q.loc["4-7", "dnll_mean"] == pytest.approx(0.0, abs=1e-12)
-    assert q.loc["8+", "dnll_mean"] == pytest.approx(0.0, abs=1e-12)
-    # pos 0 has no NLL: 5 streams x (3 docs x 2 tokens - 1) in bin 0-1
-    assert q.loc["0-1", "n_tokens"] == 25 and q.loc["8+", "n_tokens"] == 5 * 3 * 8
-    expected = 100 * math.expm1(-0.1 * (5 * (12 - 1)) / (5 * 47))
-    assert totals["quality"]["dppl_pct_vs_twin"] == pytest.approx(expected)
+    totals = {(r["policy"], r["segment"]): r for r in doc["admission"]}
+    # only the exact twin; speed's only beta-0 relative differs in eviction: missing, with why
+    assert totals[("quality", "all")]["twin"] == "rule_015_lfu"
+    speed = totals[("speed", "all")]
+    assert speed["status"] == "missing" and speed["twin"] is None
+    assert "first_choice" in speed["reason"] and "not an admission effect" in speed["reason"]
+    assert set(adm["policy"]) == {"quality"}
+    assert "speed" in doc["parts"]["admission"]["note"]
+    # every row against a brute-force aggregation of the same tokens
+    has_nll = ~np.isnan(tok["nll"])
+    max_since = int(since[has_nll].max())
+    edges = [e for e in params["admission_bins"] if e <= max_since]
+    q = adm.set_index(["segment", "bin_label"])
+    assert q.index.is_unique and (q["n_tokens"] > 0).all()
+    for seg_id, seg in enumerate(["first_document", "after_change"]):
+        lo_hi = [(0, 0)] + [
+            (e, (edges[i + 1] - 1) if i + 1 < len(edges) else max_since)
+            for i, e in enumerate(edges)
+        ]
+        for lo, hi in lo_hi:
+            sel = has_nll & (segment == seg_id) & (since >= lo) & (since <= hi)
+            label = "boundary" if hi == 0 else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+            if not sel.any():
+                assert (seg, label) not in q.index
+                continue
+            row = q.loc[(seg, label)]
+            assert row["n_tokens"] == sel.sum(), (seg, label)
+            assert row["dnll_mean"] == pytest.approx(-effect[sel].mean()), (seg, label)
+            assert (row["bin_lo"], row["bin_hi"]) == (lo, hi)
+    assert q.loc[("after_change", "boundary"), "dnll_mean"] == pytest.approx(-0.3)
+    assert q.loc[("after_change", "1"), "dnll_mean"] == pytest.approx(-0.1)
+    assert ("first_document", "boundary") not in q.index  # pos 0 has no NLL
+    last = q.xs("after_change")["bin_hi"].max()
+    assert last == max_since  # the last bin ends at the largest observed distance
+    expected = 100 * math.expm1(-effect[has_nll].mean())
+    assert totals[("quality", "all")]["dppl_pct_vs_twin"] == pytest.approx(expected)
+    first = totals[("quality", "first_document")]
+    assert first["dppl_pct_vs_twin"] == pytest.approx(100 * math.expm1(-0.05))
+    test = totals[("quality", "all")]
+    # every stream gains: the one-sided Wilcoxon reaches its floor 2**-6
+    assert test["min_p"] == pytest.approx(2**-6) and test["p_value"] == pytest.approx(2**-6)
+    assert test["mde_dnll"] > 0 and test["ci_method"] in ("bca", "basic")
 
 
-def test_find_twin_prefers_same_eviction_then_lru():
+def test_find_twin_only_exact():
     pol = normalize_policy("q", {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5})
     cands = {
         "t_lru": normalize_policy("t_lru", {"rule": "threshold", "tau": 0.15}),
         "t_other_tau": normalize_policy("x", {"rule": "threshold", "tau": 0.2, "eviction": "lfu"}),
         "fc": normalize_policy("fc", {"rule": "first_choice", "eviction": "lfu"}),
     }
-    assert find_twin(pol, cands) == ("t_lru", False)
+    twin, why = find_twin(pol, cands)
+    assert twin is None
+    assert "t_lru" in why and "t_other_tau" in why and "not an admission effect" in why
+    assert "{rule: threshold, tau: 0.15, eviction: lfu}" in why
     cands["t_lfu"] = normalize_policy(
         "t_lfu", {"rule": "threshold", "tau": 0.15, "eviction": "lfu"}
     )
-    assert find_twin(pol, cands) == ("t_lfu", True)
-    assert find_twin(pol, {"fc": cands["fc"]}) == (None, False)
+    assert find_twin(pol, cands) == ("t_lfu", None)
+    assert find_twin(pol, {"fc": cands["fc"]})[0] is None
+
+
+def test_missing_twins_warned_at_parse_time():
+    pols = {n: normalize_policy(n, POLICIES[n]) for n in ("rule_015", "quality", "speed")}
+    assert missing_admission_twins(pols) == [
+        "quality has no exact no-admission twin (add a policy "
+        "{rule: threshold, tau: 0.15, eviction: lfu})",
+        "speed has no exact no-admission twin (add a policy {rule: first_choice, eviction: lfu})",
+    ]
+    full = {n: normalize_policy(n, p) for n, p in POLICIES.items()}
+    assert missing_admission_twins(full) == []
+    with pytest.warns(UserWarning, match="quality has no exact no-admission twin"):
+        stage_policies({"emulate": {"policies": ["rule_015", "quality"]}}, full)
 
 
 def test_pareto_front():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,37 @@ def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return {key: policy[key] for key in POLICY_KEYS}
 
 
+def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
+    """`candidate` is the no-admission twin of admission policy `policy`: same rule, eviction
+    and (for `threshold`) tau, beta 0. Only such a pair isolates the effect of admission."""
+    return (
+        candidate["beta"] == 0
+        and candidate["rule"] == policy["rule"]
+        and candidate["eviction"] == policy["eviction"]
+        and (policy["rule"] != "threshold" or math.isclose(candidate["tau"], policy["tau"]))
+    )
+
+
+def twin_spec(policy: Mapping[str, Any]) -> str:
+    """The config line of an admission policy's exact twin (for messages)."""
+    tau = f", tau: {number_label(policy['tau'])}" if policy["rule"] == "threshold" else ""
+    return f"{{rule: {policy['rule']}{tau}, eviction: {policy['eviction']}}}"
+
+
+def missing_admission_twins(
+    policies: Mapping[str, Mapping[str, Any]], names: list[str] | None = None
+) -> list[str]:
+    """One message per admission policy (beta > 0) among `names` (None: all) without its
+    exact twin among `names`: its admission effect cannot be measured."""
+    names = list(policies) if names is None else names
+    out = []
+    for name in names:
+        pol = policies[name]
+        if pol["beta"] > 0 and not any(is_exact_twin(pol, policies[n]) for n in names if n != name):
+            out.append(f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)})")
+    return out
+
+
 def check_name(name: str, where: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(
@@ -158,7 +190,8 @@ def stage_policies(
     """The policy names each stage runs, checked against the expanded policies.
 
     `engine` and `engine_bench` may also list `all_resident`; `engine_bench` is None when its
-    list is null (the library's own study set). `analysis.baseline` must be a policy.
+    list is null (the library's own study set). `analysis.baseline` must be a policy. Warns
+    (UserWarning) for every emulated admission policy without its exact twin.
     """
 
     def names(*keys: str) -> list[str] | None:
@@ -183,6 +216,10 @@ def stage_policies(
     baseline = names("analysis", "baseline")
     if baseline is not None:
         policy_subset(policies, [baseline], "analysis.baseline")
+    # a warning, not an error: a run may leave a twin out on purpose (the analysis then reports
+    # that admission effect as missing, with this reason)
+    for message in missing_admission_twins(policies, out["emulate"]):
+        warnings.warn(f"emulate.policies: {message}", UserWarning, stacklevel=2)
     return out
 
 

@@ -46,14 +46,20 @@ are pure functions of DataFrames / arrays inside the part's module.
 """
 
 from moesub.stats.admission import find_twin
-from moesub.stats.expb import ExpBRule, expb_test
+from moesub.stats.expb import ExpBRule
 from moesub.stats.intervals import (
+    Interval,
     boot_counts,
+    boot_indices,
+    bootstrap_interval,
     correlation,
+    counts_of,
+    level_label,
     median_ci,
-    percentile_ci,
     rowwise_pearson,
+    stream_bootstrap,
     wilson_ci,
+    z_of,
 )
 from moesub.stats.load import (
     DATA_KINDS,
@@ -64,7 +70,8 @@ from moesub.stats.load import (
     split_by_model,
 )
 from moesub.stats.params import AnalysisParams
-from moesub.stats.quality import dppl_pct
+from moesub.stats.power import paired_mde, proportion_mde, wilcoxon_min_p
+from moesub.stats.quality import dppl_pct, speedup
 from moesub.stats.run import OUTPUT_FILES, run_analysis
 from moesub.stats.timing import pareto_front
 
@@ -74,19 +81,28 @@ __all__ = [
     "OUTPUT_FILES",
     "AnalysisParams",
     "ExpBRule",
+    "Interval",
     "boot_counts",
+    "boot_indices",
+    "bootstrap_interval",
     "check_inputs",
     "correlation",
+    "counts_of",
     "dppl_pct",
-    "expb_test",
     "file_info",
     "find_twin",
+    "level_label",
     "median_ci",
     "model_of",
+    "paired_mde",
     "pareto_front",
-    "percentile_ci",
+    "proportion_mde",
     "rowwise_pearson",
     "run_analysis",
+    "speedup",
     "split_by_model",
+    "stream_bootstrap",
+    "wilcoxon_min_p",
     "wilson_ci",
+    "z_of",
 ]

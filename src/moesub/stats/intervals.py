@@ -1,14 +1,29 @@
-"""Interval and resampling helpers: the stream bootstrap, correlation, Wilson, median CI.
+"""Interval and resampling helpers: the stream bootstrap (BCa), correlation, Wilson, median CI.
 
-All bootstraps resample streams (the unit of independence): `boot_counts` gives how often each
-stream is drawn in each resample, and a statistic of per-stream sums is a matrix product.
+All bootstraps resample streams, the unit of independence: `boot_indices` draws the streams of
+each resample, `counts_of` turns them into weights, and a statistic of per-stream sums is a
+matrix product of weights `(R, S)` with sums `(S, ...)`. `stream_bootstrap` evaluates one such
+statistic on the full sample (weights 1), on every resample and on every leave-one-stream-out
+jackknife sample, and returns a bias-corrected interval:
+
+- BCa (bias-corrected and accelerated, Efron 1987): the percentile interval at levels shifted
+  by the bias correction `z0` (the share of resamples below the estimate, ties counted half,
+  a tie being equality up to a relative 1e-9)
+  and the acceleration `a` (the jackknife skewness);
+- basic (`2 * estimate - quantiles`) where BCa is undefined: every resample on one side of the
+  estimate (z0 infinite), or a non-finite jackknife value;
+- none where fewer than half of the resamples give a finite value.
+
+Every interval reports the bootstrap bias `mean(resamples) - estimate` beside it: with few
+streams the resampling distribution sits off the estimate, and the bias says by how much.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,12 +31,123 @@ from scipy import stats as sps
 
 
 def rng_for(seed: int, *keys: Any) -> np.random.Generator:
+    """A generator seeded by `seed` and the keys (part, policy, ...): one stream per statistic."""
     return np.random.default_rng([seed, *(zlib.crc32(str(k).encode()) for k in keys)])
+
+
+def z_of(level: float) -> float:
+    """The two-sided normal quantile of a confidence level (0.95 -> 1.96)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must be in (0, 1)")
+    return float(sps.norm.ppf(0.5 + level / 2))
+
+
+def level_label(level: float) -> str:
+    """'95%' for 0.95: every CI label derives from ci_level."""
+    return f"{100 * level:g}%"
+
+
+def boot_indices(n_units: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_boot, n_units) int: the units drawn (with replacement) in each resample."""
+    if n_units < 1 or n_boot < 1:
+        raise ValueError(f"n_units={n_units} and n_boot={n_boot} must be >= 1")
+    return rng.integers(0, n_units, size=(n_boot, n_units))
+
+
+def counts_of(indices: np.ndarray, n_units: int) -> np.ndarray:
+    """(R, n_units) float64: how often each unit is drawn in each resample of `indices` (R, m)."""
+    rows = np.repeat(np.arange(indices.shape[0]), indices.shape[1])
+    out = np.zeros((indices.shape[0], n_units))
+    np.add.at(out, (rows, indices.ravel()), 1.0)
+    return out
 
 
 def boot_counts(n_units: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """(n_boot, n_units) float64: how often each unit is drawn in each resample."""
-    return rng.multinomial(n_units, np.full(n_units, 1.0 / n_units), size=n_boot).astype(float)
+    return counts_of(boot_indices(n_units, n_boot, rng), n_units)
+
+
+def jackknife_weights(n_units: int) -> np.ndarray:
+    """(n_units, n_units) float64: row i leaves unit i out."""
+    return 1.0 - np.eye(n_units)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A bootstrapped estimate: its CI, the bootstrap bias and how the CI was made."""
+
+    estimate: float | None
+    ci_lo: float | None = None
+    ci_hi: float | None = None
+    bias: float | None = None  # mean of the finite resamples minus the estimate
+    method: str = "none"  # bca | basic | none
+    n_valid: int = 0  # resamples with a finite value
+
+    def columns(self, prefix: str = "") -> dict[str, Any]:
+        """`{prefix}ci_lo, {prefix}ci_hi, {prefix}bias, {prefix}ci_method` for a table row."""
+        return {
+            f"{prefix}ci_lo": self.ci_lo,
+            f"{prefix}ci_hi": self.ci_hi,
+            f"{prefix}bias": self.bias,
+            f"{prefix}ci_method": self.method,
+        }
+
+
+def bootstrap_interval(
+    estimate: float, boot: np.ndarray, jack: np.ndarray, level: float
+) -> Interval:
+    """BCa interval of `estimate` from its resamples `boot` (B,) and jackknife values `jack` (S,),
+    basic where BCa is undefined (module doc); no interval when under half of `boot` is finite
+    or the estimate is not finite."""
+    b = np.asarray(boot, dtype=float)
+    ok = b[np.isfinite(b)]
+    if not math.isfinite(estimate):
+        return Interval(None, n_valid=int(ok.size))
+    if ok.size == 0 or ok.size < 0.5 * b.size:
+        return Interval(float(estimate), n_valid=int(ok.size))
+    bias = float(ok.mean() - estimate)
+    alpha = (1 - level) / 2
+    # resamples equal to the estimate (e.g. every stream drawn once) count half; "equal" up to
+    # rounding, which differs with the summation order
+    tie = np.abs(ok - estimate) <= 1e-9 * max(abs(estimate), float(np.abs(ok).max()), 1e-300)
+    share_below = ((ok < estimate) & ~tie).sum() / ok.size + 0.5 * tie.sum() / ok.size
+    j = np.asarray(jack, dtype=float)
+    if 0 < share_below < 1 and j.size >= 2 and np.isfinite(j).all():
+        z0 = float(sps.norm.ppf(share_below))
+        d = j.mean() - j
+        den = float((d * d).sum()) ** 1.5
+        accel = float((d**3).sum()) / (6.0 * den) if den > 0 else 0.0
+        levels = []
+        for z in (sps.norm.ppf(alpha), sps.norm.ppf(1 - alpha)):
+            shift = 1.0 - accel * (z0 + z)
+            levels.append(sps.norm.cdf(z0 + (z0 + z) / shift) if shift > 0 else math.nan)
+        if all(math.isfinite(x) for x in levels):
+            lo, hi = np.quantile(ok, levels)
+            return Interval(float(estimate), float(lo), float(hi), bias, "bca", int(ok.size))
+    q_lo, q_hi = np.quantile(ok, [alpha, 1 - alpha])
+    lo, hi = 2 * estimate - q_hi, 2 * estimate - q_lo
+    return Interval(float(estimate), float(lo), float(hi), bias, "basic", int(ok.size))
+
+
+def stream_bootstrap(
+    stat: Callable[[np.ndarray], np.ndarray],
+    n_units: int,
+    n_boot: int,
+    rng: np.random.Generator,
+    level: float,
+) -> list[Interval]:
+    """Bias-corrected intervals of a statistic of stream weights, one per output column.
+
+    `stat(w)`: weights `(R, n_units)` -> `(R,)` or `(R, P)` values (NaN where undefined). The
+    estimate is `stat` at weights 1; the resamples are `n_boot` stream resamples from `rng`;
+    the jackknife leaves out one stream at a time. Returns P intervals (1 for a `(R,)` stat).
+    """
+    est = np.atleast_1d(np.asarray(stat(np.ones((1, n_units))), dtype=float)[0])
+    boot = np.asarray(stat(boot_counts(n_units, n_boot, rng)), dtype=float).reshape(n_boot, -1)
+    jack = np.asarray(stat(jackknife_weights(n_units)), dtype=float).reshape(n_units, -1)
+    return [
+        bootstrap_interval(float(est[p]), boot[:, p], jack[:, p], level) for p in range(est.size)
+    ]
 
 
 def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -35,25 +161,24 @@ def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.where(den > 1e-12 * scale, np.clip(r, -1.0, 1.0), np.nan)
 
 
-def percentile_ci(samples: np.ndarray, level: float) -> tuple[float | None, float | None]:
-    """Percentile interval of the finite samples (None when fewer than half are finite)."""
-    s = np.asarray(samples, dtype=float)
-    s = s[np.isfinite(s)]
-    if s.size == 0 or s.size < 0.5 * np.asarray(samples).size:
-        return None, None
-    lo, hi = np.quantile(s, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(lo), float(hi)
+def correlation(
+    x: Sequence[float], y: Sequence[float], level: float = 0.95, parametric: bool = True
+) -> dict[str, Any]:
+    """Pearson r and Spearman rho, or why they are undefined.
 
-
-def correlation(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
-    """Pearson r (Fisher-z CI when n >= 4) and Spearman rho, or why they are undefined."""
+    With `parametric` (independent units, e.g. streams or problems): Pearson's and Spearman's
+    p-values and, when n >= 4, the Fisher-z CI at `level`. Without (points that are not
+    independent samples, e.g. policies that are nested sweeps of one another): r and rho only;
+    their uncertainty comes from a stream bootstrap instead.
+    """
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     ok = np.isfinite(x) & np.isfinite(y)
     x, y = x[ok], y[ok]
     n = int(x.size)
-    out: dict[str, Any] = {"n": n, "r": None, "p": None, "r_ci_lo": None, "r_ci_hi": None}
-    out.update({"rho": None, "rho_p": None, "reason": None})
+    out: dict[str, Any] = {"n": n, "r": None, "rho": None, "reason": None}
+    if parametric:
+        out.update({"p": None, "r_ci_lo": None, "r_ci_hi": None, "rho_p": None})
     if n < 3:
         out["reason"] = f"undefined: n = {n} < 3"
         return out
@@ -65,14 +190,16 @@ def correlation(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
         )
         return out
     r, p = sps.pearsonr(x, y)
-    out["r"], out["p"] = float(r), float(p)
+    rho, rho_p = sps.spearmanr(x, y)
+    out["r"], out["rho"] = float(r), float(rho)
+    if not parametric:
+        return out
+    out["p"], out["rho_p"] = float(p), float(rho_p)
     if n >= 4 and abs(r) < 1:
-        z, half = math.atanh(r), 1.959963984540054 / math.sqrt(n - 3)
+        z, half = math.atanh(r), z_of(level) / math.sqrt(n - 3)
         out["r_ci_lo"], out["r_ci_hi"] = math.tanh(z - half), math.tanh(z + half)
     elif abs(r) >= 1:
         out["r_ci_lo"] = out["r_ci_hi"] = float(r)
-    rho, rho_p = sps.spearmanr(x, y)
-    out["rho"], out["rho_p"] = float(rho), float(rho_p)
     return out
 
 

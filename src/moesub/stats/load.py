@@ -9,6 +9,7 @@ baseline NLL at each fraction), the file infos, the params, and the three output
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from moesub.config import normalize_policy
+from moesub.config import capacity, normalize_policy
 from moesub.io import read_metadata, write_parquet
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class FileInfo:
     device: str | None = None
     condition: str | None = None
     target_mass: float | None = None
+    num_layers: int | None = None  # L (metadata), to put emulate's mass per token-layer
 
 
 def _prefixed_number(stem: str, prefix: str) -> float | None:
@@ -171,6 +173,15 @@ def file_info(path: str, kind: str) -> FileInfo:
         info.fraction = float(frac) if frac is not None else _prefixed_number(p.stem, "f")
         if info.fraction is None:
             raise ValueError(f"inputs[{kind!r}]: {path!r} has no fraction (metadata or f<x> name)")
+        if kind == "emulate":
+            layers = meta.get("num_layers")
+            info.num_layers = int(layers) if layers is not None else None
+            if layers is None and "layer_mass" not in pq.read_schema(path).names:
+                raise ValueError(
+                    f"inputs['emulate']: {path!r} has neither num_layers metadata nor a "
+                    "layer_mass column: its mass (summed over layers) cannot be put per "
+                    "token-layer"
+                )
         if kind == "engine":
             info.device = str(meta.get("device") or p.parent.parent.name)
     elif kind == "expb":
@@ -274,6 +285,7 @@ class Context:
                 "device": i.device,
                 "condition": i.condition,
                 "target_mass": i.target_mass,
+                "num_layers": i.num_layers,
             }
             for i in self.infos[kind]
         ]
@@ -298,9 +310,12 @@ class Context:
                 )
         if self.inputs["emulate"]:
             files = self.register_files("emulate")
+            # one mass unit: emulate's `mass` is the sum over the L layers; per token-layer here
             con.execute(
                 "CREATE TEMP TABLE emu AS SELECT f.name, f.fraction, t.stream, t.pos, t.doc_id, "
-                't.doc_start, t.nll, t.mass, t.hit, t."fetch", t.sub, t.host, t.forced '
+                "t.doc_start, t.nll, "
+                "t.mass / coalesce(CAST(f.num_layers AS DOUBLE), len(t.layer_mass)) AS mass, "
+                't.hit, t."fetch", t.sub, t.host, t.forced '
                 f"FROM read_parquet({sql_list(self.inputs['emulate'])}, filename=true, "
                 f"union_by_name=true) t JOIN {files} f USING (filename)"
             ).fetchall()
@@ -327,6 +342,51 @@ class Context:
                 self.results["dppl_base"][str(frac)] = "captured exact NLL"
             else:
                 self.results["dppl_base"][str(frac)] = "none"
+
+    def model_row(self, model: str) -> dict[str, Any]:
+        """One row of `models.parquet`: the model's summary JSON (the embedded model's
+        train_summary.json or a checkpoint's checkpoint.json), its geometry E / k / L (capture
+        metadata first, then the summary) and the cache capacity C at every fraction run."""
+        summary: dict[str, Any] = {}
+        for path in self.inputs["model_summary"]:
+            summary = json.loads(Path(path).read_text())
+        source = None
+        if self.inputs["model_summary"]:
+            source = "embedded" if summary.get("config") is not None else "checkpoint"
+        config = summary.get("config") or {}
+        meta = self.infos["capture_tokens"][0].meta if self.infos["capture_tokens"] else {}
+
+        def first(*values: Any) -> Any:
+            return next((v for v in values if v is not None), None)
+
+        num_experts = first(meta.get("num_experts"), summary.get("num_experts"),
+                            config.get("num_experts"))  # fmt: skip
+        row = {
+            "model": model,
+            "source": source,
+            "family": first(meta.get("family"), summary.get("family")),
+            "path": summary.get("path"),
+            "num_experts": num_experts,
+            "top_k": first(
+                meta.get("top_k"), summary.get("top_k"), config.get("num_experts_per_tok")
+            ),  # fmt: skip
+            "num_layers": first(meta.get("num_layers"), summary.get("num_layers")),
+            "num_parameters": summary.get("num_parameters"),
+            "heldout_perplexity": summary.get("heldout_perplexity"),
+            "final_train_loss": summary.get("final_train_loss"),
+            "train_tokens": summary.get("tokens_seen"),
+            "train_time_s": summary.get("train_time_s"),
+        }
+        caps: dict[float, int | None] = {}
+        for kind in ("simulate", "emulate", "engine"):
+            for info in self.infos[kind]:
+                cap = info.meta.get("capacity")
+                if cap is None and num_experts is not None:
+                    cap = capacity(info.fraction, int(num_experts))
+                caps.setdefault(float(info.fraction), None if cap is None else int(cap))
+        row["fractions"] = sorted(caps)
+        row["capacities"] = [caps[f] for f in sorted(caps)]
+        return row
 
     def provenance(self) -> list[dict[str, Any]]:
         out = []

@@ -5,8 +5,15 @@ they may substitute, never the router's first choice. `fetch_all` and `host_comp
 excluded: they never substitute, so their mass and Δppl are 0 by construction and would add
 identical (0, 0) points that inflate r without information. "substitutes first choice" = rule
 `substitute_all`, shown separately (r is undefined, with the reason, when n < 3 or a coordinate
-is constant). Computed per cache fraction; the CI resamples streams (the same resample for
-every policy), recomputes each policy's mass and Δppl, then r.
+is constant). Computed per cache fraction; mass is per token-layer. The CI resamples streams
+(the same resample for every policy), recomputes each policy's mass and Δppl, then r; it is
+BCa (basic where BCa is undefined) with the bootstrap bias beside r. No parametric p-value or
+Fisher-z interval: the policies are nested sweeps of one another (tau, beta), not independent
+samples, so only the stream resampling speaks to r's uncertainty.
+
+Per input (`per_input_part`): within one policy, r between per-stream (or per-document) mean
+mass and mean ΔNLL; streams are independent units, so Pearson's p and the Fisher-z CI at
+`ci_level` stand there.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from moesub.stats.intervals import boot_counts, correlation, percentile_ci, rng_for, rowwise_pearson
+from moesub.stats.intervals import correlation, rng_for, rowwise_pearson, stream_bootstrap
 from moesub.stats.load import Context, missing
 from moesub.stats.quality import dppl_pct
 
@@ -40,7 +47,6 @@ def mass_hypothesis_part(ctx: Context) -> None:
     points, results = [], []
     for frac, gf in ps.groupby("fraction", sort=True):
         streams = np.sort(gf["stream"].unique())
-        w = boot_counts(len(streams), ctx.p.n_boot, rng_for(ctx.p.seed, "mass", frac))
         for group, rules in groups.items():
             names = []
             for name in sorted(gf["name"].unique()):
@@ -57,34 +63,56 @@ def mass_hypothesis_part(ctx: Context) -> None:
                 .to_numpy(float)
                 for c in ("n_tok", "sum_mass", "n_nll", "sum_dnll")
             }
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mass = mats["sum_mass"].sum(1) / mats["n_tok"].sum(1)
-                dppl = dppl_pct(mats["sum_dnll"].sum(1) / mats["n_nll"].sum(1))
-                mass_b = (w @ mats["sum_mass"].T) / (w @ mats["n_tok"].T)  # (B, P)
-                dppl_b = dppl_pct((w @ mats["sum_dnll"].T) / (w @ mats["n_nll"].T))
-            corr = correlation(mass, dppl)
-            res = {"fraction": float(frac), "group": group, "policies": names, **corr}
-            res["n_boot"] = ctx.p.n_boot
-            res["ci_lo"] = res["ci_hi"] = None
-            res["n_boot_valid"] = 0
-            if corr["r"] is not None:
-                r_b = rowwise_pearson(mass_b, dppl_b)
-                res["n_boot_valid"] = int(np.isfinite(r_b).sum())
-                res["ci_lo"], res["ci_hi"] = percentile_ci(r_b, ctx.p.ci_level)
+            res, pts = mass_correlation(mats, names, len(streams), float(frac), group, ctx)
             results.append(res)
-            for name, m, d in zip(names, mass, dppl, strict=True):
-                points.append(
-                    {
-                        "fraction": float(frac),
-                        "group": group,
-                        "policy": name,
-                        "mass_mean": float(m),
-                        "dppl_pct": float(d),
-                    }
-                )
+            points.extend(pts)
     ctx.tables["mass_points"] = pd.DataFrame(points)
     ctx.results["mass_hypothesis"] = results
     ctx.parts["mass_hypothesis"] = {"status": "ok"}
+
+
+def mass_correlation(
+    mats: dict[str, np.ndarray],
+    names: list[str],
+    n_streams: int,
+    frac: float,
+    group: str,
+    ctx: Context,
+) -> tuple[dict, list[dict]]:
+    """r(mass, Δppl) across the policies `names` of one group, from their (P, S) per-stream
+    sums `mats` (n_tok, sum_mass, n_nll, sum_dnll); returns the result and the points."""
+
+    def mass_dppl(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (R, S) -> 2 x (R, P)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mass = (w @ mats["sum_mass"].T) / (w @ mats["n_tok"].T)
+            dppl = dppl_pct((w @ mats["sum_dnll"].T) / (w @ mats["n_nll"].T))
+        return mass, dppl
+
+    mass, dppl = (a[0] for a in mass_dppl(np.ones((1, n_streams))))
+    corr = correlation(mass, dppl, parametric=False)
+    res = {"fraction": frac, "group": group, "policies": names, **corr, "n_streams": n_streams}
+    res.update(r_ci_lo=None, r_ci_hi=None, r_bias=None, r_ci_method="none", n_boot=ctx.p.n_boot)
+    res["n_boot_valid"] = 0
+    if corr["r"] is not None:
+        (iv,) = stream_bootstrap(
+            lambda w: rowwise_pearson(*mass_dppl(w)),
+            n_streams,
+            ctx.p.n_boot,
+            rng_for(ctx.p.seed, "mass", frac),
+            ctx.p.ci_level,
+        )
+        res.update(iv.columns("r_"), n_boot_valid=iv.n_valid)
+    points = [
+        {
+            "fraction": frac,
+            "group": group,
+            "policy": name,
+            "mass_per_token_layer": float(m),
+            "dppl_pct": float(d),
+        }
+        for name, m, d in zip(names, mass, dppl, strict=True)
+    ]
+    return res, points
 
 
 def per_input_part(ctx: Context) -> None:
@@ -96,7 +124,7 @@ def per_input_part(ctx: Context) -> None:
     docs = ctx.con.execute(
         """
         SELECT e.name, e.fraction, e.doc_id AS unit,
-               avg(e.mass) AS mass_mean, avg(e.nll - b.nll_b) AS dnll_mean,
+               avg(e.mass) AS mass_per_token_layer, avg(e.nll - b.nll_b) AS dnll_mean,
                count(e.nll - b.nll_b) AS n_nll
         FROM emu e JOIN emu_base b
           ON e.fraction = b.fraction AND e.stream = b.stream AND e.pos = b.pos
@@ -106,10 +134,10 @@ def per_input_part(ctx: Context) -> None:
     docs["level"] = "document"
     streams = ps.assign(
         unit=ps["stream"],
-        mass_mean=ps["sum_mass"] / ps["n_tok"],
+        mass_per_token_layer=ps["sum_mass"] / ps["n_tok"],
         dnll_mean=ps["sum_dnll"] / ps["n_nll"].where(ps["n_nll"] > 0),
         level="stream",
-    )[["name", "fraction", "unit", "mass_mean", "dnll_mean", "n_nll", "level"]]
+    )[["name", "fraction", "unit", "mass_per_token_layer", "dnll_mean", "n_nll", "level"]]
     pts = pd.concat([streams, docs[streams.columns]], ignore_index=True)
     pts = pts[pts["n_nll"] > 0].rename(columns={"name": "policy"})
     pts = pts.sort_values(["policy", "fraction", "level", "unit"], ignore_index=True)
@@ -117,7 +145,7 @@ def per_input_part(ctx: Context) -> None:
     for (name, frac, level), g in pts.groupby(["policy", "fraction", "level"], sort=True):
         if name == ctx.p.baseline:
             continue
-        corr = correlation(g["mass_mean"], g["dnll_mean"])
+        corr = correlation(g["mass_per_token_layer"], g["dnll_mean"], ctx.p.ci_level)
         rows.append({"policy": name, "fraction": float(frac), "level": level, **corr})
     ctx.tables["per_input_points"] = pts
     ctx.tables["per_input"] = pd.DataFrame(rows)

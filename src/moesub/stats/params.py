@@ -19,7 +19,11 @@ class AnalysisParams:
     `policies`: name -> policy dict (config `policies:` after sweep expansion); `expb`: the
     Experiment B rule (None: that part is reported missing); `n_boot` bootstrap resamples over
     streams; `seed`; `ci_level`; `baseline` / `host_baseline`: the names speedups and Δppl are
-    relative to; `admission_bins`: left edges of the tokens-since-doc_start bins.
+    relative to; `alpha` / `power`: the level of the analysis' own tests (admission) and the
+    power at which minimum detectable effects are stated; `admission_bins`: left edges of the
+    bins of tokens since the document start, from 1 (the document's first token, predicted from
+    the previous document, is its own `boundary` bin; edges past the largest observed distance
+    are dropped so that no bin is always empty).
     """
 
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -29,7 +33,9 @@ class AnalysisParams:
     ci_level: float = 0.95
     baseline: str = "fetch_every_miss"
     host_baseline: str = "host_compute"
-    admission_bins: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    alpha: float = 0.05
+    power: float = 0.8
+    admission_bins: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> AnalysisParams:
@@ -49,10 +55,15 @@ class AnalysisParams:
         ci_level = number(params.get("ci_level", 0.95), "params['ci_level']")
         if not 0 < ci_level < 1:
             raise ValueError(f"params['ci_level']={ci_level} must be in (0, 1)")
+        alpha = number(params.get("alpha", 0.05), "params['alpha']")
+        power = number(params.get("power", 0.8), "params['power']")
+        if not 0 < alpha < 1 or not 0 < power < 1:
+            raise ValueError(f"params['alpha']={alpha}, params['power']={power}: must be in (0, 1)")
         bins = tuple(int(b) for b in params.get("admission_bins", cls.admission_bins))
-        if not bins or bins[0] != 0 or any(b >= c for b, c in pairwise(bins)):
+        if not bins or bins[0] != 1 or any(b >= c for b, c in pairwise(bins)):
             raise ValueError(
-                f"params['admission_bins']={list(bins)} must start at 0 and strictly increase"
+                f"params['admission_bins']={list(bins)} must start at 1 and strictly increase "
+                "(the document's first token is its own bin)"
             )
         return cls(
             policies=table,
@@ -62,5 +73,7 @@ class AnalysisParams:
             ci_level=ci_level,
             baseline=str(params.get("baseline", "fetch_every_miss")),
             host_baseline=str(params.get("host_baseline", "host_compute")),
+            alpha=alpha,
+            power=power,
             admission_bins=bins,
         )

@@ -4,6 +4,14 @@
 NLL for; the base is `fetch_every_miss` (params `baseline`) emulated at the same cache fraction,
 or, if that run is absent, the captured exact NLL (identical by construction). A speedup is a
 ratio of times per token on the same device and fraction: `time(reference) / time(policy)`.
+`moesub.emulate.summarize`, `moesub.engine.summarize_engine` and the engine benchmark call
+`dppl_pct` / `speedup` from here.
+
+Per policy and fraction (`quality_part`): Δppl % and the mean substituted mass per token-layer
+(emulate's `mass` is the sum over the L layers; `load` divides it by L), each with a stream
+bootstrap BCa interval and the bootstrap bias, and `dppl_mde_pct`: the smallest Δppl a
+one-sided paired test at `alpha` over the streams detects with probability `power`, from the
+per-stream standard deviation of the mean ΔNLL (`moesub.stats.power.paired_mde`).
 """
 
 from __future__ import annotations
@@ -13,13 +21,36 @@ import math
 import numpy as np
 import pandas as pd
 
-from moesub.stats.intervals import boot_counts, percentile_ci, rng_for
+from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
 from moesub.stats.load import COUNT_COLS, Context, missing
+from moesub.stats.power import paired_mde
 
 
 def dppl_pct(mean_dnll: np.ndarray | float) -> np.ndarray | float:
     """Δppl % from the mean per-token ΔNLL: 100 * (exp(mean ΔNLL) - 1)."""
     return 100.0 * np.expm1(mean_dnll)
+
+
+def speedup(reference_s: np.ndarray | float, time_s: np.ndarray | float) -> np.ndarray | float:
+    """How many times faster than the reference: `reference_s / time_s` (NaN where time <= 0
+    or either is missing)."""
+    ref = np.asarray(reference_s, dtype=float)
+    t = np.asarray(time_s, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(t > 0, ref / t, np.nan)
+    return out if out.ndim else float(out)
+
+
+def ratio_stat(num: np.ndarray, den: np.ndarray, transform=None):
+    """The statistic `transform(w @ num / w @ den)` of stream weights w (R, S), for
+    `stream_bootstrap`: a token-weighted mean over the resampled streams."""
+
+    def stat(w: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value = (w @ num) / (w @ den)
+        return transform(value) if transform is not None else value
+
+    return stat
 
 
 def quality_part(ctx: Context) -> None:
@@ -48,36 +79,7 @@ def quality_part(ctx: Context) -> None:
     ctx.tables["emu_streams"] = ps
     rows = []
     for (name, frac), g in ps.groupby(["name", "fraction"], sort=True):
-        streams = g["stream"].to_numpy()
-        w = boot_counts(len(streams), ctx.p.n_boot, rng_for(ctx.p.seed, "quality", name, frac))
-        n_tok, n_nll = g["n_tok"].to_numpy(float), g["n_nll"].to_numpy(float)
-        sum_mass, sum_dnll = g["sum_mass"].to_numpy(float), g["sum_dnll"].to_numpy(float)
-        calls = float(sum(g[c].sum() for c in COUNT_COLS))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mass_b = (w @ sum_mass) / (w @ n_tok)
-            dppl_b = dppl_pct((w @ sum_dnll) / (w @ n_nll))
-        has_base = n_nll.sum() > 0
-        nll_n = n_nll.sum() if has_base else g["n_nll_own"].sum()
-        nll_sum = g["sum_nll"].sum() if has_base else g["sum_nll_own"].sum()
-        row = {
-            "policy": name,
-            "fraction": float(frac),
-            "n_streams": len(streams),
-            "n_tokens": int(n_tok.sum()),
-            "n_nll_tokens": int(nll_n),
-            "ppl": math.exp(nll_sum / nll_n) if nll_n else None,
-            "ppl_base": math.exp(g["sum_nll_b"].sum() / nll_n) if has_base else None,
-            "dppl_pct": float(dppl_pct(sum_dnll.sum() / n_nll.sum())) if has_base else None,
-            "mass_mean": float(sum_mass.sum() / n_tok.sum()),
-            "sub_rate": float(g["sub"].sum() / calls) if calls else None,
-            "hit_rate": float(g["hit"].sum() / calls) if calls else None,
-            "forced_rate": float(g["forced"].sum() / calls) if calls else None,
-        }
-        row["dppl_ci_lo"], row["dppl_ci_hi"] = (
-            percentile_ci(dppl_b, ctx.p.ci_level) if has_base else (None, None)
-        )
-        row["mass_ci_lo"], row["mass_ci_hi"] = percentile_ci(mass_b, ctx.p.ci_level)
-        rows.append(row)
+        rows.append(policy_quality(g, name, float(frac), ctx))
     ctx.tables["quality"] = pd.DataFrame(rows)
     no_base = [f for f, s in ctx.results["dppl_base"].items() if s == "none"]
     ctx.parts["quality"] = (
@@ -89,3 +91,52 @@ def quality_part(ctx: Context) -> None:
             f"{no_base}: Δppl undefined there",
         }
     )
+
+
+def policy_quality(g: pd.DataFrame, name: str, frac: float, ctx: Context) -> dict:
+    """One quality row from a policy's per-stream sums `g` (columns of `emu_streams`)."""
+    p = ctx.p
+    n_s = len(g)
+    n_tok, n_nll = g["n_tok"].to_numpy(float), g["n_nll"].to_numpy(float)
+    sum_mass, sum_dnll = g["sum_mass"].to_numpy(float), g["sum_dnll"].to_numpy(float)
+    calls = float(sum(g[c].sum() for c in COUNT_COLS))
+    has_base = n_nll.sum() > 0
+    nll_n = n_nll.sum() if has_base else g["n_nll_own"].sum()
+    nll_sum = g["sum_nll"].sum() if has_base else g["sum_nll_own"].sum()
+    (mass,) = stream_bootstrap(
+        ratio_stat(sum_mass, n_tok),
+        n_s,
+        p.n_boot,
+        rng_for(p.seed, "quality", "mass", name, frac),
+        p.ci_level,
+    )
+    dppl, mde = Interval(None), None
+    if has_base:
+        (dppl,) = stream_bootstrap(
+            ratio_stat(sum_dnll, n_nll, dppl_pct),
+            n_s,
+            p.n_boot,
+            rng_for(p.seed, "quality", "dppl", name, frac),
+            p.ci_level,
+        )
+        per_stream = sum_dnll[n_nll > 0] / n_nll[n_nll > 0]
+        sd = float(per_stream.std(ddof=1)) if per_stream.size >= 2 else None
+        mde_dnll = paired_mde(sd, int(per_stream.size), p.alpha, p.power)
+        mde = float(dppl_pct(mde_dnll)) if mde_dnll is not None else None
+    return {
+        "policy": name,
+        "fraction": frac,
+        "n_streams": n_s,
+        "n_tokens": int(n_tok.sum()),
+        "n_nll_tokens": int(nll_n),
+        "ppl": math.exp(nll_sum / nll_n) if nll_n else None,
+        "ppl_base": math.exp(g["sum_nll_b"].sum() / nll_n) if has_base else None,
+        "dppl_pct": dppl.estimate,
+        **dppl.columns("dppl_"),
+        "dppl_mde_pct": mde,
+        "mass_per_token_layer": mass.estimate,
+        **mass.columns("mass_"),
+        "sub_rate": float(g["sub"].sum() / calls) if calls else None,
+        "hit_rate": float(g["hit"].sum() / calls) if calls else None,
+        "forced_rate": float(g["forced"].sum() / calls) if calls else None,
+    }

@@ -20,6 +20,7 @@ from moesub.io import write_json
 from moesub.stats.admission import admission_part
 from moesub.stats.expb import expb_part
 from moesub.stats.generation import generation_part
+from moesub.stats.intervals import level_label
 from moesub.stats.load import (
     Context,
     check_inputs,
@@ -35,6 +36,7 @@ from moesub.stats.regime import regime_part
 from moesub.stats.timing import engine_bench, engine_part, simulate_part
 
 OUTPUT_FILES = (
+    "models",
     "summary",
     "mass_points",
     "per_input",
@@ -174,7 +176,9 @@ def run_analysis(
     (`results/{model}/...`) are analysed per model; every table gets a `model` column and every
     scalar result a `model` key. `params`: see `AnalysisParams.from_mapping` (`policies`,
     `expb` {primary, alpha, min_heavy_fraction, max_gap}, `n_boot`, `seed`, `ci_level`,
-    `baseline`, `host_baseline`, `admission_bins`). Returns the content of `analysis.json`.
+    `alpha`, `power`, `baseline`, `host_baseline`, `admission_bins`). Writes
+    `<name>.parquet` for every name in `OUTPUT_FILES` and `analysis.json`; returns the content
+    of `analysis.json`.
     """
     files = check_inputs(inputs)
     p = AnalysisParams.from_mapping(params)
@@ -187,9 +191,12 @@ def run_analysis(
         analyses[model] = analyse_model(group, p)
 
     bench, bench_part, bench_prov = engine_bench(files["engine_bench"])
-    tables: dict[str, pd.DataFrame] = {"engine_bench": bench}
+    tables: dict[str, pd.DataFrame] = {
+        "engine_bench": bench,
+        "models": pd.DataFrame([a.model_row(m) for m, a in analyses.items()]),
+    }
     for name in OUTPUT_FILES:
-        if name == "engine_bench":
+        if name in tables:
             continue
         frames = [
             a.tables[name].assign(model=m)[["model", *a.tables[name].columns]]
@@ -216,6 +223,8 @@ def run_analysis(
     doc = none_if_nan(
         {
             "params": asdict(p),
+            "ci_label": level_label(p.ci_level),
+            "units": {"mass": "substituted gate mass per token-layer"},
             "models": list(analyses),
             "parts": parts,
             "dppl_base": {m: a.results.get("dppl_base", {}) for m, a in analyses.items()},

@@ -20,6 +20,7 @@ import pandas as pd
 
 from moesub.stats.intervals import correlation, median_ci
 from moesub.stats.load import PROVENANCE_KEYS, Context, file_info, missing, sql_list
+from moesub.stats.quality import speedup
 
 
 def pareto_front(cost: Sequence[float], loss: Sequence[float]) -> np.ndarray:
@@ -106,10 +107,7 @@ def _engine_per_run(ctx: Context) -> None:
     ):
         base = eng[eng["policy"] == ref].set_index(["fraction", "device"])["time_per_token_s"]
         keys = list(zip(eng["fraction"], eng["device"], strict=True))
-        eng[col] = [
-            base.get(k, np.nan) / t if t > 0 else np.nan
-            for k, t in zip(keys, eng["time_per_token_s"], strict=True)
-        ]
+        eng[col] = speedup([base.get(k, np.nan) for k in keys], eng["time_per_token_s"])
     ctx.tables["engine"] = eng
     ctx.parts["engine"] = {"status": "ok"}
 
@@ -143,7 +141,7 @@ def _speed_quality(ctx: Context) -> None:
             (ctx.p.host_baseline, "speedup_vs_host_compute"),
         ):
             base = s[s["policy"] == ref].set_index("fraction")["time_per_token_s"]
-            s[col] = s["fraction"].map(base) / s["time_per_token_s"]
+            s[col] = speedup(s["fraction"].map(base), s["time_per_token_s"])
         frames.append(
             s[
                 [
@@ -164,7 +162,7 @@ def _speed_quality(ctx: Context) -> None:
         )
         return
     sq = pd.concat(frames, ignore_index=True).merge(
-        q[["policy", "fraction", "dppl_pct", "dppl_ci_lo", "dppl_ci_hi"]],
+        q[["policy", "fraction", "dppl_pct", "dppl_ci_lo", "dppl_ci_hi", "dppl_bias"]],
         on=["policy", "fraction"],
         how="inner",
     )
@@ -198,7 +196,7 @@ def _sim_vs_engine(ctx: Context) -> None:
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
         "max_abs_rel_error": float(err.max()),
-        "r": correlation(j["est_time_per_token_s"], j["time_mean_s"])["r"],
+        "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
     }
     ctx.parts["sim_vs_engine"] = {"status": "ok"}
 
