@@ -277,3 +277,28 @@ def test_run_expb_matched(stage):
     )
     with pytest.raises(ValueError, match="reachable range"):  # checked before the model runs
         run_expb(*args, "matched", "heavy", 0.9, stage / "x.parquet", params, **kw)
+
+
+def test_workflow_plans_the_matched_design(tmp_path):
+    """With targets, the matched design's jobs follow its feasibility pass (a dry run: the test
+    config's top-4 model has no matched support, so its full run leaves the targets empty)."""
+    import yaml
+    from test_workflow import copy_workflow, load_test_config, planned_jobs, snakemake
+
+    wf = copy_workflow(tmp_path / "wf")
+    cfg = load_test_config()
+    cfg["expb"]["designs"]["matched"]["masses"] = [0.01, 0.02]
+    (wf / "matched.yaml").write_text(yaml.safe_dump(cfg))
+    jobs = planned_jobs(wf, "--configfile", "matched.yaml")
+    assert ("expb_feasibility", "results/embedded/expb/feasibility.parquet") in jobs
+    expb = {out for rule, out in jobs if rule == "expb"}
+    assert expb == {
+        f"results/embedded/expb/{design}/{c}/m{m}.parquet"
+        for design, masses in (("study", ["0.1"]), ("matched", ["0.01", "0.02"]))
+        for m in masses
+        for c in ("heavy", "light")
+    }
+    run = snakemake(wf, "--dry-run", "--configfile", "matched.yaml", "--printshellcmds")
+    block = run.stdout.split("output: results/embedded/expb/matched/heavy/m0.01.parquet")[0]
+    inputs = block.rsplit("rule expb:", 1)[1]
+    assert "expb/feasibility.parquet" in inputs and "capture/eval_router.parquet" in inputs
