@@ -247,6 +247,7 @@ def write_engine(
 def write_expb(
     root: Path,
     tok: dict[str, np.ndarray],
+    design: str,
     condition: str,
     target: float,
     realized: float,
@@ -256,6 +257,8 @@ def write_expb(
     s = tok["stream"]
     nll = tok["nll"] + dnll_per_stream[s]
     n = nll.size
+    per_layer = 1 if condition == "heavy" else 4  # substituted experts per token-layer
+    rank = 3 if condition == "heavy" else 7  # the rank confound: light experts rank worse
     table = pa.table(
         {
             "stream": s,
@@ -263,33 +266,41 @@ def write_expb(
             "doc_id": tok["doc_id"],
             "doc_start": tok["doc_start"],
             "nll": _nll_array(nll),
-            "mass": np.full(n, realized * N_LAYERS),
-            "n_sub": np.full(n, 1 if condition == "heavy" else 4, dtype=np.int32),
+            "mass": np.full(n, realized),
             "layer_mass": pa.array(
                 [[realized] * N_LAYERS] * n, type=pa.list_(pa.float64(), N_LAYERS)
             ),
+            "n_sub": np.full(n, per_layer * N_LAYERS, dtype=np.int32),
+            "rank_sum": np.full(n, rank * per_layer * N_LAYERS, dtype=np.int32),
+            "n_planned": np.full(n, per_layer * N_LAYERS, dtype=np.int32),
         }
     )
-    path = root / "expb" / condition / f"m{label(target)}.parquet"
-    return write_parquet(table, path, metadata={"condition": condition, "target_mass": target})
+    path = root / "expb" / design / condition / f"m{label(target)}.parquet"
+    meta = {"design": design, "condition": condition, "target_mass": target}
+    if design == "matched":
+        meta.update(heavy_mass=0.15, plan_support=0.3, plan_share=target / (0.3 * 0.15))
+    return write_parquet(table, path, metadata=meta)
 
 
-EXPB_CASES = ("heavy_worse", "no_evidence", "inconclusive_mass", "inconclusive_gap")
+EXPB_CASES = ("heavy_worse", "no_evidence", "invalid_mass", "invalid_gap")
 
 
 def write_expb_case(root: Path, tok: dict[str, np.ndarray], case: str, primary: float) -> list:
-    """Heavy/light runs at m* whose decision is `case`; also a secondary target at 2 m*."""
+    """Matched-design heavy/light runs at m* whose decision is `case`, and at 2 m*; the study
+    design at m* (valid, heavy worse per unit mass)."""
     if case not in EXPB_CASES:
         raise ValueError(f"case must be one of {EXPB_CASES}")
     n_streams = int(tok["stream"].max()) + 1
     base = 0.05 + 0.01 * np.arange(n_streams)  # ΔNLL per unit mass, light condition
     paths = []
     for target in (primary, 2 * primary):
-        m_h = 0.3 * target if case == "inconclusive_mass" else target
-        m_l = 1.3 * target if case == "inconclusive_gap" else target
+        m_h = 0.8 * target if case == "invalid_mass" else target
+        m_l = 1.1 * target if case == "invalid_gap" else m_h
         factor = 0.5 if case == "no_evidence" else 2.0  # heavy ΔNLL per unit mass vs light
-        paths.append(write_expb(root, tok, "heavy", target, m_h, factor * base * m_h))
-        paths.append(write_expb(root, tok, "light", target, m_l, base * m_l))
+        paths.append(write_expb(root, tok, "matched", "heavy", target, m_h, factor * base * m_h))
+        paths.append(write_expb(root, tok, "matched", "light", target, m_l, base * m_l))
+    paths.append(write_expb(root, tok, "study", "heavy", primary, primary, 2 * base * primary))
+    paths.append(write_expb(root, tok, "study", "light", primary, primary, base * primary))
     return paths
 
 
@@ -414,7 +425,12 @@ def make_study(
     inputs["model_summary"].append(str(write_json(summary, root / "model" / "train_summary.json")))
     params = {
         "policies": policies,
-        "expb": {"primary": primary, "alpha": 0.05, "min_heavy_fraction": 0.5, "max_gap": 0.10},
+        "expb": {
+            "alpha": 0.05,
+            "designs": {
+                "study": {"primary": primary, "min_heavy_fraction": 0.5, "max_gap": 0.10},
+                "matched": {"primary": primary, "heavy_mass": 0.15},
+            },
         "n_boot": 200,
         "seed": 0,
     }

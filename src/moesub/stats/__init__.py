@@ -10,7 +10,9 @@ atomically (`moesub.io`), into `out_dir`:
 - `mass_points.parquet`: per (fraction, group, policy): the points behind the mass-hypothesis r;
 - `per_input.parquet`: per (policy, fraction, level): r between per-unit mass and ΔNLL;
 - `per_input_points.parquet`: per (policy, fraction, level, unit): mean mass, mean ΔNLL;
-- `expb.parquet`: per (target mass, stream): realized masses, ΔNLL, per-unit-mass difference;
+- `expb.parquet`: per (design, target mass): Experiment B's decision, realized masses per
+  token-layer, effect with CI, rank confound; `expb_streams.parquet`: per (design, target mass,
+  stream): realized masses, ΔNLL, the paired difference;
 - `admission.parquet`: per (policy, fraction, bin of tokens since the last doc_start);
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
 - `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;

@@ -1,12 +1,36 @@
-"""Experiment B statistics: heavy vs light substitution at a matched target mass.
+"""Experiment B statistics: heavy vs light substitution at equal target mass, two designs.
 
-Per stream s and condition c, `ΔNLL_c(s)` = mean over the stream's tokens of `nll_c - nll_exact`
-(captured) and `m_c(s)` its realized mean mass; the paired statistic is
-`d(s) = ΔNLL_heavy(s) / m_heavy(s) - ΔNLL_light(s) / m_light(s)` (streams where a realized mass
-is 0 are dropped and counted). "Within 10% of each other" means
-`|m_heavy - m_light| <= max_gap * min(m_heavy, m_light)` (each within 10% of the other).
+Inputs: the per-token artefacts of `moesub.expb` (`.../expb/{design}/{condition}/m<mass>.parquet`)
+and the captured exact NLL. Masses are per token-layer (mean over every token-layer, substituted
+or not). Per design, target mass m* and stream s:
 
-Entry point: `expb_part(ctx)` fills `ctx.tables["expb"]`, `ctx.results["expb"]`,
+- `m_c(s)`: the realized mean mass of condition c; `ΔNLL_c(s)`: the mean over the stream's
+  tokens of `nll_c - nll_exact`;
+- the paired difference `d(s)`: design `study` (the reference study's statistic)
+  `ΔNLL_heavy(s) / m_heavy(s) - ΔNLL_light(s) / m_light(s)` (streams with a realized mass of 0
+  are dropped and counted); design `matched` `ΔNLL_heavy(s) - ΔNLL_light(s)` (the masses are
+  matched by the design and checked by its validity condition, not divided out).
+
+Pre-registered decision rules (config `expb.designs`), pooled realized masses m_h, m_l:
+
+- `study` (the study's rule): valid iff `m_h >= min_heavy_fraction * m*` and
+  `|m_h - m_l| <= max_gap * min(m_h, m_l)`;
+- `matched`: valid iff `|m_h - m_l| <= max_gap * min(m_h, m_l)` (max_gap 0.05) and
+  `min(m_h, m_l) >= min_realized_fraction * m*` (0.9);
+
+then a one-sided Wilcoxon signed-rank test over streams of d > 0 at `alpha`: outcome
+"heavy worse" (p < alpha), "no evidence", or "invalid (why)" when the validity condition fails.
+Reported beside it: the Hodges-Lehmann estimate of d (median of the Walsh averages) with its
+distribution-free interval at `ci_level` (order statistics of the Walsh averages at the exact
+signed-rank critical value), n, the smallest reachable p (`2^-n`), the minimum detectable mean
+difference at alpha and `power` (`moesub.stats.power.paired_mde`), the rank confound (mean rank
+of the substituted experts per condition) and, for `matched`, the plan's support and share and
+the overlap of the substituted token-layers of the two conditions (the "same token-layers"
+check: token-layers substituted in both / in either).
+
+Entry point: `expb_part(ctx)` fills `ctx.tables["expb"]` (one row per design and target mass),
+`ctx.tables["expb_streams"]` (one row per design, target mass and stream), `ctx.results["expb"]`
+(one entry per design: its rule, the primary target's decision, every target) and
 `ctx.parts["expb"]`.
 """
 
@@ -14,50 +38,289 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import polars as pl
 from scipy import stats as sps
 
-from moesub.stats.load import Context, missing, number, sql_list
+from moesub.stats.load import Context, missing, number
+from moesub.stats.power import paired_mde, wilcoxon_min_p
+
+DESIGN_LABELS = {
+    "study": "study design (the reference study's heavy/light rules)",
+    "matched": "matched design (same token-layers, matched mass)",
+}
+
+
+# ---------------------------------------------------------------------------------- the rules
+@dataclass(frozen=True)
+class DesignRule:
+    """One design's pre-registered decision rule (config `expb.designs.<design>`)."""
+
+    design: str
+    primary: float  # m*: the primary target mass per token-layer
+    max_gap: float  # |m_h - m_l| <= max_gap * min(m_h, m_l)
+    min_heavy_fraction: float | None = None  # study: m_h >= this * m*
+    min_realized_fraction: float | None = None  # matched: min(m_h, m_l) >= this * m*
+    heavy_mass: float | None = None  # matched: the heavy expert's weight (for the labels)
+
+
+_DEFAULTS = {
+    "study": {"max_gap": 0.10, "min_heavy_fraction": 0.5},
+    "matched": {"max_gap": 0.05, "min_realized_fraction": 0.9},
+}
 
 
 @dataclass(frozen=True)
 class ExpBRule:
-    """Experiment B's pre-registered decision rule (config `expb:`)."""
+    """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests
+    and one `DesignRule` per configured design."""
 
-    primary: float  # m*: the primary target mass
     alpha: float = 0.05
-    min_heavy_fraction: float = 0.5  # heavy realized mean mass must be >= this * m*
-    max_gap: float = 0.10  # |m_heavy - m_light| <= max_gap * min(m_heavy, m_light)
+    designs: dict[str, DesignRule] = field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, spec: Mapping[str, Any]) -> ExpBRule:
+        where = "params['expb']"
         if not isinstance(spec, Mapping):
-            raise ValueError(f"params['expb'] must be a mapping, got {type(spec).__name__}")
-        if "primary" not in spec:
-            raise ValueError("params['expb']['primary'] (the primary target mass m*) is required")
-        rule = cls(
-            primary=number(spec["primary"], "params['expb']['primary']"),
-            alpha=number(spec.get("alpha", 0.05), "params['expb']['alpha']"),
-            min_heavy_fraction=number(
-                spec.get("min_heavy_fraction", 0.5), "params['expb']['min_heavy_fraction']"
-            ),
-            max_gap=number(spec.get("max_gap", 0.10), "params['expb']['max_gap']"),
+            raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
+        alpha = number(spec.get("alpha", 0.05), f"{where}['alpha']")
+        if not 0 < alpha < 1:
+            raise ValueError(f"{where}['alpha']={alpha} must be in (0, 1)")
+        designs = spec.get("designs")
+        if not isinstance(designs, Mapping) or not designs:
+            raise ValueError(f"{where}['designs'] must map design names (study, matched) to rules")
+        rules = {}
+        for name, d in designs.items():
+            w = f"{where}['designs'][{name!r}]"
+            if name not in _DEFAULTS:
+                raise ValueError(f"{w}: unknown design; expected one of {sorted(_DEFAULTS)}")
+            if not isinstance(d, Mapping) or "primary" not in d:
+                raise ValueError(f"{w}['primary'] (the primary target mass m*) is required")
+            known = {"primary", "heavy_mass", *_DEFAULTS[name]}
+            unknown = sorted(set(d) - known)
+            if unknown:
+                raise ValueError(f"{w}: unknown key(s) {unknown}; known {sorted(known)}")
+            values = {k: number(d.get(k, v), f"{w}[{k!r}]") for k, v in _DEFAULTS[name].items()}
+            primary = number(d["primary"], f"{w}['primary']")
+            if not 0 < primary < 1 or values["max_gap"] < 0:
+                raise ValueError(f"{w}: primary must be in (0, 1) and max_gap >= 0")
+            for k in ("min_heavy_fraction", "min_realized_fraction"):
+                if k in values and not 0 <= values[k] <= 1:
+                    raise ValueError(f"{w}[{k!r}]={values[k]} must be in [0, 1]")
+            hm = d.get("heavy_mass")
+            heavy_mass = None if hm is None else number(hm, f"{w}['heavy_mass']")
+            rules[name] = DesignRule(name, primary, heavy_mass=heavy_mass, **values)
+        return cls(alpha=alpha, designs=rules)
+
+
+# ---------------------------------------------------------------------------------- statistics
+def signed_rank_cdf(n: int) -> np.ndarray:
+    """P(T+ <= t) for t = 0..n(n+1)/2 under the null (exact, by counting sign patterns)."""
+    counts = np.zeros(n * (n + 1) // 2 + 1)
+    counts[0] = 1.0
+    for i in range(1, n + 1):
+        counts[i:] = counts[i:] + counts[:-i].copy()
+    return np.cumsum(counts) / 2.0**n
+
+
+def hodges_lehmann(d: np.ndarray, level: float) -> tuple[float | None, float | None, float | None]:
+    """(estimate, lo, hi): the median of the Walsh averages of d and the distribution-free
+    interval at `level` (None bounds when n is too small for that level)."""
+    d = np.asarray(d, dtype=float)
+    n = d.size
+    if n == 0:
+        return None, None, None
+    i, j = np.triu_indices(n)
+    walsh = np.sort((d[i] + d[j]) / 2.0)  # (n(n+1)/2,)
+    est = float(np.median(walsh))
+    c = int(np.searchsorted(signed_rank_cdf(n), (1 - level) / 2, side="right"))  # P(T+<c)<=a/2
+    if c < 1:
+        return est, None, None
+    return est, float(walsh[c - 1]), float(walsh[walsh.size - c])
+
+
+def decide(
+    rule: DesignRule, target: float, m_h: float, m_l: float, d: np.ndarray, alpha: float
+) -> dict[str, Any]:
+    """The decision at one target mass from the pooled realized masses and the per-stream
+    paired differences d (finite ones only): valid, outcome, p, statistic and the text."""
+    gap = abs(m_h - m_l) / min(m_h, m_l) if min(m_h, m_l) > 0 else math.inf
+    eps = 1e-12  # a boundary case computed in floating point is on the boundary
+    why = []
+    if gap > rule.max_gap + eps:
+        why.append(f"realized masses differ by {100 * gap:.1f}% > {100 * rule.max_gap:g}%")
+    if rule.min_heavy_fraction is not None and m_h < rule.min_heavy_fraction * target - eps:
+        why.append(
+            f"heavy realized {m_h:.4g} < {100 * rule.min_heavy_fraction:g}% of m* {target:g}"
         )
-        if rule.primary <= 0:
-            raise ValueError(f"params['expb']['primary']={rule.primary} must be > 0")
-        if not 0 < rule.alpha < 1:
-            raise ValueError(f"params['expb']['alpha']={rule.alpha} must be in (0, 1)")
-        if not 0 <= rule.min_heavy_fraction <= 1 or rule.max_gap < 0:
-            raise ValueError("params['expb']: min_heavy_fraction must be in [0, 1], max_gap >= 0")
-        return rule
+    if (
+        rule.min_realized_fraction is not None
+        and min(m_h, m_l) < rule.min_realized_fraction * target - eps
+    ):
+        why.append(
+            f"realized {min(m_h, m_l):.4g} < {100 * rule.min_realized_fraction:g}% of m* {target:g}"
+        )
+    if d.size == 0:
+        why.append("no stream has both conditions")
+    masses = f"realized mass per token-layer heavy {m_h:.4g}, light {m_l:.4g} (m* {target:g})"
+    out: dict[str, Any] = {
+        "valid": not why,
+        "relative_gap": gap,
+        "p_value": None,
+        "statistic": None,
+    }
+    if why:
+        out.update(outcome="invalid", outcome_text=f"invalid ({'; '.join(why)}; {masses})")
+        return out
+    nonzero = int((d != 0).sum())
+    if nonzero == 0:
+        p, stat = 1.0, 0.0
+    else:
+        test = sps.wilcoxon(d, alternative="greater")
+        p, stat = float(test.pvalue), float(test.statistic)
+    worse = p < alpha
+    out.update(p_value=p, statistic=stat, outcome="heavy worse" if worse else "no evidence")
+    floor = wilcoxon_min_p(nonzero)
+    note = (
+        f"; p cannot go below {floor:.3g} with {nonzero} non-zero differences"
+        if floor >= alpha
+        else ""
+    )
+    out["outcome_text"] = (
+        f"{out['outcome']} (one-sided Wilcoxon signed-rank p = {p:.3g} "
+        f"{'<' if worse else '>='} alpha {alpha:g}, n = {d.size} streams; {masses}{note})"
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------- loading
+def _token_runs(ctx: Context) -> dict[tuple[str, float, str], tuple[pl.DataFrame, dict]]:
+    """(design, target, condition) -> (the run's per-token rows with `dnll` = nll - the
+    captured exact nll, the file's metadata)."""
+    cap = pl.from_pandas(ctx.con.execute("SELECT stream, pos, nll AS nll_exact FROM cap").df())
+    cap = cap.with_columns(pl.col("stream").cast(pl.Int32), pl.col("pos").cast(pl.Int32))
+    runs = {}
+    for info in ctx.infos["expb"]:
+        df = pl.read_parquet(info.path)
+        for col in ("rank_sum", "n_planned"):  # artefacts written before these were recorded
+            if col not in df.columns:
+                df = df.with_columns(pl.lit(None, dtype=pl.Int32).alias(col))
+        df = df.join(cap, on=["stream", "pos"], how="left").with_columns(
+            dnll=pl.col("nll") - pl.col("nll_exact")
+        )
+        runs[(info.name or "study", float(info.target_mass), info.condition)] = (df, info.meta)
+    return runs
+
+
+def _layer_mass(df: pl.DataFrame) -> np.ndarray:
+    n = df.height
+    flat = df["layer_mass"].explode().to_numpy().astype(float)
+    return flat.reshape(n, flat.size // n)  # (N, L)
+
+
+def _per_stream(df: pl.DataFrame) -> pd.DataFrame:
+    lm = _layer_mass(df)
+    agg = (
+        df.with_columns(pl.Series("tl_mass", lm.sum(axis=1)), pl.lit(lm.shape[1]).alias("L"))
+        .group_by("stream")
+        .agg(
+            mass=pl.col("tl_mass").sum() / pl.col("L").sum(),
+            dnll=pl.col("dnll").mean(),
+        )
+        .sort("stream")
+    )
+    return agg.to_pandas().set_index("stream")
+
+
+def _rank_mean(df: pl.DataFrame) -> float | None:
+    n = df["n_sub"].sum()
+    return None if not n or df["rank_sum"].null_count() else float(df["rank_sum"].sum() / n)
+
+
+def target_result(
+    design: str,
+    target: float,
+    runs: dict,
+    rule: DesignRule,
+    alpha: float,
+    level: float,
+    power: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One (design, target mass): the per-target row and the per-stream rows."""
+    (h, meta_h), (light, _) = runs[(design, target, "heavy")], runs[(design, target, "light")]
+    ps_h, ps_l = _per_stream(h), _per_stream(light)
+    streams = ps_h.index.intersection(ps_l.index).sort_values()
+    mh, ml = ps_h.loc[streams, "mass"], ps_l.loc[streams, "mass"]
+    dh, dl = ps_h.loc[streams, "dnll"], ps_l.loc[streams, "dnll"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = dh / mh - dl / ml if design == "study" else dh - dl
+    usable = np.isfinite(d.to_numpy(float))
+    d_ok = d.to_numpy(float)[usable]
+    lm_h, lm_l = _layer_mass(h), _layer_mass(light)
+    m_h, m_l = float(lm_h.mean()), float(lm_l.mean())
+    row: dict[str, Any] = {
+        "design": design,
+        "target_mass": target,
+        "primary": bool(math.isclose(target, rule.primary, rel_tol=1e-9)),
+        **decide(rule, target, m_h, m_l, d_ok, alpha),
+        "n_streams": int(d_ok.size),
+        "n_dropped_streams": int(len(streams) - d_ok.size),
+        "realized_heavy": m_h,
+        "realized_light": m_l,
+        "substituted_share_heavy": float((lm_h > 0).mean()),
+        "substituted_share_light": float((lm_l > 0).mean()),
+        "mean_rank_heavy": _rank_mean(h),
+        "mean_rank_light": _rank_mean(light),
+        "effect_label": "ΔNLL/mass heavy − light" if design == "study" else "ΔNLL heavy − light",
+        "alpha": alpha,
+        "ci_level": level,
+        "power": power,
+        "min_p": wilcoxon_min_p(int((d_ok != 0).sum())),
+        "mean_d": float(d_ok.mean()) if d_ok.size else None,
+        "sd_d": float(d_ok.std(ddof=1)) if d_ok.size > 1 else None,
+    }
+    row["effect"], row["effect_ci_lo"], row["effect_ci_hi"] = hodges_lehmann(d_ok, level)
+    row["mde"] = paired_mde(row["sd_d"], int(d_ok.size), alpha, power) if row["sd_d"] else None
+    if design == "matched":
+        joined = (
+            h.select("stream", "pos")
+            .with_row_index("i")
+            .join(light.select("stream", "pos").with_row_index("j"), on=["stream", "pos"])
+        )
+        sub_h = lm_h[joined["i"].to_numpy()] > 0
+        sub_l = lm_l[joined["j"].to_numpy()] > 0
+        either = int((sub_h | sub_l).sum())
+        row["overlap"] = float((sub_h & sub_l).sum() / either) if either else None
+        for c, df in (("heavy", h), ("light", light)):
+            planned = df["n_planned"].sum()
+            row[f"dropped_{c}"] = float(1 - df["n_sub"].sum() / planned) if planned else None
+        row["support"] = meta_h.get("plan_support")
+        row["plan_share"] = meta_h.get("plan_share")
+        row["heavy_mass"] = meta_h.get("heavy_mass", rule.heavy_mass)
+    stream_rows = [
+        {
+            "design": design,
+            "target_mass": target,
+            "stream": int(s),
+            "mass_heavy": float(mh[s]),
+            "mass_light": float(ml[s]),
+            "dnll_heavy": float(dh[s]),
+            "dnll_light": float(dl[s]),
+            "d": float(d[s]),
+            "usable": bool(u),
+        }
+        for s, u in zip(streams, usable, strict=True)
+    ]
+    return row, stream_rows
 
 
 def expb_part(ctx: Context) -> None:
     ctx.tables["expb"] = pd.DataFrame()
+    ctx.tables["expb_streams"] = pd.DataFrame()
     ctx.results["expb"] = None
     if not ctx.inputs["expb"]:
         ctx.parts["expb"] = missing("no Experiment B artefacts")
@@ -68,129 +331,44 @@ def expb_part(ctx: Context) -> None:
     if ctx.p.expb is None:
         ctx.parts["expb"] = missing("no decision rule in params['expb']")
         return
-    files = ctx.register_files("expb")
-    per = ctx.con.execute(
-        f"""
-        SELECT f.condition, f.target_mass, t.stream,
-               -- m* is a mass per token-layer: count token-layers, not tokens
-               sum(len(t.layer_mass)) AS n_tok, sum(t.mass) AS sum_mass,
-               sum(t.n_sub) AS n_sub,
-               count(t.nll - c.nll) AS n_nll, coalesce(sum(t.nll - c.nll), 0) AS sum_dnll
-        FROM read_parquet({sql_list(ctx.inputs["expb"])}, filename=true) t
-        JOIN {files} f USING (filename)
-        LEFT JOIN cap c ON t.stream = c.stream AND t.pos = c.pos
-        GROUP BY ALL ORDER BY f.target_mass, t.stream, f.condition
-        """
-    ).df()
-    rule = ctx.p.expb
-    stream_rows, targets = [], []
-    for target, g in per.groupby("target_mass", sort=True):
-        res, rows = expb_test(g, float(target), rule)
-        res["primary"] = bool(math.isclose(target, rule.primary, rel_tol=1e-9))
-        targets.append(res)
-        stream_rows.extend(rows)
-    primary = [t for t in targets if t["primary"]]
-    if primary:
-        decision = dict(primary[0])
-    else:
-        decision = {
+    rules: ExpBRule = ctx.p.expb
+    level, power = ctx.p.ci_level, ctx.p.power
+    runs = _token_runs(ctx)
+    rows, stream_rows, results = [], [], []
+    for design, rule in rules.designs.items():
+        targets = sorted({t for (dz, t, _c) in runs if dz == design})
+        design_rows = []
+        for target in targets:
+            conds = {c for (dz, t, c) in runs if dz == design and t == target}
+            if conds != {"heavy", "light"}:
+                design_rows.append(
+                    {"design": design, "target_mass": target, "valid": False,
+                     "outcome": "invalid", "outcome_text": f"invalid (only {sorted(conds)} ran)"}
+                )  # fmt: skip
+                continue
+            row, srows = target_result(design, target, runs, rule, rules.alpha, level, power)
+            design_rows.append(row)
+            stream_rows.extend(srows)
+        primary = [r for r in design_rows if r.get("primary")]
+        decision = dict(primary[0]) if primary else {
+            "design": design,
             "target_mass": rule.primary,
-            "outcome": "inconclusive",
-            "outcome_text": f"inconclusive (no heavy and light runs at m* = {rule.primary:g}; "
-            f"targets run: {[t['target_mass'] for t in targets]})",
-        }
-    decision["rule"] = asdict(rule)
-    ctx.results["expb"] = {"decision": decision, "targets": targets}
-    ctx.tables["expb"] = pd.DataFrame(stream_rows)
+            "valid": False,
+            "outcome": "invalid",
+            "outcome_text": f"invalid (no heavy and light runs at m* = {rule.primary:g}; "
+            f"targets run: {targets})",
+        }  # fmt: skip
+        results.append(
+            {
+                "design": design,
+                "label": DESIGN_LABELS[design],
+                "rule": {**asdict(rule), "alpha": rules.alpha},
+                "decision": decision,
+                "targets": design_rows,
+            }
+        )
+        rows.extend(design_rows)
+    ctx.tables["expb"] = pd.DataFrame(rows)
+    ctx.tables["expb_streams"] = pd.DataFrame(stream_rows)
+    ctx.results["expb"] = results
     ctx.parts["expb"] = {"status": "ok"}
-
-
-def expb_test(per: pd.DataFrame, target: float, rule: ExpBRule) -> tuple[dict, list[dict]]:
-    """Experiment B at one target mass.
-
-    `per`: one row per (condition, stream) with n_tok, sum_mass, n_nll, sum_dnll (ΔNLL vs the
-    captured exact NLL). Returns the decision dict and the per-stream rows.
-    """
-    res: dict[str, Any] = {"target_mass": target, "alpha": rule.alpha}
-    conds = {c: g.set_index("stream") for c, g in per.groupby("condition")}
-    if set(conds) != {"heavy", "light"}:
-        res.update(
-            outcome="inconclusive",
-            outcome_text=f"inconclusive (only {sorted(conds)} ran at m = {target:g})",
-        )
-        return res, []
-    h, light = conds["heavy"], conds["light"]
-    m_h = float(h["sum_mass"].sum() / h["n_tok"].sum())
-    m_l = float(light["sum_mass"].sum() / light["n_tok"].sum())
-    gap = abs(m_h - m_l) / min(m_h, m_l) if min(m_h, m_l) > 0 else math.inf
-    res.update(
-        realized_heavy=m_h,
-        realized_light=m_l,
-        heavy_fraction_of_target=m_h / target,
-        relative_gap=gap,
-    )
-    streams = h.index.intersection(light.index).sort_values()
-    hs, ls = h.loc[streams], light.loc[streams]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mh, ml = hs["sum_mass"] / hs["n_tok"], ls["sum_mass"] / ls["n_tok"]
-        dh, dl = hs["sum_dnll"] / hs["n_nll"], ls["sum_dnll"] / ls["n_nll"]
-        d = dh / mh - dl / ml
-    usable = np.isfinite(d.to_numpy(float))
-    rows = [
-        {
-            "target_mass": target,
-            "stream": int(s),
-            "mass_heavy": float(mh[s]),
-            "mass_light": float(ml[s]),
-            "dnll_heavy": float(dh[s]),
-            "dnll_light": float(dl[s]),
-            "d_per_mass": float(d[s]),
-            "usable": bool(u),
-        }
-        for s, u in zip(streams, usable, strict=True)
-    ]
-    d_ok = d.to_numpy(float)[usable]
-    res.update(
-        n_streams=len(streams),
-        n_used=int(d_ok.size),
-        n_dropped=int(len(streams) - d_ok.size),
-        median_d=float(np.median(d_ok)) if d_ok.size else None,
-        mean_d=float(d_ok.mean()) if d_ok.size else None,
-    )
-    valid_mass = m_h >= rule.min_heavy_fraction * target
-    valid_gap = gap <= rule.max_gap
-    res["valid"] = bool(valid_mass and valid_gap)
-    masses = (
-        f"heavy {m_h:.4g} = {100 * m_h / target:.0f}% of m* {target:g} "
-        f"(needs >= {100 * rule.min_heavy_fraction:.0f}%), light {m_l:.4g}, "
-        f"gap {100 * gap:.1f}% (needs <= {100 * rule.max_gap:.0f}%)"
-    )
-    if not res["valid"]:
-        res.update(
-            outcome="inconclusive", p=None, outcome_text=f"inconclusive (realized mass {masses})"
-        )
-        return res, rows
-    nonzero = int((d_ok != 0).sum())
-    res["min_attainable_p"] = 0.5**nonzero if nonzero else 1.0
-    if nonzero == 0:
-        p, stat = 1.0, 0.0
-    else:
-        test = sps.wilcoxon(d_ok, alternative="greater")
-        p, stat = float(test.pvalue), float(test.statistic)
-    res.update(p=p, statistic=stat)
-    worse = p < rule.alpha
-    detail = (
-        f"Wilcoxon signed-rank one-sided p = {p:.3g} {'<' if worse else '>='} alpha "
-        f"{rule.alpha:g}, n = {d_ok.size} streams, median ΔNLL difference per unit mass "
-        f"{res['median_d']:.4g}; realized mass {masses}"
-    )
-    if worse:
-        res.update(outcome="heavy worse", outcome_text=f"heavy worse ({detail})")
-    else:
-        note = (
-            f"; with {nonzero} non-zero differences p cannot go below {res['min_attainable_p']:.3g}"
-            if res["min_attainable_p"] >= rule.alpha
-            else ""
-        )
-        res.update(outcome="no evidence", outcome_text=f"no evidence ({detail}{note})")
-    return res, rows

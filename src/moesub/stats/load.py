@@ -32,6 +32,7 @@ DATA_KINDS = (
     "simulate",
     "emulate",
     "expb",
+    "expb_feasibility",
     "engine",
     "engine_bench",
     "generate",
@@ -65,6 +66,7 @@ STAGE_DIRS = {
     "simulate": "simulate",
     "emulate": "emulate",
     "expb": "expb",
+    "expb_feasibility": "expb",
     "engine": "engine",
     "generate": "generate",
     "calibration": "engine",
@@ -185,6 +187,8 @@ def file_info(path: str, kind: str) -> FileInfo:
         if kind == "engine":
             info.device = str(meta.get("device") or p.parent.parent.name)
     elif kind == "expb":
+        # name = the Experiment B design (.../expb/{design}/{condition}/m<mass>.parquet)
+        info.name = str(meta.get("design") or p.parent.parent.name)
         info.condition = str(meta.get("condition") or p.parent.name)
         target = meta.get("target_mass")
         info.target_mass = float(target) if target is not None else _prefixed_number(p.stem, "m")
@@ -261,7 +265,7 @@ class Context:
                 seen[key] = info.path
         seen = {}
         for info in self.infos["expb"]:
-            key = (info.condition, info.target_mass)
+            key = (info.name, info.condition, info.target_mass)
             if key in seen:
                 raise ValueError(
                     f"inputs['expb']: {seen[key]!r} and {info.path!r} are the same run"

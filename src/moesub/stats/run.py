@@ -42,6 +42,7 @@ OUTPUT_FILES = (
     "per_input",
     "per_input_points",
     "expb",
+    "expb_streams",
     "admission",
     "speed_quality",
     "sim_vs_engine",
