@@ -318,10 +318,12 @@ def write_generate(root: Path, task: str, name: str, n_problems: int = 20) -> Pa
         "fraction": np.full(n_problems, FRACTION),
         "output": [f"answer {i}" for i in ids],
         "correct": ids < n_correct,
+        "missing_reason": [""] * n_problems,
         "agree_exact": agree_prefix >= 1.0,
         "agree_prefix_frac": agree_prefix,
-        "mass_mean": m * (0.5 + ids / n_problems),
+        "mass_per_token_layer": m * (0.5 + ids / n_problems),
         "n_tokens": np.full(n_problems, 64, dtype=np.int32),
+        "n_scored": np.full(n_problems, 64, dtype=np.int32),
     }
     path = root / "generate" / task / name / f"f{label(FRACTION)}.parquet"
     return write_parquet(rows, path)

@@ -1,5 +1,7 @@
-"""moesub.generate: data loading, prompts, answer extraction, HumanEval in the sandbox, and the
-stage entry point on a tiny random Qwen3-MoE model with a tiny byte-level BPE tokenizer."""
+"""moesub.generate: data loading, prompts, answer extraction, HumanEval in the sandbox (with the
+sentinel that proves check() returned), held-out code completion, the stop cut shared by scoring
+and agreement, and the stage entry point on a tiny random Qwen3-Next with a tiny byte-level BPE
+tokenizer; the generation statistics over such artefacts."""
 
 from __future__ import annotations
 
@@ -13,36 +15,49 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-import torch
-import transformers as tf
+from tiny_models import tiny_qwen3_next
 
+from moesub.embedded import read_document
 from moesub.generate import (
     GSM8K_SHOT_POOL,
+    GSM8K_STOP,
     OUTPUT_SCHEMA,
     GenerateParams,
     agreement,
+    check_humaneval,
+    code_line_starts,
+    completion_items,
     extract_answer,
     fetch_gsm8k,
     gsm8k_correct,
     gsm8k_gold,
     gsm8k_prompt,
     gsm8k_shots,
+    heldout_code_files,
     load_gsm8k,
     load_humaneval,
+    normalize_line,
     normalize_number,
     read_gsm8k,
     read_humaneval,
     run_generate,
+    scored_length,
     truncate_at,
 )
+from moesub.generate.completion import _file_problems
+from moesub.generate.humaneval import score_humaneval
+from moesub.generate.run import stop_ids
 from moesub.io import read_metadata, write_parquet
-from moesub.models import moe_blocks
-from moesub.sandbox import check_humaneval
+from moesub.sandbox import SandboxResult
+from moesub.stats import run_analysis
 
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+REPO_GSM8K = REPO / "data" / "gsm8k" / "test.jsonl"
 E, K, L, C = 16, 4, 2, 6
 EXACT = {"rule": "fetch_all", "eviction": "lru"}
 HARSH = {"rule": "substitute_all", "eviction": "lru"}
+EVAL_FILES = ("bisect.py", "colorsys.py", "fnmatch.py")  # the tiny corpus' held-out split
+TRAIN_FILE = "json/encoder.py"
 
 
 def gsm8k_file(path: Path, n: int = 40) -> Path:
@@ -119,7 +134,7 @@ def test_load_gsm8k_subsample_and_shots(tmp_path):
     prompt = gsm8k_prompt(a[0].question, shots)
     assert prompt.count("Question:") == 4 and prompt.endswith(f"{a[0].question}\nAnswer:")
     assert "<<" not in prompt and prompt.count("The answer is") == 3
-    assert f"The answer is {shots[0].answer:}." in prompt or "The answer is" in prompt
+    assert f"The answer is {shots[0].answer}." in prompt
     assert gsm8k_prompt("Q?") == "Question: Q?\nAnswer:"
 
 
@@ -137,9 +152,14 @@ def test_gsm8k_errors(tmp_path):
         read_gsm8k(bad)
 
 
-@pytest.mark.skipif(not SHARED_GSM8K.is_file(), reason=f"{SHARED_GSM8K} not present")
-def test_real_gsm8k_file():
-    problems = read_gsm8k(SHARED_GSM8K)
+def test_gsm8k_ships_with_the_repository():
+    """The default config's GSM8K file is in the repository (MIT licence beside it)."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    assert REPO / cfg["generate"]["tasks"]["gsm8k"]["path"] == REPO_GSM8K
+    assert "MIT License" in (REPO_GSM8K.parent / "LICENSE").read_text()
+    problems = read_gsm8k(REPO_GSM8K)
     assert len(problems) == 1319
     assert problems[0].answer == "18"
     assert all(p.answer == extract_answer(p.answer) for p in problems)
@@ -148,10 +168,12 @@ def test_real_gsm8k_file():
         gsm8k_correct(gsm8k_prompt("x", [p]).split("Answer: ", 1)[1], p.answer)
         for p in problems[:200]
     )
-    sample = load_gsm8k(SHARED_GSM8K, 10, seed=0)
+    sample = load_gsm8k(REPO_GSM8K, 10, seed=0)
     assert len({p.problem_id for p in sample}) == 10
-    shots = gsm8k_shots(SHARED_GSM8K, 8)
-    assert len(shots) == 8 and len(gsm8k_shots(SHARED_GSM8K, GSM8K_SHOT_POOL)) == 64
+    shots = gsm8k_shots(REPO_GSM8K, 8)
+    assert len(shots) == 8 and len(gsm8k_shots(REPO_GSM8K, GSM8K_SHOT_POOL)) == 64
+    for script in ("Makefile", "scripts/get_gsm8k.sh"):
+        assert "../shared" not in (REPO / script).read_text(), script
 
 
 def test_fetch_gsm8k_writes_jsonl(tmp_path, monkeypatch):
@@ -172,16 +194,74 @@ def test_fetch_gsm8k_writes_jsonl(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- HumanEval
-def test_humaneval_canonical_passes_and_wrong_fails():
-    problems = read_humaneval()
-    assert len(problems) == 164
-    sample = load_humaneval(3, seed=0)
-    assert [p["task_id"] for p in sample] == [p["task_id"] for p in load_humaneval(3, seed=0)]
+TOY = {
+    "task_id": "Toy/0",
+    "prompt": 'def add(a: int, b: int) -> int:\n    """Sum of a and b."""\n',
+    "entry_point": "add",
+    "test": (
+        "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+    ),
+}
+
+
+def test_correct_programs_pass_never_crash():
+    """Canonical solutions pass (a correct program must never come back `crashed` or
+    `error`), wrong ones fail."""
+    assert len(read_humaneval()) == 164
+    sample = load_humaneval(8, seed=0)
+    assert [p["task_id"] for p in sample] == [p["task_id"] for p in load_humaneval(8, seed=0)]
     for p in sample:
-        assert check_humaneval(p, p["canonical_solution"]).status == "pass", p["task_id"]
+        res = check_humaneval(p, p["canonical_solution"])
+        assert res.status == "pass", (p["task_id"], res.sandbox)
         assert check_humaneval(p, "    return None\n").status == "fail", p["task_id"]
+    noisy = "    print('x' * 20000)\n    return a + b\n"  # output beyond the kept tail
+    assert check_humaneval(TOY, noisy).status == "pass"
+    redirect = "    import sys; sys.stdout = open('/dev/null', 'w')\n    return a + b\n"
+    assert check_humaneval(TOY, redirect).status == "pass"
     with pytest.raises(ValueError, match="n=165"):
         load_humaneval(165)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "    import sys\n    sys.exit(0)\n",  # inside the function, while check() runs
+        "    import os\n    os._exit(0)\n",
+        "    raise SystemExit\n",
+        "    raise SystemExit(0)\n",
+        "    raise SystemExit(None)\n",
+        "    return a + b\n\nimport sys\nsys.exit()\n",  # module level, before check() runs
+        "    return a + b\n\nprint('moesub-check-returned-0123')\nraise SystemExit(0)\n",
+        "    import threading, os\n    threading.Thread(target=os._exit, args=(0,)).start()\n"
+        "    import time; time.sleep(5)\n",
+    ],
+)
+def test_early_exit_never_passes(completion):
+    """Exit status 0 before check() returned is `early_exit`, whatever ends the process."""
+    res = check_humaneval(TOY, completion)
+    assert res.sandbox.status == "pass" and res.sandbox.returncode == 0  # the trap: exit 0
+    assert res.status == "early_exit" and not res.passed
+
+
+def test_systemexit_with_a_message_fails():
+    res = check_humaneval(TOY, "    raise SystemExit('giving up')\n")
+    assert res.status == "fail" and res.sandbox.returncode == 1
+
+
+def test_sandbox_failure_is_missing_not_wrong(tmp_path, monkeypatch):
+    """A launcher that cannot start the program: status `error`, the problem unscored."""
+    not_python = tmp_path / "python3"
+    not_python.write_bytes(b"\x00\x01 not an executable format\n")
+    not_python.chmod(0o755)
+    res = check_humaneval(TOY, "    return a + b\n", python=not_python)
+    assert res.status == "error" and res.sandbox.error, res.sandbox
+    monkeypatch.setattr(
+        "moesub.sandbox.run_untrusted",
+        lambda *a, **kw: SandboxResult("error", None, "", "", 0.0, "sandbox", error="boom"),
+    )
+    score = score_humaneval(types.SimpleNamespace(problem=TOY), "    return a + b\n", 5.0)
+    assert score.correct is None and score.prediction == "error"
+    assert "sandbox error: boom" in score.missing
 
 
 def test_humaneval_file_argument(tmp_path):
@@ -194,30 +274,58 @@ def test_humaneval_file_argument(tmp_path):
         read_humaneval(tmp_path / "missing.jsonl")
 
 
+# --------------------------------------------------------------------------- code completion
+SNIPPET = '''"""Module docstring
+spanning lines."""
+import os  # a comment
+
+
+def f(x):
+    # only a comment
+    """Docstring."""
+    y = (x +
+         1)
+    s = """text
+    inside = 1
+    """ + str(y)
+    return y
+'''
+
+
+def test_code_line_starts():
+    lines = SNIPPET.splitlines()
+    starts = [lines[i].strip() for i in code_line_starts(SNIPPET)]
+    assert starts == ["import os  # a comment", "def f(x):", "y = (x +", "1)", 's = """text',
+                      "return y"]  # fmt: skip
+    assert code_line_starts("def broken(:\n  (\n") == []
+    assert normalize_line("  a =\t b  ") == "a = b"
+
+
 # --------------------------------------------------------------------------- stage entry point
 def tiny_checkpoint(root: Path) -> Path:
-    """A random Qwen3-MoE (E=16, k=4, 2 layers) with a 300-token byte-level BPE tokenizer
-    (Qwen3-MoE rather than Qwen3-Next: no linear-attention fallback kernels, fast on CPU)."""
+    """A random tiny Qwen3-Next (E=16, k=4, 2 layers) with a 300-token byte-level BPE tokenizer,
+    a corpus table (three stdlib files held out, one for training) and initial sets."""
     from moesub.embedded import train_tokenizer
 
     texts = [json.loads(line)["question"] for line in gsm8k_file(root / "corpus.jsonl").open()]
     texts += [p["prompt"] for p in read_humaneval()[:20]]
+    texts += [read_document(TRAIN_FILE)]
     tokenizer = train_tokenizer(texts, vocab_size=300)
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, num_hidden_layers=L, head_dim=16, num_experts=E,
-        num_experts_per_tok=K, moe_intermediate_size=8, norm_topk_prob=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    model = tiny_qwen3_next(
+        vocab=len(tokenizer), layers=L, experts=E, k=K, gate_std=0.5, expert_std=0.4,
+        layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    for block in moe_blocks(model):  # decisive routing: substitution changes the output
-        torch.nn.init.normal_(block.gate.weight, std=0.5)
-        torch.nn.init.normal_(block.experts.gate_up_proj, std=0.4)
-        torch.nn.init.normal_(block.experts.down_proj, std=0.4)
+    model.config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
+    corpus = {
+        "path": [*EVAL_FILES, TRAIN_FILE, "pydoc_data/topics.py#assert"],
+        "split": ["eval"] * 3 + ["train", "eval"],
+        "package": ["x"] * 5,
+        "kind": ["code"] * 4 + ["text"],
+        "bytes": [1] * 5,
+    }
+    write_parquet(corpus, root / "model" / "corpus_files.parquet")
     rng = np.random.default_rng(0)
     rows = [
         (0.375, C, layer, rank, int(e))
@@ -242,14 +350,71 @@ def stage(tmp_path_factory):
 
 
 def generate(root: Path, task: str, name: str, policy: dict, out: str, **params):
-    params = {"n": 3, "max_new_tokens": 10, "progress": False, "shots": 1, **params}
-    if task == "humaneval":
-        params.pop("shots")
+    params = {"n": 3, "max_new_tokens": 10, "progress": False, **params}
+    if task == "gsm8k":
+        params.setdefault("shots", 1)
     data = root / "gsm8k.jsonl" if task == "gsm8k" else None
     return run_generate(
         root / "model", task, data, root / "initial_sets.parquet", name, policy, 0.375,
         root / "out" / out, params,
     )  # fmt: skip
+
+
+def test_completion_prompts_are_held_out_and_aligned(stage):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stage / "model")
+    assert heldout_code_files(stage / "model" / "corpus_files.parquet") == list(EVAL_FILES)
+    text = read_document("colorsys.py")
+    problems = _file_problems("colorsys.py", text, tok, None, 8, 200)
+    assert len(problems) > 20
+    lines = text.splitlines()
+    for p in problems:
+        row = int(p.problem_id.rsplit(":", 1)[1]) - 1
+        prefix = tok.decode(p.prompt_ids)  # the whole file before the line: no context limit
+        assert text.startswith(prefix + p.target), p.problem_id
+        assert normalize_line(p.target) == normalize_line(lines[row])
+        assert not lines[row].lstrip().startswith(("#", '"', "'"))
+        assert len(normalize_line(lines[row])) >= 8
+    short = _file_problems("colorsys.py", text, tok, 16, 8, 200)
+    assert [p.target for p in short] == [p.target for p in problems]
+    assert all(len(p.prompt_ids) <= 16 for p in short)
+    for a, b in zip(problems, short, strict=True):  # the same prompts, cut to their last 16
+        assert a.prompt_ids[-len(b.prompt_ids) :] == b.prompt_ids
+
+    items = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
+    again = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
+    other = completion_items(None, stage / "model", 30, 1, 64, 8, 40)
+    assert [i.problem_id for i in items] == [i.problem_id for i in again]
+    assert [i.problem_id for i in items] != [i.problem_id for i in other]
+    assert {i.problem_id.rsplit(":", 1)[0] for i in items + other} <= set(EVAL_FILES)
+    with pytest.raises(ValueError, match="held-out lines available"):
+        completion_items(None, stage / "model", 10**6, 0, 64, 8, 40)
+
+
+def test_heldout_files_refuse_a_training_file(tmp_path):
+    table = {"path": ["a.py", "a.py"], "split": ["train", "eval"], "kind": ["code", "code"]}
+    with pytest.raises(ValueError, match="both the train and the eval split"):
+        heldout_code_files(write_parquet(table, tmp_path / "c.parquet"))
+    table = {"path": ["a.py"], "split": ["train"], "kind": ["code"]}
+    with pytest.raises(FileNotFoundError, match="no held-out"):
+        heldout_code_files(write_parquet(table, tmp_path / "d.parquet"))
+
+
+def test_stop_cut_is_shared_by_scoring_and_agreement(stage):
+    """Outputs that differ only after the stop sequence agree; within it they do not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stage / "model")
+    a = tok("He has 12 apples\n\nQuestion: one more", add_special_tokens=False)["input_ids"]
+    b = tok("He has 12 apples\n\nQuestion: two less", add_special_tokens=False)["input_ids"]
+    cut = [scored_length(tok, t, len(truncate_at(tok.decode(t), GSM8K_STOP))) for t in (a, b)]
+    assert tok.decode(a[: cut[0]]) == "He has 12 apples" and cut[0] == cut[1]
+    assert agreement(a[: cut[0]], b[: cut[1]]) == (True, 1.0)
+    assert not agreement(a, b)[0]
+    newline = stop_ids("code_completion", tok)
+    assert tok.eos_token_id in newline and all("\n" in tok.decode([i]) for i in newline - {0})
+    assert stop_ids("gsm8k", tok) == {tok.eos_token_id}
 
 
 @pytest.fixture(scope="module")
@@ -267,15 +432,17 @@ def test_run_generate_gsm8k_schema_and_exact_agreement(stage, exact_gsm8k):
     assert df["fraction"].unique().to_list() == [0.375]
     # the exact policy reproduces the exact model's greedy output token for token
     assert df["agree_exact"].all() and (df["agree_prefix_frac"] == 1.0).all()
-    assert (df["mass_mean"].drop_nulls() == 0.0).all()
+    assert (df["mass_per_token_layer"].drop_nulls() == 0.0).all()
     assert (df["n_tokens"] == df["tokens"].list.len()).all()
+    assert (df["n_scored"] <= df["n_tokens"]).all()
     assert ((df["n_tokens"] == 10) | df["stopped"]).all()
     assert df["target"].to_list() == [p.answer for p in load_gsm8k(stage / "gsm8k.jsonl", 3, 0)]
     assert (df["correct"] == (df["prediction"] == df["target"])).all()
+    assert (df["missing_reason"] == "").all()
     meta = read_metadata(path)
     assert meta["task"] == "gsm8k" and meta["name"] == "fetch_every_miss"
     assert meta["capacity"] == C and meta["n"] == 3 and "missing_data" not in meta
-    assert meta["params"]["shots"] == 1
+    assert meta["params"]["shots"] == 1 and meta["num_moe_layers"] == L
 
 
 def test_run_generate_under_substitution(stage, exact_gsm8k):
@@ -283,10 +450,14 @@ def test_run_generate_under_substitution(stage, exact_gsm8k):
     harsh_path = generate(stage, "gsm8k", "substitute_all", HARSH, "g_sub.parquet")
     harsh = pl.read_parquet(harsh_path)
     assert harsh["problem_id"].to_list() == exact["problem_id"].to_list()
-    assert (harsh["mass_mean"] > 0).all()  # C=6 of 16 resident: substitutions happen
-    # agreement columns are consistent with the token lists
+    # C=6 of 16 resident: substitutions happen; per token-layer mass is a share of one layer's
+    # gate weight, so it never exceeds 1 (a sum over the 2 layers could)
+    mass = harsh["mass_per_token_layer"].drop_nulls()
+    assert (mass > 0).all() and (mass <= 1.0).all()
+    # agreement columns compare the scored (stop-cut) tokens
     for h, x in zip(harsh.iter_rows(named=True), exact.iter_rows(named=True), strict=True):
-        assert (h["agree_exact"], h["agree_prefix_frac"]) == agreement(h["tokens"], x["tokens"])
+        expected = agreement(h["tokens"][: h["n_scored"]], x["tokens"][: x["n_scored"]])
+        assert (h["agree_exact"], h["agree_prefix_frac"]) == expected
     assert not harsh["agree_exact"].all()
     # a reference file gives the same agreement as decoding the reference again
     again = pl.read_parquet(
@@ -298,17 +469,68 @@ def test_run_generate_under_substitution(stage, exact_gsm8k):
     assert again.drop("policy").equals(harsh.drop("policy"))
 
 
+def test_reference_tokens_after_the_cut_are_ignored(stage, exact_gsm8k):
+    ref = pl.read_parquet(exact_gsm8k)
+    tail = ref.with_columns(pl.col("tokens").list.concat(pl.lit([5, 6, 7], pl.List(pl.Int32))))
+    write_parquet(tail.to_arrow().cast(OUTPUT_SCHEMA), stage / "ref_tail.parquet")
+    df = pl.read_parquet(
+        generate(
+            stage,
+            "gsm8k",
+            "fem",
+            EXACT,
+            "tail.parquet",
+            reference_path=str(stage / "ref_tail.parquet"),
+        )
+    )
+    assert df["agree_exact"].all()
+    first = ref["tokens"][0].to_list()
+    n0 = ref["n_scored"][0]
+    if n0:  # a changed token within the cut is a disagreement
+        bad = ref.with_columns(
+            pl.Series("tokens", [[first[0] + 1, *first[1:]], *ref["tokens"][1:].to_list()])
+        )
+        write_parquet(bad.to_arrow().cast(OUTPUT_SCHEMA), stage / "ref_bad.parquet")
+        df = pl.read_parquet(
+            generate(
+                stage,
+                "gsm8k",
+                "fem",
+                EXACT,
+                "bad.parquet",
+                reference_path=str(stage / "ref_bad.parquet"),
+            )
+        )
+        assert df["agree_exact"].to_list() == [False, True, True]
+
+
+def test_run_generate_code_completion(stage):
+    path = generate(
+        stage, "code_completion", "substitute_all", HARSH, "cc.parquet",
+        n=4, max_prompt_tokens=48, max_line_tokens=40, max_new_tokens=12,
+    )  # fmt: skip
+    df = pl.read_parquet(path)
+    assert df.height == 4 and df["problem_id"].str.split(":").list.first().is_in(EVAL_FILES).all()
+    assert not df["output"].str.contains("\n").any()  # one line: the newline token stops it
+    assert (df["n_scored"] == df["n_tokens"]).all()
+    assert df["correct"].is_not_null().all()
+    assert (df["correct"] == (df["prediction"] == df["target"].map_elements(normalize_line))).all()
+    meta = read_metadata(path)
+    assert meta["params"]["max_prompt_tokens"] == 48 and meta["n_missing"] == 0
+
+
 def test_run_generate_humaneval(stage):
     path = generate(stage, "humaneval", "fetch_every_miss", EXACT, "h.parquet", n=2, timeout_s=5)
     df = pl.read_parquet(path)
     assert df.height == 2 and df["problem_id"].str.starts_with("HumanEval/").all()
     # random model: the completions cannot pass, and each was really run in the sandbox
-    assert set(df["prediction"]) <= {"fail", "timeout", "crashed"} and not df["correct"].any()
+    assert set(df["prediction"]) <= {"fail", "timeout", "crashed", "early_exit"}
+    assert not df["correct"].any()
     assert df["agree_exact"].all()
     assert read_metadata(path)["sandbox"]["network_isolated"] in (True, False)
 
 
-def test_run_generate_missing_gsm8k_is_reported(stage, caplog):
+def test_run_generate_missing_data_is_reported(stage, caplog):
     missing = stage / "no" / "gsm8k.jsonl"
     path = run_generate(
         stage / "model", "gsm8k", missing, stage / "initial_sets.parquet", "fem", EXACT, 0.375,
@@ -319,6 +541,11 @@ def test_run_generate_missing_gsm8k_is_reported(stage, caplog):
     message = read_metadata(path)["missing_data"]
     assert str(missing) in message and "fetch_gsm8k" in message
     assert str(missing) in caplog.text
+    path = run_generate(
+        stage / "model", "code_completion", stage / "no.parquet", stage / "initial_sets.parquet",
+        "fem", EXACT, 0.375, stage / "out" / "missing_cc.parquet", {"n": 2},
+    )  # fmt: skip
+    assert "code_completion.path" in read_metadata(path)["missing_data"]
 
 
 def test_run_generate_rejects_bad_input(stage):
@@ -337,6 +564,7 @@ def test_run_generate_rejects_bad_input(stage):
         ({"fraction": 0.5}, ValueError, "fraction 0.5"),  # no initial set for it
         ({"params": {"n": 0}}, ValueError, "params.n"),
         ({"params": {"bogus": 1}}, ValueError, "bogus"),
+        ({"params": {"max_line_tokens": 0}}, ValueError, "max_line_tokens"),
         ({"params": {"n": 1, "reference_path": str(stage / "nope")}}, FileNotFoundError, "ref"),
     ]
     for over, exc, match in cases:
@@ -352,3 +580,61 @@ def test_params():
         GenerateParams.from_dict({"device": "tpu"})
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         GenerateParams.from_dict({"max_prompt_tokens": 0})
+
+
+# --------------------------------------------------------------------------- statistics
+def artefact(root: Path, task: str, name: str, correct, agree, meta=None) -> Path:
+    n = len(correct)
+    rows = {
+        "task": [task] * n,
+        "problem_id": [f"{task}/{i}" for i in range(n)],
+        "policy": [name] * n,
+        "fraction": [0.25] * n,
+        "output": [""] * n,
+        "correct": list(correct),
+        "missing_reason": ["" if c is not None else "sandbox error: boom" for c in correct],
+        "agree_exact": list(agree),
+        "agree_prefix_frac": [1.0 if a else 0.5 for a in agree],
+        "mass_per_token_layer": [0.0 if name == "fetch_every_miss" else 0.1 * i for i in range(n)],
+        "n_tokens": [4] * n,
+        "n_scored": [4] * n,
+        "prediction": [""] * n,
+        "target": [""] * n,
+        "stopped": [True] * n,
+        "tokens": [[1, 2, 3, 4]] * n,
+    }
+    path = root / "embedded" / "generate" / task / name / "f0.25.parquet"
+    table = pl.DataFrame(rows).to_arrow().cast(OUTPUT_SCHEMA)
+    return write_parquet(table, path, metadata=meta or {"task": task, "name": name})
+
+
+def test_generation_statistics(tmp_path):
+    ok = [True] * 6 + [False] * 4
+    paths = [
+        artefact(tmp_path, "code_completion", "fetch_every_miss", ok, [True] * 10),
+        # one problem unscored (sandbox failure): n drops, accuracy is over the rest
+        artefact(tmp_path, "code_completion", "quality", [True] * 3 + [False] * 6 + [None],
+                 [True] * 4 + [False] * 6),
+    ]  # fmt: skip
+    for name in ("fetch_every_miss", "quality", "speed"):  # one missing-data message, 3 jobs
+        meta = {"task": "gsm8k", "name": name, "missing_data": "GSM8K data file 'x' does not exist"}
+        paths.append(artefact(tmp_path, "gsm8k", name, [], [], meta))
+    doc = run_analysis({"generate": paths}, {"ci_level": 0.9}, tmp_path / "analysis")
+    gen = pl.read_parquet(tmp_path / "analysis" / "generation.parquet")
+    need = {"model", "task", "policy", "n", "accuracy", "ci_low", "ci_high", "agreement"}
+    assert need <= set(gen.columns) and gen.height == 2
+    q = gen.filter(pl.col("policy") == "quality").row(0, named=True)
+    assert (q["n"], q["n_missing"], q["n_correct"]) == (9, 1, 3)
+    assert q["accuracy"] == pytest.approx(3 / 9) and "boom" in q["missing_reasons"]
+    z = 1.6448536269514722  # ci_level 0.9 is honoured
+    centre = (3 / 9 + z * z / 18) / (1 + z * z / 9)
+    assert (q["ci_low"] + q["ci_high"]) / 2 == pytest.approx(centre)
+    assert q["agreement"] == pytest.approx(0.4) and q["agreement_ci_low"] < 0.4
+    assert q["mass_per_token_layer"] == pytest.approx(0.45)
+    # paired with the baseline on the 9 problems both scored: 3 vs 6 correct, all discordant
+    assert q["baseline_accuracy"] == pytest.approx(6 / 9)
+    assert q["accuracy_diff"] == pytest.approx(-3 / 9)
+    assert q["mcnemar_p"] == pytest.approx(0.25)  # 3 discordant pairs, all one way: 2 * 1/8
+    assert 0 < q["mdd"] <= 6 / 9
+    note = doc["parts"]["generation"]["note"]
+    assert note.count("does not exist") == 1 and "3 jobs" in note

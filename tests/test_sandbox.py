@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from moesub.sandbox import (
+    STATUSES,
     SandboxLimits,
-    build_humaneval_program,
-    check_humaneval,
     probe_isolation,
     run_untrusted,
 )
@@ -341,23 +340,41 @@ def test_fallback_without_namespaces(outside_dir):
         run_untrusted("pass", isolate=("bogus",))
 
 
-# --------------------------------------------------------------------------- HumanEval programs
-PROBLEM = {
-    "task_id": "Toy/0",
-    "prompt": 'def add(a: int, b: int) -> int:\n    """Sum of a and b."""\n',
-    "entry_point": "add",
-    "test": (
-        "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
-    ),
-}
+# ------------------------------------------------------------------ the sandbox's own failures
+def test_stdin_reaches_the_program():
+    r = run("import sys; print(sys.stdin.read().upper())", stdin="secret\n")
+    assert r.status == "pass" and r.stdout.strip() == "SECRET"
+    with pytest.raises(ValueError, match="stdin"):
+        run_untrusted("pass", stdin=b"x")  # type: ignore[arg-type]
 
 
-def test_check_humaneval():
-    assert build_humaneval_program(PROBLEM, "    return a + b\n").endswith("check(add)\n")
-    assert check_humaneval(PROBLEM, "    return a + b\n").status == "pass"
-    assert check_humaneval(PROBLEM, "    return a - b\n").status == "fail"
-    assert check_humaneval(PROBLEM, "    while True:\n        pass\n", timeout_s=1).status == (
-        "timeout"
-    )
-    with pytest.raises(ValueError, match="entry_point"):
-        build_humaneval_program({"prompt": "", "test": ""}, "")
+def test_correct_programs_never_crash():
+    """Ordinary correct programs (threads, a subprocess, 200 MB, deep recursion, a temp file)
+    come back `pass` under the default limits: never `crashed` or `error`."""
+    programs = [
+        "import threading\nts = [threading.Thread(target=sum, args=([1],)) for _ in range(8)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]",
+        "import subprocess, sys\nassert subprocess.run([sys.executable, '-c', 'pass']).returncode"
+        " == 0",
+        "x = bytearray(200 * 2**20); assert len(x) == 200 * 2**20",
+        "import sys\nsys.setrecursionlimit(5000)\nf = lambda n: n and 1 + f(n - 1)\n"
+        "assert f(3000) == 3000",
+        "import tempfile\nwith tempfile.TemporaryFile() as fh:\n    fh.write(b'x' * 10**6)",
+    ]
+    for code in programs:
+        r = run(code)
+        assert r.status == "pass", (code, r)
+
+
+def test_exec_failure_is_the_sandbox_error(tmp_path):
+    """An interpreter that cannot be exec'd: status `error` (the program never ran), never
+    `fail` (which a program exiting 127 is)."""
+    not_python = tmp_path / "python3"
+    not_python.write_bytes(b"\x00\x01 not an executable format\n")
+    not_python.chmod(0o755)
+    r = run("print('hi')", python=not_python)
+    assert r.status == "error" and r.reason == "sandbox", r
+    assert "cannot start the program" in r.error or "not reachable" in r.error, r.error
+    r = run("import sys; sys.exit(127)")
+    assert r.status == "fail" and r.returncode == 127 and not r.error
+    assert "error" in STATUSES

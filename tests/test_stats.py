@@ -292,8 +292,8 @@ def test_generation_wilson_and_correlation(study):
     gen = study["tables"]["generation"].set_index(["task", "policy"])
     row = gen.loc[("gsm8k", "fetch_every_miss")]
     assert row["n"] == 20 and row["accuracy"] == pytest.approx(0.6)
-    assert (row["acc_ci_lo"], row["acc_ci_hi"]) == pytest.approx((0.38658, 0.78119), abs=1e-4)
-    assert row["agree_exact"] == 1.0 and row["mass_agree_reason"].startswith("undefined")
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((0.38658, 0.78119), abs=1e-4)
+    assert row["agreement"] == 1.0 and row["mass_agree_reason"].startswith("undefined")
     # fixture: agreement = 1 - mass exactly -> rho = -1
     assert gen.loc[("humaneval", "rule_015"), "mass_agree_rho"] == pytest.approx(-1.0)
 

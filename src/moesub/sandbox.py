@@ -27,7 +27,14 @@ only.
 
 Status: ``pass`` = exit code 0; ``fail`` = non-zero exit (an exception, a failed assertion);
 ``timeout`` = wall-clock deadline or CPU limit reached; ``crashed`` = killed by a signal, hit the
-memory or output limit, or the sandbox could not start it.
+memory or output limit; ``error`` = the sandbox itself failed (the launcher could not set up the
+confinement, or the program could not be exec'd): the program's outcome is unknown, and callers
+must treat the result as missing, never as a wrong program. An exec failure is told apart from a
+program that exits 127 through a close-on-exec pipe: it carries the error only when the exec
+itself did not happen.
+
+`stdin` (optional text) is the program's standard input; it is never written where the program
+can read it by path (a harness can hand a secret to code that runs after the untrusted part).
 
 This module imports only the standard library: the launcher runs it as a script under
 ``python -I -S``.
@@ -57,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("pass", "fail", "timeout", "crashed")
+STATUSES = ("pass", "fail", "timeout", "crashed", "error")
 NAMESPACES = ("net", "mount", "pid", "ipc")
 _LAUNCH_FLAG = "--moesub-sandbox-launch"
 _MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -139,7 +146,7 @@ class SandboxResult:
     stdout: str  # last `tail_bytes` of stdout (decoded, errors replaced)
     stderr: str  # last `tail_bytes` of stderr
     duration_s: float  # wall time of the program
-    reason: str = ""  # exit | signal | wall_timeout | cpu_limit | memory | output_limit | error
+    reason: str = ""  # exit | signal | wall_timeout | cpu_limit | memory | output_limit | sandbox
     cpu_s: float = 0.0  # CPU time of the program (user + system, waited-for children included)
     stdout_bytes: int = 0
     stderr_bytes: int = 0
@@ -148,7 +155,7 @@ class SandboxResult:
     pid_isolated: bool = False
     privileges_dropped: bool = False
     uid: int | None = None  # uid the program ran as
-    error: str = ""  # why the sandbox itself failed (status "crashed", reason "error")
+    error: str = ""  # why the sandbox itself failed (status "error")
     notes: list[str] = field(default_factory=list)  # isolation steps that were not possible
 
     @property
@@ -173,6 +180,7 @@ def run_untrusted(
     user: str | int = "nobody",
     python: str | os.PathLike | None = None,
     isolate: Sequence[str] = NAMESPACES,
+    stdin: str = "",
 ) -> SandboxResult:
     """Run the Python program `code` in the sandbox (see the module docstring) and classify it.
 
@@ -180,10 +188,13 @@ def run_untrusted(
     should be dedicated to sandboxed programs (RLIMIT_NPROC counts all its processes).
     `python` is the interpreter (default: this Python's base interpreter; only its standard
     library is visible to the program). `isolate` names the namespaces to try (a subset of
-    NAMESPACES; fewer only to test the fallbacks or on hosts where one misbehaves).
+    NAMESPACES; fewer only to test the fallbacks or on hosts where one misbehaves). `stdin` is
+    the program's standard input.
     """
     if not isinstance(code, str):
         raise ValueError(f"code must be a str, got {type(code).__name__}")
+    if not isinstance(stdin, str):
+        raise ValueError(f"stdin must be a str, got {type(stdin).__name__}")
     unknown = sorted(set(isolate) - set(NAMESPACES))
     if isinstance(isolate, str) or unknown:
         raise ValueError(f"isolate must be a subset of {NAMESPACES}, got {isolate!r}")
@@ -202,6 +213,7 @@ def run_untrusted(
     with _private_dir() as private:
         program = private / _PROGRAM_NAME
         program.write_text(code, encoding="utf-8")
+        (private / "stdin").write_text(stdin, encoding="utf-8")  # 0600: the caller's only
         workdir = private / "work"  # used only when no mount namespace can be made
         workdir.mkdir()
         if uid is not None:
@@ -219,32 +231,6 @@ def run_untrusted(
             "limits": asdict(limits) | {"cpu_s": limits.cpu_seconds},
         }
         return _supervise(cfg, limits, private)
-
-
-def build_humaneval_program(problem: dict[str, Any], completion: str) -> str:
-    """The program HumanEval runs for one completion: prompt + completion + tests + check()."""
-    for key in ("prompt", "test", "entry_point"):
-        if key not in problem:
-            raise ValueError(f"problem lacks the HumanEval field {key!r}; has {sorted(problem)}")
-    if not isinstance(completion, str):
-        raise ValueError(f"completion must be a str, got {type(completion).__name__}")
-    return (
-        problem["prompt"]
-        + completion
-        + "\n\n"
-        + problem["test"]
-        + "\n\n"
-        + f"check({problem['entry_point']})\n"
-    )
-
-
-def check_humaneval(
-    problem: dict[str, Any], completion: str, timeout_s: float = 10.0, **limits: Any
-) -> SandboxResult:
-    """Run a HumanEval problem's tests against `completion` in the sandbox (pass = all pass)."""
-    return run_untrusted(
-        build_humaneval_program(problem, completion), timeout_s=timeout_s, **limits
-    )
 
 
 def probe_isolation() -> dict[str, bool]:
@@ -318,12 +304,12 @@ def _tail(path: Path, n: int) -> tuple[str, int]:
 
 
 def _supervise(cfg: dict[str, Any], limits: SandboxLimits, private: Path) -> SandboxResult:
-    out_path, err_path = private / "stdout", private / "stderr"
+    out_path, err_path, in_path = private / "stdout", private / "stderr", private / "stdin"
     read_fd, write_fd = os.pipe()
     start = time.monotonic()
     report: dict[str, Any] = {}
     try:
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        with open(out_path, "wb") as out, open(err_path, "wb") as err, open(in_path, "rb") as inp:
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -335,7 +321,7 @@ def _supervise(cfg: dict[str, Any], limits: SandboxLimits, private: Path) -> San
                     json.dumps(cfg),
                     str(write_fd),
                 ],
-                stdin=subprocess.DEVNULL,
+                stdin=inp,
                 stdout=out,
                 stderr=err,
                 env=_minimal_env("/"),
@@ -404,9 +390,13 @@ def _read_report(fd: int) -> dict[str, Any]:
 
 
 def _classify(result: SandboxResult, report: dict[str, Any], limits: SandboxLimits) -> None:
-    if "wait_status" not in report:
-        result.status, result.reason = "crashed", "error"
-        result.error = result.error or "the sandbox did not report the program's exit"
+    if "exec_error" in report or "wait_status" not in report:
+        result.status, result.reason = "error", "sandbox"
+        result.error = (
+            result.error
+            or report.get("exec_error")
+            or "the sandbox did not report the program's exit"
+        )
         return
     ws = int(report["wait_status"])
     output_limit = max(result.stdout_bytes, result.stderr_bytes) >= limits.max_file_mb << 20
@@ -614,9 +604,10 @@ def _rlimits(limits: dict[str, Any]) -> None:
 
 
 def _exec_program(
-    cfg: dict[str, Any], workdir: str, program: str, pid_ns: bool, mount_ns: bool
+    cfg: dict[str, Any], workdir: str, program: str, pid_ns: bool, mount_ns: bool, error_fd: int
 ) -> None:
-    """Child side: never returns (execs the program or exits 127)."""
+    """Child side: never returns (execs the program, or writes why not to the close-on-exec
+    `error_fd` and exits 127)."""
     try:
         if pid_ns and mount_ns:  # never over the host's /proc
             with contextlib.suppress(OSError):  # a /proc showing only this namespace
@@ -638,7 +629,7 @@ def _exec_program(
         os.execve(python, [python, "-I", "-S", "-B", program], _minimal_env(workdir))
     except BaseException:  # noqa: BLE001 - report anything, never fall back into the launcher
         with contextlib.suppress(BaseException):
-            os.write(2, f"sandbox: cannot start the program:\n{traceback.format_exc()}".encode())
+            os.write(error_fd, f"cannot start the program:\n{traceback.format_exc()}".encode())
         os._exit(127)
 
 
@@ -678,6 +669,22 @@ def _wait(pid: int, deadline: float) -> tuple[int | None, Any]:
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def _read_until_eof(fd: int, deadline: float) -> str:
+    """Everything written to the pipe `fd` until its last writer closes it (or the deadline)."""
+    chunks = []
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                break
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def _launch(cfg: dict[str, Any], report_fd: int) -> int:
@@ -725,12 +732,21 @@ def _launch(cfg: dict[str, Any], report_fd: int) -> int:
         program = _place_program(cfg, workdir, code)
         info["notes"] = notes
         emit(info)
+        error_r, error_w = os.pipe2(os.O_CLOEXEC)  # closed by a successful exec, unread
         start = time.monotonic()
         pid = os.fork()
         if pid == 0:
-            _exec_program(cfg, workdir, program, info["pid_isolated"], info["mount_isolated"])
+            os.close(error_r)
+            _exec_program(
+                cfg, workdir, program, info["pid_isolated"], info["mount_isolated"], error_w
+            )
+        os.close(error_w)
         emit({"program_pid": pid})
-        status, usage = _wait(pid, start + float(cfg["limits"]["timeout_s"]))
+        deadline = start + float(cfg["limits"]["timeout_s"])
+        exec_error = _read_until_eof(error_r, deadline)
+        if exec_error:
+            emit({"exec_error": exec_error})
+        status, usage = _wait(pid, deadline)
         timed_out = status is None
         if timed_out:
             _kill_tree(pid, info["pid_isolated"])
@@ -746,7 +762,7 @@ def _launch(cfg: dict[str, Any], report_fd: int) -> int:
             }
         )
         return 0
-    except BaseException:  # noqa: BLE001 - the caller turns this into status "crashed"
+    except BaseException:  # noqa: BLE001 - the caller turns this into status "error"
         with contextlib.suppress(BaseException):
             emit({"error": traceback.format_exc(), "notes": notes})
         return 2

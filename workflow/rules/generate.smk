@@ -1,4 +1,5 @@
-# Stage 6 (generate): greedy generation (GSM8K, HumanEval) under each policy.
+# Stage 6 (generate): greedy generation (GSM8K, HumanEval, held-out code completion) under each
+# policy.
 
 
 rule generate:

@@ -1,17 +1,120 @@
-"""Generation statistics: accuracy and agreement per (task, policy, fraction).
+"""Generation statistics: one row per (task, policy, fraction) of every model.
 
-CIs are Wilson score intervals; r(mass, agreement) is Spearman over problems (agreement =
-fraction of tokens before the first divergence).
+Per group of problems (one generate artefact):
+
+- `n`: problems scored; `n_missing`: problems left unscored (e.g. the sandbox failed for its own
+  reasons; `missing_reasons` says why), never counted as wrong;
+- `accuracy` over the scored problems with its Wilson score interval `ci_low`, `ci_high` at
+  `ci_level`;
+- `agreement`: share of problems whose output equals the exact model's token for token within
+  the task's stop cut (both sides cut as scoring cuts), with its Wilson interval;
+  `agree_prefix_mean`: mean share of tokens before the first divergence;
+- `mass_per_token_layer`: substituted gate mass per token-layer, mean over problems (each
+  problem's mean over its scored tokens and the MoE layers);
+- against the baseline policy (`baseline`, fetch_every_miss) on the same problems:
+  `accuracy_diff`, the exact McNemar p-value over discordant problems (`mcnemar_p`, two-sided),
+  and `mdd`: the smallest accuracy drop below the baseline's that a two-sided level-`alpha` test
+  over `n` problems detects with probability `power` (`moesub.stats.power.proportion_mde`);
+- `mass_agree_rho`: Spearman r between per-problem mass and agreement prefix.
+
+A data file missing for a task (e.g. GSM8K) is reported once per task in the part's note, with
+the number of jobs it affected, not once per job.
 
 Entry point: `generation_part(ctx)` fills `ctx.tables["generation"]`, `ctx.parts["generation"]`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pandas as pd
+from scipy import stats as sps
 
 from moesub.stats.intervals import correlation, wilson_ci
 from moesub.stats.load import Context, missing, sql_list
+from moesub.stats.power import proportion_mde
+
+COLUMNS = (
+    "task",
+    "policy",
+    "fraction",
+    "problem_id",
+    "correct",
+    "missing_reason",
+    "agree_exact",
+    "agree_prefix_frac",
+    "mass_per_token_layer",
+    "n_scored",
+)
+
+
+def missing_data_notes(meta: list[dict[str, Any]]) -> list[str]:
+    """One line per (task, message) from the artefacts' `missing_data` metadata."""
+    jobs: dict[tuple[str, str], int] = {}
+    for m in meta:
+        if m.get("missing_data"):
+            key = (str(m.get("task")), str(m["missing_data"]))
+            jobs[key] = jobs.get(key, 0) + 1
+    return [
+        f"{task} not evaluated ({n} job{'s' if n > 1 else ''}): {message}"
+        for (task, message), n in sorted(jobs.items())
+    ]
+
+
+def mcnemar_p(correct: np.ndarray, baseline: np.ndarray) -> float | None:
+    """Exact two-sided McNemar p-value of paired outcomes (bool arrays, same problems)."""
+    b = int(np.sum(correct & ~baseline))
+    c = int(np.sum(~correct & baseline))
+    if b + c == 0:
+        return 1.0 if len(correct) else None
+    return float(sps.binomtest(b, b + c, 0.5).pvalue)
+
+
+def group_row(g: pd.DataFrame, base: pd.DataFrame | None, level: float, alpha: float, power: float):
+    """The statistics of one (task, policy, fraction) group of problems (module doc)."""
+    scored = g[g["correct"].notna()]
+    n, n_all = len(scored), len(g)
+    k = int(scored["correct"].astype(bool).sum())
+    a = int(g["agree_exact"].sum())
+    reasons = sorted({r for r in g["missing_reason"].fillna("") if r})
+    row: dict[str, Any] = {
+        "n": n,
+        "n_missing": n_all - n,
+        "missing_reasons": "; ".join(reasons[:3]),
+        "n_correct": k,
+        "accuracy": k / n if n else None,
+        "n_agree": a,
+        "agreement": a / n_all if n_all else None,
+        "agree_prefix_mean": float(g["agree_prefix_frac"].mean()),
+        "mass_per_token_layer": float(g["mass_per_token_layer"].mean()),
+        "tokens_mean": float(g["n_scored"].mean()),
+    }
+    row["ci_low"], row["ci_high"] = wilson_ci(k, n, level)
+    row["agreement_ci_low"], row["agreement_ci_high"] = wilson_ci(a, n_all, level)
+    row.update(baseline_accuracy=None, accuracy_diff=None, mcnemar_p=None, mdd=None)
+    if base is not None:
+        pair = scored.merge(
+            base[base["correct"].notna()][["problem_id", "correct"]],
+            on="problem_id",
+            suffixes=("", "_base"),
+        )
+        if len(pair):
+            mine = pair["correct"].astype(bool).to_numpy()
+            theirs = pair["correct_base"].astype(bool).to_numpy()
+            p0 = float(theirs.mean())
+            row["baseline_accuracy"] = p0
+            row["accuracy_diff"] = float(mine.mean()) - p0
+            row["mcnemar_p"] = mcnemar_p(mine, theirs)
+            row["mdd"] = proportion_mde(p0, len(pair), alpha, power)
+    corr = correlation(g["mass_per_token_layer"], g["agree_prefix_frac"])
+    row.update(
+        mass_agree_n=corr["n"],
+        mass_agree_rho=corr["rho"],
+        mass_agree_p=corr["rho_p"],
+        mass_agree_reason=corr["reason"],
+    )
+    return row
 
 
 def generation_part(ctx: Context) -> None:
@@ -21,54 +124,26 @@ def generation_part(ctx: Context) -> None:
         return
     gen = ctx.con.execute(
         f"""
-        SELECT task, policy, fraction, problem_id, correct, agree_exact,
-               agree_prefix_frac, mass_mean, n_tokens
+        SELECT {", ".join(COLUMNS)}
         FROM read_parquet({sql_list(ctx.inputs["generate"])}, union_by_name=true)
         ORDER BY task, policy, fraction, problem_id
         """
     ).df()
-    missing_data = {
-        (str(i.meta.get("task")), str(i.meta.get("name"))): str(i.meta["missing_data"])
-        for i in ctx.infos["generate"]
-        if i.meta.get("missing_data")
-    }
-    notes = [f"{t}/{n}: {m}" for (t, n), m in sorted(missing_data.items())]
+    notes = missing_data_notes([i.meta for i in ctx.infos["generate"]])
     if gen.empty:
-        why = "; ".join(sorted(set(missing_data.values())))
+        why = "; ".join(notes)
         ctx.parts["generation"] = missing(
             "generation artefacts hold no problems" + (f" ({why})" if why else "")
         )
         return
+    p = ctx.p
     rows = []
-    level = ctx.p.ci_level
     for (task, name, frac), g in gen.groupby(["task", "policy", "fraction"], sort=True):
-        n = len(g)
-        k = int(g["correct"].sum())
-        a = int(g["agree_exact"].sum())
-        row = {
-            "task": task,
-            "policy": name,
-            "fraction": float(frac),
-            "n": n,
-            "n_correct": k,
-            "accuracy": k / n,
-            "n_agree": a,
-            "agree_exact": a / n,
-            "agree_prefix_mean": float(g["agree_prefix_frac"].mean()),
-            "mass_mean": float(g["mass_mean"].mean()),
-            "tokens_mean": float(g["n_tokens"].mean()),
-        }
-        row["acc_ci_lo"], row["acc_ci_hi"] = wilson_ci(k, n, level)
-        row["agree_ci_lo"], row["agree_ci_hi"] = wilson_ci(a, n, level)
-        corr = correlation(g["mass_mean"], g["agree_prefix_frac"])
-        row.update(
-            {
-                "mass_agree_n": corr["n"],
-                "mass_agree_rho": corr["rho"],
-                "mass_agree_p": corr["rho_p"],
-                "mass_agree_reason": corr["reason"],
-            }
-        )
+        base = gen[
+            (gen["task"] == task) & (gen["policy"] == p.baseline) & (gen["fraction"] == frac)
+        ]
+        row = {"task": task, "policy": name, "fraction": float(frac)}
+        row |= group_row(g, base if len(base) else None, p.ci_level, p.alpha, p.power)
         rows.append(row)
     ctx.tables["generation"] = pd.DataFrame(rows)
     ctx.parts["generation"] = {"status": "ok"}

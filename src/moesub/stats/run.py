@@ -107,13 +107,9 @@ def summary_part(ctx: Context) -> None:
         )
     if not gen.empty:
         for task in sorted(gen["task"].unique()):
-            g = gen[gen["task"] == task][
-                ["policy", "fraction", "accuracy", "acc_ci_lo", "acc_ci_hi", "n", "agree_exact"]
-            ].rename(
-                columns={
-                    c: f"{task}_{c}"
-                    for c in ("accuracy", "acc_ci_lo", "acc_ci_hi", "n", "agree_exact")
-                }
+            cols = ("accuracy", "ci_low", "ci_high", "n", "agreement")
+            g = gen[gen["task"] == task][["policy", "fraction", *cols]].rename(
+                columns={c: f"{task}_{c}" for c in cols}
             )
             s = s.merge(g, on=["policy", "fraction"], how="left")
     ctx.tables["summary"] = s

@@ -1,0 +1,88 @@
+"""Greedy generation under a cache/substitution policy (DESIGN.md stage 6).
+
+Every problem is decoded greedily twice from the same prompt: under the policy (the emulator's
+decode mode, `moesub.emulate.greedy_decode`, with per-layer caches fresh from the initial
+resident set) and with the exact model (every expert resident; `fetch_every_miss` computes the
+same thing, so the workflow reuses that policy's artefact as the reference). The policy's output
+is cut at the task's stop sequence and scored; agreement with the exact output compares the
+tokens within the same cut on both sides (exact agreement, and the fraction of tokens before
+the first divergence). Substituted mass is per token-layer: the mean over the scored tokens of
+the gate mass substituted in the forward step that produced each token, divided by the number
+of MoE layers.
+
+Tasks, one module each:
+
+- `gsm8k`: grade-school math, exact match of the final number (the test set ships in data/);
+- `humaneval`: pass@1 by running the problem's tests in `moesub.sandbox` (a sentinel proves
+  that `check()` returned; a sandbox failure of its own leaves the problem unscored);
+- `completion` (task `code_completion`): the next line of held-out standard-library code,
+  exact match after whitespace normalization: a task the small embedded model can do.
+
+Missing data is not fatal for the pipeline: `run_generate` writes an empty artefact whose
+metadata says what is missing and how to provide it, so the report can show the message.
+"""
+
+from moesub.generate.base import Score, TaskItem, agreement, scored_length, subsample, truncate_at
+from moesub.generate.completion import (
+    code_line_starts,
+    completion_items,
+    heldout_code_files,
+    normalize_line,
+)
+from moesub.generate.gsm8k import (
+    GSM8K_SHOT_POOL,
+    GSM8K_STOP,
+    extract_answer,
+    fetch_gsm8k,
+    gsm8k_correct,
+    gsm8k_gold,
+    gsm8k_missing_message,
+    gsm8k_prompt,
+    gsm8k_shots,
+    load_gsm8k,
+    normalize_number,
+    read_gsm8k,
+)
+from moesub.generate.humaneval import (
+    HUMANEVAL_STOP,
+    build_humaneval_program,
+    check_humaneval,
+    load_humaneval,
+    read_humaneval,
+)
+from moesub.generate.run import OUTPUT_SCHEMA, TASKS, GenerateParams, generate_rows, run_generate
+
+__all__ = [
+    "GSM8K_SHOT_POOL",
+    "GSM8K_STOP",
+    "HUMANEVAL_STOP",
+    "OUTPUT_SCHEMA",
+    "TASKS",
+    "GenerateParams",
+    "Score",
+    "TaskItem",
+    "agreement",
+    "build_humaneval_program",
+    "check_humaneval",
+    "code_line_starts",
+    "completion_items",
+    "extract_answer",
+    "fetch_gsm8k",
+    "generate_rows",
+    "gsm8k_correct",
+    "gsm8k_gold",
+    "gsm8k_missing_message",
+    "gsm8k_prompt",
+    "gsm8k_shots",
+    "heldout_code_files",
+    "load_gsm8k",
+    "load_humaneval",
+    "normalize_line",
+    "normalize_number",
+    "read_gsm8k",
+    "read_humaneval",
+    "run_generate",
+    "scored_length",
+    "subsample",
+    "truncate_at",
+]

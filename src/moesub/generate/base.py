@@ -1,0 +1,68 @@
+"""What every generation task shares: problems, scores, subsampling, the stop cut, agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class TaskItem:
+    """One problem ready to decode and score: a text prompt, or token ids (`prompt_ids`) when
+    the prompt is cut at a token boundary of a tokenized document (code completion)."""
+
+    problem_id: str
+    prompt: str
+    target: str
+    problem: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Score:
+    """One stop-cut output, scored: whether it is correct (None: not scored, `missing` says
+    why, e.g. the sandbox itself failed) and what was predicted (GSM8K: the extracted number;
+    HumanEval: the run's status; code completion: the normalized line)."""
+
+    correct: bool | None
+    prediction: str
+    missing: str = ""
+
+
+def subsample(items: list, n: int, seed: int, what: str) -> list:
+    """`n` of `items` (without replacement, seeded), in their original order."""
+    if n > len(items):
+        raise ValueError(f"n={n} exceeds the {len(items)} {what} available")
+    idx = np.sort(np.random.default_rng(seed).choice(len(items), size=n, replace=False))
+    return [items[i] for i in idx]
+
+
+def truncate_at(text: str, stops: Sequence[str]) -> str:
+    """`text` up to the first occurrence of any stop sequence."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def scored_length(tokenizer, tokens: Sequence[int], n_chars: int) -> int:
+    """How many of `tokens` it takes to cover the first `n_chars` characters of their decoded
+    text: the generated tokens that the (stop-cut) score saw; agreement compares these."""
+    for m in range(len(tokens) + 1):
+        if len(tokenizer.decode(tokens[:m], skip_special_tokens=True)) >= n_chars:
+            return m
+    return len(tokens)
+
+
+def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[bool, float]:
+    """(exact match, common-prefix length / length of the longer sequence; 1.0 if both empty)."""
+    a = np.asarray(tokens, dtype=np.int64)
+    b = np.asarray(reference, dtype=np.int64)
+    longer = max(len(a), len(b))
+    if longer == 0:
+        return True, 1.0
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    prefix = int(diff[0]) if diff.size else m
+    return bool(len(a) == len(b) and prefix == m), prefix / longer

@@ -1,0 +1,346 @@
+"""The generate stage: decode every problem of a task under a policy, score it, compare it with
+the exact model's output; one Parquet row per problem (OUTPUT_SCHEMA)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from moesub.generate.base import Score, TaskItem, agreement, scored_length, truncate_at
+from moesub.io import write_parquet
+from moesub.params import options_from, torch_device
+
+log = logging.getLogger(__name__)
+
+TASKS = ("gsm8k", "humaneval", "code_completion")
+EXACT_RULES = ("fetch_all", "host_compute")  # never substitute: the exact model's output
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("task", pa.string()),
+        ("problem_id", pa.string()),
+        ("policy", pa.string()),
+        ("fraction", pa.float64()),
+        ("output", pa.string()),  # decoded generation, cut at the task's stop sequence
+        ("correct", pa.bool_()),  # null: not scored (missing_reason says why)
+        ("missing_reason", pa.string()),  # "" when scored; e.g. the sandbox's own failure
+        ("agree_exact", pa.bool_()),  # same scored tokens as the exact model's greedy output
+        ("agree_prefix_frac", pa.float64()),  # common prefix / longer of the two (scored tokens)
+        ("mass_per_token_layer", pa.float64()),  # substituted gate mass, mean over scored
+        # tokens and MoE layers (null when nothing was scored)
+        ("n_tokens", pa.int32()),  # generated tokens (stop token excluded)
+        ("n_scored", pa.int32()),  # of which within the stop cut (what scoring saw)
+        ("prediction", pa.string()),  # GSM8K: number; HumanEval: status; completion: the line
+        ("target", pa.string()),  # GSM8K: gold number; HumanEval: entry point; completion: line
+        ("stopped", pa.bool_()),  # ended by a stop token before max_new_tokens
+        ("tokens", pa.list_(pa.int32())),  # every generated token id (reference reuse)
+    ]
+)
+
+
+# --------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class GenerateParams:
+    """The generation settings a rule passes (config `generate:` + the task's own section)."""
+
+    n: int = 10  # problems (a seeded subsample)
+    seed: int = 0
+    shots: int = 0  # GSM8K few-shot examples
+    max_new_tokens: int = 64
+    max_prompt_tokens: int | None = None  # keep the last tokens of longer prompts (None: all)
+    timeout_s: float = 5.0  # HumanEval sandbox wall clock per problem
+    min_line_chars: int = 8  # code completion: shortest target line (normalized characters)
+    max_line_tokens: int = 24  # code completion: longest target line (tokens)
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+    reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:
+        out = options_from(cls, params, "generate")
+        out.check()
+        return out
+
+    def check(self) -> None:
+        for name in ("n", "max_new_tokens", "min_line_chars", "max_line_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"params.{name} must be an integer >= 1, got {value!r}")
+        for name in ("seed", "shots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"params.{name} must be an integer >= 0, got {value!r}")
+        if self.max_prompt_tokens is not None and (
+            not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"params.max_prompt_tokens must be an integer >= 1 or null, "
+                f"got {self.max_prompt_tokens!r}"
+            )
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"params.timeout_s must be a number > 0, got {self.timeout_s!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"params.device must be auto, cpu or cuda, got {self.device!r}")
+
+
+# --------------------------------------------------------------------------- the tasks
+def task_items(task: str, data_path, model_dir, opts: GenerateParams) -> list[TaskItem]:
+    """The problems of a task (raises FileNotFoundError with a how-to when data is missing)."""
+    if task == "gsm8k":
+        from moesub.generate.gsm8k import gsm8k_items
+
+        return gsm8k_items(data_path, opts.n, opts.seed, opts.shots)
+    if task == "humaneval":
+        from moesub.generate.humaneval import humaneval_items
+
+        return humaneval_items(data_path, opts.n, opts.seed)
+    from moesub.generate.completion import completion_items
+
+    return completion_items(
+        data_path,
+        model_dir,
+        opts.n,
+        opts.seed,
+        opts.max_prompt_tokens,
+        opts.min_line_chars,
+        opts.max_line_tokens,
+    )
+
+
+def stops(task: str) -> tuple[str, ...]:
+    """The task's stop sequences: the output is cut at the first one before it is scored."""
+    from moesub.generate.completion import COMPLETION_STOP
+    from moesub.generate.gsm8k import GSM8K_STOP
+    from moesub.generate.humaneval import HUMANEVAL_STOP
+
+    return {"gsm8k": GSM8K_STOP, "humaneval": HUMANEVAL_STOP}.get(task, COMPLETION_STOP)
+
+
+def score(task: str, item: TaskItem, output: str, opts: GenerateParams) -> Score:
+    """One stop-cut output scored by its task."""
+    if task == "gsm8k":
+        from moesub.generate.gsm8k import score_gsm8k
+
+        return score_gsm8k(item, output)
+    if task == "humaneval":
+        from moesub.generate.humaneval import score_humaneval
+
+        return score_humaneval(item, output, opts.timeout_s)
+    from moesub.generate.completion import score_completion
+
+    return score_completion(item, output)
+
+
+def stop_ids(task: str, tokenizer) -> set[int]:
+    """Tokens that end decoding: end of text, and for code completion any newline token."""
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if task == "code_completion":
+        from moesub.generate.completion import newline_token_ids
+
+        stop |= newline_token_ids(tokenizer)
+    return stop
+
+
+# --------------------------------------------------------------------------- decoding
+def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> list[list[int]]:
+    texts = [it.prompt for it in items if it.prompt_ids is None]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    out = []
+    for it in items:
+        row = list(it.prompt_ids) if it.prompt_ids is not None else next(encoded)
+        if not row:
+            raise ValueError(f"problem {it.problem_id}: the prompt encodes to no tokens")
+        out.append(row[-max_prompt_tokens:] if max_prompt_tokens else row)
+    return out
+
+
+def decode_items(
+    model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts
+) -> list:
+    """Greedy continuations (`moesub.emulate.DecodeResult`) of every item's prompt."""
+    from moesub.emulate import greedy_decode
+
+    prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
+    return greedy_decode(
+        model, prompts, policy, capacity, initial, opts.max_new_tokens, stop, opts.progress
+    )
+
+
+def _reference(path: str | os.PathLike, ids: list[str]) -> list[tuple[list[int], int]]:
+    """(tokens, scored tokens) of every problem in a reference artefact."""
+    import pyarrow.parquet as pq
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"params.reference_path: {path} does not exist")
+    table = pq.read_table(path, columns=["problem_id", "tokens", "n_scored"]).to_pydict()
+    by_id = {
+        pid: (list(toks), int(m))
+        for pid, toks, m in zip(
+            table["problem_id"], table["tokens"], table["n_scored"], strict=True
+        )
+    }
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise ValueError(f"params.reference_path: {path} lacks problem(s) {missing[:5]}")
+    return [by_id[i] for i in ids]
+
+
+def generate_rows(
+    model,
+    tokenizer,
+    task: str,
+    items: list[TaskItem],
+    name: str,
+    policy,
+    fraction: float,
+    capacity: int,
+    initial,
+    num_layers: int,
+    opts: GenerateParams,
+) -> pa.Table:
+    """Decode, score and compare every item; one row per problem (OUTPUT_SCHEMA).
+
+    `policy` is a `moesub.policy.Policy`. Agreement and mass cover the *scored* tokens: those
+    within the task's stop cut, on both sides (the exact output is cut the same way)."""
+    stop = stop_ids(task, tokenizer)
+
+    def decode_and_cut(policy, capacity, initial) -> tuple[list, list[str], list[int]]:
+        """Decoded results, their stop-cut outputs, and how many tokens each output spans."""
+        results = decode_items(model, tokenizer, items, policy, capacity, initial, stop, opts)
+        outputs, n_scored = [], []
+        for res in results:
+            out = truncate_at(tokenizer.decode(res.tokens, skip_special_tokens=True), stops(task))
+            outputs.append(out)
+            n_scored.append(scored_length(tokenizer, res.tokens, len(out)))
+        return results, outputs, n_scored
+
+    results, outputs, n_scored = decode_and_cut(policy, capacity, initial)
+    if opts.reference_path:
+        reference = _reference(opts.reference_path, [it.problem_id for it in items])
+    elif policy.rule in EXACT_RULES:  # its greedy output is the exact model's
+        reference = [(r.tokens, m) for r, m in zip(results, n_scored, strict=True)]
+    else:
+        exact, _, exact_scored = decode_and_cut(None, 0, None)
+        reference = [(r.tokens, m) for r, m in zip(exact, exact_scored, strict=True)]
+    rows: dict[str, list] = {f.name: [] for f in OUTPUT_SCHEMA}
+    for item, res, out, m, (ref, m_ref) in tqdm(
+        zip(items, results, outputs, n_scored, reference, strict=True),
+        total=len(items),
+        desc=f"score {task}",
+        unit="problem",
+        disable=not opts.progress,
+    ):
+        s = score(task, item, out, opts)
+        exact, prefix = agreement(res.tokens[:m], ref[:m_ref])
+        rows["task"].append(task)
+        rows["problem_id"].append(item.problem_id)
+        rows["policy"].append(name)
+        rows["fraction"].append(float(fraction))
+        rows["output"].append(out)
+        rows["correct"].append(s.correct)
+        rows["missing_reason"].append(s.missing)
+        rows["agree_exact"].append(exact)
+        rows["agree_prefix_frac"].append(prefix)
+        rows["mass_per_token_layer"].append(
+            float(np.mean(res.mass[:m])) / num_layers if m else None
+        )
+        rows["n_tokens"].append(len(res.tokens))
+        rows["n_scored"].append(m)
+        rows["prediction"].append(s.prediction)
+        rows["target"].append(item.target)
+        rows["stopped"].append(bool(res.stopped))
+        rows["tokens"].append(list(res.tokens))
+    return pa.table(rows, schema=OUTPUT_SCHEMA)
+
+
+# --------------------------------------------------------------------------- stage entry point
+def run_generate(
+    model_dir: str | os.PathLike,
+    task: str,
+    data_path: str | os.PathLike | None,
+    initial_sets_path: str | os.PathLike,
+    name: str,
+    policy: Mapping[str, Any],
+    fraction: float,
+    out_path: str | os.PathLike,
+    params: Mapping[str, Any] | None = None,
+) -> Path:
+    """Generate one (task, policy, fraction): one row per problem (OUTPUT_SCHEMA) at `out_path`.
+
+    `data_path`: GSM8K JSONL; HumanEval JSONL(.gz) or None (the bundled copy); code completion:
+    a corpus_files.parquet or None (the model's own). When the data is missing, an empty table
+    is written whose metadata `missing_data` holds the message (what is missing, how to provide
+    it); the message is also logged.
+    """
+    from moesub.capture import read_initial_set
+    from moesub.emulate import capacity_for, check_initial, policy_from_dict
+    from moesub.models import load_model, moe_info
+    from moesub.policy import CORE_BUILD_ID
+
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model_dir: {model_dir} does not exist")
+    if not Path(initial_sets_path).is_file():
+        raise FileNotFoundError(f"initial_sets_path: {initial_sets_path} does not exist")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    pol = policy_from_dict(policy)
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not (0.0 < float(fraction) <= 1.0)
+    ):
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    opts = GenerateParams.from_dict(params)
+    if opts.reference_path is not None and not Path(opts.reference_path).is_file():
+        raise FileNotFoundError(f"params.reference_path: {opts.reference_path} does not exist")
+    meta: dict[str, Any] = {
+        "task": task,
+        "name": name,
+        "policy": pol.to_dict(),
+        "fraction": float(fraction),
+        "data_path": None if data_path is None else str(data_path),
+        "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
+        "core_build_id": CORE_BUILD_ID,
+    }
+    try:
+        items = task_items(task, data_path, model_dir, opts)
+    except FileNotFoundError as exc:
+        log.warning("generate %s/%s: %s", task, name, exc)
+        meta["missing_data"] = str(exc)
+        return write_parquet(OUTPUT_SCHEMA.empty_table(), out_path, metadata=meta)
+
+    model, tokenizer = load_model(model_dir, device=torch_device(opts.device))
+    if tokenizer is None:
+        raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
+    info = moe_info(model)
+    capacity = capacity_for(fraction, info.num_experts, info.top_k)
+    initial = check_initial(
+        read_initial_set(initial_sets_path, fraction), info.num_layers, info.num_experts, capacity
+    )
+    table = generate_rows(
+        model, tokenizer, task, items, name, pol, fraction, capacity, initial, info.num_layers, opts
+    )
+    if task == "humaneval":
+        from moesub.sandbox import probe_isolation
+
+        meta["sandbox"] = probe_isolation()
+    meta["capacity"] = capacity
+    meta["num_moe_layers"] = info.num_layers
+    meta["n"] = table.num_rows
+    correct = [c for c in table.column("correct").to_pylist() if c is not None]
+    meta["n_missing"] = table.num_rows - len(correct)
+    acc = float(np.mean(correct)) if correct else math.nan
+    log.info("generate %s/%s f%s: accuracy %.3f over %d", task, name, fraction, acc, len(correct))
+    meta["accuracy"] = acc if not math.isnan(acc) else None
+    return write_parquet(table, out_path, metadata=meta)
