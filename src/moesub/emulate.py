@@ -553,23 +553,28 @@ def run_emulate(
 
 def summarize(paths: Mapping[str, str | os.PathLike], baseline: str = "fetch_every_miss"):
     """Per-policy summary of emulate outputs `{name: path}` over the same streams: perplexity,
-    Δppl % vs `baseline`, substitution rate (SUB slots / all slots) and mean mass per token."""
-    rows = []
+    Δppl % vs `baseline` (moesub.stats.quality.dppl_pct, the project's one Δppl), substitution
+    rate (SUB slots / all slots) and mean substituted mass per token-layer."""
+    from moesub.stats.quality import dppl_pct
+
+    rows, nll_mean = [], {}
     for name, path in paths.items():
         df = pl.read_parquet(require_file(path, f"paths[{name!r}]"))
         slots = df.select(pl.sum_horizontal(STATUS_NAMES).sum()).item()
+        nll_mean[name] = df["nll"].drop_nulls().mean()
         rows.append(
             {
                 "policy": name,
                 "tokens": df.height,
-                "ppl": math.exp(df["nll"].drop_nulls().mean()),
+                "ppl": math.exp(nll_mean[name]),
                 "sub_rate": df["sub"].sum() / slots if slots else float("nan"),
                 "hit_rate": df["hit"].sum() / slots if slots else float("nan"),
-                "mass_mean": df["mass"].mean(),
+                # `mass` is the sum over the layers: per token-layer, the study's unit
+                "mass_mean": (df["mass"] / df["layer_mass"].list.len()).mean(),
             }
         )
     out = pl.DataFrame(rows)
     if baseline in paths:
-        base = out.filter(pl.col("policy") == baseline)["ppl"].item()
-        out = out.with_columns(dppl_pct=(pl.col("ppl") / base - 1.0) * 100.0)
+        dppl = [float(dppl_pct(nll_mean[n] - nll_mean[baseline])) for n in out["policy"]]
+        out = out.with_columns(dppl_pct=pl.Series(dppl, dtype=pl.Float64))
     return out

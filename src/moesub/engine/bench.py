@@ -406,13 +406,15 @@ def run_benchmark(
                 "sim_rel_error": float((est - mean) / mean),
             }
         )
+    from moesub.stats.quality import speedup  # the project's one speedup
+
     out = pl.DataFrame(rows)
     med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))
     for col, base in (("speedup_vs_fetch_every_miss", "fetch_every_miss"),
                       ("speedup_vs_host_compute", "host_compute")):  # fmt: skip
-        ref = med.get(base)
+        times = out["time_per_token_median_s"].to_numpy()
         out = out.with_columns(
-            (pl.lit(ref, pl.Float64) / pl.col("time_per_token_median_s")).alias(col)
+            pl.Series(col, speedup(med.get(base, np.nan), times), dtype=pl.Float64)
         )
     meta = {
         "device": str(dev),

@@ -733,19 +733,17 @@ def summarize_engine(
                 "ppl": float(np.exp(nll.mean())),
             }
         )
+    from moesub.stats.quality import dppl_pct, speedup  # the project's one Δppl and speedup
+
     out = pl.DataFrame(rows)
     by = {r["policy"]: r for r in rows}
+    times = out["time_per_token_median_s"].to_numpy()
     for col, base in (
         ("speedup_vs_fetch_every_miss", baseline),
         ("speedup_vs_host_compute", host_baseline),
     ):
-        ref = by.get(base, {}).get("time_per_token_median_s")
-        out = out.with_columns(
-            (pl.lit(ref, pl.Float64) / pl.col("time_per_token_median_s")).alias(col)
-        )
-    ref_ppl = by.get(baseline, {}).get("ppl")
-    return out.with_columns(
-        ((pl.col("ppl") / pl.lit(ref_ppl, pl.Float64) - 1) * 100).alias(
-            "dppl_pct_vs_fetch_every_miss"
-        )
-    )
+        ref = by.get(base, {}).get("time_per_token_median_s", np.nan)
+        out = out.with_columns(pl.Series(col, speedup(ref, times), dtype=pl.Float64))
+    ref_nll = np.log(by[baseline]["ppl"]) if baseline in by else np.nan
+    dppl = dppl_pct(np.log(out["ppl"].to_numpy()) - ref_nll)
+    return out.with_columns(pl.Series("dppl_pct_vs_fetch_every_miss", dppl, dtype=pl.Float64))
