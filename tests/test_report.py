@@ -10,9 +10,12 @@ import subprocess
 from html import unescape
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from fixtures_artefacts import POLICIES, make_study
 
+from moesub.io import write_json, write_parquet
 from moesub.report import FIGURES, render_report
 from moesub.stats import run_analysis
 
@@ -83,24 +86,31 @@ def rendered(tmp_path_factory):
     return {"root": root, "html": out, "inputs": inputs, "params": params}
 
 
+def embedded_figures(html: str) -> list[str]:
+    return re.findall(r'<figure id="fig-([a-z_]+)">\s*<img src="data:image/png;base64,', html)
+
+
 def test_report_is_self_contained_and_complete(rendered):
     html = Path(rendered["html"]).read_text()
     # one row per policy in the summary table
     rows = re.findall(r'<tr class="policy-row" data-policy="([^"]+)"', html)
     assert sorted(rows) == sorted(POLICIES)
-    # every figure embedded as a PNG data URI, and written next to the report
-    uris = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
-    assert len(uris) == len(FIGURES)
-    for name, *_ in FIGURES:
+    # every figure whose part ran is embedded as a PNG data URI and written next to the report
+    # (the synthetic study has no regime artefact)
+    names = [name for name, *_ in FIGURES]
+    assert sorted(embedded_figures(html)) == sorted(n for n in names if n != "regime")
+    assert "Model regime: not available — no regime artefact" in html
+    for name in names:
         png = rendered["root"] / "results" / "figures" / f"{name}.png"
-        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert name == "regime" or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # nothing fetched from anywhere: no external src/href, no <link>, no @import / url()
     assert not re.search(r'(src|href)\s*=\s*"(?!data:|#)', html)
     assert "<link" not in html and "@import" not in html and "url(" not in html
     # the headline numbers, model, machine, config and provenance are shown
-    assert "Experiment B: heavy worse" in html
-    assert "Pearson r = " in html
-    assert "train_summary.json" in html and "test-core-0001" in html
+    lines = headline_items(html)
+    assert any(line.startswith("tiny: Experiment B, matched design") for line in lines)
+    assert any("Pearson r = " in line for line in lines)
+    assert "test-core-0001" in html
     assert '"primary": 0.2' in unescape(html)  # the config's Experiment B rule
     for path in rendered["inputs"]["emulate"]:
         assert path in html
@@ -113,22 +123,19 @@ def test_missing_parts_render_with_messages(tmp_path):
     out = render_report(tmp_path / "an", params, tmp_path / "out" / "report.html")
     html = out.read_text()
     assert html.count('class="policy-row"') == 2
-    assert "Experiment B: heavy worse" not in html
-    assert "no Experiment B artefacts" in html
+    assert "Experiment B, " not in html
+    assert html.count("Experiment B: not available — no Experiment B artefacts") == 1
     assert "Generation: not available — no generation artefacts" in html
-    assert "No model summary JSON" in html
-    assert len(re.findall(r"<img ", html)) == 1  # only the per-layer hit rates
+    assert embedded_figures(html) == ["layer_hit_rates"]
     assert (tmp_path / "out" / "figures" / "layer_hit_rates.png").is_file()
 
 
 def test_render_report_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match="analysis_dir"):
-        render_report(tmp_path / "nothing", {}, {}, tmp_path / "r.html")
-    run_analysis({}, {}, tmp_path / "an")
-    with pytest.raises(FileNotFoundError, match="model_summary"):
-        render_report(
-            tmp_path / "an", {"model_summary": [tmp_path / "x.json"]}, {}, tmp_path / "r.html"
-        )
+        render_report(tmp_path / "nothing", {}, tmp_path / "r.html")
+    an = write_analysis_outputs(tmp_path / "an", models=("a",))
+    with pytest.raises(ValueError, match="params must be a mapping"):
+        render_report(an, [], tmp_path / "r.html")
 
 
 def _run_chromium(chromium: str, args: list[str], user_dir: Path) -> subprocess.CompletedProcess:
@@ -185,7 +192,7 @@ def test_report_in_headless_chromium(rendered, tmp_path):
     res = run_harness(chromium, Path(rendered["html"]), tmp_path)
     assert res["errors"] == []
     assert res["title"] == "moesub report"
-    assert len(res["images"]) == len(FIGURES)
+    assert len(res["images"]) == len(FIGURES) - 1  # no regime artefact in the synthetic study
     for img in res["images"]:
         assert img["complete"] and img["w"] > 0 and img["h"] > 0, img
     assert sorted(res["summary_rows"]) == sorted(POLICIES)
@@ -207,7 +214,7 @@ def test_report_in_headless_chromium(rendered, tmp_path):
 
 
 def test_two_models_render(tmp_path):
-    names = ["fetch_every_miss", "rule_015", "quality"]
+    names = ["fetch_every_miss", "rule_015", "quality", "rule_015_lfu"]
     inputs_a, params = make_study(tmp_path / "results", model="a", names=names)
     inputs_b, _ = make_study(tmp_path / "results", model="b", names=names, expb_case="no_evidence")
     inputs = {k: inputs_a[k] + inputs_b[k] for k in inputs_a}
@@ -216,5 +223,407 @@ def test_two_models_render(tmp_path):
     html = render_report(tmp_path / "an", params, tmp_path / "report.html").read_text()
     rows = re.findall(r'<tr class="policy-row" data-policy="([^"]+)" data-model="([^"]+)"', html)
     assert sorted(rows) == sorted((n, m) for n in names for m in ("a", "b"))
-    assert "Outcome (a): heavy worse" in html and "Outcome (b): no evidence" in html
-    assert len(re.findall(r"<img ", html)) == len(FIGURES)
+    lines = headline_items(html)
+    assert all(line.split(":", 1)[0] in ("a", "b") for line in lines), lines
+    assert any(line.startswith("a: Experiment B, matched design") for line in lines)
+    assert any(line.startswith("b: Experiment B, matched design") for line in lines)
+    model_rows = re.search(r'<table id="model-meta">(.*?)</table>', html, re.S).group(1)
+    assert re.findall(r"<tr><td[^>]*>([^<]*)</td>", model_rows) == ["a", "b"]
+
+
+# ---- analysis outputs written directly: the report's input contract, two models ---------------
+
+FIXTURE_POLICIES = [
+    "fetch_every_miss",
+    "rule_015",
+    "rule_tau0.2",
+    "rule_tau0.3",
+    "quality",
+    "quality_lfu0",
+    "host_compute",
+    "all_resident",
+]
+MISSING_GSM8K = "GSM8K test set not found at data/gsm8k/test.jsonl (see data/README.md)"
+
+
+def write_analysis_outputs(out_dir: Path, models=("a", "b"), ci_level: float = 0.9) -> Path:
+    """analysis.json and the named Parquet tables, as the analysis rule writes them, for
+    `models`; several policies share one point (mass 0, Δppl 0) to exercise label placement."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {
+        k: []
+        for k in (
+            "summary",
+            "mass_points",
+            "speed_quality",
+            "sim_vs_engine",
+            "layer_hit_rates",
+            "generation",
+            "expb",
+            "admission",
+            "regime",
+            "models",
+            "per_input",
+            "per_input_points",
+            "engine_bench",
+        )
+    }
+    doc = {
+        "params": {
+            "ci_level": ci_level,
+            "baseline": "fetch_every_miss",
+            "policies": {p: {} for p in FIXTURE_POLICIES},
+            "expb": {"primary": 0.1, "alpha": 0.05},
+        },
+        "models": list(models),
+        "parts": {},
+        "dppl_base": {},
+        "mass_hypothesis": [],
+        "admission": [],
+        "sim_vs_engine": [],
+        "regime": [],
+        "provenance": [],
+    }
+    for i, m in enumerate(models):
+        for j, p in enumerate(FIXTURE_POLICIES):
+            mass = 0.0 if j in (0, 6, 7) else 0.01 * j + 0.001 * i
+            dppl = 0.0 if mass == 0 else 30 * mass
+            rows["summary"].append(
+                {
+                    "model": m,
+                    "policy": p,
+                    "fraction": 0.25,
+                    "rule": "threshold",
+                    "tau": 0.15,
+                    "eviction": "lru",
+                    "beta": 0.0,
+                    "hit_rate": 0.8 + 0.01 * j,
+                    "sub_rate": 0.02,
+                    "mass_per_token_layer": mass,
+                    "dppl_pct": dppl,
+                    "dppl_ci_lo": dppl - 0.5,
+                    "dppl_ci_hi": dppl + 0.5,
+                    "dppl_bias": 0.01,
+                    "dppl_mde_pct": 0.4,
+                    "time_per_token_s": 0.01 + 0.001 * j,
+                    "sim_time_per_token_s": 0.011,
+                    "speedup_vs_fetch_every_miss": 1.0 + 0.1 * j,
+                    "completion_accuracy": 0.3,
+                    "completion_ci_low": 0.2,
+                    "completion_ci_high": 0.4,
+                }
+            )
+            if mass > 0:
+                rows["mass_points"].append(
+                    {
+                        "model": m,
+                        "fraction": 0.25,
+                        "group": "fetches first choice",
+                        "policy": p,
+                        "mass_per_token_layer": mass,
+                        "dppl_pct": dppl,
+                    }
+                )
+            rows["speed_quality"].append(
+                {
+                    "model": m,
+                    "policy": p,
+                    "fraction": 0.25,
+                    "device": "cpu",
+                    "source": "engine",
+                    "time_per_token_s": 0.01 if j in (0, 6, 7) else 0.01 + 0.001 * j,
+                    "dppl_pct": dppl,
+                    "dppl_ci_lo": dppl - 0.5,
+                    "dppl_ci_hi": dppl + 0.5,
+                    "frontier": j in (0, 1),
+                }
+            )
+            rows["sim_vs_engine"].append(
+                {
+                    "model": m,
+                    "policy": p,
+                    "fraction": 0.25,
+                    "device": "cpu",
+                    "time_mean_s": 0.01,
+                    "est_time_per_token_s": 0.0105,
+                    "rel_error": 0.05,
+                }
+            )
+            for layer in range(2):
+                rows["layer_hit_rates"].append(
+                    {
+                        "model": m,
+                        "policy": p,
+                        "fraction": 0.25,
+                        "layer": layer,
+                        "tokens": 100,
+                        "hit_rate": 0.8,
+                        "sub_rate": 0.01,
+                    }
+                )
+            for task in ("completion", "gsm8k"):
+                if task == "gsm8k":
+                    continue  # missing data: reported once in the generation part
+                rows["generation"].append(
+                    {
+                        "model": m,
+                        "task": task,
+                        "policy": p,
+                        "n": 120,
+                        "accuracy": 0.3,
+                        "ci_low": 0.23,
+                        "ci_high": 0.38,
+                        "agreement": 0.9,
+                        "mass_per_token_layer": mass,
+                    }
+                )
+        doc["mass_hypothesis"].append(
+            {
+                "model": m,
+                "fraction": 0.25,
+                "group": "fetches first choice",
+                "n": 5,
+                "policies": FIXTURE_POLICIES[1:6],
+                "r": 0.9,
+                "r_ci_lo": 0.7,
+                "r_ci_hi": 0.97,
+                "r_bias": -0.02,
+                "r_ci_method": "bca",
+                "rho": 0.9,
+            }
+        )
+        for design, valid in (("study", False), ("matched", True)):
+            for target in (0.05, 0.1):
+                rows["expb"].append(
+                    {
+                        "model": m,
+                        "design": design,
+                        "target_mass": target,
+                        "primary": target == 0.1,
+                        "valid": valid,
+                        "outcome": "heavy worse" if valid else "invalid",
+                        "outcome_text": "heavy worse" if valid else "invalid (light 0.002)",
+                        "p_value": 0.01 if valid else None,
+                        "n_streams": 24,
+                        "realized_heavy": target,
+                        "realized_light": target * (0.98 if valid else 0.02),
+                        "support": 0.4,
+                        "effect": 0.02,
+                        "effect_ci_lo": 0.01,
+                        "effect_ci_hi": 0.03,
+                        "mean_rank_heavy": 4.1,
+                        "mean_rank_light": 6.3,
+                        "min_p": 6e-8,
+                        "mde": 0.004,
+                    }
+                )
+        bins = [
+            ("after_change", "boundary"),
+            ("after_change", "1-15"),
+            ("after_change", "16-63"),
+            ("first_document", "1-15"),
+            ("first_document", "16-63"),
+        ]
+        for b, (segment, lab) in enumerate(bins):
+            rows["admission"].append(
+                {
+                    "model": m,
+                    "policy": "quality",
+                    "twin": "quality_lfu0",
+                    "fraction": 0.25,
+                    "segment": segment,
+                    "bin": b % 3,
+                    "bin_label": lab,
+                    "n_tokens": 500,
+                    "n_streams": 24,
+                    "dnll_mean": -0.01,
+                    "ci_lo": -0.02,
+                    "ci_hi": 0.0,
+                    "bias": 0.001,
+                }
+            )
+        for segment in ("all", "first_document", "after_change"):
+            test = {"p_value": 0.003, "min_p": 6e-8, "mde_dppl_pct": 0.2}
+            doc["admission"].append(
+                {
+                    "model": m,
+                    "policy": "quality",
+                    "twin": "quality_lfu0",
+                    "fraction": 0.25,
+                    "segment": segment,
+                    "status": "ok",
+                    "n_tokens": 2500,
+                    "dppl_pct_vs_twin": -0.5,
+                    "ci_lo": -0.9,
+                    "ci_hi": -0.1,
+                    "bias": 0.01,
+                    **(test if segment == "all" else {}),
+                }
+            )
+        metrics = {
+            "hit_rate": 0.86,
+            "belady_hit_rate": 0.93,
+            "rule015_sub_rate": 0.05,
+            "effective_experts": 200.0,
+            "routing_entropy": 4.0,
+            "heavy_lower_ranks": 0.1,
+            "weight_rank1": 0.4,
+            "weight_rank2": 0.2,
+            "weight_rank3": 0.1,
+            "reuse_1": 0.3,
+            "reuse_2_4": 0.2,
+            "reuse_first": 0.1,
+        }
+        for layer in (0, 1, -1):
+            for metric, value in metrics.items():
+                ref = {"hit_rate": 0.915, "rule015_sub_rate": 0.075}.get(metric)
+                trace = 0.81 if metric == "hit_rate" else None
+                rows["regime"].append(
+                    {
+                        "model": m,
+                        "layer": layer,
+                        "metric": metric,
+                        "value": value,
+                        "reference": ref if layer == -1 else None,
+                        "trace_study_reference": trace if layer == -1 else None,
+                    }
+                )
+        doc["regime"].append(
+            {"model": m, "capacity": 128, "verdict": f"fetch_every_miss hits 0.86 ({m})"}
+        )
+        rows["models"].append(
+            {"model": m, "num_experts": 512, "top_k": 10, "num_layers": 4, "heldout_ppl": 60.0 + i}
+        )
+        doc["dppl_base"][m] = {"0.25": "fetch_every_miss (emulated)"}
+    notes = [
+        f"{m}: {t}/{p}: {MISSING_GSM8K}"
+        for m in models
+        for t in ("gsm8k",)
+        for p in FIXTURE_POLICIES
+    ]
+    doc["parts"] = {
+        "generation": {"status": "ok", "note": "; ".join(notes)},
+        "engine_bench": {"status": "missing", "reason": "no engine benchmark artefacts"},
+        "per_input": {"status": "missing", "reason": "needs emulate artefacts"},
+    }
+    doc["files"] = {name: f"{name}.parquet" for name in rows}
+    for name, r in rows.items():
+        write_parquet(pd.DataFrame(r), out_dir / f"{name}.parquet")
+    write_json(doc, out_dir / "analysis.json")
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_models")
+    an = write_analysis_outputs(root / "analysis")
+    html = render_report(an, {"title": "moesub report"}, root / "report.html").read_text()
+    return {"root": root, "html": html}
+
+
+def headline_items(html: str) -> list[str]:
+    block = re.search(r'<ul class="headline">(.*?)</ul>', html, re.S).group(1)
+    return [unescape(x).strip() for x in re.findall(r"<li>(.*?)</li>", block, re.S)]
+
+
+def test_every_headline_line_names_its_model(two_models):
+    lines = headline_items(two_models["html"])
+    assert len(lines) >= 6
+    for line in lines:
+        assert line.split(":", 1)[0] in ("a", "b"), line
+    for m in ("a", "b"):
+        assert any(line.startswith(f"{m}: Experiment B, matched") for line in lines)
+        assert any(line.startswith(f"{m}: Experiment B, study") for line in lines)
+
+
+def test_model_table_has_a_row_per_model(two_models):
+    table = re.search(r'<table id="model-meta">(.*?)</table>', two_models["html"], re.S).group(1)
+    body = table.split("<tbody>", 1)[1]
+    firsts = re.findall(r"<tr><td[^>]*>([^<]*)</td>", body)
+    assert firsts == ["a", "b"]
+    assert "heldout_ppl" in table
+
+
+def test_intervals_follow_ci_level_and_mass_is_per_token_layer(two_models):
+    html = unescape(two_models["html"])
+    assert "95%" not in html
+    assert "90% CI" in html
+    assert "per token-layer" in html and "mass / token-layer" in html
+    assert "bias" in html  # the bootstrap bias beside the intervals
+    assert "min p 6e-08; MDE 0.2" in html  # power beside the admission test
+    assert "min p 6e-08; MDE 0.004" in html  # and beside Experiment B
+
+
+def test_missing_data_message_appears_once(two_models):
+    html = unescape(two_models["html"])
+    assert html.count(MISSING_GSM8K) == 1
+    assert f"{len(FIXTURE_POLICIES) * 2} jobs" in html
+
+
+def test_policies_table_has_hit_rate_and_numbers(two_models):
+    table = re.search(r'<table id="summary">(.*?)</table>', two_models["html"], re.S).group(1)
+    headers = re.findall(r"<th>(.*?)</th>", table)
+    assert headers[:3] == ["#", "model", "policy"]
+    assert "hit rate" in headers
+    rows = re.findall(r'data-policy="([^"]+)" data-model="([^"]+)"', table)
+    assert sorted(rows) == sorted((p, m) for p in FIXTURE_POLICIES for m in ("a", "b"))
+
+
+def test_sections_for_designs_admission_generation_regime(two_models):
+    html = unescape(two_models["html"])
+    side = re.search(r'<table id="expb-designs">(.*?)</table>', html, re.S).group(1)
+    assert re.findall(r"<th>(.*?)</th>", side)[1:] == [
+        f"{m} · {d} (m* 0.1)" for m in ("a", "b") for d in ("matched", "study")
+    ]
+    for metric in ("support", "realized light", "rank confound", "effect heavy − light [90% CI]"):
+        assert metric in side
+    bins = re.search(r'<table id="admission-bins">(.*?)</table>', html, re.S).group(1)
+    assert "boundary" in bins and "first document (cold cache)" in bins
+    gen = re.search(r'<table id="generation-table">(.*?)</table>', html, re.S).group(1)
+    assert "completion" in gen and "[23.0, 38.0]" in gen
+    assert "a: fetch_every_miss hits 0.86 (a)" in html
+    assert '<table id="regime-table">' in html
+    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 1  # per_input is missing
+
+
+def test_wide_tables_scroll_inside_the_page(two_models):
+    html = two_models["html"]
+    assert ".table-wrap { max-width: 100%; overflow-x: auto;" in html
+    tables = re.findall(r"<table id=", html)
+    wrapped = re.findall(r'<div class="table-wrap">\s*<table id=', html)
+    assert len(wrapped) == len(tables)
+
+
+def test_missing_columns_give_one_message(tmp_path):
+    an = write_analysis_outputs(tmp_path / "an", models=("a",))
+    pd.DataFrame({"model": ["a"], "design": ["matched"]}).to_parquet(an / "expb.parquet")
+    (an / "regime.parquet").unlink()
+    html = unescape(render_report(an, {}, tmp_path / "r.html").read_text())
+    assert html.count("expb.parquet lacks column(s) target_mass") == 1
+    assert "regime.parquet is missing from the analysis outputs" in html
+
+
+def test_labels_of_crowded_points_do_not_overlap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moesub.report.labels import place_labels
+
+    rng = np.random.default_rng(0)
+    x = np.r_[np.zeros(6), rng.uniform(0, 0.05, 8), rng.uniform(0, 1, 6)]
+    y = np.r_[np.zeros(6), rng.uniform(0, 0.2, 8), rng.uniform(0, 5, 6)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter(x, y)
+    fig.tight_layout()
+    anns = place_labels(ax, x, y, [str(i + 1) for i in range(len(x))])
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()  # positions every annotation's text
+    # the text's own box (an annotation's extent also spans its leader line)
+    boxes = [matplotlib.text.Text.get_window_extent(a, renderer) for a in anns]
+    assert anns[0].get_text().count(",") >= 5 or any(a.get_text() == "1,2,3,4,5,6" for a in anns)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+    plt.close(fig)

@@ -20,10 +20,19 @@ import pandas as pd
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moesub.io import atomic_path  # noqa: E402
 from moesub.report.labels import key_text, place_labels  # noqa: E402
-from moesub.report.load import AnalysisOutputs, ci_label, column, unique  # noqa: E402
+from moesub.report.load import (  # noqa: E402
+    AnalysisOutputs,
+    ci_label,
+    column,
+    finite,
+    lacking,
+    regime_wide,
+    unique,
+)
 
 DPI = 110
 PANEL = (5.2, 3.6)  # inches per panel
@@ -53,12 +62,14 @@ class FigureData:
         return ci_label(self.out.ci_level)
 
 
-def panels(n_models: int, n_cols: int, **kw) -> tuple[plt.Figure, np.ndarray]:
-    """(fig, axes (n_models, n_cols)): one row of panels per model."""
+def panels(
+    n_models: int, n_cols: int, width: float = PANEL[0], **kw
+) -> tuple[plt.Figure, np.ndarray]:
+    """(fig, axes (n_models, n_cols)): one row of panels per model, `width` inches each."""
     fig, axes = plt.subplots(
         n_models,
         n_cols,
-        figsize=(PANEL[0] * n_cols, PANEL[1] * n_models),
+        figsize=(width * n_cols, PANEL[1] * n_models),
         squeeze=False,
         **kw,
     )
@@ -95,6 +106,7 @@ def symlog_if_wide(ax: plt.Axes, values: pd.Series) -> None:
     v = v[np.isfinite(v)]
     if v.size and v.max() > 50:
         ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=min(0.0, float(v.min())))
 
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -113,7 +125,10 @@ def fig_mass(fd: FigureData) -> plt.Figure:
     for (a1, a2), model in zip(axes, models, strict=True):
         mp = rows_of(pts, model)
         first = mp[mp["group"] == "fetches first choice"]
-        sns.scatterplot(data=first, x=mass, y="dppl_pct", hue="fraction", s=40, ax=a1)
+        first = first.assign(fraction=first["fraction"].map("f={:g}".format))
+        sns.scatterplot(
+            data=first, x=mass, y="dppl_pct", hue="fraction", palette="deep", s=40, ax=a1
+        )
         for _, g in first.groupby("fraction"):
             if len(g) >= 2 and g[mass].nunique() > 1:
                 slope, icpt = np.polyfit(g[mass], g["dppl_pct"], 1)
@@ -177,25 +192,39 @@ def fig_speed(fd: FigureData) -> plt.Figure:
 
 
 def fig_admission(fd: FigureData) -> plt.Figure:
+    """Per model: ΔNLL vs the exact twin by bin, after a topic change (solid) and in each
+    stream's first document (dashed); the boundary token is its own bin."""
     adm = fd.out.table("admission")
-    order = adm.drop_duplicates("bin_label").sort_values("bin")["bin_label"].tolist()
+    if "segment" not in adm.columns:
+        adm = adm.assign(segment="after_change")
+    order = adm.sort_values("bin").drop_duplicates("bin_label")["bin_label"].tolist()
     pos = {lab: i for i, lab in enumerate(order)}
     models = models_of(adm)
-    fig, axes = panels(len(models), 1)
+    fig, axes = panels(len(models), 1, width=7.0)
     for ax, model in zip(axes[:, 0], models, strict=True):
         g_m = rows_of(adm, model)
-        for (name, twin, frac), g in g_m.groupby(["policy", "twin", "fraction"]):
-            g = g.sort_values("bin")
-            x = g["bin_label"].map(pos)
-            exact = bool(g["twin_exact"].all()) if "twin_exact" in g else True
-            label = f"{name} vs {twin} (f={frac:g}{'' if exact else ', eviction differs'})"
-            ax.plot(x, g["dnll_mean"], marker="o", ls="-" if exact else ":", label=label)
-            ax.fill_between(x, g["ci_lo"].astype(float), g["ci_hi"].astype(float), alpha=0.2)
+        pairs = unique(zip(g_m["policy"], g_m["twin"], g_m["fraction"], strict=True))
+        for i, (name, twin, frac) in enumerate(pairs):
+            for seg, style in (("after_change", "-"), ("first_document", "--")):
+                g = g_m[
+                    (g_m["policy"] == name)
+                    & (g_m["twin"] == twin)
+                    & (g_m["fraction"] == frac)
+                    & (g_m["segment"] == seg)
+                ].sort_values("bin")
+                if g.empty:
+                    continue
+                x = g["bin_label"].map(pos).to_numpy(float) + (0.08 if seg != "after_change" else 0)
+                label = f"{name} vs {twin} (f={frac:g}), {seg.replace('_', ' ')}"
+                ax.plot(x, g["dnll_mean"], marker="o", ls=style, color=f"C{i}", label=label)
+                ax.fill_between(
+                    x, g["ci_lo"].astype(float), g["ci_hi"].astype(float), color=f"C{i}", alpha=0.15
+                )
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xticks(range(len(order)), order, rotation=45, fontsize=7)
-        ax.set_xlabel("tokens since the document's first token")
-        ax.set_ylabel("ΔNLL per token, admission − twin")
-        ax.legend(fontsize=7)
+        ax.set_xlabel("tokens since the document's first token (boundary: the first token)")
+        ax.set_ylabel("ΔNLL per token, admission − exact twin")
+        ax.legend(fontsize=6)
         where = f"{model}: " if model else ""
         ax.set_title(f"{where}admission gain ({fd.ci} over streams)", fontsize=8)
     fig.tight_layout()
@@ -203,37 +232,112 @@ def fig_admission(fd: FigureData) -> plt.Figure:
 
 
 def fig_expb(fd: FigureData) -> plt.Figure:
-    streams = fd.out.table("expb")
-    decisions = {str(e.get("model", "")): e for e in fd.out.doc.get("expb") or []}
-    models = models_of(streams)
+    """Per model: realized masses per design and condition, and the effect with its CI."""
+    expb = fd.out.table("expb")
+    lo, hi = column(expb, "effect_ci_lo", "ci_lo"), column(expb, "effect_ci_hi", "ci_hi")
+    models = models_of(expb)
     fig, axes = panels(len(models), 2)
     for (a1, a2), model in zip(axes, models, strict=True):
-        e = decisions.get(model, {})
-        dec = e.get("decision", {})
-        rows = [
-            {"target": f"{t['target_mass']:g}", "condition": c, "realized": t.get(f"realized_{c}")}
-            for t in e.get("targets", [])
-            for c in ("heavy", "light")
-            if t.get(f"realized_{c}") is not None
-        ]
-        if rows:
-            sns.barplot(data=pd.DataFrame(rows), x="target", y="realized", hue="condition", ax=a1)
-        where = f"{model}: " if model else ""
-        a1.set_xlabel("target mass m* per token-layer")
-        a1.set_ylabel("realized mean mass per token-layer")
-        a1.set_title(f"{where}realized mass by condition", fontsize=8)
-        s = rows_of(streams, model)
-        if dec.get("target_mass") is not None and len(s):
-            s = s[np.isclose(s["target_mass"], dec["target_mass"])]
-        if len(s):
-            sns.stripplot(data=s, y="d_per_mass", ax=a2, size=5, color="C2")
-            a2.axhline(0, color="black", lw=0.8)
-        a2.set_ylabel("ΔNLL/mass heavy − light, per stream")
-        a2.set_title(
-            f"{where}m* = {dec.get('target_mass', float('nan')):g}: {dec.get('outcome', 'n/a')}; "
-            f"n = {len(s)} streams",
-            fontsize=8,
+        g = rows_of(expb, model).sort_values(["design", "target_mass"])
+        long = g.melt(
+            id_vars=["design", "target_mass"],
+            value_vars=["realized_heavy", "realized_light"],
+            var_name="condition",
+            value_name="realized",
         )
+        long["condition"] = long["design"] + " " + long["condition"].str.removeprefix("realized_")
+        long["target"] = long["target_mass"].map("{:g}".format)
+        sns.barplot(data=long, x="target", y="realized", hue="condition", ax=a1)
+        for i, t in enumerate(sorted(g["target_mass"].unique())):
+            a1.plot([i - 0.4, i + 0.4], [t, t], color="black", lw=0.8)
+        where = f"{model}: " if model else ""
+        a1.set_xlabel("target m* per token-layer (black: m*)")
+        a1.set_ylabel("realized mean mass per token-layer")
+        a1.set_title(f"{where}realized mass by design and condition", fontsize=8)
+        a1.legend(fontsize=6)
+        for j, (design, d) in enumerate(g.groupby("design", sort=True)):
+            x = np.arange(len(d)) + 0.15 * j
+            y = d["effect"].to_numpy(float)
+            err = np.vstack([y - d[lo].to_numpy(float), d[hi].to_numpy(float) - y]) if lo else None
+            a2.errorbar(
+                x,
+                y,
+                yerr=None if err is None else np.abs(np.nan_to_num(err)),
+                fmt="o",
+                label=design,
+                color=f"C{j}",
+                capsize=3,
+            )
+            for xi, yi, valid in zip(x, y, d["valid"], strict=True):
+                if not valid:
+                    a2.plot(xi, yi, "x", color="red", ms=9)
+        targets = sorted(g["target_mass"].unique())
+        a2.set_xticks(range(len(targets)), [f"{t:g}" for t in targets])
+        a2.axhline(0, color="black", lw=0.8)
+        a2.set_xlabel("target m* per token-layer (red x: invalid)")
+        a2.set_ylabel(f"effect heavy − light ({fd.ci})")
+        a2.set_title(f"{where}effect by design", fontsize=8)
+        a2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def fig_regime(fd: FigureData) -> plt.Figure:
+    """Per model: hit rate and Belady bound per layer, effective experts, weights by rank, reuse."""
+    reg = regime_wide(fd.out)
+    models = models_of(reg)
+    fig, axes = panels(len(models), 4, width=3.6)
+    for (a1, a2, a3, a4), model in zip(axes, models, strict=True):
+        g = rows_of(reg, model)
+        lay = g[g["layer"] >= 0].sort_values("layer")
+        where = f"{model}: " if model else ""
+        a1.plot(lay["layer"], lay["hit_rate"], "o-", label="fetch_every_miss (LRU)")
+        a1.plot(lay["layer"], lay["belady_hit_rate"], "s--", label="Belady bound")
+        total = g[g["layer"] == -1]
+        total = total.iloc[0] if len(total) else g.iloc[0]
+        for key, who in (
+            ("ref_hit_rate", "reference model"),
+            ("trace_ref_hit_rate", "trace study"),
+        ):
+            if finite(total.get(key)):
+                a1.axhline(total[key], color="grey", ls=":", lw=0.8)
+                a1.annotate(f"{who} {total[key]:g}", (0, total[key]), fontsize=6)
+        a1.set_ylim(0, 1)
+        a1.set_xlabel("layer")
+        a1.set_ylabel("hit rate")
+        a1.set_title(f"{where}hit rate per layer", fontsize=8)
+        a1.legend(fontsize=6)
+        a2.bar(lay["layer"], lay["effective_experts"], color="C2")
+        if finite(lay["capacity"].iloc[0]):
+            a2.axhline(float(lay["capacity"].iloc[0]), color="red", ls="--", lw=0.8, label="C")
+            a2.legend(fontsize=6)
+        for ax in (a1, a2):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a2.set_xlabel("layer")
+        a2.set_ylabel("effective experts")
+        a2.set_title(f"{where}effective experts (exp entropy of counts)", fontsize=8)
+        ranks = sorted(
+            (int(c.removeprefix("weight_rank")), c)
+            for c in g.columns
+            if c.startswith("weight_rank")
+        )
+        a3.bar([r for r, _ in ranks], [total[c] for _, c in ranks], color="C0")
+        a3.axhline(0.15, color="red", ls="--", lw=0.8, label="0.15 threshold")
+        a3.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a3.set_xlabel("rank")
+        a3.set_ylabel("mean gate weight (top-k renormalized)")
+        a3.set_title(f"{where}gate weight by rank", fontsize=8)
+        a3.legend(fontsize=6)
+        reuse = [c for c in g.columns if c.startswith("reuse_") and finite(total.get(c))]
+        a4.bar(
+            [c.removeprefix("reuse_").replace("_", "-") for c in reuse],
+            [total[c] for c in reuse],
+            color="C4",
+        )
+        a4.tick_params(axis="x", rotation=45, labelsize=6)
+        a4.set_xlabel("reuse distance, tokens")
+        a4.set_ylabel("share of selections")
+        a4.set_title(f"{where}reuse distance of expert selections", fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -247,6 +351,7 @@ def fig_layers(fd: FigureData) -> plt.Figure:
         sns.lineplot(
             data=g, x="layer", y="hit_rate", hue="policy", style="fraction", marker="o", ax=ax
         )
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("hit rate (simulated)")
         where = f"{model}: " if model else ""
         ax.set_title(f"{where}per-layer hit rates, {int(g['tokens'].max())} tokens", fontsize=8)
@@ -312,7 +417,8 @@ def fig_per_input(fd: FigureData) -> plt.Figure:
     fig, axes = panels(len(models), 1)
     for ax, model in zip(axes[:, 0], models, strict=True):
         g = rows_of(pts, model)
-        sns.scatterplot(data=g, x="mass_mean", y="dnll_mean", hue="policy", ax=ax, s=18)
+        mass = column(g, "mass_per_token_layer", "mass_mean")
+        sns.scatterplot(data=g, x=mass, y="dnll_mean", hue="policy", ax=ax, s=18)
         ax.set_xlabel("per-stream mean mass per token-layer")
         ax.set_ylabel(f"per-stream mean ΔNLL vs {fd.out.baseline}")
         where = f"{model}: " if model else ""
@@ -355,8 +461,19 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Experiment B",
         "expb",
         "expb",
-        "Realized mass per condition, and the paired per-stream statistic at the primary target.",
+        "Realized mass per design and condition against the target m*, and the effect "
+        "(ΔNLL heavy − light) with its CI per design and target.",
         fig_expb,
+    ),
+    (
+        "regime",
+        "Model regime",
+        "regime",
+        "regime",
+        "Per layer: fetch_every_miss hit rate and its Belady bound (dotted: reference figures), "
+        "effective experts (dashed: cache capacity C); over all layers: mean gate weight by rank "
+        "and the reuse-distance distribution of expert selections.",
+        fig_regime,
     ),
     (
         "layer_hit_rates",
@@ -409,8 +526,11 @@ def draw_figures(fd: FigureData, fig_dir: Path) -> list[Figure]:
     out = []
     for name, title, table, part, caption, draw in FIGURES:
         f = Figure(name=name, title=title, caption=caption)
-        if fd.out.table(table).empty:
+        df = fd.out.table(table)
+        if df.empty:
             f.missing = fd.out.why_missing(part, table)
+        elif lacking(df, name):
+            f.missing = f"{table}.parquet lacks column(s) {', '.join(lacking(df, name))}"
         else:
             f.png = fig_dir / f"{name}.png"
             f.data_uri = png_data_uri(draw(fd), f.png)

@@ -3,9 +3,9 @@
 Scatter plots label each point with a short key (the policy's number in the report's policy
 table). Points that coincide on screen share one label ("3,4,7"). Labels are placed one by one,
 in a fixed order, at the first candidate offset (rings of growing radius around the point) whose
-box overlaps no label placed before, no point and stays inside the axes; a label moved away from
-its point gets a thin leader line. Everything is in display pixels after the figure's layout is
-final, so the result is the same on every run.
+box overlaps no label placed before and no point, preferably inside the axes (else the least
+overlap); a label moved away from its point gets a thin leader line. Everything is in display
+pixels after the figure's layout is final, so the result is the same on every run.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from matplotlib.transforms import Bbox
 
 MERGE_PX = 3.0  # points closer than this on screen share one label
 POINT_PX = 5.0  # half the size of a marker's box, kept free of labels
-RADII_PX = (7.0, 13.0, 20.0, 28.0, 38.0, 50.0, 64.0, 80.0)
+RADII_PX = (7.0, 13.0, 20.0, 28.0, 38.0, 50.0, 64.0, 80.0, 100.0, 125.0)
 ANGLES = np.deg2rad([45, 135, -45, -135, 90, -90, 0, 180, 20, 160, -20, -160, 70, 110, -70, -110])
 
 
@@ -98,7 +98,8 @@ def place_labels(
                 box = Bbox.from_extents(box.x0 + sx, box.y0 + sy, box.x1 + sx, box.y1 + sy)
                 cost = sum(_boxes_overlap(box, b) for b in placed)
                 cost += sum(_boxes_overlap(box, b) for b in points)
-                cost += 2.0 * (box.width * box.height - _boxes_overlap(box, frame))
+                # outside the axes is allowed (the saved figure grows to fit) but not preferred
+                cost += 0.5 * (box.width * box.height - _boxes_overlap(box, frame))
                 if best is None or cost < best[0]:
                     best = (cost, dx + sx, dy + sy, box)
                 if cost == 0:

@@ -96,6 +96,44 @@ def load_outputs(analysis_dir: str | os.PathLike) -> AnalysisOutputs:
     return out
 
 
+# columns a figure cannot do without; an analysis that lacks one gets a message, not a crash
+NEEDS: dict[str, tuple[str, ...]] = {
+    "mass_vs_dppl": ("group", "policy", "dppl_pct"),
+    "speed_quality": ("source", "policy", "time_per_token_s", "dppl_pct", "frontier"),
+    "admission": ("policy", "twin", "fraction", "bin", "bin_label", "dnll_mean"),
+    "expb": ("design", "target_mass", "realized_heavy", "realized_light", "effect", "valid"),
+    "regime": ("layer", "metric", "value"),
+    "layer_hit_rates": ("policy", "fraction", "layer", "hit_rate", "tokens"),
+    "sim_vs_engine": ("policy", "time_mean_s", "est_time_per_token_s", "rel_error"),
+    "generation": ("task", "policy", "n", "accuracy"),
+    "per_input": ("level", "policy", "unit", "dnll_mean"),
+}
+
+
+def lacking(df: pd.DataFrame, name: str) -> list[str]:
+    return [c for c in NEEDS.get(name, ()) if c not in df.columns]
+
+
+def regime_wide(out: AnalysisOutputs) -> pd.DataFrame:
+    """regime.parquet's (model, layer, metric, value, reference, ...) rows as one row per (model,
+    layer) and one column per metric, plus `capacity` from analysis.json's regime entry and
+    `ref_<metric>` / `trace_ref_<metric>` for the reference figures (all layers' row only)."""
+    long = out.table("regime")
+    if long.empty or lacking(long, "regime"):
+        return pd.DataFrame()
+    if "model" not in long.columns:
+        long = long.assign(model="")
+    wide = long.pivot_table(index=["model", "layer"], columns="metric", values="value")
+    for src, prefix in (("reference", "ref_"), ("trace_study_reference", "trace_ref_")):
+        if src in long.columns and long[src].notna().any():
+            refs = long.pivot_table(index=["model", "layer"], columns="metric", values=src)
+            wide = wide.join(refs.add_prefix(prefix))
+    wide = wide.reset_index()
+    wide.columns.name = None
+    capacity = {str(r.get("model", "")): r.get("capacity") for r in out.doc.get("regime") or []}
+    return wide.assign(capacity=wide["model"].astype(str).map(capacity))
+
+
 def column(df: pd.DataFrame, *names: str) -> str | None:
     """The first of `names` that `df` has (analysis versions name some columns differently)."""
     return next((n for n in names if n in df.columns), None)

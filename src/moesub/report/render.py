@@ -16,8 +16,10 @@ from moesub.io import atomic_path
 from moesub.report.figures import FigureData, draw_figures
 from moesub.report.load import ci_label, load_outputs, summarize_reasons
 from moesub.report.tables import (
+    admission_bins_table,
     admission_table,
-    expb_targets_table,
+    expb_designs,
+    expb_rules,
     frame_table,
     generation_table,
     headline,
@@ -25,6 +27,8 @@ from moesub.report.tables import (
     models_table,
     per_input_table,
     policy_numbers,
+    regime_table,
+    regime_verdicts,
     summary_table,
 )
 
@@ -74,6 +78,7 @@ def render_report(
     numbers = policy_numbers(out)
     figures = draw_figures(FigureData(out, numbers), fig_dir)
     prov = out.doc.get("provenance") or []
+    expb_side, expb_all = expb_designs(out)
     parts = {
         name: {
             "status": p.get("status", "?"),
@@ -92,9 +97,14 @@ def render_report(
         "why_missing": out.why_missing,
         "mass": mass_table(out),
         "per_input": per_input_table(out),
-        "expb": out.doc.get("expb") or [],
-        "expb_targets": expb_targets_table(out),
+        "expb_rules": expb_rules(out),
+        "expb_alpha": (out.params.get("expb") or {}).get("alpha", out.params.get("alpha")),
+        "expb_designs": expb_side,
+        "expb_all": expb_all,
         "admission": admission_table(out),
+        "admission_bins": admission_bins_table(out),
+        "regime": regime_table(out),
+        "regime_verdicts": regime_verdicts(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),

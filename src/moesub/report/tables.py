@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from moesub.report.load import AnalysisOutputs, ci_label, finite, unique
+from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking, regime_wide, unique
 
 Row = Mapping[str, Any]
 
@@ -158,6 +158,16 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         Col("substitution rate", lambda r: pct(r.get("sub_rate"), 2)),
         Col("mass / token-layer", lambda r: num(r.get(mass), "{:.4g}")),
         Col(f"Δppl % [{ci}]", dppl),
+        *(
+            [Col("Δppl bootstrap bias, %", lambda r: num(r.get("dppl_bias"), "{:+.3f}"))]
+            if "dppl_bias" in s.columns
+            else []
+        ),
+        *(
+            [Col("Δppl MDE, %", lambda r: num(r.get("dppl_mde_pct"), "{:.3g}"))]
+            if "dppl_mde_pct" in s.columns
+            else []
+        ),
         Col("time / token, ms (engine)", time_ms("time_per_token_s")),
         Col("simulated, ms / token", time_ms("sim_time_per_token_s")),
         Col(
@@ -196,8 +206,6 @@ def mass_table(out: AnalysisOutputs) -> Table:
             lambda r: num(r.get("r"), "{:.3f}") if r.get("r") is not None else str(r.get("reason")),
         ),
         Col(f"bootstrap {ci} (bias-corrected)", r_ci),
-        Col("p", lambda r: num(r.get("p"))),
-        Col("power: smallest p; MDE", power, False),
         Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
         Col("policies", lambda r: ", ".join(r.get("policies") or []), False),
     ]
@@ -221,51 +229,43 @@ def per_input_table(out: AnalysisOutputs) -> Table:
     return make_table("per-input-table", df.to_dict("records"), cols)
 
 
+SEGMENT_LABELS = {
+    "all": "all tokens",
+    "after_change": "after a topic change",
+    "first_document": "each stream's first document (cold cache)",
+}
+
+
 def admission_table(out: AnalysisOutputs) -> Table:
+    """Each admission policy vs its exact twin: all tokens (with the test) and per segment."""
     ci = ci_label(out.ci_level)
+
+    def dppl(r: Row) -> str:
+        if not finite(r.get("dppl_pct_vs_twin")):
+            return str(r.get("reason") or "—")
+        bias = f" (bias {float(r['bias']):+.3f})" if finite(r.get("bias")) else ""
+        iv = interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.3f}")
+        return f"{float(r['dppl_pct_vs_twin']):+.3f} {iv}{bias}"
+
+    def admission_power(r: Row) -> str:
+        return power({**r, "mde": first(r, "mde_dppl_pct", "mde")})
+
     cols = [
         Col("model", text("model"), False),
         Col("policy", text("policy"), False),
-        Col("twin (β = 0)", text("twin"), False),
+        Col("exact twin (β = 0)", lambda r: str(r.get("twin") or "none"), False),
         Col(
-            "exact twin",
-            lambda r: (
-                "yes" if r.get("twin_exact") else "no: eviction differs, not an admission effect"
-            ),
+            "tokens",
+            lambda r: SEGMENT_LABELS.get(str(r.get("segment")), str(r.get("segment"))),
             False,
         ),
         Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
-        Col("tokens", text("n_tokens")),
-        Col("Δppl % vs twin", lambda r: num(r.get("dppl_pct_vs_twin"), "{:+.3f}")),
-        Col(ci, lambda r: interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.3f}")),
-        Col("power: smallest p; MDE", power, False),
+        Col("n tokens", lambda r: str(r.get("n_tokens") if r.get("n_tokens") is not None else "—")),
+        Col(f"Δppl % vs twin [{ci}] (bootstrap bias)", dppl),
+        Col("p (one-sided Wilcoxon)", lambda r: num(first(r, "p_value", "p"))),
+        Col("power: smallest p; MDE Δppl %", admission_power, False),
     ]
     return make_table("admission-table", out.doc.get("admission") or [], cols)
-
-
-def expb_targets_table(out: AnalysisOutputs) -> Table:
-    rows = [
-        {"model": e.get("model", ""), **t}
-        for e in out.doc.get("expb") or []
-        for t in e.get("targets", [])
-    ]
-    cols = [
-        Col("model", text("model"), False),
-        Col("target m* / token-layer", lambda r: num(r.get("target_mass"), "{:g}")),
-        Col("primary", lambda r: "yes" if r.get("primary") else "", False),
-        Col("realized heavy", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
-        Col("realized light", lambda r: num(r.get("realized_light"), "{:.4g}")),
-        Col(
-            "valid",
-            lambda r: "—" if r.get("valid") is None else ("yes" if r["valid"] else "no"),
-            False,
-        ),
-        Col("n streams", lambda r: str(first(r, "n_used", "n_streams") or "—")),
-        Col("p (one-sided)", lambda r: num(r.get("p"))),
-        Col("power: smallest p; MDE", power, False),
-        Col("outcome", text("outcome"), False),
-    ]
-    return make_table("expb-targets", rows, cols)
 
 
 def generation_table(out: AnalysisOutputs) -> Table:
@@ -322,6 +322,58 @@ def models_table(out: AnalysisOutputs) -> Table:
     return frame_table("model-meta", df)
 
 
+def expb_rules(out: AnalysisOutputs) -> list[str]:
+    """Each design's pre-registered validity condition, from the analysis parameters."""
+    designs = (out.params.get("expb") or {}).get("designs") or {}
+    lines = []
+    for name, d in designs.items():
+        cond = [f"primary m* = {d.get('primary')} per token-layer"]
+        if finite(d.get("heavy_mass")):
+            cond.append(f"heavy expert weight {d['heavy_mass']:g} ± 10%")
+        if finite(d.get("max_gap")):
+            cond.append(f"realized masses within {100 * d['max_gap']:g}% of each other")
+        if finite(d.get("min_heavy_fraction")):
+            cond.append(f"heavy realizes ≥ {100 * d['min_heavy_fraction']:g}% of m*")
+        if finite(d.get("min_realized_fraction")):
+            cond.append(f"both realize ≥ {100 * d['min_realized_fraction']:g}% of m*")
+        lines.append(f"{name}: " + "; ".join(cond))
+    return lines
+
+
+def expb_headline(out: AnalysisOutputs) -> list[str]:
+    """Experiment B per model and design at the primary m* (analysis.json's decision text for an
+    analysis without designs)."""
+    side, _ = expb_designs(out)
+    if not side:
+        return [
+            f"{e.get('model') or 'model'}: Experiment B: {e['decision']['outcome_text']}"
+            for e in out.doc.get("expb") or []
+            if (e.get("decision") or {}).get("outcome_text")
+        ]
+    df = out.table("expb")
+    df = df.assign(model=df["model"] if "model" in df.columns else "")
+    if "primary" in df.columns and df["primary"].astype(bool).any():
+        df = df[df["primary"].astype(bool)]
+    ci = ci_label(out.ci_level)
+    lines = []
+    for r in df.sort_values(["model", "design"]).to_dict("records"):
+        effect = ""
+        if finite(r.get("effect")):
+            iv = interval(r.get("effect_ci_lo"), r.get("effect_ci_hi"), "{:+.3g}")
+            effect = f"effect heavy − light {float(r['effect']):+.3g} {ci} {iv}; "
+        lines.append(
+            f"{r['model'] or 'model'}: Experiment B, {r['design']} design "
+            f"(m* {r['target_mass']:g} per token-layer): {r.get('outcome')}; "
+            f"p = {num(r.get('p_value'))} over {r.get('n_streams')} streams ({power(r)}); "
+            + effect
+            + f"realized heavy {num(r.get('realized_heavy'), '{:.4g}')}, light "
+            f"{num(r.get('realized_light'), '{:.4g}')}; support {num(r.get('support'), '{:.3g}')}; "
+            f"mean rank substituted heavy {num(r.get('mean_rank_heavy'), '{:.2f}')}"
+            f" vs light {num(r.get('mean_rank_light'), '{:.2f}')}."
+        )
+    return lines
+
+
 # ---- headline -----------------------------------------------------------------------------------
 
 
@@ -345,8 +397,7 @@ def headline(out: AnalysisOutputs) -> list[str]:
             )
         else:
             lines.append(f"{who(r)}{what}: {r.get('reason')}; n = {r['n']}.")
-    for e in out.doc.get("expb") or []:
-        lines.append(f"{who(e)}Experiment B: {e['decision']['outcome_text']}")
+    lines += expb_headline(out)
     s = out.table("summary")
     for name in ("quality", "speed", "rule_015", "substitute_all"):
         for r in s[s["policy"] == name].to_dict("records") if "policy" in s else []:
@@ -365,11 +416,150 @@ def headline(out: AnalysisOutputs) -> list[str]:
                     f"{who(r)}{name} (cache fraction {r['fraction']:g}): " + ", ".join(bits) + "."
                 )
     for r in out.doc.get("admission") or []:
-        if r.get("dppl_pct_vs_twin") is not None:
-            exact = "" if r.get("twin_exact", True) else " (not an exact twin: eviction differs)"
-            lines.append(
-                f"{who(r)}admission: {r['policy']} vs {r['twin']}{exact}: Δppl "
-                f"{r['dppl_pct_vs_twin']:+.2f}% {ci} {interval(r.get('ci_lo'), r.get('ci_hi'))}"
-                f" over {r['n_tokens']} tokens."
-            )
+        if r.get("segment", "all") != "all":
+            continue
+        if not finite(r.get("dppl_pct_vs_twin")):
+            lines.append(f"{who(r)}admission: {r['policy']}: {r.get('reason') or 'no result'}.")
+            continue
+        p = first(r, "p_value", "p")
+        test = f", one-sided p = {num(p)} ({power({**r, 'mde': r.get('mde_dppl_pct')})})"
+        lines.append(
+            f"{who(r)}admission: {r['policy']} vs its exact twin {r['twin']}: Δppl "
+            f"{r['dppl_pct_vs_twin']:+.2f}% {ci} {interval(r.get('ci_lo'), r.get('ci_hi'))}"
+            + (f", bootstrap bias {float(r['bias']):+.3f}" if finite(r.get("bias")) else "")
+            + (test if p is not None else "")
+            + f", over {r['n_tokens']} tokens."
+        )
     return lines
+
+
+# ---- Experiment B, admission bins, regime ------------------------------------------------------
+
+
+def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
+    """Both designs side by side at the primary m* (metric rows, one column per model and
+    design), and every (model, design, target) row."""
+    df = out.table("expb")
+    ci = ci_label(out.ci_level)
+    if df.empty or lacking(df, "expb"):  # the figure says which columns are missing
+        return make_table("expb-designs", [], []), make_table("expb-all", [], [])
+    lo = "effect_ci_lo" if "effect_ci_lo" in df.columns else "ci_lo"
+    hi = "effect_ci_hi" if "effect_ci_hi" in df.columns else "ci_hi"
+
+    def effect(r: Row) -> str:
+        return f"{num(r.get('effect'), '{:+.4g}')} {interval(r.get(lo), r.get(hi), '{:+.3g}')}"
+
+    def ranks(r: Row) -> str:
+        h, light = r.get("mean_rank_heavy"), r.get("mean_rank_light")
+        return f"heavy {num(h, '{:.2f}')} vs light {num(light, '{:.2f}')}"
+
+    def valid(r: Row) -> str:
+        return "—" if r.get("valid") is None else ("yes" if r["valid"] else "no")
+
+    metrics = [
+        ("support (eligible token-layers)", lambda r: num(r.get("support"), "{:.4g}")),
+        ("realized heavy / token-layer", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
+        ("realized light / token-layer", lambda r: num(r.get("realized_light"), "{:.4g}")),
+        ("valid", valid),
+        ("outcome", lambda r: str(r.get("outcome_text") or r.get("outcome") or "—")),
+        ("p (one-sided Wilcoxon)", lambda r: num(first(r, "p_value", "p"))),
+        ("n streams", lambda r: str(r.get("n_streams") if r.get("n_streams") is not None else "—")),
+        (f"effect heavy − light [{ci}]", effect),
+        ("rank confound (mean rank substituted)", ranks),
+        ("power: smallest p; MDE", power),
+    ]
+    if "model" not in df.columns:
+        df = df.assign(model="")
+    if "primary" in df.columns and df["primary"].astype(bool).any():
+        at = df[df["primary"].astype(bool)]
+    else:  # no primary target ran: the smallest per model and design
+        at = df.sort_values("target_mass").drop_duplicates(["model", "design"])
+    at = at.sort_values(["model", "design"]).to_dict("records")
+    side = Table(
+        id="expb-designs",
+        headers=[
+            "at the primary m*",
+            *[f"{r.get('model', '')} · {r['design']} (m* {r['target_mass']:g})" for r in at],
+        ],
+        rows=[[label, *[cell(r) for r in at]] for label, cell in metrics],
+        numeric=[False, *[True for _ in at]],
+        attrs=[{} for _ in metrics],
+    )
+    cols = [
+        Col("model", text("model"), False),
+        Col("design", text("design"), False),
+        Col("target m* / token-layer", lambda r: num(r.get("target_mass"), "{:g}")),
+        *[Col(label, cell, label in ("valid", "outcome")) for label, cell in metrics],
+    ]
+    return side, make_table(
+        "expb-all", df.sort_values(["model", "design", "target_mass"]).to_dict("records"), cols
+    )
+
+
+def admission_bins_table(out: AnalysisOutputs) -> Table:
+    """ΔNLL by bin of tokens since the document's first token, per segment: the boundary token
+    (the document's first) and each stream's first document are rows of their own."""
+    adm = out.table("admission")
+    if adm.empty or lacking(adm, "admission"):
+        return make_table("admission-bins", [], [])
+    ci = ci_label(out.ci_level)
+    cols = [
+        Col("model", text("model"), False),
+        Col("policy vs exact twin", lambda r: f"{r['policy']} vs {r['twin']}", False),
+        Col(
+            "segment",
+            lambda r: SEGMENT_LABELS.get(str(r.get("segment")), str(r.get("segment", "—"))),
+            False,
+        ),
+        Col("tokens since the document's first token", text("bin_label"), False),
+        Col("n tokens", text("n_tokens")),
+        Col("streams", text("n_streams")),
+        Col("ΔNLL / token", lambda r: num(r.get("dnll_mean"), "{:+.4f}")),
+        Col(ci, lambda r: interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.4f}")),
+        Col("bootstrap bias", lambda r: num(r.get("bias"), "{:+.2g}")),
+    ]
+    order = [c for c in ("model", "policy", "fraction", "segment", "bin") if c in adm.columns]
+    return make_table("admission-bins", adm.sort_values(order).to_dict("records"), cols)
+
+
+def regime_table(out: AnalysisOutputs) -> Table:
+    """Per model and layer ('all': every layer), each figure beside its reference if any."""
+    reg = regime_wide(out)
+    if reg.empty:
+        return make_table("regime-table", [], [])
+
+    def ref(metric: str) -> Col:
+        def cell(r: Row) -> str:
+            vals = [num(r.get(f"{p}{metric}"), "{:.3f}") for p in ("ref_", "trace_ref_")]
+            return " / ".join(v for v in vals if v != "—") or "—"
+
+        return Col("reference (study / trace study)", cell)
+
+    reuse = [c for c in reg.columns if c.startswith("reuse_")]
+    cols = [
+        Col("model", text("model"), False),
+        Col("layer", lambda r: "all" if r.get("layer") == -1 else str(r.get("layer"))),
+        Col("hit rate (fetch_every_miss)", lambda r: num(r.get("hit_rate"), "{:.3f}")),
+        ref("hit_rate"),
+        Col("Belady bound", lambda r: num(r.get("belady_hit_rate"), "{:.3f}")),
+        Col("effective experts", lambda r: num(r.get("effective_experts"), "{:.0f}")),
+        Col("cache capacity C", lambda r: num(r.get("capacity"), "{:.0f}")),
+        Col("routing entropy, nats", lambda r: num(r.get("routing_entropy"), "{:.2f}")),
+        Col("ranks 2..k ≥ 0.15", lambda r: pct(r.get("heavy_lower_ranks"))),
+        Col("0.15 rule substitution rate", lambda r: pct(r.get("rule015_sub_rate"), 2)),
+        ref("rule015_sub_rate"),
+        *[
+            Col(f"reuse {c.removeprefix('reuse_').replace('_', '-')}", lambda r, c=c: pct(r.get(c)))
+            for c in reuse
+        ],
+    ]
+    order = reg.assign(_all=reg["layer"] == -1).sort_values(["model", "_all", "layer"])
+    return make_table("regime-table", order.drop(columns="_all").to_dict("records"), cols)
+
+
+def regime_verdicts(out: AnalysisOutputs) -> list[str]:
+    return [
+        f"{r.get('model') or 'model'}: {r['verdict']}"
+        for r in out.doc.get("regime") or []
+        if r.get("verdict")
+    ]
