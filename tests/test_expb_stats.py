@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
+from moesub.io import write_parquet
 from moesub.stats import run_analysis
 from moesub.stats.expb import DesignRule, ExpBRule, decide, hodges_lehmann, signed_rank_cdf
 
@@ -113,6 +114,13 @@ def test_hodges_lehmann_too_few_streams():
 )
 def test_experiment_b_outcomes(tmp_path, case, outcome):
     inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss"], expb_case=case)
+    feasibility = pd.DataFrame(
+        {"heavy_mass": [0.1, 0.15], "configured": [False, True], "support": [0.2, 0.3],
+         "max_target": [0.02, 0.045]}
+    )  # fmt: skip
+    inputs["expb_feasibility"] = [
+        str(write_parquet(feasibility, tmp_path / "r" / "tiny" / "expb" / "feasibility.parquet"))
+    ]
     doc = run_analysis(inputs, params, tmp_path / "an")
     by_design = {e["design"]: e for e in doc["expb"]}
     assert set(by_design) == {"study", "matched"}
@@ -130,6 +138,7 @@ def test_experiment_b_outcomes(tmp_path, case, outcome):
     assert dec["mde"] > 0
     assert dec["mean_rank_heavy"] == pytest.approx(3) and dec["mean_rank_light"] == pytest.approx(7)
     assert dec["support"] == pytest.approx(0.3) and dec["overlap"] == pytest.approx(1.0)
+    assert dec["calib_support"] == 0.3 and dec["max_target"] == 0.045
     assert dec["dropped_heavy"] == pytest.approx(0.0)
     # the study design keeps its own rule and statistic (ΔNLL per unit mass)
     study = by_design["study"]["decision"]

@@ -24,9 +24,10 @@ Reported beside it: the Hodges-Lehmann estimate of d (median of the Walsh averag
 distribution-free interval at `ci_level` (order statistics of the Walsh averages at the exact
 signed-rank critical value), n, the smallest reachable p (`2^-n`), the minimum detectable mean
 difference at alpha and `power` (`moesub.stats.power.paired_mde`), the rank confound (mean rank
-of the substituted experts per condition) and, for `matched`, the plan's support and share and
-the overlap of the substituted token-layers of the two conditions (the "same token-layers"
-check: token-layers substituted in both / in either).
+of the substituted experts per condition) and, for `matched`, the support (eligible share of the
+evaluation token-layers, and `calib_support` / `max_target` from the calibration feasibility
+table), the plan's share and the overlap of the substituted token-layers of the two conditions
+(the "same token-layers" check: token-layers substituted in both / in either).
 
 Entry point: `expb_part(ctx)` fills `ctx.tables["expb"]` (one row per design and target mass),
 `ctx.tables["expb_streams"]` (one row per design, target mass and stream), `ctx.results["expb"]`
@@ -216,6 +217,16 @@ def _token_runs(ctx: Context) -> dict[tuple[str, float, str], tuple[pl.DataFrame
     return runs
 
 
+def _feasibility(ctx: Context) -> dict[str, Any]:
+    """The calibration feasibility of the configured heavy_mass (`calib_support`, the reachable
+    `max_target`), when the feasibility table is among the inputs."""
+    for path in ctx.inputs.get("expb_feasibility", []):
+        row = pl.read_parquet(path).filter(pl.col("configured"))
+        if row.height == 1:
+            return {"calib_support": row["support"][0], "max_target": row["max_target"][0]}
+    return {}
+
+
 def _layer_mass(df: pl.DataFrame) -> np.ndarray:
     n = df.height
     flat = df["layer_mass"].explode().to_numpy().astype(float)
@@ -334,6 +345,7 @@ def expb_part(ctx: Context) -> None:
     rules: ExpBRule = ctx.p.expb
     level, power = ctx.p.ci_level, ctx.p.power
     runs = _token_runs(ctx)
+    feasible = _feasibility(ctx)
     rows, stream_rows, results = [], [], []
     for design, rule in rules.designs.items():
         targets = sorted({t for (dz, t, _c) in runs if dz == design})
@@ -347,6 +359,8 @@ def expb_part(ctx: Context) -> None:
                 )  # fmt: skip
                 continue
             row, srows = target_result(design, target, runs, rule, rules.alpha, level, power)
+            if design == "matched":
+                row.update(feasible)
             design_rows.append(row)
             stream_rows.extend(srows)
         primary = [r for r in design_rows if r.get("primary")]
