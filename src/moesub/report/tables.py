@@ -458,6 +458,12 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
 
     metrics = [
         ("support (eligible token-layers)", lambda r: num(r.get("support"), "{:.4g}")),
+        (
+            "calibration: support; reachable m* up to",
+            lambda r: (
+                f"{num(r.get('calib_support'), '{:.4g}')}; {num(r.get('max_target'), '{:.4g}')}"
+            ),
+        ),
         ("realized heavy / token-layer", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
         ("realized light / token-layer", lambda r: num(r.get("realized_light"), "{:.4g}")),
         ("valid", valid),
