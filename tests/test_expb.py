@@ -132,7 +132,7 @@ def test_router_decisions(condition, resident):
     z = (rng.normal(size=(400, E)) * 1.5).astype(np.float32)
     m = 0.2
     router = ForcedRouter(resident, StudyRule(condition, m), K)
-    ids, selected, realized, n_sub, rank_sum = router.decide(0, z)
+    ids, selected, realized, n_sub, rank_sum, planned = router.decide(0, z)
     assert (ids[:, 0] == selected[:, 0]).all()  # the first choice is never substituted
     assert (realized <= m + 1e-12).all() and realized.max() > 0
     assert np.array_equal(n_sub, (ids != selected).sum(1))
@@ -151,6 +151,7 @@ def test_router_decisions(condition, resident):
     np.testing.assert_array_equal(ids != selected, mask)
     np.testing.assert_allclose(realized, (w * mask).sum(1), rtol=0, atol=0)
     np.testing.assert_array_equal(rank_sum, (mask * np.arange(1, K + 1)).sum(1))
+    np.testing.assert_array_equal(planned, n_sub)
     assert (mask & np.isin(sel, resident[0])).any()  # the case occurs in this sample
 
 

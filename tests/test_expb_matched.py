@@ -209,10 +209,11 @@ def test_planned_ids_substitute_exactly_the_plan():
     for mask in (heavy, light):
         planned = np.where(mask, sel, -1)[:, None, :].repeat(L, axis=1)  # (T, L, k)
         router = ForcedRouter(resident, PlannedIds(planned), K)
-        ids, selected, realized, n_sub, rank_sum = router.decide(1, z)
+        ids, selected, realized, n_sub, rank_sum, planned = router.decide(1, z)
         np.testing.assert_array_equal(ids != selected, mask)
         np.testing.assert_allclose(realized, (w * mask).sum(1), rtol=0, atol=0)
         np.testing.assert_array_equal(rank_sum, (mask * np.arange(1, K + 1)).sum(1))
+        np.testing.assert_array_equal(planned, mask.sum(1))
 
 
 # --------------------------------------------------------------------------- the stage

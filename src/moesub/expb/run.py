@@ -98,6 +98,10 @@ class StudyRule:
     def __call__(self, layer: int, weights: np.ndarray, selected: np.ndarray) -> np.ndarray:
         return select_substitutions(weights, self.condition, self.target_mass)
 
+    def planned(self, layer: int, mask: np.ndarray) -> np.ndarray:
+        """(T,) experts the rule chose (all of them are substituted)."""
+        return mask.sum(axis=1)
+
 
 @dataclass
 class PlannedIds:
@@ -114,6 +118,10 @@ class PlannedIds:
         hit[:, 0] = False  # the live first choice is never substituted
         return hit
 
+    def planned(self, layer: int, mask: np.ndarray) -> np.ndarray:
+        """(T,) experts the plan chose, substituted or not."""
+        return (self.ids[:, layer] >= 0).sum(axis=1)
+
 
 @dataclass
 class ForcedRouter:
@@ -129,7 +137,7 @@ class ForcedRouter:
 
     def decide(self, layer: int, z: np.ndarray):
         """Core decisions for logits z (N, E) float32: (ids, selected, realized mass, n_sub,
-        rank sum) per row."""
+        rank sum, planned) per row."""
         none = np.zeros((z.shape[0], self.k), dtype=bool)
         _, weights, selected = forced_substitution(z, self.k, self.resident[layer], none)
         mask = self.select(layer, weights, selected)
@@ -139,17 +147,12 @@ class ForcedRouter:
         done = mask & (ids != selected)
         realized = np.where(done, weights, 0.0).sum(axis=1)
         rank_sum = (done * np.arange(1, self.k + 1)).sum(axis=1)
-        return ids, selected, realized, done.sum(axis=1), rank_sum
+        return ids, selected, realized, done.sum(axis=1), rank_sum, self.select.planned(layer, mask)
 
     def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         z = np.ascontiguousarray(logits.detach().to(torch.float32).cpu().numpy())  # (N, E)
-        new_ids, selected, realized, n_sub, rank_sum = self.decide(layer, z)
-        planned = (
-            (self.select.ids[:, layer] >= 0).sum(axis=1)
-            if isinstance(self.select, PlannedIds)
-            else n_sub
-        )
-        self._parts[layer].append((realized, n_sub, rank_sum, planned))
+        new_ids, selected, *recorded = self.decide(layer, z)  # realized, n_sub, rank_sum, planned
+        self._parts[layer].append(tuple(recorded))
         return computed_ids(ids, selected, new_ids, logits)
 
     def take(self) -> tuple[np.ndarray, ...]:
@@ -227,8 +230,15 @@ def expb_streams(
     return pl.concat(frames), np.concatenate(realized)
 
 
-def token_frame(rows: pl.DataFrame, nll, mass, n_sub, rank_sum, planned) -> pl.DataFrame:
-    """One stream's per-token rows (the expb schema); mass arrays (T, L)."""
+def token_frame(
+    rows: pl.DataFrame,
+    nll: np.ndarray,
+    mass: np.ndarray,
+    n_sub: np.ndarray,
+    rank_sum: np.ndarray,
+    planned: np.ndarray,
+) -> pl.DataFrame:
+    """One stream's per-token rows (the expb schema): nll (T,), the others (T, L)."""
     return (
         rows.select(
             pl.col("stream").cast(pl.Int32),
