@@ -160,7 +160,8 @@ _JOB_PREFIX = re.compile(r"^(?:[\w.+-]+/)*[\w.+-]+: ")
 def summarize_reasons(text: str) -> str:
     """Collapse a '; '-joined list of per-job reasons into one line per distinct reason.
 
-    "a: gsm8k/p1: no data; a: gsm8k/p2: no data" -> "no data (2 jobs: a: gsm8k/p1, ...)".
+    "a: gsm8k/p1: no data; a: gsm8k/p2: no data" -> "no data (a: gsm8k/p1, a: gsm8k/p2)";
+    a job prefix is one word or path (model, task/policy) followed by ": ".
     """
     items = [t.strip() for t in text.split("; ") if t.strip()]
     by_reason: dict[str, list[str]] = {}
@@ -174,8 +175,8 @@ def summarize_reasons(text: str) -> str:
     for reason, jobs in by_reason.items():
         named = [j for j in jobs if j]
         if len(jobs) > 1:
-            shown = ", ".join(named[:3]) + (", …" if len(named) > 3 else "")
-            parts.append(f"{reason} ({len(jobs)} jobs: {shown})")
+            shown = ", ".join(named[:3]) + (f", … ({len(named)} in all)" if len(named) > 3 else "")
+            parts.append(f"{reason} ({shown})")
         else:
             parts.append(f"{named[0]}: {reason}" if named else reason)
     return "; ".join(parts)

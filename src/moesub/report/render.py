@@ -21,6 +21,7 @@ from moesub.report.tables import (
     expb_designs,
     expb_rules,
     frame_table,
+    generation_missing,
     generation_table,
     headline,
     mass_table,
@@ -34,6 +35,7 @@ from moesub.report.tables import (
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 TEMPLATE = "report.html.j2"
+SECTION_NOTES = ("expb", "admission", "generation", "regime")  # parts whose section shows notes
 
 
 def machine_info() -> dict[str, Any]:
@@ -79,10 +81,17 @@ def render_report(
     figures = draw_figures(FigureData(out, numbers), fig_dir)
     prov = out.doc.get("provenance") or []
     expb_side, expb_all = expb_designs(out)
+    # a part's note shows once: in its section when it has one, else in the parts table
+    notes = {
+        name: summarize_reasons(str(p["note"]))
+        for name, p in (out.doc.get("parts") or {}).items()
+        if p.get("note")
+    }
     parts = {
         name: {
             "status": p.get("status", "?"),
-            "why": summarize_reasons(str(p.get("reason") or p.get("note") or "")),
+            "why": summarize_reasons(str(p.get("reason") or ""))
+            or ("" if name in SECTION_NOTES else notes.get(name, "")),
         }
         for name, p in (out.doc.get("parts") or {}).items()
     }
@@ -94,6 +103,7 @@ def render_report(
         "summary": summary_table(out, numbers),
         "figures": {f.name: f for f in figures},
         "parts": parts,
+        "notes": {name: notes[name] for name in SECTION_NOTES if name in notes},
         "why_missing": out.why_missing,
         "mass": mass_table(out),
         "per_input": per_input_table(out),
@@ -108,6 +118,7 @@ def render_report(
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),
+        "generation_missing": generation_missing(out),
         "engine_bench": frame_table("bench-table", out.table("engine_bench")),
         "models": models_table(out),
         "absent": out.absent,

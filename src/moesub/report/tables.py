@@ -269,29 +269,59 @@ def admission_table(out: AnalysisOutputs) -> Table:
 
 
 def generation_table(out: AnalysisOutputs) -> Table:
+    """Accuracy per task and policy with its Wilson CI, agreement, mass, and the paired test
+    against the baseline (McNemar) with the smallest detectable accuracy drop."""
     df = out.table("generation")
     ci = ci_label(out.ci_level)
     lo, hi = ("ci_low", "ci_high") if "ci_low" in df.columns else ("acc_ci_lo", "acc_ci_hi")
     agree = "agreement" if "agreement" in df.columns else "agree_exact"
-    mass = next((c for c in ("mass_per_token_layer", "mass_mean", "mass") if c in df.columns), None)
+
+    def pct_interval(r: Row, a: str, b: str) -> str:
+        if not (finite(r.get(a)) and finite(r.get(b))):
+            return "—"
+        return interval(100 * float(r[a]), 100 * float(r[b]), "{:.1f}")
+
+    def vs_base(r: Row) -> str:
+        if not finite(r.get("accuracy_diff")):
+            return "—"
+        return f"{100 * float(r['accuracy_diff']):+.1f} pt (McNemar p {num(r.get('mcnemar_p'))})"
+
     cols = [
         Col("model", text("model"), False),
         Col("task", text("task"), False),
         Col("policy", text("policy"), False),
-        Col("n problems", text("n")),
+        Col("n scored", text("n")),
+        Col("n missing", lambda r: str(r.get("n_missing") or 0)),
         Col("accuracy", lambda r: pct(r.get("accuracy"))),
-        Col(
-            f"accuracy {ci} (Wilson)",
-            lambda r: (
-                interval(100 * r[lo], 100 * r[hi], "{:.1f}")
-                if finite(r.get(lo)) and finite(r.get(hi))
-                else "—"
-            ),
-        ),
+        Col(f"accuracy {ci} (Wilson), %", lambda r: pct_interval(r, lo, hi)),
+        Col(f"accuracy vs {out.baseline}", vs_base),
+        Col("MDE: smallest detectable drop", lambda r: pct(r.get("mdd"))),
         Col(f"agreement with {out.baseline}", lambda r: pct(r.get(agree))),
-        Col("mass / token-layer", lambda r: num(r.get(mass), "{:.4g}") if mass else "—"),
+        Col(
+            f"agreement {ci}, %", lambda r: pct_interval(r, "agreement_ci_low", "agreement_ci_high")
+        ),
+        Col(
+            "mass / token-layer",
+            lambda r: num(first(r, "mass_per_token_layer", "mass_mean"), "{:.4g}"),
+        ),
     ]
-    return make_table("generation-table", df.to_dict("records"), cols)
+    order = [c for c in ("model", "task", "policy") if c in df.columns]
+    return make_table(
+        "generation-table", df.sort_values(order).to_dict("records") if order else [], cols
+    )
+
+
+def generation_missing(out: AnalysisOutputs) -> list[str]:
+    """Why problems went unscored, each distinct reason once (per task)."""
+    df = out.table("generation")
+    if df.empty or "missing_reasons" not in df.columns:
+        return []
+    reasons = []
+    for r in df.to_dict("records"):
+        for why in str(r.get("missing_reasons") or "").split("; "):
+            if why and f"{r['task']}: {why}" not in reasons:
+                reasons.append(f"{r['task']}: {why}")
+    return reasons
 
 
 def frame_table(table_id: str, df: pd.DataFrame) -> Table:
