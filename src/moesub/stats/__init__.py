@@ -4,22 +4,30 @@
 atomically (`moesub.io`), into `out_dir`:
 
 - `analysis.json`: status of every part (ok / missing + reason), the scalar results (mass
-  hypothesis, Experiment B decision, admission totals, simulator error), params, provenance;
-- `summary.parquet`: one row per (policy, fraction): quality, substitution, cache, time,
-  speedups, generation;
+  hypothesis, Experiment B decision, admission totals and tests, simulator error), params,
+  `ci_label` (e.g. "95%", from ci_level), units, provenance;
+- `models.parquet`: one row per model: summary JSON facts, E, k, L, capacity per fraction;
+- `summary.parquet`: one row per (policy, fraction): quality (Δppl % with BCa CI, bias and
+  minimum detectable Δppl; mass per token-layer with CI), substitution, cache, time, speedups,
+  generation;
 - `mass_points.parquet`: per (fraction, group, policy): the points behind the mass-hypothesis r;
 - `per_input.parquet`: per (policy, fraction, level): r between per-unit mass and ΔNLL;
 - `per_input_points.parquet`: per (policy, fraction, level, unit): mean mass, mean ΔNLL;
 - `expb.parquet`: per (design, target mass): Experiment B's decision, realized masses per
   token-layer, effect with CI, rank confound; `expb_streams.parquet`: per (design, target mass,
   stream): realized masses, ΔNLL, the paired difference;
-- `admission.parquet`: per (policy, fraction, bin of tokens since the last doc_start);
+- `admission.parquet`: per (policy, fraction, segment, bin of tokens since the document start):
+  ΔNLL vs the exact twin with CI and bias;
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
 - `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;
 - `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;
 - `engine_bench.parquet`: the engine benchmark rows as measured;
 - `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
   r(mass, agreement).
+
+Every bootstrapped estimate `x` comes with `x_ci_lo, x_ci_hi, x_bias, x_ci_method`
+(`moesub.stats.intervals`); every test with the smallest p the design can reach and its minimum
+detectable effect (`moesub.stats.power`). Substituted mass is per token-layer everywhere.
 
 Every output file is written even when its part is missing (then with no rows), so a workflow
 rule can name them all; `analysis.json["parts"][part]` says why a part is missing. Artefacts of
@@ -29,7 +37,8 @@ column and every scalar result in analysis.json a `model` key.
 Modules, one per part (each documents its decisions):
 
 - `load`: input checking, file metadata, the split by model, `Context` (DuckDB tables);
-- `intervals`: stream bootstrap, correlation, Wilson and median CIs;
+- `intervals`: stream bootstrap (BCa / basic, bias), correlation, Wilson and median CIs;
+- `power`: smallest reachable p-value and minimum detectable effects;
 - `quality`: Δppl and speedup (the only place they are computed), per-policy quality;
 - `mass`: the mass hypothesis and its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,

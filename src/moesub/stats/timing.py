@@ -52,9 +52,14 @@ def simulate_part(ctx: Context) -> None:
         """
     ).df()
     ctx.tables["sim_total"] = sim[sim["layer"] == -1].reset_index(drop=True)
-    ctx.tables["layer_hit_rates"] = sim[sim["layer"] >= 0][
-        ["policy", "fraction", "layer", "tokens", "hit_rate", "sub_rate", "mass_mean"]
-    ].reset_index(drop=True)
+    # simulate's per-layer mass_mean is already a mean over that layer's token-layers
+    ctx.tables["layer_hit_rates"] = (
+        sim[sim["layer"] >= 0][
+            ["policy", "fraction", "layer", "tokens", "hit_rate", "sub_rate", "mass_mean"]
+        ]
+        .rename(columns={"mass_mean": "mass_per_token_layer"})
+        .reset_index(drop=True)
+    )
     ctx.parts["simulate"] = {"status": "ok"}
 
 
