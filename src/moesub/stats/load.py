@@ -352,11 +352,11 @@ class Context:
         train_summary.json or a checkpoint's checkpoint.json), its geometry E / k / L (capture
         metadata first, then the summary) and the cache capacity C at every fraction run."""
         summary: dict[str, Any] = {}
-        for path in self.inputs["model_summary"]:
-            summary = json.loads(Path(path).read_text())
         source = None
-        if self.inputs["model_summary"]:
-            source = "embedded" if summary.get("config") is not None else "checkpoint"
+        for path in self.inputs["model_summary"]:  # one per model (split_by_model)
+            summary = json.loads(Path(path).read_text())
+            # results/{model}/model/train_summary.json or results/{model}/checkpoint.json
+            source = "checkpoint" if Path(path).name == "checkpoint.json" else "embedded"
         config = summary.get("config") or {}
         meta = self.infos["capture_tokens"][0].meta if self.infos["capture_tokens"] else {}
 
