@@ -373,3 +373,9 @@ def test_models_are_analysed_separately(tmp_path):
     assert np.allclose(summary.loc[summary["policy"] == "rule_015", "dppl_pct"], 6.0)
     assert doc["parts"]["quality"]["status"] == "ok"
     assert {r["model"] for r in doc["provenance"] if r["kind"] == "emulate"} == {"a", "b"}
+    # one row per model: geometry from the capture metadata / summary, capacity per fraction
+    models = pd.read_parquet(tmp_path / "an" / "models.parquet")
+    assert models["model"].tolist() == ["a", "b"]
+    assert models[["num_experts", "top_k", "num_layers"]].values.tolist() == [[512, 10, 4]] * 2
+    assert [list(c) for c in models["capacities"]] == [[128], [128]]
+    assert models["source"].tolist() == ["embedded", "embedded"]
