@@ -23,16 +23,20 @@ from scipy import stats as sps
 ALTERNATIVES = ("greater", "less", "two-sided")
 
 
-def _check(alpha: float, power: float, alternative: str) -> None:
-    if not 0 < alpha < 1 or not 0 < power < 1:
-        raise ValueError(f"alpha={alpha} and power={power} must be in (0, 1)")
+def _check_alternative(alternative: str) -> None:
     if alternative not in ALTERNATIVES:
         raise ValueError(f"alternative={alternative!r} is not one of {ALTERNATIVES}")
 
 
+def _check(alpha: float, power: float, alternative: str) -> None:
+    if not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"alpha={alpha} and power={power} must be in (0, 1)")
+    _check_alternative(alternative)
+
+
 def wilcoxon_min_p(n: int, alternative: str = "greater") -> float:
     """Smallest exact p-value of a Wilcoxon signed-rank test over n non-zero differences."""
-    _check(0.5, 0.5, alternative)
+    _check_alternative(alternative)
     if n < 1:
         return 1.0
     return min(1.0, 0.5 ** (n - 1 if alternative == "two-sided" else n))
