@@ -123,7 +123,10 @@ def regime_wide(out: AnalysisOutputs) -> pd.DataFrame:
         return pd.DataFrame()
     if "model" not in long.columns:
         long = long.assign(model="")
-    wide = long.pivot_table(index=["model", "layer"], columns="metric", values="value")
+    metrics = unique(long["metric"].astype(str))  # the analysis's order (reuse bins ascending)
+    wide = long.pivot_table(
+        index=["model", "layer"], columns="metric", values="value", dropna=False
+    )[metrics]
     for src, prefix in (("reference", "ref_"), ("trace_study_reference", "trace_ref_")):
         if src in long.columns and long[src].notna().any():
             refs = long.pivot_table(index=["model", "layer"], columns="metric", values=src)
