@@ -379,3 +379,29 @@ def test_models_are_analysed_separately(tmp_path):
     assert models[["num_experts", "top_k", "num_layers"]].values.tolist() == [[512, 10, 4]] * 2
     assert [list(c) for c in models["capacities"]] == [[128], [128]]
     assert models["source"].tolist() == ["embedded", "embedded"]
+
+
+def test_mass_per_token_layer_from_metadata_or_layer_mass(tmp_path):
+    """emulate's mass is summed over layers: divided by num_layers (metadata) or by the length
+    of layer_mass; a file with neither is refused before any work, naming the problem."""
+    import pyarrow.parquet as pq
+
+    from moesub.io import read_metadata, write_parquet
+
+    tok = tokens_table(3, 20, 10, seed=4)
+    pols = {n: normalize_policy(n, POLICIES[n]) for n in ("fetch_every_miss", "rule_015")}
+    inputs = {"capture_tokens": [str(write_capture(tmp_path, tok))], "emulate": []}
+    for n, pol in pols.items():
+        mass = np.full(tok["nll"].size, 0.8 if n == "rule_015" else 0.0)
+        path = write_emulate(tmp_path, n, pol, tok, tok["nll"], mass)
+        meta = {**read_metadata(path), "num_layers": N_LAYERS}
+        write_parquet(pq.read_table(path).drop(["layer_mass"]), path, metadata=meta)
+        inputs["emulate"].append(str(path))
+    run_analysis(inputs, {"policies": pols, "n_boot": 20}, tmp_path / "an")
+    s = pd.read_parquet(tmp_path / "an" / "summary.parquet").set_index("policy")
+    assert s.loc["rule_015", "mass_per_token_layer"] == pytest.approx(0.8 / N_LAYERS)
+    path = inputs["emulate"][1]
+    meta = {k: v for k, v in read_metadata(path).items() if k != "num_layers"}
+    write_parquet(pq.read_table(path).replace_schema_metadata(None), path, metadata=meta)
+    with pytest.raises(ValueError, match="neither num_layers metadata nor a layer_mass column"):
+        run_analysis(inputs, {"policies": pols, "n_boot": 20}, tmp_path / "an2")

@@ -315,10 +315,13 @@ class Context:
         if self.inputs["emulate"]:
             files = self.register_files("emulate")
             # one mass unit: emulate's `mass` is the sum over the L layers; per token-layer here
+            # (L from the metadata, else the length of layer_mass; file_info checked one exists)
+            layers = "CAST(f.num_layers AS DOUBLE)"
+            if any(i.num_layers is None for i in self.infos["emulate"]):
+                layers = f"coalesce({layers}, len(t.layer_mass))"
             con.execute(
                 "CREATE TEMP TABLE emu AS SELECT f.name, f.fraction, t.stream, t.pos, t.doc_id, "
-                "t.doc_start, t.nll, "
-                "t.mass / coalesce(CAST(f.num_layers AS DOUBLE), len(t.layer_mass)) AS mass, "
+                f"t.doc_start, t.nll, t.mass / {layers} AS mass, "
                 't.hit, t."fetch", t.sub, t.host, t.forced '
                 f"FROM read_parquet({sql_list(self.inputs['emulate'])}, filename=true, "
                 f"union_by_name=true) t JOIN {files} f USING (filename)"
