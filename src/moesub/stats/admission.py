@@ -104,8 +104,14 @@ def admission_part(ctx: Context) -> None:
             if twin is None:
                 skipped.append(f"{name} @ f{frac:g}: {why}")
                 totals.append(
-                    {"policy": name, "twin": None, "fraction": float(frac), "segment": "all"}
-                    | {"status": "missing", "reason": why}
+                    {
+                        "policy": name,
+                        "twin": None,
+                        "fraction": float(frac),
+                        "segment": "all",
+                        "status": "missing",
+                        "reason": why,
+                    }
                 )
                 continue
             r, t = admission_pair(ctx, name, twin, float(frac))
