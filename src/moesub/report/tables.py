@@ -86,8 +86,9 @@ def make_table(
     )
 
 
-def text(key: str) -> Callable[[Row], str]:
-    return lambda r: "—" if r.get(key) is None else str(r.get(key))
+def text(key: str, empty: str = "—") -> Callable[[Row], str]:
+    """The value of `key` as text; `empty` for None and NaN."""
+    return lambda r: str(r[key]) if first(r, key) is not None else empty
 
 
 # ---- policy numbers -----------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def per_input_table(out: AnalysisOutputs) -> Table:
         Col("Pearson r", lambda r: num(r.get("r"), "{:.3f}")),
         Col(f"r {ci}", lambda r: interval(r.get("r_ci_lo"), r.get("r_ci_hi"))),
         Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
-        Col("note", lambda r: str(r.get("reason") or ""), False),
+        Col("note", text("reason", ""), False),
     ]
     return make_table("per-input-table", df.to_dict("records"), cols)
 
@@ -483,6 +484,11 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
         h, light = r.get("mean_rank_heavy"), r.get("mean_rank_light")
         return f"heavy {num(h, '{:.2f}')} vs light {num(light, '{:.2f}')}"
 
+    def outcome(r: Row) -> str:
+        """The short outcome; an invalid design also says why (the analysis's full text)."""
+        short = str(r.get("outcome") or "—")
+        return str(r.get("outcome_text") or short) if short.startswith("invalid") else short
+
     def valid(r: Row) -> str:
         return "—" if r.get("valid") is None else ("yes" if r["valid"] else "no")
 
@@ -497,7 +503,7 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
         ("realized heavy / token-layer", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
         ("realized light / token-layer", lambda r: num(r.get("realized_light"), "{:.4g}")),
         ("valid", valid),
-        ("outcome", lambda r: str(r.get("outcome_text") or r.get("outcome") or "—")),
+        ("outcome", outcome),
         ("p (one-sided Wilcoxon)", lambda r: num(first(r, "p_value", "p"))),
         ("n streams", lambda r: str(r.get("n_streams") if r.get("n_streams") is not None else "—")),
         (f"effect heavy − light [{ci}]", effect),
