@@ -262,6 +262,7 @@ def test_rebuild_replaces_existing_dir(tmp_path):
         ({"balance_pooling": "sequence"}, "balance_pooling"),
         ({"balance_ema_steps": 0.5}, "balance_ema_steps"),
         ({"router_z_loss_coef": -1.0}, "router_z_loss_coef"),
+        ({"router_lr_scale": 0.0}, "router_lr_scale"),
     ],
 )
 def test_bad_params(params, match, tmp_path):
@@ -345,3 +346,19 @@ def test_global_pooling_build_is_deterministic(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     log = pq.read_table(a / "train_log.parquet").to_pydict()
     assert all(v > 0 for v in log["aux_loss"]) and all(v > 0 for v in log["z_loss"])
+
+
+def test_router_lr_scale_puts_the_routers_in_their_own_group():
+    from transformers import Qwen3NextForCausalLM
+
+    cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "router_lr_scale": 10.0})
+    tok = embedded.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
+    model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
+    opt = embedded._optimizer(model, cfg)
+    routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
+    scaled = [g for g in opt.param_groups if g["lr_scale"] != 1.0]
+    assert len(scaled) == 1 and scaled[0]["lr_scale"] == 10.0
+    assert {id(p) for p in scaled[0]["params"]} == routers
+    assert scaled[0]["weight_decay"] == cfg.weight_decay
+    n_params = sum(len(g["params"]) for g in opt.param_groups)
+    assert n_params == len(list(model.parameters()))

@@ -71,6 +71,7 @@ SPLITS = ("train", "calib", "eval")
 # boilerplate + byte tables that would dominate the held-out perplexity and the streams
 GENERATED_MARKERS = ("with gencodec.py",)
 BALANCE_POOLINGS = ("micro_batch", "global")
+ROUTER_WEIGHT_SUFFIX = ".mlp.gate.weight"  # Qwen3-Next's TopKRouter weight [E, H]
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class EmbeddedConfig:
     balance_pooling: str = "micro_batch"
     balance_ema_steps: float = 64.0
     router_z_loss_coef: float = 0.0
+    router_lr_scale: float = 1.0  # the routers' learning rate relative to `lr`
     max_position_embeddings: int = 4096
     # training
     seq_len: int = 256
@@ -193,6 +195,7 @@ class EmbeddedConfig:
         )
         need(self.balance_ema_steps >= 1, "balance_ema_steps must be >= 1")
         need(self.router_z_loss_coef >= 0, "router_z_loss_coef must be >= 0")
+        need(self.router_lr_scale > 0, "router_lr_scale must be > 0")
         need(self.grad_clip > 0, "grad_clip must be > 0")
         need(
             self.train_seconds is not None or self.max_tokens is not None,
@@ -435,12 +438,21 @@ def lr_at(step: int, cfg: EmbeddedConfig, progress: float) -> float:
 
 
 def _optimizer(model: torch.nn.Module, cfg: EmbeddedConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """AdamW; matrices decay, vectors do not; the routers' weights (``mlp.gate.weight``) learn
+    at ``router_lr_scale`` times the learning rate (each group's ``lr_scale``)."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = (p.dim() >= 2, name.endswith(ROUTER_WEIGHT_SUFFIX))
+            groups.setdefault(key, []).append(p)
     return torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {
+                "params": params,
+                "weight_decay": cfg.weight_decay if decay else 0.0,
+                "lr_scale": cfg.router_lr_scale if router else 1.0,
+            }
+            for (decay, router), params in sorted(groups.items())
         ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
@@ -533,7 +545,7 @@ def train(model, tokens: np.ndarray, cfg: EmbeddedConfig) -> tuple[dict[str, lis
             progress = max(progress, (elapsed - warm_end_s) / span)
         lr = lr_at(step, cfg, progress)
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         offsets = rng.integers(0, data.numel() - cfg.seq_len, size=cfg.batch_size)
         batch = data[torch.from_numpy(offsets)[:, None] + window]  # (B, seq_len)
         out = model(input_ids=batch, labels=batch, output_router_logits=True, use_cache=False)
