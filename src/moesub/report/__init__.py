@@ -7,8 +7,10 @@
 `templates/report.html.j2` (Jinja2, autoescaped). No external CSS, JS, fonts or images: the file
 opens offline. A part whose data is missing shows one message saying why.
 
-Modules: `load` (the analysis outputs, tolerant of absent tables), `labels` (non-overlapping
-point labels), `figures`, `tables` (formatted tables and headline sentences), `render`.
+Modules: `load` (the analysis outputs, tolerant of absent tables and columns), `labels`
+(non-overlapping point labels), `figures`, `tables` (the table type, number formats, the policy,
+mass, generation and model tables), `experiments` (Experiment B, admission, regime tables),
+`headline` (the headline sentences), `render` (the entry point).
 """
 
 from moesub.report.figures import FIGURES

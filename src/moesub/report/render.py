@@ -13,23 +13,25 @@ from typing import Any
 import jinja2
 
 from moesub.io import atomic_path
-from moesub.report.figures import FigureData, draw_figures
-from moesub.report.load import ci_label, load_outputs, summarize_reasons
-from moesub.report.tables import (
+from moesub.report.experiments import (
     admission_bins_table,
     admission_table,
     expb_designs,
     expb_rules,
+    regime_table,
+    regime_verdicts,
+)
+from moesub.report.figures import FigureData, draw_figures
+from moesub.report.headline import headline
+from moesub.report.load import ci_label, load_outputs, summarize_reasons
+from moesub.report.tables import (
     frame_table,
     generation_missing,
     generation_table,
-    headline,
     mass_table,
     models_table,
     per_input_table,
     policy_numbers,
-    regime_table,
-    regime_verdicts,
     summary_table,
 )
 

@@ -1,0 +1,97 @@
+"""The report's headline: the key numbers as sentences, each starting with its model's name."""
+
+from __future__ import annotations
+
+from moesub.report.experiments import expb_designs
+from moesub.report.load import AnalysisOutputs, ci_label, finite
+from moesub.report.tables import Row, first, interval, num, power
+
+
+def expb_headline(out: AnalysisOutputs) -> list[str]:
+    """Experiment B per model and design at the primary m* (analysis.json's decision text for an
+    analysis without designs)."""
+    side, _ = expb_designs(out)
+    if not side:
+        return [
+            f"{e.get('model') or 'model'}: Experiment B: {e['decision']['outcome_text']}"
+            for e in out.doc.get("expb") or []
+            if (e.get("decision") or {}).get("outcome_text")
+        ]
+    df = out.table("expb")
+    df = df.assign(model=df["model"] if "model" in df.columns else "")
+    if "primary" in df.columns and df["primary"].astype(bool).any():
+        df = df[df["primary"].astype(bool)]
+    ci = ci_label(out.ci_level)
+    lines = []
+    for r in df.sort_values(["model", "design"]).to_dict("records"):
+        effect = ""
+        if finite(r.get("effect")):
+            iv = interval(r.get("effect_ci_lo"), r.get("effect_ci_hi"), "{:+.3g}")
+            effect = f"effect heavy − light {float(r['effect']):+.3g} {ci} {iv}; "
+        lines.append(
+            f"{r['model'] or 'model'}: Experiment B, {r['design']} design "
+            f"(m* {r['target_mass']:g} per token-layer): {r.get('outcome')}; "
+            f"p = {num(r.get('p_value'))} over {r.get('n_streams')} streams ({power(r)}); "
+            + effect
+            + f"realized heavy {num(r.get('realized_heavy'), '{:.4g}')}, light "
+            f"{num(r.get('realized_light'), '{:.4g}')}; support {num(r.get('support'), '{:.3g}')}; "
+            f"mean rank substituted heavy {num(r.get('mean_rank_heavy'), '{:.2f}')}"
+            f" vs light {num(r.get('mean_rank_light'), '{:.2f}')}."
+        )
+    return lines
+
+
+def headline(out: AnalysisOutputs) -> list[str]:
+    """The headline numbers as sentences; every sentence starts with its model's name."""
+    ci = ci_label(out.ci_level)
+
+    def who(r: Row) -> str:
+        return f"{r.get('model') or 'model'}: "
+
+    lines = []
+    for r in out.doc.get("mass_hypothesis") or []:
+        what = f"mass hypothesis ({r['group']}, cache fraction {r['fraction']:g})"
+        if r.get("r") is not None:
+            bias = first(r, "bias", "boot_bias", "r_bias")
+            lines.append(
+                f"{who(r)}{what}: Pearson r = {r['r']:.3f}, bootstrap {ci} "
+                f"{interval(first(r, 'ci_lo', 'r_ci_lo'), first(r, 'ci_hi', 'r_ci_hi'))}"
+                + (f", bootstrap bias {float(bias):+.3f}" if finite(bias) else "")
+                + f", n = {r['n']} policies."
+            )
+        else:
+            lines.append(f"{who(r)}{what}: {r.get('reason')}; n = {r['n']}.")
+    lines += expb_headline(out)
+    s = out.table("summary")
+    for name in ("quality", "speed", "rule_015", "substitute_all"):
+        for r in s[s["policy"] == name].to_dict("records") if "policy" in s else []:
+            bits = []
+            if finite(r.get("dppl_pct")):
+                bits.append(
+                    f"Δppl {r['dppl_pct']:+.2f}% {ci} "
+                    f"{interval(r.get('dppl_ci_lo'), r.get('dppl_ci_hi'))}"
+                )
+            if finite(r.get("speedup_vs_fetch_every_miss")):
+                bits.append(f"{r['speedup_vs_fetch_every_miss']:.2f}× faster than {out.baseline}")
+            if finite(r.get("speedup_vs_host_compute")):
+                bits.append(f"{r['speedup_vs_host_compute']:.2f}× vs host_compute")
+            if bits:
+                lines.append(
+                    f"{who(r)}{name} (cache fraction {r['fraction']:g}): " + ", ".join(bits) + "."
+                )
+    for r in out.doc.get("admission") or []:
+        if r.get("segment", "all") != "all":
+            continue
+        if not finite(r.get("dppl_pct_vs_twin")):
+            lines.append(f"{who(r)}admission: {r['policy']}: {r.get('reason') or 'no result'}.")
+            continue
+        p = first(r, "p_value", "p")
+        test = f", one-sided p = {num(p)} ({power({**r, 'mde': r.get('mde_dppl_pct')})})"
+        lines.append(
+            f"{who(r)}admission: {r['policy']} vs its exact twin {r['twin']}: Δppl "
+            f"{r['dppl_pct_vs_twin']:+.2f}% {ci} {interval(r.get('ci_lo'), r.get('ci_hi'))}"
+            + (f", bootstrap bias {float(r['bias']):+.3f}" if finite(r.get("bias")) else "")
+            + (test if p is not None else "")
+            + f", over {r['n_tokens']} tokens."
+        )
+    return lines
