@@ -192,7 +192,7 @@ def test_report_in_headless_chromium(rendered, tmp_path):
     res = run_harness(chromium, Path(rendered["html"]), tmp_path)
     assert res["errors"] == []
     assert res["title"] == "moesub report"
-    assert len(res["images"]) == len(FIGURES) - 1  # no regime artefact in the synthetic study
+    assert len(res["images"]) == len(embedded_figures(Path(rendered["html"]).read_text()))
     for img in res["images"]:
         assert img["complete"] and img["w"] > 0 and img["h"] > 0, img
     assert sorted(res["summary_rows"]) == sorted(POLICIES)

@@ -404,7 +404,8 @@ def fig_generation(fd: FigureData) -> plt.Figure:
             ax.set_xlim(0, 1)
             ax.set_xlabel(f"accuracy ({fd.ci}, Wilson)")
             where = f"{model}: " if model else ""
-            n = f"n = {int(g['n'].min())}–{int(g['n'].max())}" if len(g) else "no rows"
+            lo_n, hi_n = (int(g["n"].min()), int(g["n"].max())) if len(g) else (0, 0)
+            n = f"n = {lo_n}" if lo_n == hi_n else f"n = {lo_n}–{hi_n}"
             ax.set_title(f"{where}{task}, {n} problems", fontsize=8)
     fig.tight_layout()
     return fig
