@@ -24,14 +24,18 @@ def expb_headline(out: AnalysisOutputs) -> list[str]:
     ci = ci_label(out.ci_level)
     lines = []
     for r in df.sort_values(["model", "design"]).to_dict("records"):
+        where = f"{r['model'] or 'model'}: Experiment B, {r['design']} design "
+        where += f"(m* {r['target_mass']:g} per token-layer): "
+        if not r.get("valid"):  # the analysis's text says why
+            lines.append(where + str(r.get("outcome_text") or r.get("outcome") or "invalid"))
+            continue
         effect = ""
         if finite(r.get("effect")):
             iv = interval(r.get("effect_ci_lo"), r.get("effect_ci_hi"), "{:+.3g}")
             effect = f"effect heavy − light {float(r['effect']):+.3g} {ci} {iv}; "
         lines.append(
-            f"{r['model'] or 'model'}: Experiment B, {r['design']} design "
-            f"(m* {r['target_mass']:g} per token-layer): {r.get('outcome')}; "
-            f"p = {num(r.get('p_value'))} over {r.get('n_streams')} streams ({power(r)}); "
+            where + f"{r.get('outcome')}; p = {num(r.get('p_value'))} over {r.get('n_streams')} "
+            f"streams ({power(r)}); "
             + effect
             + f"realized heavy {num(r.get('realized_heavy'), '{:.4g}')}, light "
             f"{num(r.get('realized_light'), '{:.4g}')}; support {num(r.get('support'), '{:.3g}')}; "

@@ -116,7 +116,7 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
     tasks = sorted(c[: -len("_accuracy")] for c in s.columns if c.endswith("_accuracy"))
 
     def rule(r: Row) -> str:
-        out_ = str(r.get("rule") or "—")
+        out_ = str(first(r, "rule") or "—")
         if r.get("rule") == "threshold" and finite(r.get("tau")):
             out_ += f" τ={float(r['tau']):g}"
         if finite(r.get("beta")) and float(r["beta"]) > 0:
@@ -177,6 +177,8 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         ),
         *[Col(f"{t} accuracy [{ci}]", task_cell(t)) for t in tasks],
     ]
+    s = s.assign(_n=s["policy"].astype(str).map(numbers))
+    s = s.sort_values([c for c in ("model", "fraction", "_n") if c in s.columns])
     return make_table(
         "summary",
         s.to_dict("records"),
