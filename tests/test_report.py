@@ -572,10 +572,12 @@ def test_policies_table_has_hit_rate_and_numbers(two_models):
     assert headers[:3] == ["#", "model", "policy"]
     assert "hit rate" in headers
     rows = re.findall(r'data-policy="([^"]+)" data-model="([^"]+)"', table)
-    # per model, in the numbering order (the config's)
-    assert rows == [(p, m) for m in ("a", "b") for p in FIXTURE_POLICIES]
+    assert sorted(rows) == sorted((p, m) for p in FIXTURE_POLICIES for m in ("a", "b"))
+    assert [m for _, m in rows] == ["a"] * len(FIXTURE_POLICIES) + ["b"] * len(FIXTURE_POLICIES)
+    # per model in number order, and the same number for the same policy in both models
     numbers = re.findall(r'<tr class="policy-row"[^>]*><td class="num">(\d+)</td>', table)
     assert numbers == [str(i + 1) for i in range(len(FIXTURE_POLICIES))] * 2
+    assert rows[: len(FIXTURE_POLICIES)] == [(p, "a") for p, _ in rows[len(FIXTURE_POLICIES) :]]
 
 
 def test_sections_for_designs_admission_generation_regime(two_models):

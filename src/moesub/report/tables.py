@@ -95,7 +95,8 @@ def text(key: str, empty: str = "—") -> Callable[[Row], str]:
 
 
 def policy_numbers(out: AnalysisOutputs) -> dict[str, int]:
-    """policy -> its number in the report (config order, then any other policy by name)."""
+    """policy -> its number in the report: the analysis parameters' policies in their order,
+    then any other policy of the tables by name; the same number in every model and figure."""
     names = list((out.params.get("policies") or {}).keys())
     for t in ("summary", "speed_quality", "mass_points", "sim_vs_engine"):
         df = out.table(t)
