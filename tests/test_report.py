@@ -638,3 +638,17 @@ def test_labels_of_crowded_points_do_not_overlap():
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), (a, b)
     plt.close(fig)
+
+
+def test_summarize_reasons_collapses_repeats():
+    from moesub.report.load import summarize_reasons
+
+    text = "a: gsm8k/p1: no data; a: gsm8k/p2: no data; b: no regime artefact; a: other thing"
+    assert summarize_reasons(text) == (
+        "no data (a: gsm8k/p1, a: gsm8k/p2); b: no regime artefact; a: other thing"
+    )
+    many = "; ".join(f"m{i}: no regime artefact" for i in range(5))
+    assert summarize_reasons(many) == "no regime artefact (m0, m1, m2, … (5 in all))"
+    assert summarize_reasons("missing data: gsm8k not evaluated (3 jobs): x") == (
+        "missing data: gsm8k not evaluated (3 jobs): x"
+    )
