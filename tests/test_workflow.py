@@ -33,7 +33,7 @@ TEST_CONFIG = "tests/config/config.yaml"
 STAGES = {
     "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
     "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
-    "analysis", "report",
+    "regime", "analysis", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -367,7 +367,7 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     expected = {("simulate", "quality"), ("emulate", "quality"), ("engine", "quality")}
     expected |= {("generate", "quality")}  # both tasks: same (rule, policy) key
     # the real-size benchmark times the quality policy among others in one job
-    expected |= {("engine_bench", ""), ("analysis", "results"), ("report", "results")}
+    expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
 
