@@ -355,6 +355,7 @@ def expb_part(ctx: Context) -> None:
             if conds != {"heavy", "light"}:
                 design_rows.append(
                     {"design": design, "target_mass": target, "valid": False,
+                     "primary": math.isclose(target, rule.primary, rel_tol=1e-9),
                      "outcome": "invalid", "outcome_text": f"invalid (only {sorted(conds)} ran)"}
                 )  # fmt: skip
                 continue
