@@ -366,21 +366,34 @@ def test_completion_prompts_are_held_out_and_aligned(stage):
     tok = AutoTokenizer.from_pretrained(stage / "model")
     assert heldout_code_files(stage / "model" / "corpus_files.parquet") == list(EVAL_FILES)
     text = read_document("colorsys.py")
-    problems = _file_problems("colorsys.py", text, tok, None, 8, 200)
-    assert len(problems) > 20
     lines = text.splitlines()
-    for p in problems:
+    whole = _file_problems("colorsys.py", text, tok, None, 8, 200, "start", 0)
+    cut = _file_problems("colorsys.py", text, tok, None, 8, 200, "random", 0)
+    assert len(whole) > 20 and len(cut) > 20
+    for p in whole + cut:
         row = int(p.problem_id.rsplit(":", 1)[1]) - 1
-        prefix = tok.decode(p.prompt_ids)  # the whole file before the line: no context limit
+        prefix = tok.decode(p.prompt_ids)  # the whole file before the cut: no context limit
         assert text.startswith(prefix + p.target), p.problem_id
-        assert normalize_line(p.target) == normalize_line(lines[row])
         assert not lines[row].lstrip().startswith(("#", '"', "'"))
         assert len(normalize_line(lines[row])) >= 8
-    short = _file_problems("colorsys.py", text, tok, 16, 8, 200)
-    assert [p.target for p in short] == [p.target for p in problems]
+    for p in whole:  # the whole line is the target
+        row = int(p.problem_id.rsplit(":", 1)[1]) - 1
+        assert normalize_line(p.target) == normalize_line(lines[row])
+    for p in cut:  # the prompt holds the start of the line, the target its (non-empty) rest
+        row = int(p.problem_id.rsplit(":", 1)[1]) - 1
+        start = tok.decode(p.prompt_ids).rsplit("\n", 1)[1]
+        assert start.strip() and p.target.strip() and lines[row] == start + p.target
+    again = _file_problems("colorsys.py", text, tok, None, 8, 200, "random", 0)
+    other = _file_problems("colorsys.py", text, tok, None, 8, 200, "random", 1)
+    assert [p.target for p in again] == [p.target for p in cut]  # seeded, deterministic
+    assert [p.target for p in other] != [p.target for p in cut]
+    short = _file_problems("colorsys.py", text, tok, 16, 8, 200, "random", 0)
+    assert [p.target for p in short] == [p.target for p in cut]
     assert all(len(p.prompt_ids) <= 16 for p in short)
-    for a, b in zip(problems, short, strict=True):  # the same prompts, cut to their last 16
+    for a, b in zip(cut, short, strict=True):  # the same prompts, cut to their last 16
         assert a.prompt_ids[-len(b.prompt_ids) :] == b.prompt_ids
+    with pytest.raises(ValueError, match="line_cut"):
+        _file_problems("colorsys.py", text, tok, None, 8, 200, "middle", 0)
 
     items = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
     again = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
@@ -565,6 +578,7 @@ def test_run_generate_rejects_bad_input(stage):
         ({"params": {"n": 0}}, ValueError, "params.n"),
         ({"params": {"bogus": 1}}, ValueError, "bogus"),
         ({"params": {"max_line_tokens": 0}}, ValueError, "max_line_tokens"),
+        ({"params": {"line_cut": "middle"}}, ValueError, "line_cut"),
         ({"params": {"n": 1, "reference_path": str(stage / "nope")}}, FileNotFoundError, "ref"),
     ]
     for over, exc, match in cases:

@@ -1,6 +1,7 @@
-"""Held-out standard-library code completion: given a file's code up to a line, greedily
-generate that line; correct when it equals the file's line after whitespace normalization
-(runs of whitespace collapsed to one space, ends stripped).
+"""Held-out standard-library code completion: given a file's code up to a point in a line,
+greedily generate the rest of the line; correct when it equals the file's text up to the end of
+the line after whitespace normalization (runs of whitespace collapsed to one space, ends
+stripped).
 
 Files: the held-out (`eval`) split of the embedded corpus as recorded in the model's
 `corpus_files.parquet` (`moesub.embedded` splits documents by a hash of their path; the
@@ -14,15 +15,21 @@ so are lines inside a multi-line string), it has at least `min_line_chars` non-b
 after normalization, and it is at most `max_line_tokens` tokens long. `n` candidates are drawn
 from all held-out files together (seeded, without replacement) and kept in (file, line) order.
 
-Prompt: each file is tokenized whole, as in training; the prompt is the last `max_prompt_tokens`
-tokens that end at or before the line's first non-blank character (a token boundary of the
-file's own tokenization: the indentation token stays in the prompt), so the model continues
-exactly where the file's tokens continue. The target is the rest of the file up to the end of the
-line. Decoding stops at the first token that holds a newline (the stop cut: one line).
+Cut: each file is tokenized whole, as in training, and the prompt ends at a token boundary of
+the file's own tokenization, so the model continues exactly where the file's tokens continue.
+With `line_cut: random` (the default) the cut falls after 1 to m-1 of the line's m tokens
+(lines of at least 2 tokens), chosen by a sha256 hash of (seed, file, line): the prompt holds
+the start of the line, the target is the rest (line-level completion as in CodeXGLUE's Python
+line completion). With `line_cut: start` the prompt ends just before the line's first
+non-blank character (its indentation token stays in the prompt) and the whole line is the
+target: the default embedded model reproduces only ~1.5% of whole lines exactly, too few for
+policy differences to show. The prompt is the last `max_prompt_tokens` tokens before the cut.
+Decoding stops at the first token that holds a newline (the stop cut: one line).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tokenize
@@ -34,6 +41,7 @@ import numpy as np
 from moesub.generate.base import Score, TaskItem
 
 COMPLETION_STOP = ("\n",)
+LINE_CUTS = ("random", "start")
 _SKIP_TOKENS = frozenset(
     {
         tokenize.NL,
@@ -77,7 +85,7 @@ def code_line_starts(text: str) -> list[int]:
 class CompletionProblem:
     problem_id: str  # "<stdlib-relative path>:<1-based line number>"
     prompt_ids: list[int]
-    target: str  # the file's text from the end of the prompt to the end of the line
+    target: str  # the file's text from the cut to the end of the line
 
 
 def _file_problems(
@@ -87,7 +95,11 @@ def _file_problems(
     context_tokens: int | None,
     min_line_chars: int,
     max_line_tokens: int,
+    line_cut: str,
+    seed: int,
 ) -> list[CompletionProblem]:
+    if line_cut not in LINE_CUTS:
+        raise ValueError(f"line_cut must be one of {LINE_CUTS}, got {line_cut!r}")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     ends = np.asarray([e for _, e in enc["offset_mapping"]], dtype=np.int64)  # (T,)
@@ -103,12 +115,17 @@ def _file_problems(
         line_end = int(line_offsets[row]) + len(body)
         j = int(np.searchsorted(ends, code_start, side="right"))  # tokens ending <= code_start
         n_line = int(np.searchsorted(starts, line_end, side="left")) - j
-        if j == 0 or n_line > max_line_tokens:
+        if j == 0 or n_line > max_line_tokens or (line_cut == "random" and n_line < 2):
             continue
-        lo = 0 if context_tokens is None else max(0, j - context_tokens)
-        target = text[int(ends[j - 1]) : line_end]
-        out.append(CompletionProblem(f"{path}:{row + 1}", list(ids[lo:j]), target))
+        cut = j + (0 if line_cut == "start" else 1 + _hash(seed, path, row) % (n_line - 1))
+        lo = 0 if context_tokens is None else max(0, cut - context_tokens)
+        target = text[int(ends[cut - 1]) : line_end]
+        out.append(CompletionProblem(f"{path}:{row + 1}", list(ids[lo:cut]), target))
     return out
+
+
+def _hash(seed: int, path: str, row: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}:{row}".encode()).digest()[:8], "big")
 
 
 def heldout_code_files(corpus_table: str | os.PathLike) -> list[str]:
@@ -150,6 +167,7 @@ def completion_items(
     context_tokens: int | None,
     min_line_chars: int,
     max_line_tokens: int,
+    line_cut: str = "random",
 ) -> list[TaskItem]:
     """`n` held-out lines to complete (FileNotFoundError when the corpus table is missing)."""
     from transformers import AutoTokenizer
@@ -167,6 +185,8 @@ def completion_items(
             context_tokens,
             min_line_chars,
             max_line_tokens,
+            line_cut,
+            seed,
         )
     if n > len(candidates):
         raise ValueError(f"n={n} exceeds the {len(candidates)} held-out lines available")

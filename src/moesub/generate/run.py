@@ -58,8 +58,9 @@ class GenerateParams:
     max_new_tokens: int = 64
     max_prompt_tokens: int | None = None  # keep the last tokens of longer prompts (None: all)
     timeout_s: float = 5.0  # HumanEval sandbox wall clock per problem
-    min_line_chars: int = 8  # code completion: shortest target line (normalized characters)
-    max_line_tokens: int = 24  # code completion: longest target line (tokens)
+    min_line_chars: int = 4  # code completion: shortest line (normalized characters)
+    max_line_tokens: int = 6  # code completion: longest line (tokens)
+    line_cut: str = "random"  # code completion: prompt ends inside the line | at its start
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
     reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
@@ -86,6 +87,8 @@ class GenerateParams:
                 f"params.max_prompt_tokens must be an integer >= 1 or null, "
                 f"got {self.max_prompt_tokens!r}"
             )
+        if self.line_cut not in ("random", "start"):
+            raise ValueError(f"params.line_cut must be random or start, got {self.line_cut!r}")
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"params.timeout_s must be a number > 0, got {self.timeout_s!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -113,6 +116,7 @@ def task_items(task: str, data_path, model_dir, opts: GenerateParams) -> list[Ta
         opts.max_prompt_tokens,
         opts.min_line_chars,
         opts.max_line_tokens,
+        opts.line_cut,
     )
 
 
