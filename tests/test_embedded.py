@@ -263,6 +263,7 @@ def test_rebuild_replaces_existing_dir(tmp_path):
         ({"balance_ema_steps": 0.5}, "balance_ema_steps"),
         ({"router_z_loss_coef": -1.0}, "router_z_loss_coef"),
         ({"router_lr_scale": 0.0}, "router_lr_scale"),
+        ({"dense_layers": 4}, "dense_layers"),
     ],
 )
 def test_bad_params(params, match, tmp_path):
@@ -362,3 +363,18 @@ def test_router_lr_scale_puts_the_routers_in_their_own_group():
     assert scaled[0]["weight_decay"] == cfg.weight_decay
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params == len(list(model.parameters()))
+
+
+def test_dense_layers_put_a_dense_mlp_of_the_active_width_first():
+    from transformers import Qwen3NextForCausalLM
+
+    from moesub.models import moe_info
+
+    cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "dense_layers": 1})
+    tok = embedded.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
+    model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
+    info = moe_info(model)
+    assert info.layer_indices == tuple(range(1, cfg.num_hidden_layers))
+    width = cfg.num_experts_per_tok * cfg.moe_intermediate_size
+    width += cfg.shared_expert_intermediate_size
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (width, cfg.hidden_size)

@@ -92,6 +92,10 @@ class EmbeddedConfig:
     # model geometry (Qwen3NextConfig)
     hidden_size: int = 128
     num_hidden_layers: int = 4
+    # the first n decoder layers use a dense MLP of the MoE layers' active width (k experts +
+    # the shared expert), as DeepSeek-V3 and GLM-4.5 do: a first layer's routing is nearly
+    # token-level and has no temporal locality to cache
+    dense_layers: int = 0
     full_attention_interval: int = 4  # every 4th layer full attention: 3 linear : 1 full
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
@@ -179,6 +183,10 @@ class EmbeddedConfig:
             "linear_num_value_heads must be a multiple of linear_num_key_heads",
         )
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size < 0")
+        need(
+            isinstance(self.dense_layers, int) and 0 <= self.dense_layers < self.num_hidden_layers,
+            "dense_layers must be an int in [0, num_hidden_layers): at least one MoE layer",
+        )
         need(isinstance(self.seq_len, int) and self.seq_len >= 2, "seq_len must be an int >= 2")
         need(self.seq_len <= self.max_position_embeddings, "seq_len > max_position_embeddings")
         for name in ("calib_fraction", "eval_fraction"):
@@ -399,7 +407,9 @@ def model_config(cfg: EmbeddedConfig, tokenizer):
     return Qwen3NextConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=4 * cfg.hidden_size,  # dense MLP (unused: every layer is MoE)
+        # dense MLP of the first `dense_layers` layers: the MoE layers' active width
+        intermediate_size=cfg.num_experts_per_tok * cfg.moe_intermediate_size
+        + cfg.shared_expert_intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
         layer_types=cfg.layer_types(),
         num_attention_heads=cfg.num_attention_heads,
@@ -417,7 +427,7 @@ def model_config(cfg: EmbeddedConfig, tokenizer):
         router_aux_loss_coef=cfg.router_aux_loss_coef,
         max_position_embeddings=cfg.max_position_embeddings,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=list(range(cfg.dense_layers)),
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
