@@ -1,4 +1,4 @@
-"""The real offloading engine (stage 5 of docs/architecture.md): experts really copied, substituted, admitted.
+"""The real offloading engine (stage 5, docs/architecture.md): experts really copied, substituted.
 
 - `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
 - `cache`: fast-tier slot buffers and the two tiers (`DiskTier` disk->RAM, `CudaTier`
