@@ -1,4 +1,4 @@
-"""The real offloading engine (stage 5, docs/architecture.md): experts really copied, substituted.
+"""The real offloading engine (stage 5): experts really copied, substituted, admitted.
 
 - `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
 - `cache`: fast-tier slot buffers and the two tiers (`DiskTier` disk->RAM, `CudaTier`
