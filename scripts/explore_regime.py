@@ -44,6 +44,32 @@ def train(args: argparse.Namespace) -> None:
     print(f"{args.name}: built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
 
+def resplit_view(model_dir: Path, out: Path, eval_fraction: float) -> Path:
+    """A view of `model_dir` (symlinks) whose corpus_files.parquet re-splits the documents with
+    `eval_fraction`: streams of a model trained on a smaller eval split. Its eval documents
+    (hash < eval_fraction) were never trained on when eval_fraction <= the model's eval + calib
+    fractions; its calib documents may have been (they only pick the initial resident sets)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moesub.embedded import split_of
+
+    config = json.loads((model_dir / "train_summary.json").read_text())["config"]
+    if eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
+        raise ValueError(f"--resplit {eval_fraction}: would evaluate on the model's training split")
+    view = out / "model_view"
+    view.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.name != "corpus_files.parquet" and not (view / item.name).exists():
+            (view / item.name).symlink_to(item.resolve())
+    table = pq.read_table(model_dir / "corpus_files.parquet")
+    paths = table["path"].to_pylist()
+    split = [split_of(p, config["calib_fraction"], eval_fraction) for p in paths]
+    table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(split))
+    pq.write_table(table, view / "corpus_files.parquet")
+    return view
+
+
 def evaluate(args: argparse.Namespace) -> None:
     import torch
 
@@ -61,6 +87,8 @@ def evaluate(args: argparse.Namespace) -> None:
         streams["doc_tokens_max"] = args.doc_tokens_max
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.resplit is not None:
+        args.model_dir = resplit_view(Path(args.model_dir), out, args.resplit)
     s_eval, s_calib = out / "streams_eval.parquet", out / "streams_calib.parquet"
     build_streams(args.model_dir, config["streams"]["source"], streams, s_eval, s_calib)
     for split, path in (("eval", s_eval), ("calib", s_calib)):
@@ -76,6 +104,7 @@ def evaluate(args: argparse.Namespace) -> None:
     summary = regime.summary
     summary["model_dir"] = str(args.model_dir)
     summary["streams"] = streams
+    summary["resplit"] = args.resplit
     train_summary = Path(args.model_dir) / "train_summary.json"
     if train_summary.is_file():
         ts = json.loads(train_summary.read_text())
@@ -87,24 +116,63 @@ def evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def perplexity(args: argparse.Namespace) -> None:
+    """Held-out perplexity on the documents of a given eval fraction (the embedded model's own
+    measure, `moesub.embedded.heldout_perplexity`), so that models trained with different
+    eval splits are compared on the same documents."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moesub.embedded import collect_corpus, encode_documents, heldout_perplexity, split_of
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir)
+    config = json.loads((model_dir / "train_summary.json").read_text())["config"]
+    if args.eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
+        raise ValueError(f"--eval-fraction {args.eval_fraction}: overlaps the training split")
+    from moesub.embedded import EmbeddedConfig
+
+    docs, texts = collect_corpus(EmbeddedConfig.from_params(config))
+    calib = config["calib_fraction"]
+    eval_texts = [
+        t for d, t in zip(docs, texts, strict=True)
+        if split_of(d.path, calib, args.eval_fraction) == "eval"
+    ]  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = encode_documents(tokenizer, eval_texts, "tokenizing eval", tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ppl = heldout_perplexity(model, ids, config["seq_len"], config["eval_tokens"])
+    out = {"model_dir": str(model_dir), "eval_fraction": args.eval_fraction, **ppl}
+    print(json.dumps(out))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
 def table(args: argparse.Namespace) -> None:
+    """One Markdown row per evaluated variant: regime.json (+ ppl005.json from `perplexity`)."""
     rows = []
     for path in sorted(Path(args.out).glob("*/regime.json")):
         s = json.loads(path.read_text())
         layers = s["layers"]
+        ppl_path = path.parent / "ppl005.json"
+        ppl = json.loads(ppl_path.read_text())["perplexity"] if ppl_path.is_file() else None
         rows.append(
-            "| {name} | {hit:.3f} | {per} | {bel:.3f} | {eff} | {ppl} | {t} |".format(
+            "| {name} | {hit:.3f} | {per} | {bel:.3f} | {eff} | {r015:.3f} | {ppl} | {t} |".format(
                 name=path.parent.name,
                 hit=s["hit_rate"],
                 per="/".join(f"{x['hit_rate']:.2f}" for x in layers),
                 bel=s["belady_hit_rate"],
                 eff="/".join(f"{x['effective_experts']:.0f}" for x in layers),
-                ppl=f"{s['heldout_perplexity']:.1f}" if "heldout_perplexity" in s else "-",
-                t=f"{s['train_time_s']:.0f} s" if "train_time_s" in s else "-",
+                r015=s["rule015_sub_rate"],
+                ppl="-" if ppl is None else f"{ppl:.1f}",
+                t=f"{s['train_time_s']:.0f} s / {s['steps']}" if "train_time_s" in s else "-",
             )
         )
-    print("| setting | hit rate | per layer | Belady | effective experts | ppl | train time |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| setting | hit rate | per layer | Belady | effective experts per layer "
+        "| rule_015 sub rate | held-out ppl | training time / steps |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
@@ -125,7 +193,14 @@ def main() -> None:
     p.add_argument("--doc-tokens-max", type=int, default=None)
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--resplit", type=float, default=None, help="evaluate on this eval fraction")
     p.set_defaults(run=evaluate)
+    p = sub.add_parser("perplexity")
+    p.add_argument("model_dir")
+    p.add_argument("--eval-fraction", type=float, default=0.05)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    p.set_defaults(run=perplexity)
     p = sub.add_parser("table")
     p.add_argument("out")
     p.set_defaults(run=table)
