@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from moesub.capture import load_trace, read_initial_set, run_capture, write_initial_sets
 from moesub.embedded import build_model
 from moesub.io import read_metadata
+from moesub.models import stream_batches
 from moesub.policy import Policy, capacity_for
 from moesub.simulate import GridPoint, simulate
 from moesub.streams import build_streams
@@ -56,20 +57,27 @@ def test_reload_with_auto_classes_and_capture_matches_plain_forward(captured):
     assert (meta["num_experts"], meta["top_k"], meta["num_layers"]) == (64, 4, 2)
     assert meta["norm_topk_prob"] is True
 
+    # the plain forward batches the streams as the capture did (same (B, T) per forward)
     t = tokens.to_pandas()
-    for s, g in t.groupby("stream"):
-        ids = torch.tensor(g["token_id"].to_numpy(), dtype=torch.long)[None]
+    groups = [g for _, g in t.groupby("stream", sort=True)]
+    batch_tokens = read_metadata(root / "eval_tokens.parquet")["batch_tokens"]
+    trace = load_trace(root / "eval_router.parquet")
+    for batch in stream_batches([len(g) for g in groups], batch_tokens):
+        ids = torch.tensor(np.stack([groups[b]["token_id"].to_numpy() for b in batch]))  # (B, T)
         with torch.no_grad():
             out = model(ids, output_router_logits=True)
-        logp = torch.log_softmax(out.logits[0].float(), -1).double()
-        plain = -logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).numpy()
-        np.testing.assert_allclose(g["nll"].to_numpy()[1:], plain, rtol=0, atol=1e-6)
-        assert np.isnan(g["nll"].to_numpy()[0])
-        # router logits: the trace equals the model's own output_router_logits
-        trace = load_trace(root / "eval_router.parquet")
-        i = trace.streams.index(int(s))
-        for layer, lg in enumerate(out.router_logits):
-            np.testing.assert_array_equal(trace.logits[i][:, layer], lg.float().numpy())
+        logp = torch.log_softmax(out.logits.float(), -1).double()  # (B, T, V)
+        plain = -logp[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2).numpy()  # (B, T-1)
+        for row, b in enumerate(batch):
+            g = groups[b]
+            np.testing.assert_allclose(g["nll"].to_numpy()[1:], plain[row], rtol=0, atol=1e-6)
+            assert np.isnan(g["nll"].to_numpy()[0])
+            # router logits: the trace equals the model's own output_router_logits
+            i = trace.streams.index(int(g["stream"].iloc[0]))
+            T = len(g)
+            for layer, lg in enumerate(out.router_logits):  # (B*T, E), batch-major
+                got = lg[row * T : (row + 1) * T].float().numpy()
+                np.testing.assert_array_equal(trace.logits[i][:, layer], got)
 
 
 def test_initial_sets_and_simulation_on_the_captured_trace(captured):
