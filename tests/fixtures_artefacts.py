@@ -433,6 +433,7 @@ def make_study(
                 "study": {"primary": primary, "min_heavy_fraction": 0.5, "max_gap": 0.10},
                 "matched": {"primary": primary, "heavy_mass": 0.15},
             },
+        },
         "n_boot": 200,
         "seed": 0,
     }
