@@ -52,7 +52,7 @@ def resplit_view(model_dir: Path, out: Path, eval_fraction: float) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from moesub.embedded import split_of
+    from moesub.corpus import split_of
 
     config = json.loads((model_dir / "train_summary.json").read_text())["config"]
     if eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
@@ -123,7 +123,8 @@ def perplexity(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moesub.embedded import collect_corpus, encode_documents, heldout_perplexity, split_of
+    from moesub.corpus import collect_corpus, encode_documents, split_of
+    from moesub.embedded import heldout_perplexity
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)

@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moesub import embedded
-from moesub.embedded import EmbeddedConfig, build_model, collect_corpus, split_of
+from moesub import corpus, embedded
+from moesub.corpus import collect_corpus, split_of
+from moesub.embedded import EmbeddedConfig, build_model
 
 # A test-size model: trains in a few seconds on 2 cores; a token budget keeps it deterministic.
 TINY = {
@@ -100,7 +101,7 @@ def test_corpus_filters_and_packages(tmp_path):
     assert texts[paths.index("pydoc_data/topics.py#while")] == "Loops.\n"
     assert by_path["json/decoder.py"].nbytes == len(b"def decode(s):\n    return s\n")
     for doc, text in zip(docs, texts, strict=True):
-        assert embedded.read_document(doc.path, root) == text
+        assert corpus.read_document(doc.path, root) == text
 
 
 def test_corpus_without_test_suite_or_pydoc(tmp_path):
@@ -119,7 +120,7 @@ def test_split_is_stable_hash_and_disjoint():
     docs_b, _ = collect_corpus(cfg)
     assert docs_a == docs_b
     assert len({d.path for d in docs_a}) == len(docs_a)  # each document in exactly one split
-    counts = {s: sum(d.split == s for d in docs_a) for s in embedded.SPLITS}
+    counts = {s: sum(d.split == s for d in docs_a) for s in corpus.SPLITS}
     assert all(n > 0 for n in counts.values())
     assert abs(counts["eval"] / len(docs_a) - 0.2) < 0.07
     for d in docs_a:
@@ -134,11 +135,11 @@ def test_split_is_stable_hash_and_disjoint():
 
 def test_tokenizer_is_deterministic():
     texts = [f"def f{i}(x):\n    return x * {i}  # comment {i}\n" for i in range(200)]
-    a = embedded.train_tokenizer(texts, 300)
-    b = embedded.train_tokenizer(texts, 300)
+    a = corpus.train_tokenizer(texts, 300)
+    b = corpus.train_tokenizer(texts, 300)
     assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
     assert len(a) == 300
-    assert a.convert_tokens_to_ids(embedded.EOS_TOKEN) == 0
+    assert a.convert_tokens_to_ids(corpus.EOS_TOKEN) == 0
 
 
 def test_tokenizer_round_trip_via_auto_tokenizer(tiny_model):
@@ -147,9 +148,9 @@ def test_tokenizer_round_trip_via_auto_tokenizer(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert len(tok) == TINY["vocab_size"]
     assert (tok.eos_token, tok.bos_token, tok.pad_token) == (
-        embedded.EOS_TOKEN,
-        embedded.BOS_TOKEN,
-        embedded.PAD_TOKEN,
+        corpus.EOS_TOKEN,
+        corpus.BOS_TOKEN,
+        corpus.PAD_TOKEN,
     )
     assert len({tok.eos_token_id, tok.bos_token_id, tok.pad_token_id}) == 3
     text = 'def héllo(x):\n\t"""∑ of x."""\n    return x  # 😀\n\n'
@@ -201,7 +202,7 @@ def test_build_writes_a_loadable_checkpoint(tiny_model):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     eval_texts = [t for d, t in zip(docs, texts, strict=True) if d.split == "eval"]
-    eval_ids = embedded.encode_documents(tok, eval_texts, "eval", tok.eos_token_id)
+    eval_ids = corpus.encode_documents(tok, eval_texts, "eval", tok.eos_token_id)
     ppl = embedded.heldout_perplexity(model, eval_ids, TINY["seq_len"], TINY["eval_tokens"])
     assert math.isclose(ppl["perplexity"], summary["heldout_perplexity"], rel_tol=1e-5)
 
@@ -286,7 +287,7 @@ def test_wall_clock_budget_stops_training():
     from transformers import Qwen3NextForCausalLM
 
     cfg = EmbeddedConfig.from_params({**TINY, "train_seconds": 1.0, "max_tokens": None})
-    tok = embedded.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
+    tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
     cfg.vocab_size = 300
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
@@ -353,7 +354,7 @@ def test_router_lr_scale_puts_the_routers_in_their_own_group():
     from transformers import Qwen3NextForCausalLM
 
     cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "router_lr_scale": 10.0})
-    tok = embedded.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
+    tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
     model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
     opt = embedded._optimizer(model, cfg)
     routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
@@ -371,7 +372,7 @@ def test_dense_layers_put_a_dense_mlp_of_the_active_width_first():
     from moesub.models import moe_info
 
     cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "dense_layers": 1})
-    tok = embedded.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
+    tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
     model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
     info = moe_info(model)
     assert info.layer_indices == tuple(range(1, cfg.num_hidden_layers))

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from tiny_models import tiny_qwen3_next
 
-from moesub.embedded import read_document
+from moesub.corpus import read_document
 from moesub.generate import (
     GSM8K_SHOT_POOL,
     GSM8K_STOP,
@@ -305,7 +305,7 @@ def test_code_line_starts():
 def tiny_checkpoint(root: Path) -> Path:
     """A random tiny Qwen3-Next (E=16, k=4, 2 layers) with a 300-token byte-level BPE tokenizer,
     a corpus table (three stdlib files held out, one for training) and initial sets."""
-    from moesub.embedded import train_tokenizer
+    from moesub.corpus import train_tokenizer
 
     texts = [json.loads(line)["question"] for line in gsm8k_file(root / "corpus.jsonl").open()]
     texts += [p["prompt"] for p in read_humaneval()[:20]]

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moesub import embedded, streams
+from moesub import corpus, embedded, streams
 from moesub.io import read_metadata, write_parquet
 from moesub.streams import build_streams
 
@@ -31,12 +31,12 @@ WORDS = [
 def model_dir(tmp_path_factory) -> Path:
     """What build_streams needs from a model dir: tokenizer, config.json, corpus_files.parquet."""
     out = tmp_path_factory.mktemp("model")
-    docs, texts = embedded.collect_corpus(embedded.EmbeddedConfig())
+    docs, texts = corpus.collect_corpus(embedded.EmbeddedConfig())
     train = [t for d, t in zip(docs, texts, strict=True) if d.split == "train"][:60]
-    tok = embedded.train_tokenizer(train + [" ".join(WORDS)] * 5, 600)
+    tok = corpus.train_tokenizer(train + [" ".join(WORDS)] * 5, 600)
     tok.save_pretrained(out)
     (out / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "vocab_size": 600}))
-    write_parquet(embedded.corpus_table(docs), out / "corpus_files.parquet")
+    write_parquet(corpus.corpus_table(docs), out / "corpus_files.parquet")
     return out
 
 
@@ -96,7 +96,7 @@ def test_embedded_streams_layout_and_boundaries(model_dir, tmp_path):
     table = pq.read_table(out_eval).to_pydict()
     ids = np.asarray(table["token_id"])
     for p in ev:
-        text = embedded.read_document(p["name"])
+        text = corpus.read_document(p["name"])
         expected = tok(text, add_special_tokens=False)["input_ids"][: p["tokens"]]
         row = p["stream"] * 300 + p["start"]
         assert ids[row : row + p["tokens"]].tolist() == expected

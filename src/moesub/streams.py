@@ -266,7 +266,7 @@ def load_documents(model_dir: Path, source: dict[str, Any]) -> dict[str, list[Do
     if kind == "embedded":
         import pyarrow.parquet as pq
 
-        from moesub.embedded import read_document, stdlib_dir
+        from moesub.corpus import read_document, stdlib_dir
 
         table_path = model_dir / "corpus_files.parquet"
         if not table_path.is_file():

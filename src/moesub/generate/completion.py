@@ -172,7 +172,7 @@ def completion_items(
     """`n` held-out lines to complete (FileNotFoundError when the corpus table is missing)."""
     from transformers import AutoTokenizer
 
-    from moesub.embedded import read_document
+    from moesub.corpus import read_document
 
     files = heldout_code_files(corpus_table_path(data_path, model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
