@@ -4,7 +4,7 @@
 #   scripts/slurm_cluster.sh install   # apt-get install slurmctld slurmd slurm-client munge
 #   scripts/slurm_cluster.sh start     # write /etc/slurm/{slurm,gres}.conf, start munged,
 #                                      # slurmctld and slurmd, wait until the node is idle
-#   scripts/slurm_cluster.sh stop      # shut the cluster down
+#   scripts/slurm_cluster.sh stop      # shut the cluster down, remove the config start wrote
 #   scripts/slurm_cluster.sh status    # exit 0 if the cluster answers, print sinfo
 #   scripts/slurm_cluster.sh up        # install + start
 #
@@ -154,7 +154,21 @@ cmd_stop() {
     if running munged; then
         runuser -u munge -- /usr/sbin/munged --stop >/dev/null 2>&1 || true
     fi
+    remove_config
     log "cluster stopped"
+}
+
+# A stopped cluster leaves no config behind: while /etc/slurm/slurm.conf names a controller that
+# is down, every SLURM client waits MessageTimeout (10 s) before failing, and so does every
+# `snakemake` command (even --version: the SLURM executor plugin runs `scontrol show config` when
+# Snakemake loads it). Without a config, scontrol fails at once. `start` writes it again.
+remove_config() {
+    local f
+    for f in "$CONF" "$GRES"; do
+        if [ -e "$f" ] && head -n 1 "$f" | grep -qF "$MARK"; then
+            rm -f "$f"
+        fi
+    done
 }
 
 cmd_status() {

@@ -7,6 +7,9 @@ and completed, and that the engine jobs ran on the `gpu` partition holding the G
 
 Skipped (with the reason) only where SLURM cannot be installed or started; with `CI=true` in
 the environment that is a failure instead.
+
+A stopped cluster leaves no config behind (a config naming a controller that is down makes every
+`snakemake` start wait ~10 s): checked in a private mount namespace, without a cluster.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import subprocess
 import time
 
 import pytest
-from test_workflow import REPO, copy_workflow, snakemake
+from test_workflow import BIN, REPO, copy_workflow, snakemake
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -119,3 +122,40 @@ def test_pipeline_on_slurm(cluster, tmp_path):
             else:
                 assert info["Partition"] == "cpu", (rule, info)
     assert "engine" in jobs and "engine_bench" in jobs
+
+
+def test_stopped_cluster_leaves_no_config(tmp_path):
+    """`slurm_cluster.sh stop` removes the config `start` wrote, so that a machine with SLURM
+    installed but no controller running starts `snakemake` at once: the SLURM executor plugin
+    runs `scontrol show config` at import, which waits MessageTimeout (10 s) for a controller the
+    config names. Run in a private mount namespace over a copy of /etc/slurm."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("scontrol"):
+        pytest.skip("needs root, unshare and the SLURM client tools")
+    if not os.path.isdir("/etc/slurm"):
+        pytest.skip("no /etc/slurm to mount over")
+    if _status() == 0:
+        pytest.skip("a cluster is running here: stopping it would disturb its users")
+    etc = tmp_path / "etc-slurm"
+    etc.mkdir()
+    mark = "# written by moesub scripts/slurm_cluster.sh"
+    # what `start` writes, in short: a controller on this machine (not running)
+    (etc / "slurm.conf").write_text(
+        f"{mark}\nClusterName=moesub\nSlurmctldHost=localhost(127.0.0.1)\n"
+        "NodeName=localhost NodeAddr=127.0.0.1 CPUs=1 State=UNKNOWN\n"
+        "PartitionName=cpu Nodes=localhost Default=YES State=UP\n"
+    )
+    (etc / "gres.conf").write_text(f"{mark}\nAutoDetect=off\n")
+    (etc / "user.conf").write_text("# not written by the script: kept\n")
+    script = (
+        f"mount --bind {etc} /etc/slurm && bash {CLUSTER} stop && s=$EPOCHREALTIME && "
+        f'{BIN / "snakemake"} --version >/dev/null && echo "times $s $EPOCHREALTIME"'
+    )
+    run = subprocess.run(
+        ["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in etc.iterdir()) == ["user.conf"], run.stdout
+    start, end = map(float, re.search(r"times ([0-9.]+) ([0-9.]+)", run.stdout).groups())
+    seconds = end - start
+    print(f"snakemake --version without a cluster config: {seconds:.1f} s")
+    assert seconds < 8, f"snakemake --version took {seconds:.1f} s without a cluster config"

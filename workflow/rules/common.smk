@@ -22,9 +22,9 @@ from moesub.config import (
 )
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
-# timings other jobs would disturb): Snakemake caps a rule's threads to --cores. On a cluster,
-# profiles/slurm sets every rule's threads (cpus per task) explicitly.
-ALL_CORES = 1024
+# timings other jobs would disturb): every core of this run (--cores). A cluster run has no
+# --cores (None): there profiles/slurm sets these rules' threads (cpus per task) explicitly.
+ALL_CORES = workflow.resource_settings.cores or 1
 
 POLICIES = expand_policies(config)
 GEOMETRY = check_capacities(config)  # model -> (E, k)
