@@ -12,10 +12,9 @@ from test_emulate import VOCAB, E, K, L, tiny_model  # the one tiny-model builde
 
 from moesub.emulate import emulate_stream, greedy_decode
 from moesub.engine import EngineDecodeResult, generate, open_engine
-from moesub.engine import decode as decode_mod
-from moesub.engine.cache import DiskTier
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
+from moesub.engine.tiers import DiskTier
 from moesub.policy import SUB, Policy, scan
 from moesub.synthetic import synthetic_logits
 
@@ -198,7 +197,7 @@ def test_bad_input(stage, quality_engine, monkeypatch):
     with pytest.raises(ValueError, match=r"\['fraction', 'policy'\] are fixed"):
         generate(eng, PROMPTS, 4, policy=QUALITY, fraction=0.5)
     # a model directory: every check runs before the model is loaded
-    monkeypatch.setattr(decode_mod, "build_engine_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr("moesub.models.load_model", lambda *a, **k: pytest.fail("loaded"))
     model_dir = root / "model"
     cases = [
         (dict(prompts=[[3, 500]]), "outside the model's vocabulary"),

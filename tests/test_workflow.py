@@ -192,7 +192,7 @@ def _schema_keys(schema: dict, *path: str) -> set[str]:
         (("capture",), "moesub.capture:CaptureParams", set()),
         (("emulate",), "moesub.emulate:EmulateParams", {"policies"}),
         (("expb",), "moesub.expb:ExpBParams", set(EXPB_ANALYSIS_KEYS)),
-        (("engine",), "moesub.engine.decode:EngineParams", {"devices", "policies", "bench"}),
+        (("engine",), "moesub.engine.spec:EngineParams", {"devices", "policies", "bench"}),
         (("engine", "bench"), "moesub.engine.bench:BenchParams", {"enabled"}),
         (("generate",), "moesub.generate:GenerateParams", {"tasks", "policies"}),
         (("generate", "tasks", "gsm8k"), "moesub.generate:GenerateParams", {"path"}),

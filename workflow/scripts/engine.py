@@ -1,7 +1,7 @@
 """Rule engine: the real offloading engine under one policy (moesub.engine.run_engine)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
-from moesub.engine.decode import run_engine
+from moesub.engine.stage import run_engine
 from moesub.logs import job_setup
 
 job_setup(snakemake.log[0], snakemake.threads)

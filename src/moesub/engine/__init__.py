@@ -1,27 +1,27 @@
 """The real offloading engine (stage 5): experts really copied, substituted, admitted.
 
+Modules, lowest layer first (each imports only modules above it in this list):
+
 - `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
-- `cache`: fast-tier slot buffers and the two tiers (`DiskTier` disk->RAM, `CudaTier`
-  pinned host->GPU with a side stream for admissions).
+- `kernels`: expert compute from slot buffers (grouped matmul or gather, chosen per device).
+- `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM).
+- `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory -> GPU, admissions on a side
+  stream).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
-- `decode`: KV-cache decoding of a real model, one token per step: `run_engine` (teacher
-  forced, NLL) and `generate` / `open_engine` (free-running greedy generation).
-- `bench`: `run_benchmark`, real expert sizes driven by synthetic routing.
+- `spec`: the `engine:` options (`EngineParams`) and an engine's checked inputs (`EngineSpec`).
+- `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
+- `decode`: the KV-cache decode loop, one token per step (teacher forced or greedy).
+- `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
+- `stage`: `run_engine` (the pipeline stage: NLL and time per token) and `summarize_engine`.
 - `calibrate`: `calibrate`, the simulator's cost-model figures measured on this machine.
+- `bench`: `run_benchmark`, real expert sizes driven by synthetic routing.
 """
 
 from moesub.engine.bench import BenchParams, run_benchmark
 from moesub.engine.calibrate import calibrate
-from moesub.engine.decode import (
-    ALL_RESIDENT,
-    EngineDecodeResult,
-    EngineModel,
-    EngineParams,
-    generate,
-    open_engine,
-    run_engine,
-    summarize_engine,
-)
+from moesub.engine.generate import EngineDecodeResult, EngineModel, generate, open_engine
+from moesub.engine.spec import ALL_RESIDENT, EngineParams
+from moesub.engine.stage import run_engine, summarize_engine
 from moesub.engine.store import ExpertStore, StoreLayout, measure_read_bandwidth, write_store
 
 __all__ = [

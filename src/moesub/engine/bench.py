@@ -17,7 +17,6 @@ ratios to `fetch_every_miss` and `host_compute`, and the simulator's cost-model 
 from __future__ import annotations
 
 import gc
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -30,15 +29,17 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.engine.cache import CudaTier, DiskTier, require_cuda
 from moesub.engine.calibrate import (
     cost_dict,
     measure_expert_compute,
     measure_host_compute,
     measure_link,
     predicted_time_per_token,
+    timeit,
 )
+from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.runtime import OffloadEngine
+from moesub.engine.spec import ALL_RESIDENT
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
@@ -46,11 +47,11 @@ from moesub.engine.store import (
     open_or_write_store,
     random_experts,
 )
+from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import write_parquet
 from moesub.params import options_from
-from moesub.policy import Policy
+from moesub.policy import Policy, capacity_for
 
-ALL_RESIDENT = "all_resident"
 STUDY_POLICIES: dict[str, dict[str, Any]] = {
     "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
     "host_compute": {"rule": "host_compute"},
@@ -111,7 +112,7 @@ class BenchParams:
 
     @property
     def capacity(self) -> int:
-        return int(math.floor(self.fraction * self.num_experts + 0.5))
+        return capacity_for(self.fraction, self.num_experts)
 
     def layout(self) -> StoreLayout:
         return StoreLayout(
@@ -262,14 +263,12 @@ def _calibrate_bench(tier, store, trace, initial, router_w, h0, p: BenchParams, 
 
 
 def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 20) -> float:
-    from moesub.engine.calibrate import _timeit
-
     def one() -> None:
         x = _rms_norm(h0)
         (x @ router_w.T).float().cpu()
         _ = h0 + x
 
-    return _timeit(one, sync, reps)
+    return timeit(one, sync, reps)
 
 
 def run_benchmark(

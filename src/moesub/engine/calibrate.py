@@ -18,9 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moesub.engine.cache import CudaTier, DiskTier
+from moesub.engine.adapter import EngineSetup, build_engine_model
+from moesub.engine.cuda_tier import CudaTier
+from moesub.engine.decode import step
 from moesub.engine.kernels import grouped_experts
+from moesub.engine.spec import EngineParams
 from moesub.engine.store import measure_read_bandwidth
+from moesub.engine.tiers import DiskTier
+from moesub.io import write_json
 
 COST_KEYS = (
     "link_bandwidth_Bps",
@@ -33,7 +38,7 @@ COST_KEYS = (
 )
 
 
-def _timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
+def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
     """Median seconds of `fn()` over `reps` runs (after `warmup`), synchronized."""
     for _ in range(warmup):
         fn()
@@ -64,10 +69,10 @@ def measure_link(tier, samples: int = 16, seed: int = 0) -> tuple[float, float]:
                 s.gate_up[slot].copy_(gu[e], non_blocking=True)
                 s.down[slot].copy_(dn[e], non_blocking=True)
 
-        t = _timeit(copy_experts, tier.synchronize, reps=3)
+        t = timeit(copy_experts, tier.synchronize, reps=3)
         small_h = torch.empty(4096, dtype=torch.uint8).pin_memory()
         small_d = torch.empty(4096, dtype=torch.uint8, device=tier.device)
-        lat = _timeit(lambda: small_d.copy_(small_h, non_blocking=True), tier.synchronize, 20)
+        lat = timeit(lambda: small_d.copy_(small_h, non_blocking=True), tier.synchronize, 20)
         return len(picks) * tier.expert_bytes / t, lat
     raise ValueError(f"unknown tier {type(tier).__name__}")
 
@@ -92,7 +97,7 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
     def run() -> None:
         grouped_experts(x, next(it), w, s.gate_up, s.down, tier.act)
 
-    t = _timeit(run, tier.synchronize, reps)
+    t = timeit(run, tier.synchronize, reps)
     return t / k
 
 
@@ -108,8 +113,26 @@ def measure_host_compute(tier, k: int, reps: int = 5, seed: int = 0) -> float:
     w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
     sets = [rng.choice(E, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
     it = iter(sets)
-    t = _timeit(lambda: tier.host_forward(0, x, next(it), w), tier.synchronize, reps)
+    t = timeit(lambda: tier.host_forward(0, x, next(it), w), tier.synchronize, reps)
     return t / k
+
+
+@torch.inference_mode()
+def time_dense_layer(setup: EngineSetup, tokens: int = 32, seed: int = 0) -> float:
+    """Seconds per MoE layer of one decode step with the routed experts skipped (attention,
+    router, shared expert, embeddings and head amortized over the layers)."""
+    for m in setup.experts:
+        m.engine = None
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, setup.info.vocab_size, (tokens + 2,), generator=g).tolist()
+    cache, times = None, []
+    for i, tok in enumerate(ids):
+        t0 = time.perf_counter()
+        logits, cache = step(setup.model, tok, cache, setup.device)
+        float(logits[0])  # synchronize
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / setup.info.num_layers
 
 
 def cost_dict(
@@ -164,11 +187,8 @@ def calibrate(
 
     `params` (optional) are engine params (`store_path`, `dtype`, `staging_buffers`, ...).
     """
-    from moesub.engine.decode import EngineParams, build_engine_model, time_dense_layer
-    from moesub.io import write_json
-
     opts = EngineParams.from_dict(params)
-    setup = build_engine_model(model_dir, device, opts, capacity=None, out_path=out_json)
+    setup = build_engine_model(model_dir, device, opts, capacity=None)
     try:
         k = setup.info.top_k
         dense = time_dense_layer(setup, tokens=opts.calibrate_tokens)

@@ -1,8 +1,9 @@
 """The engine's per-layer driver: policy core step -> real copies -> compute from slots.
 
-`OffloadEngine` is model-agnostic: the decode loop (`moesub.engine.decode`, a Hugging Face model)
-and the real-size benchmark (`moesub.engine.bench`, synthetic routing) both call, per token and
-MoE layer, `route(layer, logits)` and then `compute(layer, hidden, slot_ids, host_ids, weights)`.
+`OffloadEngine` is model-agnostic: the model adapter (`moesub.engine.adapter`, a Hugging Face
+model) and the real-size benchmark (`moesub.engine.bench`, synthetic routing) both call, per
+token and MoE layer, `route(layer, logits)` and then `compute(layer, hidden, slot_ids, weights,
+host_ids)`.
 Every policy decision comes from the one policy core (`moesub.policy.LayerCache`, external
 admission mode): the engine only carries decisions out and tells the core when a background
 copy has really completed (`LayerCache.admit`).
@@ -78,8 +79,6 @@ class OffloadEngine:
         self.initial = initial
         self.caches: list[LayerCache] = []
         self.stats = TokenStats()
-        self.totals = np.zeros(NUM_STATUS, np.int64)
-        self.host_ids: list[np.ndarray | None] = [None] * self.num_layers
         # admission="delay": per layer, requests not yet admitted as (ready token, expert), and
         # completed copies not yet due (expert -> tier handle)
         self._due: list[list[tuple[int, int]]] = []
@@ -114,7 +113,6 @@ class OffloadEngine:
     def end_token(self) -> TokenStats:
         """Synchronize the fast device and return the token's stats."""
         self.stats.fetch_wait_s += self.tier.take_wait_s()
-        self.totals += self.stats.counts
         return self.stats
 
     def route(self, layer: int, logits: np.ndarray) -> LayerStep:

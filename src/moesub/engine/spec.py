@@ -1,0 +1,127 @@
+"""An engine's checked inputs: the `engine:` options (`EngineParams`) and everything one engine
+run is built from (`EngineSpec`, by `resolve_engine`), checked before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moesub.engine.runtime import ADMISSION_TIMINGS
+from moesub.engine.store import DTYPES
+from moesub.engine.tiers import require_cuda
+from moesub.params import options_from
+from moesub.policy import Policy, capacity_for
+
+ALL_RESIDENT = "all_resident"  # reserved policy name: every expert in fast memory (the floor)
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """The `engine:` section of config.yaml (every key optional)."""
+
+    dtype: str = "float32"  # model and expert dtype
+    store_path: str | None = None  # expert file of the disk tier (default: beside the model)
+    staging_buffers: int = 4  # background admissions in flight at most
+    max_streams: int | None = None  # decode only the first n streams (smoke runs)
+    max_tokens: int | None = None  # decode only the first n tokens of each stream
+    threads: int | None = None  # torch CPU threads (None = torch's default)
+    progress: bool = True
+    calibrate_tokens: int = 32  # decode steps timed for dense_layer_s
+    # background admissions usable when their copy completes ("completion"), or exactly
+    # policy.delay tokens after the request, waiting for the copy if needed ("delay": the
+    # emulator's and simulator's decisions, token for token)
+    admission: str = "completion"
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
+        p = options_from(cls, params, "engine")
+        if p.dtype not in DTYPES:
+            raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
+        if p.admission not in ADMISSION_TIMINGS:
+            raise ValueError(f"params.admission={p.admission!r} not in {list(ADMISSION_TIMINGS)}")
+        for name in ("staging_buffers", "max_streams", "max_tokens", "threads", "calibrate_tokens"):
+            v = getattr(p, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"params.{name}={v!r} must be a positive integer")
+        return p
+
+
+def require_file(path: str | os.PathLike, arg: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{arg}: {str(p)!r} does not exist")
+    return p
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Checked inputs of one engine (`resolve_engine`): nothing loaded yet."""
+
+    name: str
+    policy: Policy
+    policy_meta: dict[str, Any]  # the policy as given (artefact metadata)
+    fraction: float
+    capacity: int  # C (E for all_resident)
+    initial: np.ndarray  # int32 (L, C) resident set every stream / prompt starts from
+    device: torch.device
+    opts: EngineParams
+    info: Any  # moesub.models.MoEInfo
+
+
+def resolve_engine(
+    model_dir: str | os.PathLike,
+    name: str,
+    policy: Mapping[str, Any] | Policy | None,
+    fraction: float,
+    device: str,
+    params: Mapping[str, Any] | None = None,
+    initial: np.ndarray | None = None,
+    initial_sets_path: str | os.PathLike | None = None,
+) -> EngineSpec:
+    """Check an engine's inputs without loading the model: the policy (ignored for
+    `all_resident`), the fraction against the checkpoint's E and k, the engine options, the
+    device, and the initial resident set: `initial` (L, C), read from `initial_sets_path` when
+    given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
+    from moesub.emulate import check_initial, policy_from_dict
+    from moesub.models import check_checkpoint
+
+    require_file(model_dir, "model_dir")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    all_resident = name == ALL_RESIDENT
+    pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0.0 < float(fraction) <= 1.0
+    ):
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    opts = EngineParams.from_dict(params)
+    dev = require_cuda(device)
+    info = check_checkpoint(model_dir)
+    E, k, L = info.num_experts, info.top_k, info.num_layers
+    capacity = capacity_for(float(fraction), E)
+    if all_resident:
+        capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    else:
+        if capacity < k:
+            raise ValueError(
+                f"fraction {fraction} gives a cache of C={capacity} experts per layer, too small "
+                f"for top-k={k} (E={E})"
+            )
+        if initial_sets_path is not None:
+            from moesub.capture import read_initial_set
+
+            require_file(initial_sets_path, "initial_sets_path")
+            initial = read_initial_set(initial_sets_path, fraction)
+        initial = check_initial(initial, L, E, capacity)
+        if initial is None:
+            initial = np.tile(np.arange(capacity, dtype=np.int32), (L, 1))
+    meta = pol.to_dict() if all_resident or isinstance(policy, Policy) else dict(policy)
+    return EngineSpec(name, pol, meta, float(fraction), capacity, initial, dev, opts, info)

@@ -1,0 +1,259 @@
+"""Fast-tier expert slots and the disk tier (the CUDA tier is `moesub.engine.cuda_tier`).
+
+A tier owns, per MoE layer, `C` preallocated expert slots in fast memory (`SlotBuffers`) and the
+way experts reach them from the slow tier. Every tier has the same interface, which
+`OffloadEngine` drives: `load`, `fetch`, `request` / `completed` / `install` / `discard`
+(background admissions), `host_forward` (host_compute misses), `take_wait_s`, `synchronize`,
+`drain`, `close`, plus `slots`, `device`, `act`, `kind`, `description`.
+
+`DiskTier` (CPU-only machines): the slow tier is an `ExpertStore` file, the fast tier RAM.
+Synchronous fetches are blocking uncached reads straight into the slot; background admissions
+are read by an I/O thread into staging buffers, and installed into the slot the policy core
+names once the read has really completed. host_compute misses are computed on the CPU, each
+from a fresh uncached read of the expert ("host weights" live on disk).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moesub.engine.kernels import grouped_experts
+from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
+
+
+@dataclass
+class SlotBuffers:
+    """One layer's C expert slots in fast memory."""
+
+    gate_up: torch.Tensor  # (C, 2I, H)
+    down: torch.Tensor  # (C, H, I)
+
+    @property
+    def capacity(self) -> int:
+        return self.gate_up.shape[0]
+
+
+def _host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """host_ids (N, k) expert or -1 -> (local index (N, k) or -1, experts (n,) in local order)."""
+    flat = host_ids.reshape(-1)
+    experts, inverse = np.unique(flat[flat >= 0], return_inverse=True)
+    local = np.full(flat.shape, -1, dtype=np.int64)
+    local[flat >= 0] = inverse
+    return local.reshape(host_ids.shape), experts
+
+
+def require_cuda(device: str | torch.device) -> torch.device:
+    """The torch device for `device`, or ValueError if CUDA was requested but is absent."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda[:n]' ({e})") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(device)!r}: CUDA was requested but no CUDA device is available "
+                "(use device='cpu' for the disk->RAM tier)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} GPUs")
+    elif dev.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: expected 'cpu' or 'cuda[:n]'")
+    return dev
+
+
+# ------------------------------------------------------------------------------------ disk tier
+
+
+class BackgroundReader:
+    """An I/O thread that reads requested experts from the store into staging buffers.
+
+    `submit(layer, expert)` enqueues a read; `poll(layer)` returns `(expert, buffer)` for every
+    read of that layer that has completed; the caller installs the buffer and `release`s it.
+    Reads wait for a free staging buffer, so at most `num_buffers` admissions are in flight.
+    """
+
+    def __init__(self, store: ExpertStore, num_buffers: int) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"staging_buffers must be >= 1, got {num_buffers}")
+        lay = store.layout
+        self.store = store
+        self.buffers = [
+            (
+                aligned_empty(lay.gate_up_shape, lay.torch_dtype),
+                aligned_empty(lay.down_shape, lay.torch_dtype),
+            )
+            for _ in range(num_buffers)
+        ]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(num_buffers):
+            self._free.put(i)
+        self._requests: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._done = [collections.deque() for _ in range(lay.num_layers)]  # per layer
+        self._busy = threading.Event()  # a request is being served
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moesub-io", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            self._busy.set()
+            try:
+                layer, expert = item
+                idx = self._free.get()
+                gu, dn = self.buffers[idx]
+                nbytes = self.store.read_into(layer, expert, gu, dn)
+                self._done[layer].append((expert, idx, nbytes))
+            except BaseException as e:  # surfaced to the main thread on the next poll
+                self._error = e
+            finally:
+                self._busy.clear()
+                self._requests.task_done()
+
+    def submit(self, layer: int, expert: int) -> None:
+        self._requests.put((layer, expert))
+
+    def poll(self, layer: int) -> list[tuple[int, int, int]]:
+        """(expert, buffer index, bytes) of every completed read of `layer`."""
+        if self._error is not None:
+            raise RuntimeError(f"background expert read failed: {self._error}") from self._error
+        done = self._done[layer]
+        out = []
+        while done:
+            out.append(done.popleft())
+        return out
+
+    def release(self, idx: int) -> None:
+        self._free.put(idx)
+
+    def drain(self) -> None:
+        """Wait for every submitted read, then discard the results (stream boundary)."""
+        while self._requests.unfinished_tasks:
+            # reads block on a free buffer: keep releasing finished ones while waiting
+            for layer in range(len(self._done)):
+                for _e, idx, _n in self.poll(layer):
+                    self.release(idx)
+            time.sleep(0.0005)
+        for layer in range(len(self._done)):
+            for _e, idx, _n in self.poll(layer):
+                self.release(idx)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.drain()
+            self._requests.put(None)
+            self._thread.join(timeout=30)
+
+
+class DiskTier:
+    """Experts on disk (`ExpertStore`), C slots per layer in RAM."""
+
+    kind = "disk->RAM"
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        capacity: int,
+        k: int,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        staging_buffers: int = 4,
+    ) -> None:
+        lay: StoreLayout = store.layout
+        self.store, self.layout, self.act = store, lay, act
+        self.device = torch.device("cpu")
+        dt = lay.torch_dtype
+        self.slots = [
+            SlotBuffers(
+                aligned_empty((capacity, *lay.gate_up_shape), dt),
+                aligned_empty((capacity, *lay.down_shape), dt),
+            )
+            for _ in range(lay.num_layers)
+        ]
+        # scratch for host_compute misses: up to k experts of one token, read fresh every time
+        self._host_gu = aligned_empty((k, *lay.gate_up_shape), dt)
+        self._host_dn = aligned_empty((k, *lay.down_shape), dt)
+        self.reader = BackgroundReader(store, staging_buffers)
+        self._wait_s = 0.0
+
+    @property
+    def description(self) -> str:
+        return (
+            f"disk->RAM: experts read from {self.store.path.name} with {self.store.mode} "
+            "(page cache bypassed); host_compute misses computed on the CPU from a fresh "
+            "uncached disk read per miss"
+        )
+
+    def load(self, layer: int, resident: np.ndarray) -> None:
+        """Fill the slots with `resident` (C,) experts (-1 = leave empty); not timed."""
+        s = self.slots[layer]
+        for slot, e in enumerate(resident.tolist()):
+            if e >= 0:
+                self.store.read_into(layer, e, s.gate_up[slot], s.down[slot])
+
+    def fetch(self, layer: int, pairs: Sequence[tuple[int, int]]) -> int:
+        """Synchronously copy experts into slots: pairs of (expert, slot). Returns bytes."""
+        s = self.slots[layer]
+        n = 0
+        t0 = time.perf_counter()
+        for e, slot in pairs:
+            n += self.store.read_into(layer, e, s.gate_up[slot], s.down[slot])
+        self._wait_s += time.perf_counter() - t0
+        return n
+
+    def request(self, layer: int, expert: int) -> None:
+        self.reader.submit(layer, expert)
+
+    def completed(self, layer: int) -> list[tuple[int, int, int]]:
+        return self.reader.poll(layer)
+
+    def install(self, layer: int, handle: tuple[int, int, int], slot: int) -> int:
+        _e, idx, nbytes = handle
+        gu, dn = self.reader.buffers[idx]
+        s = self.slots[layer]
+        s.gate_up[slot].copy_(gu)
+        s.down[slot].copy_(dn)
+        self.reader.release(idx)
+        return nbytes
+
+    def discard(self, handle: tuple[int, int, int]) -> None:
+        self.reader.release(handle[1])
+
+    def host_forward(
+        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """Misses computed on the CPU, each from a fresh uncached disk read. -> (out, bytes)."""
+        local, experts = _host_ids_to_local(host_ids)
+        n = 0
+        t0 = time.perf_counter()
+        for j, e in enumerate(experts.tolist()):
+            n += self.store.read_into(layer, e, self._host_gu[j], self._host_dn[j])
+        self._wait_s += time.perf_counter() - t0
+        ids = torch.from_numpy(local)
+        out = grouped_experts(
+            hidden, ids, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
+            self.act,
+        )  # fmt: skip
+        return out, n
+
+    def take_wait_s(self) -> float:
+        w, self._wait_s = self._wait_s, 0.0
+        return w
+
+    def synchronize(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        self.reader.drain()
+
+    def close(self) -> None:
+        self.reader.close()
