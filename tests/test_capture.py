@@ -9,16 +9,18 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3_next
 
-from moesub.capture import (
-    BackgroundWriter,
+from moesub.artefacts import (
     Trace,
-    frequency_initial_sets,
     load_trace,
     read_initial_set,
     router_rows,
-    run_capture,
     selection_counts,
     topk_mask,
+)
+from moesub.capture import (
+    BackgroundWriter,
+    frequency_initial_sets,
+    run_capture,
     write_initial_sets,
 )
 from moesub.io import read_metadata, write_parquet

@@ -11,19 +11,17 @@ from tiny_models import tiny_qwen3_next
 
 from moesub.capture import run_capture
 from moesub.emulate import (
-    STATUS_NAMES,
     EmulateParams,
-    computed_ids,
     emulate_stream,
     emulate_streams,
     emulate_token_by_token,
-    greedy_decode,
     run_emulate,
     summarize,
 )
 from moesub.io import read_metadata, write_parquet
 from moesub.models import stream_batches, stream_nll
-from moesub.policy import FETCH, SUB, Policy, scan
+from moesub.policy import FETCH, STATUS_NAMES, SUB, Policy, scan
+from moesub.replay import computed_ids, greedy_decode
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
 SUBSTITUTING = Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5)

@@ -15,6 +15,7 @@ import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.capture import run_capture, write_initial_sets
+from moesub.cost import CostModel
 from moesub.engine import (
     ALL_RESIDENT,
     BenchParams,
@@ -35,7 +36,6 @@ from moesub.engine.store import aligned_empty, open_or_write_store, random_exper
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import FETCH, HOST, SUB, Policy, scan
-from moesub.simulate import CostModel
 from moesub.synthetic import synthetic_logits
 
 ACT = torch.nn.functional.silu

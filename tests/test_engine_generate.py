@@ -10,12 +10,13 @@ import pytest
 import torch
 from test_emulate import VOCAB, E, K, L, tiny_model  # the one tiny-model builder
 
-from moesub.emulate import emulate_stream, greedy_decode
+from moesub.emulate import emulate_stream
 from moesub.engine import EngineDecodeResult, generate, open_engine
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
 from moesub.engine.tiers import DiskTier
 from moesub.policy import SUB, Policy, scan
+from moesub.replay import greedy_decode
 from moesub.synthetic import synthetic_logits
 
 FRACTION, C = 0.375, 6
@@ -204,7 +205,7 @@ def test_bad_input(stage, quality_engine, monkeypatch):
         (dict(fraction=0.1), "too small for top-k"),
         (dict(policy={"rule": "nope"}), "unknown rule"),
         (dict(params=params(root, admission="soon")), "params.admission"),
-        (dict(initial=initial[:, :5]), "initial resident set has shape"),
+        (dict(initial=initial[:, :5]), "initial: expected shape"),
         (dict(name=""), "non-empty policy name"),
         (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
     ]

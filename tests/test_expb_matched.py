@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_streams, tiny_qwen3_next
 
-from moesub.capture import Trace, load_trace, run_capture, write_initial_sets
+from moesub.artefacts import Trace, load_trace
+from moesub.capture import run_capture, write_initial_sets
 from moesub.expb import (
     ForcedRouter,
     PlannedIds,

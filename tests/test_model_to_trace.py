@@ -10,12 +10,13 @@ import torch
 from test_embedded import TINY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moesub.capture import load_trace, read_initial_set, run_capture, write_initial_sets
+from moesub.artefacts import load_trace, read_initial_set
+from moesub.capture import run_capture, write_initial_sets
 from moesub.embedded import build_model
+from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
 from moesub.models import stream_batches
 from moesub.policy import Policy, capacity_for
-from moesub.simulate import GridPoint, simulate
 from moesub.streams import build_streams
 
 

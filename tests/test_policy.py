@@ -147,7 +147,7 @@ def belady_reference(sel: np.ndarray, C: int, initial: list[int]) -> int:
 @settings(max_examples=80, deadline=None)
 @given(cases())
 def test_belady_is_optimal_floor(case):
-    from moesub.simulate import GridPoint, simulate
+    from moesub.grid import GridPoint, simulate
 
     logits, k, C, _, _ = case
     T, L, E = logits.shape

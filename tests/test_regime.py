@@ -157,14 +157,14 @@ def test_bad_capacity():
 
 
 def test_from_files_round_trip(tmp_path):
-    from moesub.capture import router_writer
+    from moesub.artefacts import router_writer
 
     E, k, L = 16, 2, 2
     rng = np.random.default_rng(1)
     meta = {"num_experts": E, "top_k": k, "num_layers": L, "norm_topk_prob": True}
     meta |= {"model": "synthetic", "family": "qwen3_next", "layer_indices": [0, 1]}
     meta |= {"dtype": "float32"}
-    from moesub.capture import router_rows
+    from moesub.artefacts import router_rows
 
     logits = {s: rng.standard_normal((40, L, E)).astype(np.float32) for s in (0, 1)}
     for name in ("eval", "calib"):
@@ -187,8 +187,8 @@ def test_from_files_round_trip(tmp_path):
 
 
 def test_analysis_part_writes_regime_table_and_verdict(tmp_path):
-    from moesub.regime import long_table
     from moesub.stats import run_analysis
+    from moesub.stats.regime import long_table
 
     rng = np.random.default_rng(2)
     reg = measure_regime([rng.standard_normal((200, 2, 32)).astype(np.float32)], 2, 8, None)
@@ -201,7 +201,7 @@ def test_analysis_part_writes_regime_table_and_verdict(tmp_path):
     )
     table = pl.read_parquet(tmp_path / "out" / "regime.parquet")
     assert set(table["model"]) == {"toy"}
-    assert table.drop("model").equals(long_table(reg.layers))
+    assert table.drop("model").equals(long_table(reg.layers, reg.summary["references"]))
     (entry,) = doc["regime"]
     assert entry["model"] == "toy"
     assert entry["verdict"] == reg.summary["verdict"]

@@ -8,8 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
+from moesub.cost import CostModel
+from moesub.grid import GridPoint, simulate
 from moesub.policy import FETCH, FORCED, HIT, HOST, SUB, Policy, scan
-from moesub.simulate import CostModel, GridPoint, simulate
 from moesub.synthetic import synthetic_logits
 
 POLICIES = {

@@ -1,5 +1,5 @@
 """Options dataclasses from config sections: unknown keys are errors that name the key; the
-`device` option every torch stage shares."""
+`dtype` and `device` options every torch stage shares."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from dataclasses import fields
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# The model / expert dtypes a stage may be asked for (config `dtype:`), by name.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def options_from(cls: type[T], params: Mapping[str, Any] | None, what: str) -> T:
@@ -30,3 +33,17 @@ def torch_device(name: str):
     if str(name).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"params.device={name!r} but CUDA is not available")
     return torch.device(name)
+
+
+def check_dtype(name: Any, what: str = "params.dtype") -> str:
+    """A stage's `dtype` option: one of DTYPE_NAMES (`what` names the option in the error)."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"{what}: {name!r} is not one of {list(DTYPE_NAMES)}")
+    return name
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a `dtype` option (checked)."""
+    import torch
+
+    return getattr(torch, check_dtype(name))

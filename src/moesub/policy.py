@@ -7,6 +7,7 @@ Python transcription of that text, kept only to test the core against.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -19,6 +20,20 @@ STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")
 RULES = ("fetch_all", "substitute_all", "first_choice", "threshold", "host_compute")
 EVICTIONS = ("lru", "lfu")
 CORE_BUILD_ID: str = _core.BUILD_ID
+# Reserved policy name: every expert resident (the engine's floor on time per token).
+ALL_RESIDENT = "all_resident"
+# The study's named policies, for code that runs without a config (the engine benchmark's
+# default set, the regime measurement); config.yaml `policies:` defines the same (a test holds
+# them equal).
+STUDY_POLICIES: dict[str, dict[str, Any]] = {
+    "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
+    "substitute_all": {"rule": "substitute_all", "eviction": "lru"},
+    "rule_015": {"rule": "threshold", "tau": 0.15, "eviction": "lru"},
+    "first_choice": {"rule": "first_choice", "eviction": "lru"},
+    "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
+    "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+    "host_compute": {"rule": "host_compute", "eviction": "lru"},
+}
 
 
 @dataclass(frozen=True)
@@ -58,11 +73,6 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
-    def fetches_first_choice(self) -> bool:
-        """True if the rule never substitutes the router's first choice."""
-        return self.rule in ("fetch_all", "first_choice", "threshold", "host_compute")
-
     def _core_args(self) -> tuple[int, float, int, float, int]:
         return (
             RULES.index(self.rule),
@@ -74,14 +84,28 @@ class Policy:
 
 
 def capacity_for(fraction: float, num_experts: int) -> int:
-    """C = floor(fraction * E + 0.5)."""
+    """Resident experts per layer for a cache fraction: C = floor(fraction * E + 0.5) (the
+    project's one capacity formula)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise ValueError(f"fraction: must be a number in (0, 1], got {fraction!r}")
     if not (0 < fraction <= 1):
         raise ValueError(f"fraction: must be in (0, 1], got {fraction!r}")
     return int(math.floor(fraction * num_experts + 0.5))
 
 
+def check_capacity(fraction: float, num_experts: int, k: int) -> int:
+    """`capacity_for(fraction, E)`, checked to hold k <= C <= E (the core needs k slots)."""
+    capacity = capacity_for(fraction, num_experts)
+    if not k <= capacity <= num_experts:
+        raise ValueError(
+            f"fraction {fraction} gives capacity C={capacity}, outside [k={k}, E={num_experts}]"
+        )
+    return capacity
+
+
 # ---------------------------------------------------------------------------------------------
-# argument checks shared by scan / LayerCache / forced_substitution
+# argument checks shared by scan / LayerCache / forced_substitution (and every stage that
+# takes an initial resident set)
 
 
 def _check_logits(logits: Any, ndim: int, finite: bool = True) -> np.ndarray:
@@ -99,7 +123,7 @@ def _check_logits(logits: Any, ndim: int, finite: bool = True) -> np.ndarray:
     return np.ascontiguousarray(logits)
 
 
-def _check_sizes(num_experts: int, k: int, capacity: int) -> None:
+def check_sizes(num_experts: int, k: int, capacity: int) -> None:
     for name, v in (("num_experts", num_experts), ("k", k), ("capacity", capacity)):
         if isinstance(v, bool) or int(v) != v:
             raise ValueError(f"{name}: must be an integer, got {v!r}")
@@ -113,7 +137,9 @@ def _check_sizes(num_experts: int, k: int, capacity: int) -> None:
         raise ValueError(f"capacity: C={capacity} exceeds the number of experts E={num_experts}")
 
 
-def _check_initial(initial: Any, shape: tuple[int, ...], num_experts: int) -> np.ndarray | None:
+def check_initial(initial: Any, shape: tuple[int, ...], num_experts: int) -> np.ndarray | None:
+    """An initial resident set of `shape` ((L, C) or (C,)): integer expert ids in [0, E), no
+    repeat within a layer; contiguous int32 (None passes through: experts 0..C-1)."""
     if initial is None:
         return None
     arr = np.asarray(initial)
@@ -175,9 +201,9 @@ def _check_scan_args(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     logits = _check_logits(logits, 3, finite)
     T, L, E = logits.shape
-    _check_sizes(E, k, capacity)
+    check_sizes(E, k, capacity)
     _check_policy(policy)
-    return logits, _check_initial(initial, (L, capacity), E)
+    return logits, check_initial(initial, (L, capacity), E)
 
 
 def scan(
@@ -238,10 +264,10 @@ class LayerCache:
         initial: np.ndarray | None = None,
         external_admission: bool = False,
     ) -> None:
-        _check_sizes(num_experts, k, capacity)
+        check_sizes(num_experts, k, capacity)
         self.policy = _check_policy(policy)
         self.num_experts, self.k, self.capacity = int(num_experts), int(k), int(capacity)
-        init = _check_initial(initial, (capacity,), num_experts)
+        init = check_initial(initial, (capacity,), num_experts)
         self._core = _core.LayerCache(
             self.num_experts,
             self.k,
@@ -301,8 +327,8 @@ def forced_substitution(
     logits = _check_logits(logits, 2)
     T, E = logits.shape
     resident = np.asarray(resident)
-    _check_sizes(E, k, len(resident))
-    res = _check_initial(resident, (len(resident),), E)
+    check_sizes(E, k, len(resident))
+    res = check_initial(resident, (len(resident),), E)
     mask = np.asarray(sub_mask)
     if mask.shape != (T, k):
         raise ValueError(f"sub_mask: expected shape {(T, k)}, got {mask.shape}")

@@ -10,7 +10,7 @@ the study gives, and states in one line how the model's regime compares.
 Per layer (and ``layer = -1`` for all layers together):
 
 - ``hit_rate`` / ``belady_hit_rate``: `fetch_every_miss` (fetch_all + LRU) at capacity C and its
-  offline optimum (Belady eviction), both replayed by the C++ policy core (`moesub.simulate`);
+  offline optimum (Belady eviction), both replayed by the C++ policy core (`moesub.grid`);
 - ``rule015_sub_rate``: share of expert calls the 0.15 rule (threshold 0.15 + LRU) substitutes;
 - ``effective_experts``: exp of the entropy of the experts' top-k selection counts over the
   trace; below C, a C-slot cache can hold nearly every expert in use (collapse), and the hit
@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moesub.capture import load_trace, read_initial_set, topk_mask
+from moesub.artefacts import load_trace, read_initial_set, topk_mask
 from moesub.config import REGIME_FRACTION
+from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
-from moesub.policy import Policy, capacity_for
-from moesub.simulate import GridPoint, simulate
+from moesub.policy import STUDY_POLICIES, Policy, capacity_for
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
 REFERENCES: dict[str, tuple[float, str]] = {
@@ -62,7 +62,7 @@ REFERENCES: dict[str, tuple[float, str]] = {
 }
 REUSE_EDGES = (1, 4, 16, 64, 256)  # upper bounds of the reuse-distance bins (tokens)
 REUSE_COLUMNS = ("reuse_1", "reuse_2_4", "reuse_5_16", "reuse_17_64", "reuse_65_256")
-HEAVY_WEIGHT = 0.15  # the 0.15 rule's threshold
+HEAVY_WEIGHT = STUDY_POLICIES["rule_015"]["tau"]  # the 0.15 rule's threshold
 # a hit rate within this of the reference model's counts as "comparable"
 COMPARABLE_MARGIN = 0.03
 
@@ -167,8 +167,8 @@ def measure_regime(
     if not k <= capacity <= E:
         raise ValueError(f"capacity: C={capacity} must be in [k={k}, E={E}]")
     grid = [
-        GridPoint("fetch_every_miss", Policy(rule="fetch_all", eviction="lru"), capacity / E),
-        GridPoint("rule_015", Policy(rule="threshold", tau=HEAVY_WEIGHT), capacity / E),
+        GridPoint(name, Policy.from_dict(STUDY_POLICIES[name]), capacity / E)
+        for name in ("fetch_every_miss", "rule_015")
     ]
     initial_sets = None if initial is None else {capacity: initial}
     sim = simulate(streams, k, grid, initial_sets, n_threads=1)
@@ -267,28 +267,6 @@ def verdict(summary: dict[str, Any]) -> str:
     return (
         f"fetch_every_miss hits {hit:.3f} at {fraction:.0%} resident (C = {cap}), {where}; "
         f"no collapse (every layer >= {summary['min_effective_experts']:.0f} effective experts)"
-    )
-
-
-def long_table(layers: pl.DataFrame) -> pl.DataFrame:
-    """The per-layer table as (layer, metric, value, reference, trace_study_reference) rows.
-
-    ``reference`` is the study's figure for the metric (all layers only; null where it gives
-    none), ``trace_study_reference`` the llama.cpp trace study's (hit rate only).
-    """
-    metrics = [c for c in layers.columns if c not in ("layer", "tokens", "capacity")]
-    long = layers.select(pl.col("layer").cast(pl.Int64), pl.col(metrics).cast(pl.Float64))
-    long = long.unpivot(index="layer", on=metrics, variable_name="metric", value_name="value")
-    study = {m: v for m, (v, _) in REFERENCES.items() if m in metrics}
-    trace = {"hit_rate": REFERENCES["hit_rate_llamacpp"][0]}
-    total = pl.col("layer") == -1
-    return long.with_columns(
-        pl.when(total)
-        .then(pl.col("metric").replace_strict(study, default=None, return_dtype=pl.Float64))
-        .alias("reference"),
-        pl.when(total)
-        .then(pl.col("metric").replace_strict(trace, default=None, return_dtype=pl.Float64))
-        .alias("trace_study_reference"),
     )
 
 

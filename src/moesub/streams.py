@@ -40,17 +40,9 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from moesub.artefacts import STREAM_SCHEMA
 from moesub.io import write_parquet
 
-STREAM_SCHEMA = pa.schema(
-    [
-        ("stream", pa.int32()),
-        ("pos", pa.int32()),
-        ("token_id", pa.int32()),
-        ("doc_id", pa.int32()),
-        ("doc_start", pa.bool_()),
-    ]
-)
 _SPLIT_CODES = {"eval": 0, "calib": 1}
 _SOURCE_KEYS = {
     "embedded": {"kind", "root"},

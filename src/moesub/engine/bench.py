@@ -128,10 +128,9 @@ class BenchParams:
 def frequency_initial(logits: np.ndarray, k: int, capacity: int) -> np.ndarray:
     """(L, C): per layer the C experts most often in the top-k of `logits` (T, L, E), ties to
     the lower id (the capture stage's frequency-initial rule)."""
-    from moesub.capture import topk_mask
+    from moesub.artefacts import frequency_sets, topk_mask
 
-    counts = topk_mask(logits, k).sum(axis=0)  # (L, E)
-    return np.argsort(-counts, axis=1, kind="stable")[:, :capacity].astype(np.int32)
+    return frequency_sets(topk_mask(logits, k).sum(axis=0), capacity)
 
 
 def _mem_available() -> int | None:
@@ -405,7 +404,7 @@ def run_benchmark(
                 "sim_rel_error": float((est - mean) / mean),
             }
         )
-    from moesub.stats.quality import speedup  # the project's one speedup
+    from moesub.metrics import speedup  # the project's one speedup
 
     out = pl.DataFrame(rows)
     med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))

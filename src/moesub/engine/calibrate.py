@@ -1,6 +1,6 @@
 """Cost-model calibration: measure the running machine's link and compute costs.
 
-Writes the JSON that `moesub.simulate.CostModel.from_json` reads (exactly its keys):
+Writes the JSON that `moesub.cost.CostModel.from_json` reads (exactly its keys):
 `link_bandwidth_Bps, transfer_latency_s, expert_bytes, expert_compute_s, host_expert_compute_s,
 dense_layer_s, background_shares_link`. On the disk->RAM tier the "link" is the disk read path
 (page cache bypassed) and `host_expert_compute_s` includes the fresh disk read each host miss
@@ -169,8 +169,8 @@ def measure_tier_costs(tier, k: int, expert_bytes: int, dense_layer_s: float) ->
 
 
 def predicted_time_per_token(cost: dict[str, Any], counts: dict[str, float], layers: int):
-    """The simulator's cost-model estimate (`moesub.simulate.CostModel.time_per_token`)."""
-    from moesub.simulate import CostModel
+    """The simulator's cost-model estimate (`moesub.cost.CostModel.time_per_token`)."""
+    from moesub.cost import CostModel
 
     return CostModel(**{k: cost[k] for k in COST_KEYS}).time_per_token(counts, layers)
 

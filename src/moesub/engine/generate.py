@@ -3,7 +3,7 @@
 `EngineModel` is a model built once for the engine under one policy (`build_engine_model`, the
 policy cores, the router hook) and reused for any number of streams (`decode`, the stage's
 teacher forcing) or prompts (`generate`, free-running greedy). `open_engine` builds one from
-checked inputs; `generate` is the engine's counterpart of `moesub.emulate.greedy_decode`.
+checked inputs; `generate` is the engine's counterpart of `moesub.replay.greedy_decode`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from moesub.policy import Policy
 @dataclass
 class EngineDecodeResult:
     """One greedy continuation on the engine: `tokens`, `mass`, `stopped` as
-    `moesub.emulate.DecodeResult`; per generated token i, what the step that produced it cost
+    `moesub.replay.DecodeResult`; per generated token i, what the step that produced it cost
     (the step that fed the prompt's last token for i = 0)."""
 
     tokens: list[int]  # generated tokens, stop token excluded
@@ -213,7 +213,7 @@ def generate(
     progress: bool | None = None,
 ) -> list[EngineDecodeResult]:
     """Greedy generation on the offloading engine (the engine's counterpart of
-    `moesub.emulate.greedy_decode`; with params `admission="delay"` the same tokens).
+    `moesub.replay.greedy_decode`; with params `admission="delay"` the same tokens).
 
     `model` is an `EngineModel` from `open_engine` (reused across calls; name, policy, fraction,
     device, initial and params were fixed when it was built and must not be passed) or a model

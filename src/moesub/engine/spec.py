@@ -88,7 +88,8 @@ def resolve_engine(
     `all_resident`), the fraction against the checkpoint's E and k, the engine options, the
     device, and the initial resident set: `initial` (L, C), read from `initial_sets_path` when
     given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
-    from moesub.emulate import check_initial, policy_from_dict
+    from moesub.policy import check_initial
+    from moesub.replay import policy_from_dict
     from moesub.models import check_checkpoint
 
     require_file(model_dir, "model_dir")
@@ -116,11 +117,11 @@ def resolve_engine(
                 f"for top-k={k} (E={E})"
             )
         if initial_sets_path is not None:
-            from moesub.capture import read_initial_set
+            from moesub.artefacts import read_initial_set
 
             require_file(initial_sets_path, "initial_sets_path")
             initial = read_initial_set(initial_sets_path, fraction)
-        initial = check_initial(initial, L, E, capacity)
+        initial = check_initial(initial, (L, capacity), E)
         if initial is None:
             initial = np.tile(np.arange(capacity, dtype=np.int32), (L, 1))
     meta = pol.to_dict() if all_resident or isinstance(policy, Policy) else dict(policy)

@@ -54,7 +54,7 @@ def run_engine(
     Each stream starts from fresh caches holding the initial set (as in emulate). Every input is
     checked before decoding; the output is written atomically at the end.
     """
-    from moesub.emulate import check_token_table, iter_streams
+    from moesub.artefacts import check_token_table, iter_streams
     from moesub.policy import CORE_BUILD_ID
 
     require_file(model_dir, "model_dir")
@@ -141,7 +141,7 @@ def summarize_engine(
                 "ppl": float(np.exp(nll.mean())),
             }
         )
-    from moesub.stats.quality import dppl_pct, speedup  # the project's one Δppl and speedup
+    from moesub.metrics import dppl_pct, speedup  # the project's one Δppl and speedup
 
     out = pl.DataFrame(rows)
     by = {r["policy"]: r for r in rows}

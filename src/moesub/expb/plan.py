@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from moesub.capture import Trace
+from moesub.artefacts import Trace
 from moesub.expb.select import matched_masks
 from moesub.policy import Policy, scan
 

@@ -26,20 +26,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.capture import Trace, load_trace, read_initial_set
-from moesub.emulate import (
-    BatchRouter,
-    capacity_for,
-    check_geometry,
-    check_initial,
-    check_replay_options,
-    check_token_table,
-    computed_ids,
-    iter_streams,
-    load_for_capture,
-    model_device,
-    require_file,
-)
+from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
     MatchedPlan,
@@ -51,7 +38,16 @@ from moesub.expb.select import STUDY_CONDITIONS, select_substitutions
 from moesub.io import read_metadata, write_parquet
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
-from moesub.policy import CORE_BUILD_ID, forced_substitution
+from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_substitution
+from moesub.replay import (
+    BatchRouter,
+    check_geometry,
+    check_replay_options,
+    computed_ids,
+    load_for_capture,
+    model_device,
+    require_file,
+)
 
 DESIGNS = ("study", "matched")
 CONDITIONS = STUDY_CONDITIONS
@@ -194,7 +190,7 @@ def expb_streams(
         raise ValueError(
             f"resident set has shape {resident.shape}, the model needs (L={info.num_layers}, C)"
         )
-    resident = check_initial(resident, info.num_layers, info.num_experts, resident.shape[1])
+    resident = check_initial(resident, (info.num_layers, resident.shape[1]), info.num_experts)
     if resident.shape[1] < 2 * info.top_k - 1:
         raise ValueError(
             f"resident set of {resident.shape[1]} experts per layer is too small for k="
@@ -335,12 +331,9 @@ def run_expb(
         resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
         capacity = info.num_experts
     else:
-        capacity = capacity_for(opts.fraction, info.num_experts, info.top_k)
-        resident = check_initial(
-            read_initial_set(initial_sets_path, opts.fraction),
-            info.num_layers,
-            info.num_experts,
-            capacity,
+        capacity = check_capacity(opts.fraction, info.num_experts, info.top_k)
+        resident = initial_set_for(
+            initial_sets_path, opts.fraction, info.num_layers, info.num_experts, capacity
         )
     meta: dict[str, Any] = {"design": design, "condition": condition, "target_mass": target_mass}
     plan = None

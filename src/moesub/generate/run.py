@@ -170,8 +170,8 @@ def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> 
 def decode_items(
     model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts
 ) -> list:
-    """Greedy continuations (`moesub.emulate.DecodeResult`) of every item's prompt."""
-    from moesub.emulate import greedy_decode
+    """Greedy continuations (`moesub.replay.DecodeResult`) of every item's prompt."""
+    from moesub.replay import greedy_decode
 
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
     return greedy_decode(
@@ -285,10 +285,10 @@ def run_generate(
     is written whose metadata `missing_data` holds the message (what is missing, how to provide
     it); the message is also logged.
     """
-    from moesub.capture import read_initial_set
-    from moesub.emulate import capacity_for, check_initial, policy_from_dict
+    from moesub.artefacts import initial_set_for
     from moesub.models import load_model, moe_info
-    from moesub.policy import CORE_BUILD_ID
+    from moesub.policy import CORE_BUILD_ID, check_capacity
+    from moesub.replay import policy_from_dict
 
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
@@ -328,9 +328,9 @@ def run_generate(
     if tokenizer is None:
         raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
     info = moe_info(model)
-    capacity = capacity_for(fraction, info.num_experts, info.top_k)
-    initial = check_initial(
-        read_initial_set(initial_sets_path, fraction), info.num_layers, info.num_experts, capacity
+    capacity = check_capacity(fraction, info.num_experts, info.top_k)
+    initial = initial_set_for(
+        initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
     )
     table = generate_rows(
         model, tokenizer, task, items, name, pol, fraction, capacity, initial, info.num_layers, opts

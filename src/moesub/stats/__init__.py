@@ -39,7 +39,7 @@ Modules, one per part (each documents its decisions):
 - `load`: input checking, file metadata, the split by model, `Context` (DuckDB tables);
 - `intervals`: stream bootstrap (BCa / basic, bias), correlation, Wilson and median CIs;
 - `power`: smallest reachable p-value and minimum detectable effects;
-- `quality`: Δppl and speedup (the only place they are computed), per-policy quality;
+- `quality`: per-policy quality (Δppl and speedup themselves are `moesub.metrics`);
 - `mass`: the mass hypothesis and its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
@@ -82,7 +82,6 @@ from moesub.stats.load import (
 )
 from moesub.stats.params import AnalysisParams
 from moesub.stats.power import paired_mde, proportion_mde, wilcoxon_min_p
-from moesub.stats.quality import dppl_pct, speedup
 from moesub.stats.run import OUTPUT_FILES, run_analysis
 from moesub.stats.timing import pareto_front
 
@@ -99,7 +98,6 @@ __all__ = [
     "check_inputs",
     "correlation",
     "counts_of",
-    "dppl_pct",
     "file_info",
     "find_twin",
     "level_label",
@@ -110,7 +108,6 @@ __all__ = [
     "proportion_mde",
     "rowwise_pearson",
     "run_analysis",
-    "speedup",
     "split_by_model",
     "stream_bootstrap",
     "wilcoxon_min_p",

@@ -37,10 +37,11 @@ import pandas as pd
 from scipy import stats as sps
 
 from moesub.config import is_exact_twin, missing_admission_twins, twin_spec
+from moesub.metrics import dppl_pct
 from moesub.stats.intervals import rng_for, stream_bootstrap
 from moesub.stats.load import Context, missing
 from moesub.stats.power import paired_mde, wilcoxon_min_p
-from moesub.stats.quality import dppl_pct, ratio_stat
+from moesub.stats.quality import ratio_stat
 
 SEGMENTS = ("first_document", "after_change")
 BOUNDARY = "boundary"

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moesub.metrics import dppl_pct
 from moesub.stats.intervals import correlation, rng_for, rowwise_pearson, stream_bootstrap
 from moesub.stats.load import Context, missing
-from moesub.stats.quality import dppl_pct
 
 FETCH_FIRST_RULES = ("threshold", "first_choice")
 SUBSTITUTE_FIRST_RULES = ("substitute_all",)

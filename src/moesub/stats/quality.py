@@ -1,11 +1,8 @@
-"""Δppl and speedup: the one place in the project where they are computed.
+"""Quality: Δppl and substituted mass per policy and fraction, with intervals.
 
-Δppl % of a policy is `100 * (exp(mean(nll_p - nll_base)) - 1)` over the tokens both have an
-NLL for; the base is `fetch_every_miss` (params `baseline`) emulated at the same cache fraction,
-or, if that run is absent, the captured exact NLL (identical by construction). A speedup is a
-ratio of times per token on the same device and fraction: `time(reference) / time(policy)`.
-`moesub.emulate.summarize`, `moesub.engine.summarize_engine` and the engine benchmark call
-`dppl_pct` / `speedup` from here.
+Δppl % (`moesub.metrics.dppl_pct`, the project's one Δppl) is taken against `fetch_every_miss`
+(params `baseline`) emulated at the same cache fraction, or, if that run is absent, the captured
+exact NLL (identical by construction).
 
 Per policy and fraction (`quality_part`): Δppl % and the mean substituted mass per token-layer
 (emulate's `mass` is the sum over the L layers; `load` divides it by L), each with a stream
@@ -21,24 +18,10 @@ import math
 import numpy as np
 import pandas as pd
 
+from moesub.metrics import dppl_pct
 from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
 from moesub.stats.load import COUNT_COLS, Context, missing
 from moesub.stats.power import paired_mde
-
-
-def dppl_pct(mean_dnll: np.ndarray | float) -> np.ndarray | float:
-    """Δppl % from the mean per-token ΔNLL: 100 * (exp(mean ΔNLL) - 1)."""
-    return 100.0 * np.expm1(mean_dnll)
-
-
-def speedup(reference_s: np.ndarray | float, time_s: np.ndarray | float) -> np.ndarray | float:
-    """How many times faster than the reference: `reference_s / time_s` (NaN where time <= 0
-    or either is missing)."""
-    ref = np.asarray(reference_s, dtype=float)
-    t = np.asarray(time_s, dtype=float)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(t > 0, ref / t, np.nan)
-    return out if out.ndim else float(out)
 
 
 def ratio_stat(num: np.ndarray, den: np.ndarray, transform=None):

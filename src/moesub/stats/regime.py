@@ -1,7 +1,8 @@
-"""Regime: each model's cache regime (moesub.regime) into the analysis outputs.
+"""Regime: each model's cache regime (the regime artefact) into the analysis outputs.
 
 `regime.parquet` gets the model's per-layer regime figures as (layer, metric, value, reference,
 trace_study_reference) rows; `analysis.json` gets the headline figures and the one-line verdict.
+The reference figures are the ones the regime artefact's summary records.
 
 Entry point: `regime_part(ctx)`.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import polars as pl
 
 from moesub.io import read_metadata
-from moesub.regime import REFERENCES, long_table
 from moesub.stats.load import Context, missing
 
 HEADLINE_KEYS = (
@@ -39,9 +39,35 @@ def regime_part(ctx: Context) -> None:
     summary = read_metadata(paths[0]).get("summary")
     if not summary:
         raise ValueError(f"inputs['regime']: {paths[0]!r} has no 'summary' metadata")
-    ctx.tables["regime"] = long_table(pl.read_parquet(paths[0])).to_pandas()
+    references = summary.get("references")
+    if not references:
+        raise ValueError(f"inputs['regime']: {paths[0]!r}: the summary records no references")
+    ctx.tables["regime"] = long_table(pl.read_parquet(paths[0]), references).to_pandas()
     ctx.results["regime"] = {
         **{key: summary.get(key) for key in HEADLINE_KEYS},
-        "references": {name: {"value": v, "source": s} for name, (v, s) in REFERENCES.items()},
+        "references": references,
     }
     ctx.parts["regime"] = {"status": "ok"}
+
+
+def long_table(layers: pl.DataFrame, references: dict[str, dict]) -> pl.DataFrame:
+    """The per-layer table as (layer, metric, value, reference, trace_study_reference) rows.
+
+    ``reference`` is the study's figure for the metric (all layers only; null where it gives
+    none), ``trace_study_reference`` the llama.cpp trace study's (hit rate only); `references`
+    is the regime summary's `{name: {"value", "source"}}`.
+    """
+    metrics = [c for c in layers.columns if c not in ("layer", "tokens", "capacity")]
+    long = layers.select(pl.col("layer").cast(pl.Int64), pl.col(metrics).cast(pl.Float64))
+    long = long.unpivot(index="layer", on=metrics, variable_name="metric", value_name="value")
+    study = {m: r["value"] for m, r in references.items() if m in metrics}
+    trace = {"hit_rate": references["hit_rate_llamacpp"]["value"]}
+    total = pl.col("layer") == -1
+    return long.with_columns(
+        pl.when(total)
+        .then(pl.col("metric").replace_strict(study, default=None, return_dtype=pl.Float64))
+        .alias("reference"),
+        pl.when(total)
+        .then(pl.col("metric").replace_strict(trace, default=None, return_dtype=pl.Float64))
+        .alias("trace_study_reference"),
+    )

@@ -18,9 +18,9 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from moesub.metrics import speedup
 from moesub.stats.intervals import correlation, median_ci
 from moesub.stats.load import PROVENANCE_KEYS, Context, file_info, missing, sql_list
-from moesub.stats.quality import speedup
 
 
 def pareto_front(cost: Sequence[float], loss: Sequence[float]) -> np.ndarray:

@@ -1,0 +1,115 @@
+"""Grid replay: router-logit streams through a grid of policies x cache sizes.
+
+The replay itself is the C++ policy core (`_core.simulate_grid`, threads over grid points and
+layers); `simulate` checks the streams and the grid, turns the core's counters into rates and
+mass quantiles, and prices each grid point with a `moesub.cost.CostModel`. The simulate stage
+(`moesub.simulate`) and the regime measurement (`moesub.regime`) both replay through it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from moesub import _core
+from moesub.cost import CostModel
+from moesub.policy import Policy, capacity_for, check_initial, check_sizes
+
+COUNTER_NAMES = (
+    "tokens", "hit", "fetch", "sub", "host", "forced", "admission_requests", "admissions",
+    "evictions",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One point of the grid: a named policy at a cache fraction."""
+
+    name: str
+    policy: Policy
+    fraction: float
+
+
+def simulate(
+    streams: list[np.ndarray],
+    k: int,
+    grid: list[GridPoint],
+    initial_sets: dict[int, np.ndarray] | None = None,
+    cost: CostModel | None = None,
+    n_threads: int | None = None,
+    belady: bool = True,
+) -> pl.DataFrame:
+    """Replay every stream (float32 (T, L, E); caches restart per stream) for every grid point.
+
+    `initial_sets` maps a capacity to its (L, C) resident set (default: experts 0..C-1).
+    Returns one row per grid point and layer, plus a total row per grid point (layer = -1).
+    """
+    if not streams:
+        raise ValueError("streams: need at least one router-logit stream")
+    shapes = {s.shape[1:] for s in streams}
+    if len(shapes) != 1:
+        raise ValueError(f"streams: all streams need the same (L, E); got {sorted(shapes)}")
+    for i, s in enumerate(streams):
+        if s.dtype != np.float32 or s.ndim != 3:
+            raise ValueError(f"streams[{i}]: expected float32 (T, L, E), got {s.dtype} {s.shape}")
+        if not np.isfinite(s).all():
+            raise ValueError(f"streams[{i}]: router logits contain NaN or inf")
+    streams = [np.ascontiguousarray(s) for s in streams]
+    L, E = streams[0].shape[1:]
+    cost = cost or CostModel()
+    capacities = [capacity_for(g.fraction, E) for g in grid]
+    initials = []
+    for g, C in zip(grid, capacities, strict=True):
+        check_sizes(E, k, C)
+        init = None if initial_sets is None else initial_sets.get(C)
+        if initial_sets is not None and init is None:
+            raise ValueError(f"initial_sets: no resident set for capacity {C} ({g.name})")
+        initials.append(check_initial(init, (L, C), E))
+    use_belady = [belady and g.policy.rule == "fetch_all" for g in grid]
+    total_T = sum(s.shape[0] for s in streams)
+    mass = [np.zeros((total_T, L), np.float64) for _ in grid]
+    counters = np.zeros((len(grid), L, len(COUNTER_NAMES)), np.int64)
+    belady_hits = np.zeros((len(grid), L), np.int64)
+    args = [g.policy._core_args() for g in grid]
+    _core.simulate_grid(
+        streams, k,
+        [a[0] for a in args], [a[1] for a in args], [a[2] for a in args],
+        [a[3] for a in args], [a[4] for a in args],
+        capacities, initials, use_belady, mass, counters, belady_hits,
+        n_threads or os.cpu_count() or 1,
+    )  # fmt: skip
+    rows = []
+    for gi, (g, C) in enumerate(zip(grid, capacities, strict=True)):
+        for layer in [*range(L), -1]:
+            if layer >= 0:
+                c = dict(zip(COUNTER_NAMES, counters[gi, layer].tolist(), strict=True))
+                m = mass[gi][:, layer]
+                bel = belady_hits[gi, layer]
+            else:
+                c = dict(zip(COUNTER_NAMES, counters[gi].sum(0).tolist(), strict=True))
+                m = mass[gi].ravel()
+                bel = belady_hits[gi].sum()
+            calls = c["tokens"] * k
+            n_layers = L if layer < 0 else 1
+            rows.append(
+                {
+                    "policy": g.name,
+                    "fraction": g.fraction,
+                    "capacity": C,
+                    "layer": layer,
+                    **c,
+                    "hit_rate": c["hit"] / calls,
+                    "sub_rate": c["sub"] / calls,
+                    "mass_mean": float(m.mean()),
+                    "mass_p50": float(np.quantile(m, 0.5)),
+                    "mass_p90": float(np.quantile(m, 0.9)),
+                    "mass_p99": float(np.quantile(m, 0.99)),
+                    "mass_per_token": float(mass[gi].sum(1).mean()) if layer < 0 else None,
+                    "est_time_per_token_s": cost.time_per_token(c, n_layers),
+                    "belady_hit_rate": bel / calls if use_belady[gi] else None,
+                }
+            )
+    return pl.DataFrame(rows)

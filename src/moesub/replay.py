@@ -1,0 +1,292 @@
+"""Replaying a captured model under a policy: what emulate, Experiment B and generation share.
+
+- **model loading** (`load_for_capture`): the model in the capture's dtype, checked against the
+  capture's token table (geometry, vocabulary); `require_file`, `check_geometry`,
+  `model_device`, `check_replay_options` (the stream limit and dtype the replays take);
+- **policy routers**: `PolicyRouter` hands each MoE layer's router logits to that layer's
+  `moesub.policy.LayerCache` (`make_caches`: fresh caches from the initial resident set) and
+  returns the ids the core computes (`computed_ids`); `BatchRouter` splits a batched forward
+  among per-stream routers;
+- **greedy decoding** (`greedy_decode`) with the KV cache under a policy (or the exact model),
+  and the cached one-step forward the token-by-token oracle shares (`forward_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+from tqdm.auto import tqdm
+
+from moesub.artefacts import check_token_table
+from moesub.io import read_metadata
+from moesub.models import RouterHook, align_ids, load_model, moe_info
+from moesub.params import check_dtype, torch_dtype
+from moesub.policy import STATUS_NAMES, LayerCache, Policy, check_initial
+
+
+# --------------------------------------------------------------------------- inputs
+def check_replay_options(max_streams: int | None, dtype: str | None) -> None:
+    """The options emulate and Experiment B share: a stream limit and the model dtype."""
+    if max_streams is not None and int(max_streams) < 1:
+        raise ValueError(f"params.max_streams must be >= 1, got {max_streams}")
+    if dtype is not None:
+        check_dtype(dtype)
+
+
+def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
+    """`moesub.policy.Policy` from a config dict, with errors that name the `policy` argument."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, Mapping):
+        raise ValueError(f"policy must be a dict (rule, tau, eviction, ...), got {policy!r}")
+    try:
+        return Policy.from_dict(dict(policy))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"policy {dict(policy)!r} is invalid: {exc}") from exc
+
+
+def require_file(path: str | os.PathLike, arg: str) -> Path:
+    """`path` as a Path; FileNotFoundError naming the argument `arg` when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{arg}: {path} does not exist")
+    return path
+
+
+def check_geometry(meta: Mapping[str, Any], info, arg: str) -> None:
+    """A capture artefact's recorded E/k/L (metadata, when present) must match the model's."""
+    for key, value in (
+        ("num_experts", info.num_experts),
+        ("top_k", info.top_k),
+        ("num_layers", info.num_layers),
+    ):
+        if key in meta and int(meta[key]) != value:
+            raise ValueError(
+                f"{arg}: captured with {key}={meta[key]} but the model has {key}={value}: "
+                "the capture was made with another model"
+            )
+
+
+def load_for_capture(
+    model_dir: str | os.PathLike, tokens_path: Path, dtype: str | None, device: str
+) -> tuple[Any, Any, pl.DataFrame, str]:
+    """The model in the capture's dtype (unless `dtype` overrides it), checked against the
+    capture token table (E/k/L recorded there, token ids within the vocabulary).
+
+    Returns (model, MoEInfo, token table, dtype)."""
+    token_meta = read_metadata(tokens_path)
+    dtype = check_dtype(dtype or token_meta.get("dtype", "float32"), "tokens_path: capture dtype")
+    model, _tokenizer = load_model(model_dir, dtype=torch_dtype(dtype), device=device)
+    info = moe_info(model)
+    check_geometry(token_meta, info, "tokens_path")
+    tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    return model, info, tokens, dtype
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------- policy routers
+@dataclass
+class StreamTrace:
+    """What the core decided for one stream, layer by layer (T tokens, L layers, top-k)."""
+
+    nll: np.ndarray  # float64 (T,), NaN at pos 0
+    mass: np.ndarray  # float64 (T, L) substituted gate mass
+    counts: np.ndarray  # int64 (T, 5) slots per status code, summed over layers
+    status: np.ndarray | None = None  # int8 (T, L, k), when recorded
+    ids: np.ndarray | None = None  # int32 (T, L, k) computed expert, when recorded
+    selected: np.ndarray | None = None  # int32 (T, L, k) router's choice, when recorded
+    admissions: int = 0  # admission requests made by the core, summed over layers
+
+
+@dataclass
+class PolicyRouter:
+    """RouterHook callback: layer l's rows go through `caches[l]`; the core's ids are computed.
+
+    Rows arrive in stream order (the whole stream at once, or one decode step at a time); each
+    call advances that layer's cache clock by the number of rows. `record` keeps ids and status
+    for the tests; otherwise only mass and per-status counts are kept.
+    """
+
+    caches: list
+    record: bool = False
+    _parts: list[list[tuple]] = field(default_factory=list)
+    _admissions: int = 0
+
+    def __post_init__(self) -> None:
+        self._parts = [[] for _ in self.caches]
+
+    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        z = logits.detach().to(torch.float32).cpu().numpy()  # (N, E) float32
+        s = self.caches[layer].step(np.ascontiguousarray(z))
+        status = np.asarray(s.status)
+        counts = np.stack([(status == c).sum(axis=1) for c in range(len(STATUS_NAMES))], axis=1)
+        part = (np.asarray(s.mass, dtype=np.float64), counts)
+        if self.record:
+            part += (status.copy(), np.asarray(s.ids).copy(), np.asarray(s.selected).copy())
+        self._parts[layer].append(part)
+        self._admissions += len(s.admissions)
+        return computed_ids(ids, s.selected, s.ids, logits)
+
+    def last_mass(self) -> float:
+        """Substituted mass of the most recent row, summed over layers."""
+        return float(sum(parts[-1][0][-1] for parts in self._parts if parts))
+
+    def take(self, nll: np.ndarray) -> StreamTrace:
+        """Everything recorded since the last `take`, as a StreamTrace; resets the buffers."""
+        if any(not parts for parts in self._parts):
+            raise RuntimeError("router hook did not see every MoE layer")
+        per_layer = [
+            tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+            for parts in self._parts
+        ]
+        self._parts = [[] for _ in self.caches]
+        admissions, self._admissions = self._admissions, 0
+        lengths = {p[0].shape[0] for p in per_layer}
+        if lengths != {len(nll)}:
+            raise RuntimeError(
+                f"router hook saw {sorted(lengths)} rows per layer for a {len(nll)}-token stream"
+            )
+        trace = StreamTrace(
+            nll=np.asarray(nll, dtype=np.float64),
+            mass=np.stack([p[0] for p in per_layer], axis=1),
+            counts=np.sum([p[1] for p in per_layer], axis=0).astype(np.int64),
+            admissions=admissions,
+        )
+        if self.record:
+            trace.status = np.stack([p[2] for p in per_layer], axis=1)
+            trace.ids = np.stack([p[3] for p in per_layer], axis=1)
+            trace.selected = np.stack([p[4] for p in per_layer], axis=1)
+        return trace
+
+
+def computed_ids(
+    model_ids: torch.Tensor, selected: np.ndarray, computed: np.ndarray, logits: torch.Tensor
+) -> torch.Tensor | None:
+    """Replacement ids for the router hook: None when the model's own choice stands (every
+    rank computes its selected expert), the core's ids directly when the model's slot order is
+    the core's rank order (the usual case), `align_ids` otherwise (ties, other slot orders)."""
+    if model_ids.device.type == "cpu" and np.array_equal(model_ids.numpy(), selected):
+        if np.array_equal(computed, selected):
+            return None
+        return torch.from_numpy(np.ascontiguousarray(computed)).to(model_ids.dtype)
+    return align_ids(model_ids, selected, computed, logits=logits)
+
+
+@dataclass
+class BatchRouter:
+    """RouterHook callback for a forward over B equal-length streams: the hook's N = B*T rows
+    are batch-major, so stream b's rows `[b*T, (b+1)*T)` go through `routers[b]` (its own
+    per-layer caches); the replacement ids are concatenated back in the same order."""
+
+    routers: list
+
+    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        T = logits.shape[0] // len(self.routers)
+        rows = [slice(b * T, (b + 1) * T) for b in range(len(self.routers))]
+        new = [
+            r(layer, logits[s], weights[s], ids[s]) for r, s in zip(self.routers, rows, strict=True)
+        ]
+        if all(n is None for n in new):
+            return None
+        return torch.cat(
+            [ids[s] if n is None else n.to(ids.device) for n, s in zip(new, rows, strict=True)]
+        )
+
+
+def make_caches(model, policy, capacity: int, initial: np.ndarray | None) -> list:
+    """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None)."""
+    info = moe_info(model)
+    initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
+    return [
+        LayerCache(
+            num_experts=info.num_experts,
+            k=info.top_k,
+            capacity=capacity,
+            policy=policy,
+            initial=None if initial is None else initial[layer],
+        )
+        for layer in range(info.num_layers)
+    ]
+
+
+# --------------------------------------------------------------------------- greedy decoding
+@dataclass
+class DecodeResult:
+    """One greedy continuation: generated tokens (stop token excluded) and, per token, the
+    substituted gate mass (summed over layers) of the forward step that produced it."""
+
+    tokens: list[int]
+    mass: list[float]
+    stopped: bool  # True when a stop token ended it (before max_new_tokens)
+
+
+def forward_step(model, input_ids: torch.Tensor, cache):
+    """One cached forward over input_ids [1, n]: (next-token logits of the last row [V] float64,
+    the updated KV cache)."""
+    out = model(input_ids=input_ids, cache=cache, use_cache=True)
+    return out.logits[0, -1].to(torch.float64), out.cache
+
+
+def router_context(model, router):
+    """`RouterHook(model, router)`, or nothing for the exact model (router None)."""
+    if router is None:
+        return contextlib.nullcontext()
+    return RouterHook(model, router)
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model,
+    prompts: list[list[int]],
+    policy,
+    capacity: int,
+    initial: np.ndarray | None,
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    progress: bool = False,
+) -> list[DecodeResult]:
+    """Greedy decoding with the KV cache under `policy` (None = the exact model).
+
+    Each prompt gets fresh per-layer caches; the prompt is prefilled as one chunk through the
+    same `LayerCache`s that then see one row per generated token.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if policy is not None:
+        policy = policy_from_dict(policy)
+    device = model_device(model)
+    results = []
+    for prompt in tqdm(prompts, desc="decode", unit="prompt", disable=not progress):
+        if len(prompt) == 0:
+            raise ValueError("prompts: every prompt needs at least one token")
+        router = (
+            None if policy is None else PolicyRouter(make_caches(model, policy, capacity, initial))
+        )
+        tokens: list[int] = []
+        masses: list[float] = []
+        stopped = False
+        with router_context(model, router):
+            step_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)  # (1, P)
+            cache = None
+            while len(tokens) < max_new_tokens:
+                logits, cache = forward_step(model, step_ids, cache)
+                nxt = int(torch.argmax(logits))
+                if nxt in stop_ids:
+                    stopped = True
+                    break
+                tokens.append(nxt)
+                masses.append(0.0 if router is None else router.last_mass())
+                step_ids = torch.tensor([[nxt]], dtype=torch.long, device=device)
+        results.append(DecodeResult(tokens=tokens, mass=masses, stopped=stopped))
+    return results

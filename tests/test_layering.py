@@ -1,0 +1,110 @@
+"""The layering of moesub: stages use the shared layer, never each other.
+
+A *stage module* is one of STAGES (a module or a package with everything under it); every other
+module under `src/moesub` is shared (artefacts, replay, policy, grid, cost, metrics, params, io,
+models, corpus, config, logs, synthetic, sandbox, ...). A stage imports shared modules and its
+own submodules only; a helper two stages need lives in the shared layer. Shared modules import no
+stage at run time (an annotation-only import under `TYPE_CHECKING` is allowed).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "moesub"
+STAGES = frozenset(
+    {
+        "streams", "capture", "simulate", "emulate", "regime", "expb", "generate", "engine",
+        "stats", "report", "embedded",
+    }
+)  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = ["moesub", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "moesub" and parts[1] in STAGES else None
+
+
+def _type_checking_blocks(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside `if TYPE_CHECKING:` blocks."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                inside.update(id(n) for n in ast.walk(child))
+    return inside
+
+
+def imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, imported module, annotation-only) for every import in the file, at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = _type_checking_blocks(tree)
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's package
+                base = package[: len(package) - node.level + 1]
+                names = [".".join([*base, node.module] if node.module else base)]
+            else:
+                names = [node.module or ""]
+            # `from moesub import capture` imports the module moesub.capture
+            if names == ["moesub"]:
+                names = [f"moesub.{a.name}" for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, name, id(node) in typing_only) for name in names]
+    return out
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        here = stage_of(module_name(path))
+        for line, name, typing_only in imports(path):
+            there = stage_of(name)
+            if there is None or there == here:
+                continue
+            where = f"{path.relative_to(SRC.parent)}:{line}"
+            if here is not None:
+                found.append(f"{where}: stage {here!r} imports stage module {name}")
+            elif not typing_only:
+                found.append(f"{where}: shared module imports stage module {name}")
+    return found
+
+
+def test_no_stage_imports_another_stage():
+    assert violations() == []
+
+
+def test_the_rule_sees_every_import_form(tmp_path, monkeypatch):
+    """The checker itself: nested, relative, `from moesub import x` and TYPE_CHECKING imports."""
+    pkg = tmp_path / "moesub"
+    (pkg / "expb").mkdir(parents=True)
+    (pkg / "expb" / "__init__.py").write_text("")
+    (pkg / "expb" / "run.py").write_text(
+        "def f():\n    from moesub.emulate import x\n"
+        "from ..capture import y\nfrom moesub import regime\nfrom .plan import z\n"
+    )
+    (pkg / "replay.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moesub.embedded import C\n"
+    )
+    (pkg / "artefacts.py").write_text("import moesub.capture\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", pkg)
+    assert sorted(violations()) == [
+        "moesub/artefacts.py:1: shared module imports stage module moesub.capture",
+        "moesub/expb/run.py:2: stage 'expb' imports stage module moesub.emulate",
+        "moesub/expb/run.py:3: stage 'expb' imports stage module moesub.capture",
+        "moesub/expb/run.py:4: stage 'expb' imports stage module moesub.regime",
+    ]
