@@ -347,3 +347,18 @@ def test_non_finite_logits_found_in_every_top_k_path(E, bad):
         y[where] = bad
         with pytest.raises(ValueError, match="NaN or inf.*" + re.escape(str(where))):
             scan(y, 2, 4, Policy())
+
+
+def test_study_policies_match_the_shipped_config():
+    """STUDY_POLICIES (what code uses without a config) and config.yaml name the same policies."""
+    from pathlib import Path
+
+    import yaml
+
+    from moesub.config import normalize_policy
+    from moesub.policy import STUDY_POLICIES
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
+    for name, spec in STUDY_POLICIES.items():
+        assert name in config["policies"], name
+        assert normalize_policy(name, spec) == normalize_policy(name, config["policies"][name])

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import check_token_table, initial_set_for, iter_streams
-from moesub.io import read_metadata, write_parquet
+from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
@@ -43,7 +43,6 @@ from moesub.replay import (
     make_caches,
     model_device,
     policy_from_dict,
-    require_file,
     router_context,
 )
 

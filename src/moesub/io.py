@@ -130,6 +130,14 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
+def require_file(path: str | os.PathLike, arg: str) -> Path:
+    """`path` as a Path; FileNotFoundError naming the argument `arg` when it does not exist."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{arg}: {str(path)!r} does not exist")
+    return path
+
+
 def write_json(obj: Any, path: str | os.PathLike) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")

@@ -1,7 +1,7 @@
 """Replaying a captured model under a policy: what emulate, Experiment B and generation share.
 
 - **model loading** (`load_for_capture`): the model in the capture's dtype, checked against the
-  capture's token table (geometry, vocabulary); `require_file`, `check_geometry`,
+  capture's token table (geometry, vocabulary); `check_geometry`,
   `model_device`, `check_replay_options` (the stream limit and dtype the replays take);
 - **policy routers**: `PolicyRouter` hands each MoE layer's router logits to that layer's
   `moesub.policy.LayerCache` (`make_caches`: fresh caches from the initial resident set) and
@@ -51,14 +51,6 @@ def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
         return Policy.from_dict(dict(policy))
     except (TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"policy {dict(policy)!r} is invalid: {exc}") from exc
-
-
-def require_file(path: str | os.PathLike, arg: str) -> Path:
-    """`path` as a Path; FileNotFoundError naming the argument `arg` when it does not exist."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{arg}: {path} does not exist")
-    return path
 
 
 def check_geometry(meta: Mapping[str, Any], info, arg: str) -> None:

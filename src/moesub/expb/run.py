@@ -35,7 +35,7 @@ from moesub.expb.plan import (
     matched_plan,
 )
 from moesub.expb.select import STUDY_CONDITIONS, select_substitutions
-from moesub.io import read_metadata, write_parquet
+from moesub.io import read_metadata, require_file, write_parquet
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_substitution
@@ -46,7 +46,6 @@ from moesub.replay import (
     computed_ids,
     load_for_capture,
     model_device,
-    require_file,
 )
 
 DESIGNS = ("study", "matched")
