@@ -31,9 +31,7 @@ import hashlib
 import math
 import os
 import platform
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -55,7 +53,7 @@ from moesub.corpus import (
     stdlib_dir,
     train_tokenizer,
 )
-from moesub.io import write_json, write_parquet
+from moesub.io import atomic_dir, write_json, write_parquet
 
 BALANCE_POOLINGS = ("micro_batch", "global")
 ROUTER_WEIGHT_SUFFIX = ".mlp.gate.weight"  # Qwen3-Next's TopKRouter weight [E, H]
@@ -462,29 +460,6 @@ def heldout_perplexity(model, tokens: np.ndarray, seq_len: int, max_tokens: int)
 
 # --------------------------------------------------------------------------------------------
 # the pipeline entry point
-
-
-@contextlib.contextmanager
-def atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp dir beside `out_dir`; it replaces `out_dir` only on success."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / "prev")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        out.chmod(0o777 & ~umask)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Atomic artefact writers: every stage writes to a temp file beside the target, then renames.
+"""Atomic artefact writers: every stage writes to a temp file (or directory) beside the target,
+then renames.
 
 An interrupted job therefore never leaves a half-written Parquet file that a later stage (or a
 Snakemake rerun) could mistake for a finished one.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -35,6 +37,27 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp dir beside `out_dir`; it replaces `out_dir` only on success."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / "prev")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        out.chmod(0o777 & ~_UMASK)  # mkdtemp makes 0700; directories get the usual umask
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _table(data: Any, metadata: dict[str, Any] | None) -> pa.Table:
