@@ -14,7 +14,8 @@ import torch
 
 from moesub import corpus, embedded
 from moesub.corpus import collect_corpus, split_of
-from moesub.embedded import EmbeddedConfig, build_model
+from moesub.embedded import build_model, training
+from moesub.embedded.config import EmbeddedConfig, model_config
 
 # A test-size model: trains in a few seconds on 2 cores; a token budget keeps it deterministic.
 TINY = {
@@ -203,7 +204,7 @@ def test_build_writes_a_loadable_checkpoint(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     eval_texts = [t for d, t in zip(docs, texts, strict=True) if d.split == "eval"]
     eval_ids = corpus.encode_documents(tok, eval_texts, "eval", tok.eos_token_id)
-    ppl = embedded.heldout_perplexity(model, eval_ids, TINY["seq_len"], TINY["eval_tokens"])
+    ppl = training.heldout_perplexity(model, eval_ids, TINY["seq_len"], TINY["eval_tokens"])
     assert math.isclose(ppl["perplexity"], summary["heldout_perplexity"], rel_tol=1e-5)
 
 
@@ -275,12 +276,12 @@ def test_bad_params(params, match, tmp_path):
 
 def test_lr_schedule():
     cfg = EmbeddedConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
-    assert embedded.lr_at(0, cfg, 0.0) == pytest.approx(1e-4)
-    assert embedded.lr_at(9, cfg, 0.0) == pytest.approx(1e-3)
-    assert embedded.lr_at(10, cfg, 0.0) == pytest.approx(1e-3)
-    assert embedded.lr_at(50, cfg, 0.5) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
-    assert embedded.lr_at(99, cfg, 1.0) == pytest.approx(1e-4)
-    assert embedded.lr_at(99, cfg, 3.0) == pytest.approx(1e-4)
+    assert training.lr_at(0, cfg, 0.0) == pytest.approx(1e-4)
+    assert training.lr_at(9, cfg, 0.0) == pytest.approx(1e-3)
+    assert training.lr_at(10, cfg, 0.0) == pytest.approx(1e-3)
+    assert training.lr_at(50, cfg, 0.5) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    assert training.lr_at(99, cfg, 1.0) == pytest.approx(1e-4)
+    assert training.lr_at(99, cfg, 3.0) == pytest.approx(1e-4)
 
 
 def test_wall_clock_budget_stops_training():
@@ -290,19 +291,19 @@ def test_wall_clock_budget_stops_training():
     tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
     cfg.vocab_size = 300
     torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
+    model = Qwen3NextForCausalLM(model_config(cfg, tok))
     tokens = np.random.default_rng(0).integers(0, 300, size=5000).astype(np.int32)
-    log, facts = embedded.train(model, tokens, cfg)
+    log, facts = training.train(model, tokens, cfg)
     assert facts["stopped_on"] == "time"
     assert 1.0 <= facts["train_time_s"] < 30.0
     assert facts["steps"] == len(log["step"]) >= 1
     with pytest.raises(ValueError, match="seq_len"):
-        embedded.train(model, tokens[:10], cfg)
+        training.train(model, tokens[:10], cfg)
 
 
-def _router_losses(**params) -> embedded.RouterLosses:
+def _router_losses(**params) -> training.RouterLosses:
     cfg = EmbeddedConfig.from_params({**TINY, "num_experts": 8, "num_experts_per_tok": 2, **params})
-    return embedded.RouterLosses(cfg, num_layers=1)
+    return training.RouterLosses(cfg, num_layers=1)
 
 
 def test_global_balance_loss_is_k_when_uniform_and_pools_f_by_ema():
@@ -355,8 +356,8 @@ def test_router_lr_scale_puts_the_routers_in_their_own_group():
 
     cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "router_lr_scale": 10.0})
     tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
-    model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
-    opt = embedded._optimizer(model, cfg)
+    model = Qwen3NextForCausalLM(model_config(cfg, tok))
+    opt = training._optimizer(model, cfg)
     routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
     scaled = [g for g in opt.param_groups if g["lr_scale"] != 1.0]
     assert len(scaled) == 1 and scaled[0]["lr_scale"] == 10.0
@@ -373,7 +374,7 @@ def test_dense_layers_put_a_dense_mlp_of_the_active_width_first():
 
     cfg = EmbeddedConfig.from_params({**TINY, "vocab_size": 300, "dense_layers": 1})
     tok = corpus.train_tokenizer(["x = 1\n" * 50, "def f(): pass\n" * 50], 300)
-    model = Qwen3NextForCausalLM(embedded.model_config(cfg, tok))
+    model = Qwen3NextForCausalLM(model_config(cfg, tok))
     info = moe_info(model)
     assert info.layer_indices == tuple(range(1, cfg.num_hidden_layers))
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size
