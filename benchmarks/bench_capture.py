@@ -26,7 +26,8 @@ import pyarrow.parquet as pq
 import torch
 import transformers as tf
 
-from moesub.capture import CaptureParams, capture_batch, load_trace, router_writer, run_capture
+from moesub.artefacts import load_trace, router_writer
+from moesub.capture import CaptureParams, capture_batch, run_capture
 from moesub.io import write_parquet
 from moesub.models import load_model, moe_blocks, moe_info, stream_batches
 

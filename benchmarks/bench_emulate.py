@@ -21,17 +21,13 @@ import polars as pl
 import torch
 import transformers as tf
 
-from moesub.embedded import EmbeddedConfig, model_config
-from moesub.emulate import (
-    PolicyRouter,
-    emulate_streams,
-    emulate_token_by_token,
-    iter_streams,
-    make_caches,
-)
+from moesub.artefacts import iter_streams
+from moesub.embedded.config import EmbeddedConfig, model_config
+from moesub.emulate import emulate_streams, emulate_token_by_token
 from moesub.expb import expb_streams
 from moesub.models import RouterHook, moe_blocks, moe_info, stream_nll
 from moesub.policy import Policy
+from moesub.replay import PolicyRouter, make_caches
 
 POLICIES = {
     "fetch_every_miss": Policy(),

@@ -124,14 +124,14 @@ def perplexity(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moesub.corpus import collect_corpus, encode_documents, split_of
-    from moesub.embedded import heldout_perplexity
+    from moesub.embedded.training import heldout_perplexity
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
     config = json.loads((model_dir / "train_summary.json").read_text())["config"]
     if args.eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
         raise ValueError(f"--eval-fraction {args.eval_fraction}: overlaps the training split")
-    from moesub.embedded import EmbeddedConfig
+    from moesub.embedded.config import EmbeddedConfig
 
     docs, texts = collect_corpus(EmbeddedConfig.from_params(config))
     calib = config["calib_fraction"]
