@@ -17,7 +17,6 @@ from tiny_models import random_streams, tiny_qwen3_next
 from moesub.capture import run_capture, write_initial_sets
 from moesub.cost import CostModel
 from moesub.engine import (
-    ALL_RESIDENT,
     BenchParams,
     ExpertStore,
     StoreLayout,
@@ -30,12 +29,14 @@ from moesub.engine import (
 )
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
-from moesub.engine.runtime import OffloadEngine
+from moesub.engine.host_memory import HostExperts
+from moesub.engine.kernels import choose_path, expert_forward
+from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.stage import ROW_COLUMNS
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import read_metadata, write_parquet
-from moesub.policy import FETCH, HOST, SUB, Policy, scan
+from moesub.policy import ALL_RESIDENT, FETCH, HOST, SUB, Policy, scan
 from moesub.synthetic import synthetic_logits
 
 ACT = torch.nn.functional.silu
@@ -125,10 +126,11 @@ def drive(engine, trace, experts, E, hidden_dim, seed=0):
         for layer in range(L):
             x = torch.randn(1, hidden_dim, generator=g)
             s = engine.route(layer, trace[t, layer][None])
-            slot, host = engine.step_ids(s)
+            slot, host_ids = engine.step_ids(s)
             w = torch.from_numpy(s.weights).float()
             dev = engine.tier.slots[layer].gate_up.device
-            y = engine.compute(layer, x.to(dev), torch.from_numpy(slot).to(dev), w.to(dev), host)
+            host = None if host_ids is None else HostInputs(host_ids, x, w)
+            y = engine.compute(layer, x.to(dev), slot, w.to(dev), host)
             ref = reference(x, s.ids, s.weights, experts, layer, E)
             torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-5)
             row.append(s.status[0])
@@ -172,7 +174,7 @@ def test_background_admission_installs_real_copies(tmp_path):
                 s = engine.route(layer, trace[t, layer][None])
                 x = torch.randn(1, lay.hidden, generator=g)
                 slot, _ = engine.step_ids(s)
-                y = engine.compute(layer, x, torch.from_numpy(slot), torch.from_numpy(s.weights))
+                y = engine.compute(layer, x, slot, torch.from_numpy(s.weights))
                 ref = reference(x, s.ids, s.weights, experts, layer, E)
                 torch.testing.assert_close(y, ref.to(y.dtype), rtol=1e-4, atol=1e-5)
             bytes_bg += engine.end_token().bytes_bg
@@ -250,6 +252,8 @@ def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
     assert df["fetch"].sum() > 0 and df["sub"].sum() == 0  # misses really fetched
     assert (df["bytes_sync"] == df["fetch"] * meta["expert_bytes"]).all()
     assert (df["hit"] + df["fetch"] == L_M * K_M).all()
+    # host waits per token: the router's values once per layer, and the token's end
+    assert (df["syncs"] == L_M + 1).all() and meta["syncs_per_token_mean"] == L_M + 1
     # all_resident and host_compute compute the same exact model
     full, fmeta = engine_run(stage, ALL_RESIDENT, {}, tmp_path)
     assert fmeta["capacity"] == E_M and (full["hit"] == L_M * K_M).all()
@@ -278,6 +282,7 @@ def test_substituting_policy_changes_nll(stage, tmp_path):
     assert df["sub"].sum() > 0
     # admissions were copied by the background I/O thread and installed through the model path
     assert df["bytes_bg"].sum() > 0 and df["bytes_bg"].sum() % meta["expert_bytes"] == 0
+    assert meta["admit_latency_tokens_mean"] == 1.0  # the policy's delay, exactly
     ok = ~np.isnan(df["nll"].to_numpy())
     assert np.abs(df["nll"].to_numpy()[ok] - captured[: df.height][ok]).max() > 1e-3
 
@@ -369,21 +374,33 @@ def test_benchmark_table(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- CUDA
+# every CUDA test runs on each device present: events and streams must be the tier's device's
+CUDA_DEVICES = [
+    pytest.param(
+        f"cuda:{i}",
+        marks=pytest.mark.skipif(torch.cuda.device_count() <= i, reason=f"needs {i + 1} GPU(s)"),
+    )
+    for i in range(2)
+]
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+@pytest.mark.parametrize("pinned_layers", [2, 1], ids=["pinned", "disk-behind"])
 @pytest.mark.parametrize("rule", ["fetch_all", "threshold", "host_compute"])
-def test_cuda_engine_matches_core_and_full_weights(rule):
+def test_cuda_engine_matches_core_and_full_weights(tmp_path, rule, pinned_layers, device):
+    """Pinned host -> GPU, and with a pinned budget of one layer the other read from disk
+    through pinned bounce buffers (disk -> pinned -> GPU)."""
     lay = small_layout()
-    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
-    experts = [(gu.clone(), dn.clone()) for gu, dn in random_experts(lay, 0)]
-    host = [
-        (torch.stack([experts[layer * E + e][0] for e in range(E)]),
-         torch.stack([experts[layer * E + e][1] for e in range(E)]))
-        for layer in range(L)
-    ]  # fmt: skip
-    trace = synthetic_logits(40, L, E, seed=3)
+    E, k, C = lay.num_experts, 4, 6
+    experts = write_random(tmp_path / "x.bin", lay)
+    trace = synthetic_logits(40, lay.num_layers, E, seed=3)
     pol = Policy(rule=rule, tau=0.3)
-    tier = CudaTier(host, C, torch.device("cuda"), ACT)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    host = HostExperts(store, pinned_layers * E * lay.expert_bytes)
+    assert host.pinned_layers == pinned_layers
+    tier = CudaTier(host, C, torch.device(device), ACT)
+    assert tier.kind == ("pinned->CUDA" if pinned_layers == 2 else "disk->pinned->CUDA")
     engine = OffloadEngine(tier, E, k, C, pol, None, ACT)
     try:
         status = drive(engine, trace, experts, E, lay.hidden)
@@ -393,13 +410,43 @@ def test_cuda_engine_matches_core_and_full_weights(rule):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_background_admission_and_decode(stage, tmp_path):
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_cuda_background_admission_and_decode(stage, tmp_path, device):
     captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
-    df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path, "cuda")
-    assert meta["tier_kind"] == "pinned->CUDA"
+    fem = {"rule": "fetch_all"}
+    df, meta = engine_run(stage, "fetch_every_miss", fem, tmp_path, device, dtype="float32")
+    assert meta["tier_kind"] == "pinned->CUDA" and meta["device"] == device
     ok = ~np.isnan(captured)
     np.testing.assert_allclose(df["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=1e-4)
+    # one wait per layer (the router's values) and one at the token's end
+    assert (df["syncs"] == L_M + 1).all()
     spec = {"rule": "first_choice", "eviction": "lfu", "beta": 0.5}
-    df, _ = engine_run(stage, "speed", spec, tmp_path, "cuda")
+    bf16 = {"store_path": str(tmp_path / "experts-bf16.bin")}
+    df, meta = engine_run(stage, "speed", spec, tmp_path, device, **bf16)  # bf16 by default
+    assert meta["dtype"] == "bfloat16" and (df["syncs"] == L_M + 1).all()
     assert df["sub"].sum() > 0 and df["bytes_bg"].sum() > 0
+    assert meta["admit_latency_tokens_mean"] >= 1
+    # a pinned budget below one layer: every layer read from disk through pinned memory
+    df, meta = engine_run(stage, "speed", spec, tmp_path, device, pinned_budget_gb=0, **bf16)
+    assert meta["tier_kind"] == "disk->pinned->CUDA" and df["bytes_bg"].sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+def test_cuda_grouped_kernel_matches_per_expert_bf16(device):
+    """Real shapes (Qwen3-Next-80B experts: H=2048, I=512, C=128 slots, top-10), bf16: the
+    grouped kernel, where the device has it, against the per-expert path."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    C, H, I, k = 128, 2048, 512, 10
+    gate_up = (torch.randn(C, 2 * I, H, generator=g, device=dev) * H**-0.5).bfloat16()
+    down = (torch.randn(C, H, I, generator=g, device=dev) * I**-0.5).bfloat16()
+    hidden = torch.randn(1, H, generator=g, device=dev).bfloat16()
+    ids = np.random.default_rng(0).choice(C, size=(1, k), replace=False)
+    ids[0, 3] = -1  # a host-computed rank
+    weights = torch.softmax(torch.randn(1, k, generator=g, device=dev), -1).bfloat16()
+    ref = expert_forward(hidden, ids, weights, gate_up, down, ACT, "per_expert")
+    if choose_path(dev, torch.bfloat16) != "grouped":
+        pytest.skip(f"{torch.cuda.get_device_name(dev)}: no fast grouped kernel")
+    out = expert_forward(hidden, ids, weights, gate_up, down, ACT, "grouped")
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

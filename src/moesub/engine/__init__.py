@@ -20,12 +20,11 @@ Modules, lowest layer first (each imports only modules above it in this list):
 from moesub.engine.bench import BenchParams, run_benchmark
 from moesub.engine.calibrate import calibrate
 from moesub.engine.generate import EngineDecodeResult, EngineModel, generate, open_engine
-from moesub.engine.spec import ALL_RESIDENT, EngineParams
+from moesub.engine.spec import EngineParams
 from moesub.engine.stage import run_engine, summarize_engine
 from moesub.engine.store import ExpertStore, StoreLayout, measure_read_bandwidth, write_store
 
 __all__ = [
-    "ALL_RESIDENT",
     "BenchParams",
     "EngineDecodeResult",
     "EngineModel",

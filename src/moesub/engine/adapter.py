@@ -1,12 +1,13 @@
 """The model adapter: a Hugging Face MoE model whose routed experts live in an engine tier.
 
 `build_engine_model` loads the model, moves its experts to the slow tier (the expert store on
-disk for the CPU engine, pinned host memory for the CUDA engine), allocates the slots and swaps
+disk; for the CUDA engine pinned host memory filled from it), allocates the slots and swaps
 every block's experts module for `EngineExperts`. Per token and MoE layer the router hook
-(`EngineRouter`, installed with `moesub.models.RouterHook`) hands the router logits to the
-engine (`OffloadEngine.route`: the policy core decides, the tier copies) and returns the *cache
-slot* of every computed expert in the model's slot order (`models.align_ids`); the block's
-`EngineExperts` then computes from the slot tensors, plus host_compute misses on the host.
+(`EngineRouter`, installed with `moesub.models.RouterHook`) brings the router's values to the
+host once, hands the logits to the engine (`OffloadEngine.route`: the policy core decides, the
+tier copies) and gives the block's `EngineExperts` the *cache slot* of every computed expert in
+the model's slot order (`models.align_ids`, on the host); `EngineExperts` then computes from the
+slot tensors, plus host_compute misses on the host.
 The model's own expert weights are dropped: experts live only in the slow tier and the slots.
 """
 
@@ -23,12 +24,12 @@ import torch
 from torch import nn
 
 from moesub.engine.cuda_tier import CudaTier
-from moesub.engine.runtime import OffloadEngine
-from moesub.engine.spec import EngineParams
+from moesub.engine.host_memory import HostExperts
+from moesub.engine.runtime import HostInputs, OffloadEngine
+from moesub.engine.spec import EngineParams, engine_dtype
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
-    dtype_name,
     measure_read_bandwidth,
     model_experts,
     open_or_write_store,
@@ -39,11 +40,14 @@ from moesub.policy import HOST
 
 
 class EngineExperts(nn.Module):
-    """Replaces a block's experts: computes from the engine's slots (ids = slot indices).
+    """Replaces a block's experts: computes from the engine's slots, as the router planned.
 
-    Without an engine attached (dense-time calibration) it returns zeros. `gate_up_proj` /
-    `down_proj` are the layer's slot tensors (plain attributes, not parameters: `model.to` leaves
-    them where the tier put them), so the block still reads as a sparse MoE block.
+    The router hook (`EngineRouter`) leaves the model's expert ids in place and hands this module
+    the token's plan on the host: the cache slot of every computed expert in the model's slot
+    order (`slot_ids`, -1 = not on the fast tier) and the host_compute misses (`host`). Without
+    an engine attached (dense-time calibration) it returns zeros. `gate_up_proj` / `down_proj`
+    are the layer's slot tensors (plain attributes, not parameters: `model.to` leaves them where
+    the tier put them), so the block still reads as a sparse MoE block.
     """
 
     def __init__(self, layer: int, slots) -> None:
@@ -52,31 +56,66 @@ class EngineExperts(nn.Module):
         self.gate_up_proj = slots.gate_up  # (C, 2I, H)
         self.down_proj = slots.down  # (C, H, I)
         self.engine: OffloadEngine | None = None
-        self.host_ids: np.ndarray | None = None  # (N, k) model slot order, set by the router
+        self.slot_ids: np.ndarray | None = None  # (N, k) set by the router for one call
+        self.host: HostInputs | None = None
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.engine is None:
             return torch.zeros_like(hidden)
-        return self.engine.compute(self.layer, hidden, top_k_index, top_k_weights, self.host_ids)
+        if self.slot_ids is None:
+            raise RuntimeError(
+                f"EngineExperts (layer {self.layer}): no routing plan; the engine's router hook "
+                "is not installed"
+            )
+        slot_ids, host, self.slot_ids, self.host = self.slot_ids, self.host, None, None
+        return self.engine.compute(self.layer, hidden, slot_ids, top_k_weights, host)
 
 
 class EngineRouter:
-    """RouterHook callback: the core decides, the engine copies, the experts see slot ids."""
+    """RouterHook callback: one transfer of the router's values to the host per layer (logits,
+    the model's ids and weights, and the router's input, kept by a pre-hook on every router for
+    host_compute), the policy core's decision, the tier's copies, and the plan handed to the
+    block's `EngineExperts`. Returns None: the model's ids stay (the experts do not read them).
+    `close()` removes the pre-hooks."""
 
-    def __init__(self, engine: OffloadEngine, experts: list[EngineExperts]) -> None:
+    def __init__(self, engine: OffloadEngine, model: nn.Module, experts: list[EngineExperts]):
+        from moesub.models import moe_blocks
+
         self.engine, self.experts = engine, experts
+        self._hidden: list[torch.Tensor | None] = [None] * len(experts)
+        self._handles = [
+            block.gate.register_forward_pre_hook(self._keep_input(layer))
+            for layer, block in enumerate(moe_blocks(model))
+        ]
+
+    def _keep_input(self, layer: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._hidden[layer] = args[0]
+
+        return hook
 
     def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         from moesub.models import align_ids
 
-        z = np.ascontiguousarray(logits.detach().float().cpu().numpy())  # (1, E)
+        hidden, self._hidden[layer] = self._hidden[layer], None
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+        z, model_ids, w, h = self.engine.to_host(layer, logits, ids, weights, hidden)
+        z = np.ascontiguousarray(z.numpy(), dtype=np.float32)  # (1, E)
         s = self.engine.route(layer, z)
-        host = None
+        zt = torch.from_numpy(z)
+        plan = self.experts[layer]
+        plan.slot_ids = align_ids(model_ids, s.selected, s.slot, logits=zt).numpy()
+        plan.host = None
         if (s.status == HOST).any():
             computed = np.where(s.status == HOST, s.selected, -1)
-            host = align_ids(ids.cpu(), s.selected, computed, logits=logits.cpu()).numpy()
-        self.experts[layer].host_ids = host
-        return align_ids(ids, s.selected, s.slot, logits=logits)  # slot per model slot, -1 HOST
+            host_ids = align_ids(model_ids, s.selected, computed, logits=zt).numpy()
+            plan.host = HostInputs(host_ids, h, w)
+        return None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 @dataclass
@@ -105,15 +144,21 @@ def build_engine_model(
     capacity: int | None,
     measure_bandwidth: bool = False,
 ) -> EngineSetup:
-    """Load the model, move its experts to the slow tier (disk file written once, or pinned host
-    memory), allocate `capacity` slots per layer (default k) and swap in `EngineExperts`."""
+    """Load the model, write its experts to the expert store (once: later runs reuse the file),
+    drop them from the model, then build the tier from the store: the disk tier reads the file;
+    the CUDA tier reads it layer by layer straight into pinned memory (as many layers as
+    `opts.pinned_budget_gb` holds; the others stay on disk). Allocates `capacity` slots per
+    layer (default k) and swaps in `EngineExperts`.
+
+    Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
+    released before the tier allocates anything, so the host never holds two copies of them."""
     from moesub.models import expert_weights, load_model, moe_blocks, moe_info
 
     dev = require_cuda(device)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    dtype = DTYPES[opts.dtype]
-    model, _tok = load_model(model_dir, dtype=dtype, device="cpu")
+    dtype_key = engine_dtype(opts, dev)
+    model, _tok = load_model(model_dir, dtype=DTYPES[dtype_key], device="cpu")
     info = moe_info(model)
     C = info.top_k if capacity is None else capacity
     if not info.top_k <= C <= info.num_experts:
@@ -121,39 +166,38 @@ def build_engine_model(
             f"cache capacity {C} is too small for k={info.top_k} (or exceeds E={info.num_experts})"
         )
     blocks = moe_blocks(model)
-    weights = [expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
     act = blocks[0].experts.act_fn
+    weights = [expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
+    layout = StoreLayout(
+        num_layers=info.num_layers,
+        num_experts=info.num_experts,
+        hidden=info.hidden_size,
+        width=info.expert_width,
+        dtype=dtype_key,
+        fingerprint=tensor_fingerprint(t for gu, dn in weights for t in (gu[:, 0, :], dn[:, 0, :])),
+    )
+    path = Path(opts.store_path) if opts.store_path else default_store_path(model_dir, dtype_key)
+    store = open_or_write_store(path, layout, model_experts(weights), progress=opts.progress)
+    for block in blocks:  # the model's own experts go before the tier allocates anything
+        block.experts = None
+    del weights
+    gc.collect()
+    try:
+        if dev.type == "cpu":
+            tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, opts.staging_buffers)
+        else:
+            budget = None if opts.pinned_budget_gb is None else int(opts.pinned_budget_gb * 2**30)
+            tier = CudaTier(HostExperts(store, budget), C, dev, act, opts.staging_buffers)
+    except BaseException:
+        store.close()
+        raise
     bandwidth = None
-    if dev.type == "cpu":
-        layout = StoreLayout(
-            num_layers=info.num_layers,
-            num_experts=info.num_experts,
-            hidden=info.hidden_size,
-            width=info.expert_width,
-            dtype=dtype_name(dtype),
-            fingerprint=tensor_fingerprint(
-                t for gu, dn in weights for t in (gu[:, 0, :], dn[:, 0, :])
-            ),
-        )
-        path = (
-            Path(opts.store_path) if opts.store_path else default_store_path(model_dir, opts.dtype)
-        )
-        store = open_or_write_store(path, layout, model_experts(weights), progress=opts.progress)
-        tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, opts.staging_buffers)
-        if measure_bandwidth:
-            bw = measure_read_bandwidth(store, reads=min(32, info.num_layers * info.num_experts))
-            bandwidth = {"read_bandwidth_Bps": bw.bytes_per_s, "read_latency_s": bw.latency_s}
-        expert_bytes = layout.expert_bytes
-    else:
-        host = [(gu.detach().contiguous(), dn.detach().contiguous()) for gu, dn in weights]
-        tier = CudaTier(host, C, dev, act, opts.staging_buffers)
-        expert_bytes = tier.expert_bytes
-        del host
+    if measure_bandwidth:
+        bw = measure_read_bandwidth(store, reads=min(32, info.num_layers * info.num_experts))
+        bandwidth = {"read_bandwidth_Bps": bw.bytes_per_s, "read_latency_s": bw.latency_s}
     experts = []
     for layer, block in enumerate(blocks):
         block.experts = EngineExperts(layer, tier.slots[layer])
         experts.append(block.experts)
-    del weights
-    gc.collect()
     model.to(dev)
-    return EngineSetup(model, info, tier, experts, act, expert_bytes, dev, bandwidth)
+    return EngineSetup(model, info, tier, experts, act, layout.expert_bytes, dev, bandwidth)

@@ -38,8 +38,8 @@ from moesub.engine.calibrate import (
     timeit,
 )
 from moesub.engine.cuda_tier import CudaTier
-from moesub.engine.runtime import OffloadEngine
-from moesub.engine.spec import ALL_RESIDENT
+from moesub.engine.host_memory import HostExperts
+from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
@@ -50,14 +50,12 @@ from moesub.engine.store import (
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import write_parquet
 from moesub.params import options_from
-from moesub.policy import Policy, capacity_for
+from moesub.policy import ALL_RESIDENT, STUDY_POLICIES, Policy, capacity_for
 
-STUDY_POLICIES: dict[str, dict[str, Any]] = {
-    "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
-    "host_compute": {"rule": "host_compute"},
-    "rule_015": {"rule": "threshold", "tau": 0.15, "eviction": "lru"},
-    "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
-    "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+# the benchmark's default policies: five of the study's, and the all-resident floor
+_FROM_STUDY = ("fetch_every_miss", "host_compute", "rule_015", "quality", "speed")
+BENCH_POLICIES: dict[str, dict[str, Any]] = {
+    **{name: STUDY_POLICIES[name] for name in _FROM_STUDY},
     ALL_RESIDENT: {"rule": "fetch_all"},
 }
 
@@ -82,7 +80,7 @@ class BenchParams:
     staging_buffers: int = 4
     threads: int | None = None
     progress: bool = True
-    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(STUDY_POLICIES))
+    policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BENCH_POLICIES))
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> BenchParams:
@@ -171,26 +169,29 @@ def _run_policy(
     """Drive the engine over `trace` (T, L, E); the first `warmup` tokens are not recorded."""
     engine.reset()
     T, L, _E = trace.shape
-    dev = h0.device
     n = T - warmup
     wall, wait = np.zeros(n), np.zeros(n)
     bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
     counts = np.zeros((n, 5), np.int64)
     admissions = 0
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
-        engine.begin_token()
         t0 = time.perf_counter()
+        engine.begin_token()
         hidden = h0  # (1, H) every token enters with the same hidden state
         for layer in range(L):
             x = _rms_norm(hidden)
-            # the router on the fast device; its logits must reach the host before deciding
-            (x @ router_w[layer].T).float().cpu()
+            # the router on the fast device; its logits (and the input, for host_compute)
+            # reach the host once before the core decides, as in the model adapter
+            _z, x_host = engine.to_host(layer, (x @ router_w[layer].T).float(), x)
             s = engine.route(layer, trace[t, layer][None])
-            slot, host = engine.step_ids(s)
-            w = torch.from_numpy(s.weights).to(device=dev, dtype=hidden.dtype)
-            y = engine.compute(layer, x, torch.from_numpy(slot).to(dev), w, host)
+            slot, host_ids = engine.step_ids(s)
+            w = engine.tier.upload(layer, s.weights, "weights").to(hidden.dtype)
+            host = None
+            if host_ids is not None:
+                host = HostInputs(host_ids, x_host, torch.from_numpy(s.weights).to(x_host.dtype))
+            y = engine.compute(layer, x, slot, w, host)
             hidden = hidden + y
-        st = engine.end_token()  # synchronizes
+        st = engine.end_token()  # waits for the compute stream
         dt = time.perf_counter() - t0
         if t >= warmup:
             i = t - warmup
@@ -203,18 +204,19 @@ def _run_policy(
     return _Run(wall, wait, bsync, bbg, counts, admissions)
 
 
-def _random_pinned(lay: StoreLayout, seed: int, dev: torch.device):
-    """One layer of random experts ((E, 2I, H), (E, H, I)) in pinned host memory."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    out = []
-    for shape, fan_in in (((lay.num_experts, *lay.gate_up_shape), lay.hidden),
-                          ((lay.num_experts, *lay.down_shape), lay.width)):  # fmt: skip
-        host = torch.empty(shape, dtype=lay.torch_dtype).pin_memory()
-        for e in range(0, lay.num_experts, 64):
-            part = torch.randn((min(64, lay.num_experts - e), *shape[1:]), generator=g, device=dev)
-            host[e : e + part.shape[0]].copy_((part * fan_in**-0.5).to(lay.torch_dtype))
-        out.append(host)
-    return out[0], out[1]
+def _random_fill(lay: StoreLayout, seed: int, dev: torch.device):
+    """`HostExperts` fill: a layer of random experts made on `dev`, written into its (pinned)
+    host buffers 64 experts at a time."""
+
+    def fill(layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        g = torch.Generator(device=dev).manual_seed(seed + layer)
+        for host, fan_in in ((gate_up, lay.hidden), (down, lay.width)):
+            for e in range(0, lay.num_experts, 64):
+                shape = (min(64, lay.num_experts - e), *host.shape[1:])
+                part = torch.randn(shape, generator=g, device=dev) * fan_in**-0.5
+                host[e : e + shape[0]].copy_(part.to(lay.torch_dtype))
+
+    return fill
 
 
 def _concat_runs(runs: list[_Run]) -> _Run:
@@ -330,7 +332,7 @@ def run_benchmark(
     act = torch.nn.functional.silu
     host = None
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
-        host = [_random_pinned(lay, p.seed + layer, dev) for layer in range(L)]
+        host = HostExperts(None, layout=lay, fill=_random_fill(lay, p.seed, dev))
 
     def make_tier(capacity: int):
         if dev.type == "cpu":

@@ -21,7 +21,7 @@ import torch
 from moesub.engine.adapter import EngineSetup, build_engine_model
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.decode import step
-from moesub.engine.kernels import grouped_experts
+from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams
 from moesub.engine.store import measure_read_bandwidth
 from moesub.engine.tiers import DiskTier
@@ -57,20 +57,14 @@ def measure_link(tier, samples: int = 16, seed: int = 0) -> tuple[float, float]:
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(tier.store, reads=samples, seed=seed)
         return bw.bytes_per_s, bw.latency_s
-    if isinstance(tier, CudaTier):
-        gu, dn = tier.host[0]
-        s = tier.slots[0]
+    if isinstance(tier, CudaTier):  # the tier's own synchronous fetch path (layer 0)
+        E, C = tier.layout.num_experts, tier.slots[0].capacity
         rng = np.random.default_rng(seed)
-        picks = rng.choice(gu.shape[0], size=min(samples, gu.shape[0]), replace=False).tolist()
-
-        def copy_experts() -> None:
-            for i, e in enumerate(picks):
-                slot = i % s.capacity
-                s.gate_up[slot].copy_(gu[e], non_blocking=True)
-                s.down[slot].copy_(dn[e], non_blocking=True)
-
-        t = timeit(copy_experts, tier.synchronize, reps=3)
-        small_h = torch.empty(4096, dtype=torch.uint8).pin_memory()
+        picks = rng.choice(E, size=min(samples, E), replace=False).tolist()
+        pairs = [(e, i % C) for i, e in enumerate(picks)]
+        t = timeit(lambda: tier.fetch(0, pairs), tier.synchronize, reps=3)
+        tier.take_wait_s()  # drop the measurement's fetch events
+        small_h = tier.alloc((4096,), torch.uint8)
         small_d = torch.empty(4096, dtype=torch.uint8, device=tier.device)
         lat = timeit(lambda: small_d.copy_(small_h, non_blocking=True), tier.synchronize, 20)
         return len(picks) * tier.expert_bytes / t, lat
@@ -87,15 +81,14 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
     H = s.gate_up.shape[-1]
     x = torch.randn(1, H, generator=g).to(device=s.gate_up.device, dtype=s.gate_up.dtype)
     rng = np.random.default_rng(seed)
-    sets = [
-        torch.from_numpy(rng.choice(s.capacity, size=k, replace=False)).view(1, k).to(x.device)
-        for _ in range(reps + 2)
-    ]
+    sets = [rng.choice(s.capacity, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
     it = iter(sets)
     w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
 
     def run() -> None:
-        grouped_experts(x, next(it), w, s.gate_up, s.down, tier.act)
+        expert_forward(
+            x, next(it), w, s.gate_up, s.down, tier.act, tier.path, lambda a: tier.upload(0, a)
+        )
 
     t = timeit(run, tier.synchronize, reps)
     return t / k
@@ -104,13 +97,12 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
 def measure_host_compute(tier, k: int, reps: int = 5, seed: int = 0) -> float:
     """Seconds per host_compute miss (k misses of one token at once, / k); on the disk tier this
     includes the fresh uncached read of each missed expert."""
-    s = tier.slots[0]
-    E = tier.layout.num_experts if isinstance(tier, DiskTier) else tier.host[0][0].shape[0]
-    H = s.gate_up.shape[-1]
+    lay = tier.layout
+    E, H = lay.num_experts, lay.hidden
     rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
-    x = x.to(device=s.gate_up.device, dtype=s.gate_up.dtype)
-    w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
+    # the host's inputs are on the host already (the router's transfer brought them)
+    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).to(lay.torch_dtype)
+    w = torch.full((1, k), 1.0 / k, dtype=x.dtype)
     sets = [rng.choice(E, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
     it = iter(sets)
     t = timeit(lambda: tier.host_forward(0, x, next(it), w), tier.synchronize, reps)

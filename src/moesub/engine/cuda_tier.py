@@ -1,135 +1,266 @@
-"""The CUDA tier: experts in pinned host memory, C slots per layer on the GPU.
+"""The CUDA tier: C slots per layer on the GPU; behind them every expert in host memory (pinned,
+within a budget) or, past the budget, in the expert store on disk (`HostExperts`).
 
-Synchronous fetches are host->device copies on the compute stream (blocked time measured with
-CUDA events); admissions are copied on a side stream into GPU staging buffers and installed
-(device->device) once their event has completed. host_compute misses are computed on the CPU
-from the pinned host weights.
+Streams and events, all on the tier's own device (never the current device, so `cuda:1` works):
+- the compute stream (`torch.cuda.current_stream(device)`, the model's): synchronous fetches
+  (host -> device copies the next kernels wait for, timed with events), installs of admissions
+  (device -> device), the expert kernels;
+- a side stream for admissions: host -> GPU staging buffer; the compute stream never waits for
+  it. An admission is installed once its event has completed (polled at the start of a token),
+  and its staging buffer is reused by the side stream only after the install has run (an event
+  the side stream waits on, on the device).
+A token ends by waiting for an event on the compute stream only (`token_sync`): background
+copies keep running into the next tokens.
+
+Layers on disk (disk -> pinned -> GPU): a synchronous fetch reads the expert into a pinned
+bounce buffer and copies it; an admission is read by an I/O thread into a pinned buffer, then
+copied on the side stream into GPU staging like any other admission.
+
+Host-device traffic per layer: the router's values come to the host once (`to_host`: copies into
+pinned buffers, one event, one counted wait); index arrays go up through a pinned buffer
+(`upload`, no wait); host_compute results go back through pinned memory (no wait). These pinned
+buffers belong to one layer and are reused at its next token, after `token_sync` has waited for
+the compute stream, so no copy out of them can still be pending.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from moesub.engine.kernels import grouped_experts
-from moesub.engine.store import ExpertStore
-from moesub.engine.tiers import SlotBuffers, require_cuda
+from moesub.engine.host_memory import Allocator, HostExperts, pinned_empty
+from moesub.engine.kernels import choose_path, expert_forward
+from moesub.engine.store import aligned_empty
+from moesub.engine.tiers import (
+    BackgroundReader,
+    HostSync,
+    SlotBuffers,
+    host_ids_to_local,
+    require_cuda,
+)
+
+STAGING_BYTES = 512 * 2**20  # GPU memory for admission staging buffers by default
+BOUNCE_BUFFERS = 8  # pinned buffers for synchronous fetches of layers on disk
+READ_BUFFERS = 16  # pinned buffers the I/O thread reads admissions of layers on disk into
 
 
-def pinned_from_store(store: ExpertStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's experts read from a store into pinned host memory ((E,2I,H), (E,H,I))."""
-    lay = store.layout
-    gu = torch.empty((lay.num_experts, *lay.gate_up_shape), dtype=lay.torch_dtype).pin_memory()
-    dn = torch.empty((lay.num_experts, *lay.down_shape), dtype=lay.torch_dtype).pin_memory()
-    for e in range(lay.num_experts):
-        store.read_into(layer, e, gu[e], dn[e])
-    return gu, dn
+def default_staging_buffers(num_layers: int, capacity: int, expert_bytes: int) -> int:
+    """Enough GPU staging buffers that admissions do not queue behind each other: one per slot
+    of every layer, at most STAGING_BYTES of them (and at least 4)."""
+    return max(4, min(num_layers * capacity, STAGING_BYTES // max(expert_bytes, 1)))
 
 
 class CudaTier:
-    """Experts in pinned host memory, C slots per layer on the GPU, admissions on a side stream."""
-
-    kind = "pinned->CUDA"
+    """Experts in host memory (`HostExperts`), C slots per layer on the GPU."""
 
     def __init__(
         self,
-        host: list[tuple[torch.Tensor, torch.Tensor]],
+        host: HostExperts,
         capacity: int,
-        device: torch.device,
+        device: str | torch.device,
         act: Callable[[torch.Tensor], torch.Tensor],
-        staging_buffers: int = 4,
+        staging_buffers: int | None = None,
+        capability: tuple[int, int] | None = None,
+        alloc: Allocator = pinned_empty,
     ) -> None:
-        require_cuda(device)
-        if staging_buffers < 1:
-            raise ValueError(f"staging_buffers must be >= 1, got {staging_buffers}")
-        self.device, self.act = device, act
-        self.host = []
-        for gu, dn in host:  # (E, 2I, H), (E, H, I)
-            if not gu.is_pinned():
-                gu = gu.contiguous().pin_memory()
-            if not dn.is_pinned():
-                dn = dn.contiguous().pin_memory()
-            self.host.append((gu, dn))
-        gu0, dn0 = self.host[0]
-        self.expert_bytes = gu0[0].nbytes + dn0[0].nbytes
+        dev = require_cuda(device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        lay = host.layout
+        n = staging_buffers or default_staging_buffers(lay.num_layers, capacity, lay.expert_bytes)
+        if n < 1:
+            raise ValueError(f"staging_buffers must be >= 1, got {n}")
+        self.device, self.act, self.host, self.layout, self.alloc = dev, act, host, lay, alloc
+        self.expert_bytes = lay.expert_bytes
+        self.kind = "disk->pinned->CUDA" if host.disk_layers else "pinned->CUDA"
+        self.path = choose_path(dev, lay.torch_dtype, capability)
+        self.syncs = HostSync()
+        dt = lay.torch_dtype
+        self.compute = torch.cuda.current_stream(dev)
+        self.side = torch.cuda.Stream(device=dev)
         self.slots = [
             SlotBuffers(
-                torch.empty((capacity, *gu0.shape[1:]), dtype=gu0.dtype, device=device),
-                torch.empty((capacity, *dn0.shape[1:]), dtype=dn0.dtype, device=device),
+                torch.empty((capacity, *lay.gate_up_shape), dtype=dt, device=dev),
+                torch.empty((capacity, *lay.down_shape), dtype=dt, device=dev),
             )
-            for _ in self.host
+            for _ in range(lay.num_layers)
         ]
-        self.side = torch.cuda.Stream(device=device)
         self.staging = [
             (
-                torch.empty(gu0.shape[1:], dtype=gu0.dtype, device=device),
-                torch.empty(dn0.shape[1:], dtype=dn0.dtype, device=device),
+                torch.empty(lay.gate_up_shape, dtype=dt, device=dev),
+                torch.empty(lay.down_shape, dtype=dt, device=dev),
             )
-            for _ in range(staging_buffers)
+            for _ in range(n)
         ]
-        self._staging_free_ev = [None] * staging_buffers  # event: last install from it done
-        self._free = list(range(staging_buffers))
-        self._queued: collections.deque[tuple[int, int]] = collections.deque()
-        self._inflight: collections.defaultdict[int, collections.deque] = collections.defaultdict(
-            collections.deque
-        )
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._staging_fence: list[torch.cuda.Event | None] = [None] * n  # install out of it
+        self._free = list(range(n))
+        # admissions waiting for a staging buffer: (layer, expert, pinned read buffer or None)
+        self._queued: collections.deque[tuple[int, int, int | None]] = collections.deque()
+        self._inflight = [collections.deque() for _ in range(lay.num_layers)]
+        self.reader = None
+        self._bounce: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if host.disk_layers:
+            self.reader = BackgroundReader(host.store, min(n, READ_BUFFERS), alloc)
+            self._bounce = [
+                (alloc(lay.gate_up_shape, dt), alloc(lay.down_shape, dt))
+                for _ in range(BOUNCE_BUFFERS)
+            ]
+        self._bounce_fence: list[torch.cuda.Event | None] = [None] * len(self._bounce)
+        self._bounce_next = 0
+        self._io: dict[tuple, torch.Tensor] = {}  # per-layer pinned transfer buffers
+        self._fetch_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wait_s = 0.0  # host time on disk reads of synchronous fetches
 
     @property
     def description(self) -> str:
         return (
-            "pinned->CUDA: experts in pinned host memory, C slots per layer on the GPU, "
-            "admissions on a side CUDA stream; host_compute misses computed on the CPU from "
-            "pinned host weights"
+            f"{self.kind}: {self.host.describe()}; C slots per layer on {self.device} "
+            f"({torch.cuda.get_device_name(self.device)}), admissions on a side CUDA stream "
+            f"({len(self.staging)} staging buffers), expert kernel {self.path}; host_compute "
+            "misses computed on the CPU from the host weights"
         )
 
+    # ---------------------------------------------------------------- host <-> device transfers
+    def _pinned(self, key: tuple, shape: torch.Size | tuple[int, ...], dtype) -> torch.Tensor:
+        """A pinned buffer for `key`, grown (never shrunk) to `shape`'s size; a view of it."""
+        numel = int(np.prod(shape))
+        buf = self._io.get(key)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self.alloc((numel,), dtype)
+            self._io[key] = buf
+        return buf[:numel].view(shape)
+
+    def to_host(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device tensors of one layer copied into its pinned buffers; one event, one wait."""
+        with torch.cuda.stream(self.compute):
+            out = []
+            for i, t in enumerate(tensors):
+                buf = self._pinned(("d2h", layer, i), t.shape, t.dtype)
+                buf.copy_(t.detach(), non_blocking=True)
+                out.append(buf)
+            ev = torch.cuda.Event()
+            ev.record(self.compute)
+        self.syncs.wait(ev)
+        return tuple(out)
+
+    def upload(self, layer: int, array: np.ndarray, tag: str = "ids") -> torch.Tensor:
+        """A host array on the device through the layer's pinned buffer `tag` (no wait)."""
+        src = torch.from_numpy(np.ascontiguousarray(array))
+        buf = self._pinned(("h2d", layer, tag), src.shape, src.dtype)
+        buf.copy_(src)
+        with torch.cuda.stream(self.compute):
+            return buf.to(self.device, non_blocking=True)
+
+    # ---------------------------------------------------------------- slots
     def load(self, layer: int, resident: np.ndarray) -> None:
-        gu, dn = self.host[layer]
+        """Fill the slots with `resident` (C,) experts (-1 = leave empty); untimed set-up."""
         s = self.slots[layer]
-        for slot, e in enumerate(resident.tolist()):
-            if e >= 0:
-                s.gate_up[slot].copy_(gu[e], non_blocking=True)
-                s.down[slot].copy_(dn[e], non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        lay = self.layout
+        tmp = (aligned_empty(lay.gate_up_shape, lay.torch_dtype),
+               aligned_empty(lay.down_shape, lay.torch_dtype))  # fmt: skip
+        with torch.cuda.stream(self.compute):
+            for slot, e in enumerate(resident.tolist()):
+                if e < 0:
+                    continue
+                if self.host.on_disk(layer):
+                    self.host.read_into(layer, e, *tmp)
+                    s.gate_up[slot].copy_(tmp[0])  # pageable source: synchronous
+                    s.down[slot].copy_(tmp[1])
+                else:
+                    gu, dn = self.host.layer(layer)
+                    s.gate_up[slot].copy_(gu[e], non_blocking=True)
+                    s.down[slot].copy_(dn[e], non_blocking=True)
+        self.synchronize()
+
+    def _bounce_buffer(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The next pinned bounce buffer, once the copy out of its last use has run."""
+        b = self._bounce_next
+        self._bounce_next = (b + 1) % len(self._bounce)
+        fence = self._bounce_fence[b]
+        if fence is not None and not fence.query():
+            self.syncs.wait(fence)
+        return (*self._bounce[b], b)
 
     def fetch(self, layer: int, pairs: Sequence[tuple[int, int]]) -> int:
-        """H2D copies on the compute stream (the compute that follows waits for them)."""
+        """Synchronous copies (expert, slot) on the compute stream: the next kernels wait for
+        them, the host does not (except for the disk read of a layer on disk)."""
         if not pairs:
             return 0
-        gu, dn = self.host[layer]
         s = self.slots[layer]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for e, slot in pairs:
-            s.gate_up[slot].copy_(gu[e], non_blocking=True)
-            s.down[slot].copy_(dn[e], non_blocking=True)
-        end.record()
-        self._events.append((start, end))
+        with torch.cuda.stream(self.compute):
+            start.record(self.compute)
+            if self.host.on_disk(layer):
+                for e, slot in pairs:
+                    gu, dn, b = self._bounce_buffer()
+                    t0 = time.perf_counter()
+                    self.host.store.read_into(layer, e, gu, dn)
+                    self._wait_s += time.perf_counter() - t0
+                    s.gate_up[slot].copy_(gu, non_blocking=True)
+                    s.down[slot].copy_(dn, non_blocking=True)
+                    fence = torch.cuda.Event()
+                    fence.record(self.compute)
+                    self._bounce_fence[b] = fence
+            else:
+                gu, dn = self.host.layer(layer)
+                for e, slot in pairs:
+                    s.gate_up[slot].copy_(gu[e], non_blocking=True)
+                    s.down[slot].copy_(dn[e], non_blocking=True)
+            end.record(self.compute)
+        self._fetch_events.append((start, end))
         return len(pairs) * self.expert_bytes
 
-    def _launch(self, layer: int, expert: int, idx: int) -> None:
-        gu, dn = self.host[layer]
+    # ---------------------------------------------------------------- background admissions
+    def request(self, layer: int, expert: int) -> None:
+        if self.host.on_disk(layer):
+            self.reader.submit(layer, expert)  # disk -> pinned first, on the I/O thread
+        else:
+            self._queued.append((layer, expert, None))
+            self._launch_queued()
+
+    def _launch_queued(self) -> None:
+        while self._queued and self._free:
+            layer, expert, read_buf = self._queued.popleft()
+            self._launch(layer, expert, read_buf, self._free.pop())
+
+    def _launch(self, layer: int, expert: int, read_buf: int | None, idx: int) -> None:
+        if read_buf is None:
+            gu, dn = self.host.layer(layer)
+            src = (gu[expert], dn[expert])
+        else:
+            src = self.reader.buffers[read_buf]
         sg, sd = self.staging[idx]
         with torch.cuda.stream(self.side):
-            ev = self._staging_free_ev[idx]
-            if ev is not None:
-                self.side.wait_event(ev)  # the previous install from this buffer has run
-            sg.copy_(gu[expert], non_blocking=True)
-            sd.copy_(dn[expert], non_blocking=True)
+            fence = self._staging_fence[idx]
+            if fence is not None:
+                self.side.wait_event(fence)  # the last install out of this buffer has run
+            sg.copy_(src[0], non_blocking=True)
+            sd.copy_(src[1], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
+        if read_buf is not None:
+            self.reader.release(read_buf, fence=done)  # reused once this copy has run
         self._inflight[layer].append((expert, idx, done))
 
-    def request(self, layer: int, expert: int) -> None:
-        if self._free:
-            self._launch(layer, expert, self._free.pop())
-        else:
-            self._queued.append((layer, expert))
+    def _pump(self, layers: Sequence[int]) -> None:
+        """Disk reads that have landed in pinned memory go on to the GPU (side stream)."""
+        if self.reader is not None:
+            for layer in layers:
+                if self.host.on_disk(layer):
+                    for expert, read_buf, _n in self.reader.poll(layer):
+                        self._queued.append((layer, expert, read_buf))
+        self._launch_queued()
+
+    def begin_token(self) -> None:
+        self._pump(range(self.layout.num_layers))
 
     def completed(self, layer: int) -> list[tuple[int, int, int]]:
+        """(expert, staging buffer, bytes) of every admission of `layer` whose copy has run."""
+        self._pump([layer])
         out = []
         q = self._inflight[layer]
         while q and q[0][2].query():
@@ -137,58 +268,86 @@ class CudaTier:
             out.append((expert, idx, self.expert_bytes))
         return out
 
-    def _release(self, idx: int) -> None:
-        ev = torch.cuda.Event()
-        ev.record()  # on the compute stream, after the install copy
-        self._staging_free_ev[idx] = ev
-        if self._queued:
-            layer, expert = self._queued.popleft()
-            self._launch(layer, expert, idx)
-        else:
-            self._free.append(idx)
+    def _release(self, idx: int, fence: torch.cuda.Event | None) -> None:
+        self._staging_fence[idx] = fence
+        self._free.append(idx)
+        self._launch_queued()
 
     def install(self, layer: int, handle: tuple[int, int, int], slot: int) -> int:
         _e, idx, nbytes = handle
         sg, sd = self.staging[idx]
         s = self.slots[layer]
-        s.gate_up[slot].copy_(sg, non_blocking=True)
-        s.down[slot].copy_(sd, non_blocking=True)
-        self._release(idx)
+        with torch.cuda.stream(self.compute):
+            s.gate_up[slot].copy_(sg, non_blocking=True)
+            s.down[slot].copy_(sd, non_blocking=True)
+            fence = torch.cuda.Event()
+            fence.record(self.compute)
+        self._release(idx, fence)
         return nbytes
 
     def discard(self, handle: tuple[int, int, int]) -> None:
-        self._release(handle[1])
+        self._release(handle[1], None)
 
+    # ---------------------------------------------------------------- host compute, time
     def host_forward(
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
-        """Misses computed on the CPU straight from the pinned host weights (no copy)."""
-        gu, dn = self.host[layer]
-        h = hidden.to("cpu")  # synchronizes: the host needs the hidden state
-        out = grouped_experts(
-            h, torch.from_numpy(np.ascontiguousarray(host_ids, dtype=np.int64)),
-            weights.to("cpu"), gu, dn, self.act,
-        )  # fmt: skip
-        return out.to(self.device, non_blocking=True), 0
+        """Misses computed on the CPU from the host weights (pinned: no copy; on disk: a fresh
+        read); hidden [N, H] and weights [N, k] already on the host (`to_host`). The result
+        goes back through the layer's pinned buffer without a wait. -> (out on the GPU, bytes)."""
+        nbytes = 0
+        if self.host.on_disk(layer):
+            lay = self.layout
+            ids, experts = host_ids_to_local(host_ids)
+            gu = aligned_empty((len(experts), *lay.gate_up_shape), lay.torch_dtype)
+            dn = aligned_empty((len(experts), *lay.down_shape), lay.torch_dtype)
+            t0 = time.perf_counter()
+            for j, e in enumerate(experts.tolist()):
+                nbytes += self.host.store.read_into(layer, e, gu[j], dn[j])
+            self._wait_s += time.perf_counter() - t0
+        else:
+            ids = host_ids
+            gu, dn = self.host.layer(layer)
+        out = expert_forward(hidden, ids, weights, gu, dn, self.act)
+        buf = self._pinned(("host_out", layer), out.shape, out.dtype)
+        buf.copy_(out)
+        with torch.cuda.stream(self.compute):
+            return buf.to(self.device, non_blocking=True), nbytes
+
+    def token_sync(self) -> None:
+        """Wait for the compute stream (not the side stream: admissions keep copying)."""
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        self.syncs.wait(ev)
 
     def take_wait_s(self) -> float:
-        """Seconds the compute stream spent on synchronous copies since the last call."""
-        torch.cuda.synchronize(self.device)
-        w = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-        self._events.clear()
+        """Seconds the compute stream spent on synchronous copies (and the host on disk reads
+        for them) since the last call; the copies' events have completed (after `token_sync`)."""
+        w = sum(a.elapsed_time(b) for a, b in self._fetch_events) / 1e3 + self._wait_s
+        self._fetch_events.clear()
+        self._wait_s = 0.0
         return w
 
     def synchronize(self) -> None:
+        """The whole device (set-up, stream boundaries and calibration only)."""
         torch.cuda.synchronize(self.device)
 
     def drain(self) -> None:
         """Discard every queued and in-flight admission (stream boundary)."""
+        for _layer, _expert, read_buf in self._queued:
+            if read_buf is not None:
+                self.reader.release(read_buf)
         self._queued.clear()
-        torch.cuda.synchronize(self.device)
-        for layer in list(self._inflight):
-            for h in self.completed(layer):
-                self.discard(h)
-        torch.cuda.synchronize(self.device)
+        if self.reader is not None:
+            self.reader.drain()
+        self.synchronize()
+        for q in self._inflight:
+            while q:
+                _e, idx, _ev = q.popleft()
+                self._staging_fence[idx] = None
+                self._free.append(idx)
 
     def close(self) -> None:
         self.drain()
+        if self.reader is not None:
+            self.reader.close()

@@ -38,9 +38,12 @@ def decode_tokens(
     each step's logits fed back; a token in `stop_ids` ends it and is not kept).
 
     Returns per-step arrays over the S steps run (`wall_s, fetch_wait_s, admit_wait_s, mass,
-    bytes_sync, bytes_bg` (S,), `counts` (S, 5), `nll` (S,) NaN where no input followed), plus
-    `generated` (tokens), `stopped` and `admissions`. Generated token i came from step P-1+i;
-    the last generated token is never fed (S = P + n - 1, or P + n when a stop token ended it).
+    bytes_sync, bytes_bg, syncs, admitted, admit_latency` (S,), `counts` (S, 5), `nll` (S,) NaN
+    where no input followed), plus `generated` (tokens), `stopped` and `admissions`. Generated
+    token i came from step P-1+i; the last generated token is never fed (S = P + n - 1, or
+    P + n when a stop token ended it). A step's wall time runs from its start (admissions
+    installed) to the end of its compute on the device (`OffloadEngine.end_token`: the compute
+    stream only) and its values on the host.
     """
     P = len(inputs)
     if P == 0:
@@ -48,7 +51,10 @@ def decode_tokens(
     engine.reset()
     S = P + max(max_new_tokens - 1, 0)  # most steps that can run
     cols = {c: np.zeros(S, np.float64) for c in ("wall_s", "fetch_wait_s", "admit_wait_s", "mass")}
-    ints = {c: np.zeros(S, np.int64) for c in ("bytes_sync", "bytes_bg")}
+    ints = {
+        c: np.zeros(S, np.int64)
+        for c in ("bytes_sync", "bytes_bg", "syncs", "admitted", "admit_latency")
+    }
     counts = np.zeros((S, 5), np.int64)
     nll = np.full(S, np.nan)
     generated: list[int] = []
@@ -56,22 +62,29 @@ def decode_tokens(
     admissions = 0
     cache, token, t = None, int(inputs[0]), 0
     for t in range(S):
-        engine.begin_token()
         t0 = time.perf_counter()
+        engine.begin_token()
         logits, cache = step(setup.model, token, cache, setup.device)
+        nll_t = next_t = None
         if t + 1 < P:  # teacher forcing: the next input is given
             token = int(inputs[t + 1])
-            lp = torch.log_softmax(logits.float(), dim=-1)  # as moesub.models.stream_nll
-            nll[t + 1] = -float(lp[token])
+            nll_t = -torch.log_softmax(logits.float(), dim=-1)[token]  # as models.stream_nll
         elif max_new_tokens:  # free running: greedy (ties to the lower id, as torch.argmax)
-            token = int(torch.argmax(logits))
-        st = engine.end_token()  # synchronizes the fast device
+            next_t = torch.argmax(logits)
+        st = engine.end_token()  # the compute stream has finished: the reads below do not wait
+        if nll_t is not None:
+            nll[t + 1] = float(nll_t)
+        if next_t is not None:
+            token = int(next_t)
         cols["wall_s"][t] = time.perf_counter() - t0
         cols["fetch_wait_s"][t] = st.fetch_wait_s
         cols["admit_wait_s"][t] = st.admit_wait_s
         cols["mass"][t] = st.mass
         ints["bytes_sync"][t] = st.bytes_sync
         ints["bytes_bg"][t] = st.bytes_bg
+        ints["syncs"][t] = st.syncs
+        ints["admitted"][t] = st.admitted
+        ints["admit_latency"][t] = st.admit_latency
         counts[t] = st.counts
         admissions += st.admissions
         if t + 1 >= P and max_new_tokens:

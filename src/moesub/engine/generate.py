@@ -41,12 +41,15 @@ class EngineDecodeResult:
     prompt_tokens: int  # P
     prompt_wall_s: float  # wall time of the P - 1 prompt steps that produced no token
     admissions: int  # admission requests over the whole decode
+    syncs: np.ndarray  # int64 (n,) host waits for the device during the step
 
     @classmethod
     def empty(cls, prompt_tokens: int) -> EngineDecodeResult:
         """Nothing generated and no step run (max_new_tokens = 0)."""
         f, i = np.zeros(0, np.float64), np.zeros(0, np.int64)
-        return cls([], [], False, f, f, f, i, i, np.zeros((0, 5), np.int64), prompt_tokens, 0.0, 0)
+        return cls(
+            [], [], False, f, f, f, i, i, np.zeros((0, 5), np.int64), prompt_tokens, 0.0, 0, i
+        )
 
     @classmethod
     def from_steps(cls, r: dict[str, Any], prompt_tokens: int) -> EngineDecodeResult:
@@ -65,6 +68,7 @@ class EngineDecodeResult:
             prompt_tokens=prompt_tokens,
             prompt_wall_s=float(r["wall_s"][: prompt_tokens - 1].sum()),
             admissions=int(r["admissions"]),
+            syncs=r["syncs"][gen],
         )
 
 
@@ -127,7 +131,8 @@ class EngineModel:
             raise
         for m in self.setup.experts:
             m.engine = self.engine
-        self._hook = RouterHook(self.setup.model, EngineRouter(self.engine, self.setup.experts))
+        self._router = EngineRouter(self.engine, self.setup.model, self.setup.experts)
+        self._hook = RouterHook(self.setup.model, self._router)
         self._hook.__enter__()
         self.closed = False
 
@@ -174,6 +179,7 @@ class EngineModel:
         if not self.closed:
             self.closed = True
             self._hook.__exit__(None, None, None)
+            self._router.close()
             self.engine.close()
 
     def __enter__(self) -> EngineModel:

@@ -1,72 +1,113 @@
-"""Expert compute from slot buffers: one grouped matmul per projection, no per-expert loop.
+"""Expert compute from slot buffers, planned on the host: no device->host round trip inside.
 
-`grouped_experts` computes, for every (token n, rank j) whose `ids[n, j] >= 0`, the gated expert
+`expert_forward` computes, for every (token n, rank j) whose `ids[n, j] >= 0`, the gated expert
 held in group `ids[n, j]` of the weight tensors (`gate_up [G, 2I, H]`, `down [G, H, I]`; the
 groups are cache slots on the fast tier, or experts of a host tensor), weighted by
-`weights[n, j]` and summed over j in slot order exactly as transformers' `grouped_mm` experts
-implementation does, so that with every expert resident the result matches the stock model.
+`weights[n, j]` and summed over j in slot order as transformers' experts implementations do,
+so that with every expert resident the result matches the stock model.
+
+`ids` is a host array (the engine decides on the host, so it knows them without asking the
+device): which entries are computed, and with which weights, is planned there, so the kernel
+needs no `nonzero` / `bincount` / `.item()` (each a device->host synchronization on a GPU).
+
+Two paths, chosen once per tier by `choose_path` from the device and dtype:
+- `"grouped"`: one `grouped_mm` per projection over the rows sorted by group. Torch's fast
+  grouped kernel exists only for bf16 on compute capability 9.x / 10.x (Hopper, Blackwell);
+  elsewhere torch runs an internal fallback that loops over all G groups, so its cost grows
+  with the cache capacity. The plan's row order and group offsets are uploaded once per call.
+- `"per_expert"`: one matmul per computed (n, j) on a view of its group's weights (no gather
+  copy of the weights), the path everywhere else, including the CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
-    torch, "_grouped_mm", None
-)
-# (device type, dtype) -> whether grouped_mm ran there; decided on first use
-_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_CAPABILITIES = (9, 10)  # major compute capabilities with torch's fast grouped kernel
+PATHS = ("grouped", "per_expert")
 
-
-def _mm_gather(x: torch.Tensor, w: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Fallback: x [S, K] @ w[group] [S, K, N] -> [S, N] by a gathered batched matmul."""
-    return torch.bmm(x.unsqueeze(1), w.index_select(0, group)).squeeze(1)
+Upload = Callable[[np.ndarray], torch.Tensor]  # host int64 array -> the same on the device
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, group: torch.Tensor):
-    """x [S, K] rows sorted by group, w [G, K, N], offs int32 [G] cumulative row counts, group
-    [S] the group of each row -> [S, N]. Uses torch's grouped_mm kernel where it runs."""
-    key = (w.device.type, w.dtype)
-    if _GROUPED_MM is not None and _GROUPED_OK.get(key, True):
-        try:
-            out = _GROUPED_MM(x, w, offs=offs)
-            _GROUPED_OK[key] = True
-            return out
-        except (RuntimeError, NotImplementedError, TypeError):
-            _GROUPED_OK[key] = False
-    return _mm_gather(x, w, group)
+def choose_path(
+    device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None
+) -> str:
+    """ "grouped" where torch's grouped kernel is fast (CUDA, bf16, capability 9.x / 10.x), else
+    "per_expert". `capability` overrides the device's (tests choose without a GPU)."""
+    if _GROUPED_MM is None or device.type != "cuda" or dtype != torch.bfloat16:
+        return "per_expert"
+    cap = capability if capability is not None else torch.cuda.get_device_capability(device)
+    return "grouped" if cap[0] in GROUPED_CAPABILITIES else "per_expert"
 
 
-def grouped_experts(
+@dataclass(frozen=True)
+class ExpertPlan:
+    """One call's computed entries, planned on the host from `ids (N, k)`."""
+
+    rows: np.ndarray  # int64 (S,): flat index n * k + j of every computed entry, sorted by group
+    groups: np.ndarray  # int64 (S,): the group of each
+    offs: np.ndarray  # int64 (G,): cumulative row count per group (grouped_mm's `offs`)
+
+    @classmethod
+    def of(cls, ids: np.ndarray, num_groups: int) -> ExpertPlan:
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        rows = np.flatnonzero(flat >= 0)
+        order = np.argsort(flat[rows], kind="stable")
+        rows = rows[order]
+        groups = flat[rows]
+        if len(groups) and groups[-1] >= num_groups:
+            raise ValueError(f"expert ids: group {groups[-1]} >= the {num_groups} groups given")
+        offs = np.cumsum(np.bincount(groups, minlength=num_groups), dtype=np.int64)
+        return cls(rows, groups, offs)
+
+
+def expert_forward(
     hidden: torch.Tensor,
-    ids: torch.Tensor,
+    ids: np.ndarray,
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    path: str = "per_expert",
+    upload: Upload | None = None,
 ) -> torch.Tensor:
-    """hidden [N, H], ids [N, k] (group index, -1 = skip), weights [N, k] -> [N, H].
+    """hidden [N, H], ids (N, k) host array (group index, -1 = skip), weights [N, k] -> [N, H].
 
-    gate_up [G, 2I, H] (gate half first), down [G, H, I]; all on the same device.
+    gate_up [G, 2I, H] (gate half first), down [G, H, I], hidden and weights on their device.
+    `upload` moves the grouped path's index arrays to the device (default: a plain copy).
     """
+    ids = np.asarray(ids)
     N, k = ids.shape
     H = hidden.shape[-1]
-    G = gate_up.shape[0]
-    flat = ids.reshape(-1)  # (S,) S = N*k
-    rows = (flat >= 0).nonzero().squeeze(1)  # (S',) computed rows
-    out = torch.zeros(N * k, H, dtype=hidden.dtype, device=hidden.device)
-    if rows.numel() == 0:
-        return out.view(N, k, H).sum(dim=1)
-    group, order = torch.sort(flat.index_select(0, rows))
-    rows = rows.index_select(0, order)  # (S',) sorted by group
-    x = hidden.index_select(0, rows // k).to(gate_up.dtype)  # (S', H)
-    counts = torch.bincount(group, minlength=G)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (G,)
-    h = grouped_mm(x, gate_up.transpose(1, 2), offs, group)  # (S', 2I)
-    g, u = h.chunk(2, dim=-1)
-    y = grouped_mm(act(g) * u, down.transpose(1, 2), offs, group)  # (S', H)
-    y = y * weights.reshape(-1).index_select(0, rows).to(y.dtype).unsqueeze(-1)
-    out.index_copy_(0, rows, y.to(out.dtype))
+    if path == "per_expert":
+        ys = hidden.new_zeros(N, k, H)
+        for n, j in zip(*np.nonzero(ids >= 0), strict=True):
+            g = int(ids[n, j])
+            x = hidden[n : n + 1].to(gate_up.dtype)
+            gate, up = F.linear(x, gate_up[g]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, down[g])  # (1, H)
+            ys[n, j] = (y[0] * weights[n, j].to(y.dtype)).to(ys.dtype)
+        return ys.sum(dim=1)
+    if path != "grouped":
+        raise ValueError(f"expert kernel path {path!r}: expected one of {PATHS}")
+    plan = ExpertPlan.of(ids, gate_up.shape[0])
+    out = hidden.new_zeros(N * k, H)
+    S = len(plan.rows)
+    if S:
+        if upload is None:
+            idx = torch.from_numpy(np.concatenate([plan.rows, plan.offs])).to(hidden.device)
+        else:
+            idx = upload(np.concatenate([plan.rows, plan.offs]))
+        rows, offs = idx[:S], idx[S:].to(torch.int32)
+        x = hidden.index_select(0, rows // k).to(gate_up.dtype)  # (S, H)
+        gate, up = _GROUPED_MM(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = _GROUPED_MM(act(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
+        y = y * weights.reshape(-1).index_select(0, rows).to(y.dtype).unsqueeze(-1)
+        out.index_copy_(0, rows, y.to(out.dtype))
     return out.view(N, k, H).sum(dim=1)

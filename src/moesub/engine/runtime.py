@@ -2,15 +2,17 @@
 
 `OffloadEngine` is model-agnostic: the model adapter (`moesub.engine.adapter`, a Hugging Face
 model) and the real-size benchmark (`moesub.engine.bench`, synthetic routing) both call, per
-token and MoE layer, `route(layer, logits)` and then `compute(layer, hidden, slot_ids, weights,
-host_ids)`.
+token, `begin_token()`, then per MoE layer `route(layer, logits)` and `compute(layer, hidden,
+slot_ids, weights, host)`, then `end_token()`. The router's values reach the host once per layer
+(`tier.to_host`, one counted synchronization); the slot ids of the computed experts stay on the
+host, where the expert kernel plans its work (`moesub.engine.kernels`).
 Every policy decision comes from the one policy core (`moesub.policy.LayerCache`, external
 admission mode): the engine only carries decisions out and tells the core when a background
 copy has really completed (`LayerCache.admit`).
 
 Admission timing (`admission=`):
-- `"completion"` (default): a background copy that has completed by the layer's next token is
-  admitted then, in completion order; a slow copy simply becomes usable later.
+- `"completion"` (default): at the start of every token, every background copy that has
+  completed (all layers) is admitted, in completion order; a slow copy becomes usable later.
 - `"delay"`: a request made at token t is admitted exactly at token `t + policy.delay` in
   (ready time, expert id) order, the core's own `delay` semantics; the engine blocks on the copy
   if it has not completed by then (`TokenStats.admit_wait_s`). Decisions are then those of the
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moesub.engine.kernels import grouped_experts
+from moesub.engine.kernels import expert_forward
 from moesub.policy import FETCH, FORCED, HOST, LayerCache, LayerStep, Policy
 
 NUM_STATUS = 5
@@ -43,7 +45,20 @@ class TokenStats:
     bytes_bg: int = 0  # background admissions installed during this token
     counts: np.ndarray = field(default_factory=lambda: np.zeros(NUM_STATUS, np.int64))
     mass: float = 0.0  # substituted gate mass, summed over layers
-    admissions: int = 0
+    admissions: int = 0  # admission requests made during this token
+    admitted: int = 0  # background copies installed during this token
+    admit_latency: int = 0  # tokens from request to install, summed over those installed
+    syncs: int = 0  # host waits for the device (`HostSync`), router reads and token end
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """One layer's host_compute misses, with their inputs on the host: ids (N, k) expert or -1 in
+    the order of `weights [N, k]`, and the hidden state [N, H]."""
+
+    ids: np.ndarray
+    hidden: torch.Tensor
+    weights: torch.Tensor
 
 
 class OffloadEngine:
@@ -79,10 +94,13 @@ class OffloadEngine:
         self.initial = initial
         self.caches: list[LayerCache] = []
         self.stats = TokenStats()
+        self.token = 0  # tokens begun since the last reset
+        self._syncs_at_begin = 0
         # admission="delay": per layer, requests not yet admitted as (ready token, expert), and
         # completed copies not yet due (expert -> tier handle)
         self._due: list[list[tuple[int, int]]] = []
         self._landed: list[dict[int, tuple]] = []
+        self._requested: list[dict[int, list[int]]] = []  # layer -> expert -> request tokens
         self.reset()
 
     def reset(self) -> None:
@@ -90,6 +108,7 @@ class OffloadEngine:
         self.tier.drain()
         self._due = [[] for _ in range(self.num_layers)]
         self._landed = [{} for _ in range(self.num_layers)]
+        self._requested = [{} for _ in range(self.num_layers)]
         self.caches = [
             LayerCache(
                 self.num_experts,
@@ -106,14 +125,30 @@ class OffloadEngine:
         self.tier.synchronize()
         self.tier.take_wait_s()
         self.stats = TokenStats()
+        self.token = 0
 
     def begin_token(self) -> None:
+        """Start a token: with admission="completion", every background copy that has completed
+        (all layers) is installed now, which also frees its staging buffer for new requests."""
+        self.token += 1
         self.stats = TokenStats()
+        self._syncs_at_begin = self.tier.syncs.count
+        self.tier.begin_token()
+        if self.admission == "completion":
+            for layer in range(self.num_layers):
+                self._admit_completed(layer)
 
     def end_token(self) -> TokenStats:
-        """Synchronize the fast device and return the token's stats."""
+        """Wait for the token's compute (the compute stream only: background copies go on) and
+        return the token's stats."""
+        self.tier.token_sync()
         self.stats.fetch_wait_s += self.tier.take_wait_s()
+        self.stats.syncs = self.tier.syncs.count - self._syncs_at_begin
         return self.stats
+
+    def to_host(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The router's values of a layer on the host (one counted wait for the device)."""
+        return self.tier.to_host(layer, *tensors)
 
     def route(self, layer: int, logits: np.ndarray) -> LayerStep:
         """One token's router logits (1, E) float32 through the layer's policy core; carries out
@@ -125,10 +160,9 @@ class OffloadEngine:
                 "(a fetch for a later token could evict an expert an earlier one still needs)"
             )
         cache, tier, st = self.caches[layer], self.tier, self.stats
-        # 1. background copies become resident: as they complete, or exactly when due
-        if self.admission == "completion":
-            self._admit_completed(layer)
-        else:
+        # 1. background copies due now become resident (admission="delay"; with "completion"
+        # they were installed at the start of the token)
+        if self.admission == "delay":
             self._admit_due(layer)
         # 2. the policy core
         s = cache.step(logits)
@@ -140,12 +174,22 @@ class OffloadEngine:
         # 4. admissions requested by this step run in the background
         for tok, expert in s.admissions.tolist():
             tier.request(layer, int(expert))
+            self._requested[layer].setdefault(int(expert), []).append(self.token)
             st.admissions += 1
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
         st.counts += np.bincount(s.status.reshape(-1), minlength=NUM_STATUS)
         st.mass += float(s.mass.sum())
         return s
+
+    def _installed(self, layer: int, expert: int, installed: bool = True) -> None:
+        """A requested copy landed: installed (latency in tokens counted) or not needed."""
+        tokens = self._requested[layer].get(expert)
+        if tokens:
+            requested = tokens.pop(0)
+            if installed:
+                self.stats.admitted += 1
+                self.stats.admit_latency += self.token - requested
 
     def _admit_completed(self, layer: int) -> None:
         """admission="completion": every copy of this layer that has completed, in that order."""
@@ -155,9 +199,11 @@ class OffloadEngine:
             if expert in cache.resident():
                 tier.discard(handle)  # fetched synchronously meanwhile
                 cache.admit(expert)
+                self._installed(layer, expert, installed=False)
                 continue
             slot, _evicted = cache.admit(expert)
             self.stats.bytes_bg += tier.install(layer, handle, slot)
+            self._installed(layer, expert)
 
     def _admit_due(self, layer: int) -> None:
         """admission="delay": the requests due at this token, in (ready, expert) order, as the
@@ -190,8 +236,10 @@ class OffloadEngine:
                 handle = landed.pop(expert)
                 if expert in target:
                     self.stats.bytes_bg += tier.install(layer, handle, target[expert])
+                    self._installed(layer, expert)
                 else:
                     tier.discard(handle)
+                    self._installed(layer, expert, installed=False)
                 waiting.discard(expert)
             if not waiting:
                 break
@@ -202,17 +250,24 @@ class OffloadEngine:
         self,
         layer: int,
         hidden: torch.Tensor,
-        slot_ids: torch.Tensor,
+        slot_ids: np.ndarray,
         weights: torch.Tensor,
-        host_ids: np.ndarray | None = None,
+        host: HostInputs | None = None,
     ) -> torch.Tensor:
-        """hidden [N, H] -> routed expert output [N, H]. `slot_ids [N, k]` (cache slot, -1 = not
-        on the fast tier), `weights [N, k]` gate weights in the same order, `host_ids [N, k]`
-        (expert computed on the host, -1 = none) for host_compute misses."""
-        slots = self.tier.slots[layer]
-        out = grouped_experts(hidden, slot_ids, weights, slots.gate_up, slots.down, self.act)
-        if host_ids is not None and (host_ids >= 0).any():
-            host_out, nbytes = self.tier.host_forward(layer, hidden, host_ids, weights)
+        """hidden [N, H] -> routed expert output [N, H]. `slot_ids (N, k)` host array (cache
+        slot, -1 = not on the fast tier), `weights [N, k]` gate weights in the same order (on
+        the fast device), `host` the host_compute misses with their host-side inputs.
+
+        The slot kernels are queued first; the host computes its misses while they run, and
+        its result goes back to the device without a wait (through pinned memory on CUDA)."""
+        tier = self.tier
+        slots = tier.slots[layer]
+        out = expert_forward(
+            hidden, slot_ids, weights, slots.gate_up, slots.down, self.act, tier.path,
+            upload=lambda a: tier.upload(layer, a),
+        )  # fmt: skip
+        if host is not None and (host.ids >= 0).any():
+            host_out, nbytes = tier.host_forward(layer, host.hidden, host.ids, host.weights)
             self.stats.bytes_sync += nbytes
             out = out + host_out.to(out.dtype)
         return out

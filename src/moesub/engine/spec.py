@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -15,19 +14,24 @@ import torch
 from moesub.engine.runtime import ADMISSION_TIMINGS
 from moesub.engine.store import DTYPES
 from moesub.engine.tiers import require_cuda
+from moesub.io import require_file
 from moesub.params import options_from
-from moesub.policy import Policy, capacity_for
-
-ALL_RESIDENT = "all_resident"  # reserved policy name: every expert in fast memory (the floor)
+from moesub.policy import ALL_RESIDENT, Policy, capacity_for
 
 
 @dataclass(frozen=True)
 class EngineParams:
     """The `engine:` section of config.yaml (every key optional)."""
 
-    dtype: str = "float32"  # model and expert dtype
+    # model and expert dtype (None: bfloat16 on CUDA, float32 on the CPU, see `engine_dtype`)
+    dtype: str | None = None
     store_path: str | None = None  # expert file of the disk tier (default: beside the model)
-    staging_buffers: int = 4  # background admissions in flight at most
+    # background admissions in flight at most (None: 4 on the disk tier; on CUDA one per slot
+    # of every layer within 512 MiB of GPU memory, `cuda_tier.default_staging_buffers`)
+    staging_buffers: int | None = None
+    # CUDA tier: GiB of pinned host memory for experts; the layers past it stay in the expert
+    # store on disk (disk -> pinned RAM -> GPU). None: every layer pinned
+    pinned_budget_gb: float | None = None
     max_streams: int | None = None  # decode only the first n streams (smoke runs)
     max_tokens: int | None = None  # decode only the first n tokens of each stream
     threads: int | None = None  # torch CPU threads (None = torch's default)
@@ -41,8 +45,11 @@ class EngineParams:
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
         p = options_from(cls, params, "engine")
-        if p.dtype not in DTYPES:
+        if p.dtype is not None and p.dtype not in DTYPES:
             raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
+        b = p.pinned_budget_gb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0):
+            raise ValueError(f"params.pinned_budget_gb={b!r} must be a number >= 0 (GiB)")
         if p.admission not in ADMISSION_TIMINGS:
             raise ValueError(f"params.admission={p.admission!r} not in {list(ADMISSION_TIMINGS)}")
         for name in ("staging_buffers", "max_streams", "max_tokens", "threads", "calibrate_tokens"):
@@ -52,11 +59,12 @@ class EngineParams:
         return p
 
 
-def require_file(path: str | os.PathLike, arg: str) -> Path:
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{arg}: {str(p)!r} does not exist")
-    return p
+def engine_dtype(opts: EngineParams, device: torch.device) -> str:
+    """The engine's dtype: `opts.dtype`, else bfloat16 on CUDA (the checkpoints' own dtype, half
+    the bytes per copy) and float32 on the CPU (the capture's dtype: NLL comparable)."""
+    if opts.dtype is not None:
+        return opts.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -88,9 +96,9 @@ def resolve_engine(
     `all_resident`), the fraction against the checkpoint's E and k, the engine options, the
     device, and the initial resident set: `initial` (L, C), read from `initial_sets_path` when
     given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
+    from moesub.models import check_checkpoint
     from moesub.policy import check_initial
     from moesub.replay import policy_from_dict
-    from moesub.models import check_checkpoint
 
     require_file(model_dir, "model_dir")
     if not isinstance(name, str) or not name:
@@ -105,6 +113,7 @@ def resolve_engine(
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
     opts = EngineParams.from_dict(params)
     dev = require_cuda(device)
+    opts = replace(opts, dtype=engine_dtype(opts, dev))
     info = check_checkpoint(model_dir)
     E, k, L = info.num_experts, info.top_k, info.num_layers
     capacity = capacity_for(float(fraction), E)

@@ -14,8 +14,9 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from moesub.engine.generate import EngineModel
-from moesub.engine.spec import ALL_RESIDENT, require_file, resolve_engine
-from moesub.io import write_parquet
+from moesub.engine.spec import resolve_engine
+from moesub.io import require_file, write_parquet
+from moesub.policy import ALL_RESIDENT
 
 ROW_COLUMNS = (
     "stream", "pos", "wall_s", "fetch_wait_s", "bytes_sync", "bytes_bg",
@@ -48,8 +49,9 @@ def run_engine(
     """Decode every stream of a capture token table with the real offloading engine.
 
     Writes one row per token (`stream, pos, wall_s, fetch_wait_s, bytes_sync, bytes_bg, hit,
-    fetch, sub, host, forced, nll`, plus `mass`) with metadata `policy, name, fraction,
-    capacity, device, tier, ...` and a `summary` (median / p90 time per token, perplexity).
+    fetch, sub, host, forced, nll`, plus `mass` and `syncs`: host waits for the device) with
+    metadata `policy, name, fraction, capacity, device, tier, ...`, the admissions' latency in
+    tokens (request to install) and a `summary` (median / p90 time per token, perplexity).
     `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
     Each stream starts from fresh caches holding the initial set (as in emulate). Every input is
     checked before decoding; the output is written atomically at the end.
@@ -68,7 +70,7 @@ def run_engine(
     streams = list(iter_streams(tokens))[: opts.max_streams]
 
     frames = []
-    admit_wait_s = 0.0
+    admit_wait_s, admitted, admit_latency = 0.0, 0, 0
     with EngineModel(model_dir, spec) as eng:
         setup = eng.setup
         bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
@@ -76,6 +78,8 @@ def run_engine(
             rows = rows.head(opts.max_tokens) if opts.max_tokens else rows
             r = eng.decode(rows["token_id"].to_numpy())
             admit_wait_s += float(r["admit_wait_s"].sum())
+            admitted += int(r["admitted"].sum())
+            admit_latency += int(r["admit_latency"].sum())
             frames.append(
                 pl.DataFrame(
                     {
@@ -91,6 +95,7 @@ def run_engine(
                         },  # fmt: skip
                         "nll": r["nll"],
                         "mass": r["mass"],
+                        "syncs": r["syncs"].astype(np.int32),
                     }
                 ).with_columns(pl.col("nll").fill_nan(None))
             )
@@ -110,6 +115,9 @@ def run_engine(
         "dtype": opts.dtype,
         "admission": opts.admission,
         "admit_wait_s": admit_wait_s,  # blocked on due admissions (admission="delay" only)
+        # tokens from an admission's request to its install (the core's delay under "delay")
+        "admit_latency_tokens_mean": admit_latency / admitted if admitted else math.nan,
+        "syncs_per_token_mean": float(out["syncs"].mean()),
         "summary": summary(out["wall_s"].to_numpy(), nll),
         "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
     }

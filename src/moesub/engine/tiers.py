@@ -3,8 +3,10 @@
 A tier owns, per MoE layer, `C` preallocated expert slots in fast memory (`SlotBuffers`) and the
 way experts reach them from the slow tier. Every tier has the same interface, which
 `OffloadEngine` drives: `load`, `fetch`, `request` / `completed` / `install` / `discard`
-(background admissions), `host_forward` (host_compute misses), `take_wait_s`, `synchronize`,
-`drain`, `close`, plus `slots`, `device`, `act`, `kind`, `description`.
+(background admissions), `begin_token`, `to_host` / `upload` (the router's values to the host,
+index arrays to the device), `host_forward` (host_compute misses), `token_sync`, `take_wait_s`,
+`synchronize`, `drain`, `close`, plus `slots`, `device`, `act`, `path` (the expert kernel,
+`moesub.engine.kernels`), `syncs` (`HostSync`), `kind`, `description`.
 
 `DiskTier` (CPU-only machines): the slow tier is an `ExpertStore` file, the fast tier RAM.
 Synchronous fetches are blocking uncached reads straight into the slot; background admissions
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moesub.engine.kernels import grouped_experts
+from moesub.engine.host_memory import Allocator
+from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
 
 
@@ -41,13 +44,27 @@ class SlotBuffers:
         return self.gate_up.shape[0]
 
 
-def _host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """host_ids (N, k) expert or -1 -> (local index (N, k) or -1, experts (n,) in local order)."""
     flat = host_ids.reshape(-1)
     experts, inverse = np.unique(flat[flat >= 0], return_inverse=True)
     local = np.full(flat.shape, -1, dtype=np.int64)
     local[flat >= 0] = inverse
     return local.reshape(host_ids.shape), experts
+
+
+class HostSync:
+    """Counts the points where the host waits for the device; the engine reports them per token
+    (`TokenStats.syncs`). Every such wait in the tiers goes through `wait`. On the disk tier
+    there is no device: the count is of the points where the GPU engine waits."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def wait(self, event: torch.cuda.Event | None = None) -> None:
+        self.count += 1
+        if event is not None:
+            event.synchronize()
 
 
 def require_cuda(device: str | torch.device) -> torch.device:
@@ -78,20 +95,22 @@ class BackgroundReader:
     `submit(layer, expert)` enqueues a read; `poll(layer)` returns `(expert, buffer)` for every
     read of that layer that has completed; the caller installs the buffer and `release`s it.
     Reads wait for a free staging buffer, so at most `num_buffers` admissions are in flight.
+    Buffers come from `alloc` (pinned memory on the CUDA tier); a buffer released with a
+    `fence` (a CUDA event: the copy out of it) is reused only once the fence has completed.
     """
 
-    def __init__(self, store: ExpertStore, num_buffers: int) -> None:
+    def __init__(
+        self, store: ExpertStore, num_buffers: int, alloc: Allocator = aligned_empty
+    ) -> None:
         if num_buffers < 1:
             raise ValueError(f"staging_buffers must be >= 1, got {num_buffers}")
         lay = store.layout
         self.store = store
         self.buffers = [
-            (
-                aligned_empty(lay.gate_up_shape, lay.torch_dtype),
-                aligned_empty(lay.down_shape, lay.torch_dtype),
-            )
+            (alloc(lay.gate_up_shape, lay.torch_dtype), alloc(lay.down_shape, lay.torch_dtype))
             for _ in range(num_buffers)
         ]
+        self._fence: list[torch.cuda.Event | None] = [None] * num_buffers
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(num_buffers):
             self._free.put(i)
@@ -111,6 +130,9 @@ class BackgroundReader:
             try:
                 layer, expert = item
                 idx = self._free.get()
+                fence, self._fence[idx] = self._fence[idx], None
+                if fence is not None:  # the device copy out of this buffer must have run
+                    fence.synchronize()  # (on the I/O thread: the compute thread never waits)
                 gu, dn = self.buffers[idx]
                 nbytes = self.store.read_into(layer, expert, gu, dn)
                 self._done[layer].append((expert, idx, nbytes))
@@ -133,7 +155,8 @@ class BackgroundReader:
             out.append(done.popleft())
         return out
 
-    def release(self, idx: int) -> None:
+    def release(self, idx: int, fence: torch.cuda.Event | None = None) -> None:
+        self._fence[idx] = fence
         self._free.put(idx)
 
     def drain(self) -> None:
@@ -155,6 +178,9 @@ class BackgroundReader:
             self._thread.join(timeout=30)
 
 
+DISK_STAGING_BUFFERS = 4  # the I/O thread reads one expert at a time: a few buffers suffice
+
+
 class DiskTier:
     """Experts on disk (`ExpertStore`), C slots per layer in RAM."""
 
@@ -166,7 +192,7 @@ class DiskTier:
         capacity: int,
         k: int,
         act: Callable[[torch.Tensor], torch.Tensor],
-        staging_buffers: int = 4,
+        staging_buffers: int | None = None,
     ) -> None:
         lay: StoreLayout = store.layout
         self.store, self.layout, self.act = store, lay, act
@@ -182,7 +208,9 @@ class DiskTier:
         # scratch for host_compute misses: up to k experts of one token, read fresh every time
         self._host_gu = aligned_empty((k, *lay.gate_up_shape), dt)
         self._host_dn = aligned_empty((k, *lay.down_shape), dt)
-        self.reader = BackgroundReader(store, staging_buffers)
+        self.reader = BackgroundReader(store, staging_buffers or DISK_STAGING_BUFFERS)
+        self.path = choose_path(self.device, dt)
+        self.syncs = HostSync()
         self._wait_s = 0.0
 
     @property
@@ -210,6 +238,18 @@ class DiskTier:
         self._wait_s += time.perf_counter() - t0
         return n
 
+    def begin_token(self) -> None:
+        pass
+
+    def to_host(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The router's values on the host: already there (counted where a GPU would wait)."""
+        self.syncs.wait()
+        return tuple(t.detach() for t in tensors)
+
+    def upload(self, layer: int, array: np.ndarray, tag: str = "ids") -> torch.Tensor:
+        """A host array as a tensor of the fast tier (here the host itself)."""
+        return torch.from_numpy(np.ascontiguousarray(array))
+
     def request(self, layer: int, expert: int) -> None:
         self.reader.submit(layer, expert)
 
@@ -231,19 +271,23 @@ class DiskTier:
     def host_forward(
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
-        """Misses computed on the CPU, each from a fresh uncached disk read. -> (out, bytes)."""
-        local, experts = _host_ids_to_local(host_ids)
+        """Misses computed on the CPU, each from a fresh uncached disk read: host_ids (N, k)
+        expert or -1, hidden [N, H] and weights [N, k] on the host -> (out [N, H], bytes)."""
+        local, experts = host_ids_to_local(host_ids)
         n = 0
         t0 = time.perf_counter()
         for j, e in enumerate(experts.tolist()):
             n += self.store.read_into(layer, e, self._host_gu[j], self._host_dn[j])
         self._wait_s += time.perf_counter() - t0
-        ids = torch.from_numpy(local)
-        out = grouped_experts(
-            hidden, ids, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
+        out = expert_forward(
+            hidden, local, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
             self.act,
         )  # fmt: skip
         return out, n
+
+    def token_sync(self) -> None:
+        """End of a token: the compute is done (CPU compute is synchronous; counted)."""
+        self.syncs.wait()
 
     def take_wait_s(self) -> float:
         w, self._wait_s = self._wait_s, 0.0

@@ -1,0 +1,217 @@
+"""moesub.engine without a GPU: what the CUDA tier is made of, tested on the CPU.
+
+- the expert kernel: the path chosen from device capability and dtype (a fake capability), both
+  paths equal, and no device->host round trip inside (`nonzero`, `bincount`, `.item()`);
+- host memory: the pinned budget (the allocator injected: pinned allocation is the only CUDA
+  step), layers past it read from disk, and the set-up's peak host memory measured in a fresh
+  process with experts larger than the budget;
+- the engine's admission bookkeeping: staging buffers released at the start of each token (all
+  layers), admission latency in tokens, and host waits per token counted through the seam.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moesub.engine.host_memory import CountingAllocator, HostExperts, layers_within
+from moesub.engine.kernels import ExpertPlan, choose_path, expert_forward
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
+from moesub.engine.tiers import DiskTier
+from moesub.policy import Policy
+from moesub.synthetic import synthetic_logits
+
+ACT = torch.nn.functional.silu
+CUDA = torch.device("cuda:0")  # only named, never allocated on: choose_path takes a capability
+
+
+# ----------------------------------------------------------------------------------- kernels
+def test_kernel_path_by_capability_and_dtype():
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert choose_path(CUDA, bf16, capability=(9, 0)) == "grouped"  # H100 / H200
+    assert choose_path(CUDA, bf16, capability=(10, 0)) == "grouped"  # B200
+    assert choose_path(CUDA, bf16, capability=(8, 9)) == "per_expert"  # consumer Ada
+    assert choose_path(CUDA, bf16, capability=(12, 0)) == "per_expert"  # consumer Blackwell
+    assert choose_path(CUDA, f32, capability=(9, 0)) == "per_expert"  # fp32: torch's fallback
+    assert choose_path(torch.device("cpu"), bf16) == "per_expert"
+
+
+def _slots(G=8, H=32, I=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(G, 2 * I, H, generator=g) * 0.2, torch.randn(G, H, I, generator=g) * 0.3
+
+
+def test_both_paths_compute_the_same_experts():
+    gate_up, down = _slots()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 32, generator=g)
+    ids = np.array([[5, 1, -1], [1, 1, 7], [-1, -1, -1]])
+    weights = torch.rand(3, 3, generator=g)
+    a = expert_forward(hidden, ids, weights, gate_up, down, ACT, "per_expert")
+    b = expert_forward(hidden, ids, weights, gate_up, down, ACT, "grouped")  # torch runs it on CPU
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ref = torch.zeros(3, 32)
+    for n in range(3):
+        for j in range(3):
+            if ids[n, j] >= 0:
+                gg, u = (gate_up[ids[n, j]] @ hidden[n]).chunk(2)
+                ref[n] += weights[n, j] * (down[ids[n, j]] @ (ACT(gg) * u))
+    torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a[2], torch.zeros(32))
+    plan = ExpertPlan.of(ids, 8)
+    assert plan.groups.tolist() == [1, 1, 1, 5, 7] and plan.offs[-1] == 5
+    with pytest.raises(ValueError, match="group 9"):
+        ExpertPlan.of(np.array([[9]]), 8)
+    with pytest.raises(ValueError, match="kernel path 'gather'"):
+        expert_forward(hidden, ids, weights, gate_up, down, ACT, "gather")
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["per_expert", "grouped"])
+def test_expert_kernel_has_no_device_round_trip(path):
+    """Ops whose result size or value the host must wait for on a GPU never run in the kernel:
+    the plan is made on the host from host ids."""
+    gate_up, down = _slots()
+    hidden, weights = torch.randn(2, 32), torch.rand(2, 3)
+    ids = np.array([[5, 1, -1], [2, 1, 7]])
+    with _Ops() as rec:
+        expert_forward(hidden, ids, weights, gate_up, down, ACT, path)
+    assert rec.ops and not rec.ops & {"nonzero", "bincount", "_local_scalar_dense", "unique"}
+
+
+# ----------------------------------------------------------------------------------- memory
+def small_store(tmp_path: Path, L=4, E=8, H=64, I=16) -> tuple[ExpertStore, list]:
+    lay = StoreLayout(L, E, H, I, "float32", fingerprint="test")
+    experts = [(gu.clone(), dn.clone()) for gu, dn in random_experts(lay, 0)]
+    write_store(tmp_path / "x.bin", lay, iter(experts), progress=False)
+    return ExpertStore(tmp_path / "x.bin", expected=lay), experts
+
+
+def test_pinned_budget_puts_the_other_layers_on_disk(tmp_path):
+    store, experts = small_store(tmp_path)
+    lay = store.layout
+    layer_bytes = lay.num_experts * lay.expert_bytes
+    alloc = CountingAllocator()
+    host = HostExperts(store, int(2.5 * layer_bytes), alloc)
+    assert host.pinned_layers == 2 and host.disk_layers == [2, 3]
+    assert alloc.bytes == host.pinned_bytes == 2 * layer_bytes  # allocated once, within budget
+    assert "2 of 4 layers in pinned host memory" in host.describe()
+    gu, dn = torch.empty(lay.gate_up_shape), torch.empty(lay.down_shape)
+    for layer, e in [(0, 3), (1, 7), (2, 0), (3, 5)]:  # pinned copies and disk reads alike
+        nbytes = host.read_into(layer, e, gu, dn)
+        assert torch.equal(gu, experts[layer * lay.num_experts + e][0])
+        assert torch.equal(dn, experts[layer * lay.num_experts + e][1])
+        assert nbytes == (lay.expert_bytes if host.on_disk(layer) else 0)
+    assert torch.equal(host.layer(1)[0][7], experts[lay.num_experts + 7][0])
+    with pytest.raises(ValueError, match="layer 3 is on disk"):
+        host.layer(3)
+    assert layers_within(lay, None) == 4 and layers_within(lay, 0) == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        layers_within(lay, -1)
+    with pytest.raises(ValueError, match="no expert store for the others"):
+        HostExperts(None, 0, alloc, layout=lay, fill=lambda *a: None)
+    store.close()
+
+
+PEAK_SCRIPT = """
+import json, os, sys, threading
+import torch
+from moesub.engine.host_memory import CountingAllocator, HostExperts
+from moesub.engine.store import ExpertStore
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def rss():  # resident set size now, in bytes
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+store = ExpertStore(sys.argv[1])
+torch.empty(1)
+before, peak, done = rss(), [0], threading.Event()
+
+def sample():  # the high-water mark of the set-up, sampled every millisecond
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        done.wait(0.001)
+
+t = threading.Thread(target=sample)
+t.start()
+alloc = CountingAllocator()
+host = HostExperts(store, int(sys.argv[2]), alloc)
+done.set()
+t.join()
+peak[0] = max(peak[0], rss())
+print(json.dumps({"peak_delta": peak[0] - before, "allocated": alloc.bytes,
+                  "pinned_layers": host.pinned_layers}))
+"""
+
+
+def test_setup_peak_host_memory_stays_within_budget(tmp_path):
+    """Experts of 8 layers (200 MiB) behind a 60 MiB budget: the set-up's peak host memory
+    (resident set size of a fresh process, sampled every millisecond) grows by at most the
+    budget plus one layer, and by at least what was allocated (the measurement sees it)."""
+    lay = StoreLayout(8, 64, 256, 128, "float32", fingerprint="big")
+    layer_bytes = lay.num_experts * lay.expert_bytes  # 25 MiB
+    write_store(tmp_path / "big.bin", lay, random_experts(lay, 0), progress=False)
+    budget = 60 * 2**20
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PEAK_SCRIPT), str(tmp_path / "big.bin"),
+         str(budget)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["pinned_layers"] == 2 and r["allocated"] == 2 * layer_bytes
+    assert r["peak_delta"] <= budget + layer_bytes, r
+    assert r["peak_delta"] >= r["allocated"] * 0.9, r  # the measurement sees the buffers
+
+
+# ----------------------------------------------------------------------------------- engine
+def test_admissions_install_at_token_start_with_latency_and_syncs(tmp_path):
+    """admission="completion": completed copies of every layer are installed when a token
+    begins (so staging buffers free up once per token, not at the layer's next route); each
+    installed admission's latency is counted in tokens; host waits per token are one per layer
+    (the router's values) plus the token's end."""
+    store, _ = small_store(tmp_path, L=3, E=16)
+    k, C, L = 4, 6, 3
+    trace = synthetic_logits(60, L, 16, seed=2)
+    tier = DiskTier(store, C, k, ACT, staging_buffers=2)
+    engine = OffloadEngine(
+        tier, 16, k, C, Policy(rule="first_choice", eviction="lfu", beta=0.5), None, ACT
+    )
+    admitted = latency = 0
+    try:
+        for t in range(trace.shape[0]):
+            engine.begin_token()
+            for layer in range(L):
+                engine.to_host(layer, torch.from_numpy(trace[t, layer][None]))
+                engine.route(layer, trace[t, layer][None])
+            st = engine.end_token()
+            assert st.syncs == L + 1
+            admitted += st.admitted
+            latency += st.admit_latency
+        installed = sum(c.counters()["admissions"] for c in engine.caches)
+    finally:
+        engine.close()
+    assert admitted > 0 and admitted <= installed
+    assert latency >= admitted  # at least the next token
