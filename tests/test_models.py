@@ -16,6 +16,7 @@ from moesub.models import (
     check_checkpoint,
     expert_weights,
     load_model,
+    load_tokenizer,
     moe_blocks,
     moe_info,
     stream_nll,
@@ -267,6 +268,20 @@ def test_check_checkpoint_errors(tmp_path, saved_qwen3_moe):
     (no_moe / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="nomoe.*no sparse MoE layer"):
         check_checkpoint(no_moe)
+
+
+def test_checkpoint_file_and_tokenizer_errors(saved_qwen3_moe):
+    """A path naming the weights file, and a checkpoint without tokenizer files, say so."""
+    path, _ = saved_qwen3_moe
+    with pytest.raises(ValueError, match=r"model.safetensors' is a file; give the checkpoint dir"):
+        check_checkpoint(path / "model.safetensors")
+    with pytest.raises(ValueError, match="is a file"):
+        load_model(path / "model.safetensors")
+    assert check_checkpoint(path).num_experts > 0  # the tokenizer is optional for the library
+    with pytest.raises(FileNotFoundError, match=r"has no tokenizer \(none of tokenizer.json"):
+        check_checkpoint(path, tokenizer=True)  # the pipeline's check (rule model_checkpoint)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        load_tokenizer(path)
 
 
 def test_stream_nll_matches_plain_forward():

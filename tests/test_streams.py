@@ -221,6 +221,17 @@ def test_missing_model_dir_and_corpus(model_dir, tmp_path):
         _build(bare, tmp_path)
 
 
+def test_missing_tokenizer_says_so(model_dir, tmp_path):
+    """A checkpoint without tokenizer files: transformers would build an empty tokenizer from
+    config.json and every stream would stop at 0 tokens; the error names the tokenizer."""
+    bare = tmp_path / "notok"
+    bare.mkdir()
+    for name in ("config.json", "corpus_files.parquet"):
+        (bare / name).write_bytes((model_dir / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"notok' has no tokenizer"):
+        _build(bare, tmp_path)
+
+
 def test_token_ids_validated_against_model_vocab(model_dir, tmp_path):
     small = tmp_path / "small"
     small.mkdir()

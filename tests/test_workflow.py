@@ -1,8 +1,8 @@
 """The Snakemake pipeline, driven through the `snakemake` CLI in a temporary copy of the workflow.
 
-Fast tests: config helpers (`moesub.config`), schema vs the library's parameter dataclasses,
-`snakemake --lint`, `snakefmt --check`, dry runs listing every stage, bad configs rejected before
-any job (naming the key, writing nothing).
+Fast tests: config helpers (`moesub.config`), Experiment B's decision-rule keys, input paths as
+rule inputs, `snakemake --lint`, `snakefmt --check`, dry runs listing every stage, bad configs
+rejected before any job (naming the key, writing nothing).
 
 Slow tests (`-m slow`): the test config (tests/config/config.yaml) runs the whole DAG to
 results/report.html; a second run schedules nothing; changing one policy's tau reruns only that
@@ -27,7 +27,7 @@ import yaml
 from moesub import config as mcfg
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "tests/config")
+WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data", "tests/config")
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
@@ -139,7 +139,18 @@ def test_capacity_checks():
         mcfg.check_capacities(cfg)
     cfg["fractions"] = [0.25, 1.0]
     assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
-    assert mcfg.capacity(0.25, 512) == 128 and mcfg.capacity(0.5, 3) == 2
+    # Experiment B's substitute pool: k <= C = 5 < 2k - 1 = 7, named by its key
+    cfg["expb"] = {"fraction": 0.08}
+    with pytest.raises(ValueError, match=r"expb.fraction=0.08 .* 5 experts .* 2k - 1 = 7"):
+        mcfg.check_capacities(cfg)
+    cfg["expb"] = {"fraction": 0.08, "resident": "all"}  # every expert may substitute
+    assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
+    # the engine benchmark's own geometry
+    cfg["engine"] = {"bench": {"num_experts": 64, "top_k": 20, "fraction": 0.25}}
+    with pytest.raises(ValueError, match=r"engine.bench.fraction=0.25 .* C=16 outside \[k=20"):
+        mcfg.check_capacities(cfg)
+    cfg["engine"]["bench"]["enabled"] = False
+    assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
 
 
 def test_checkpoint_geometry(tmp_path):
@@ -174,7 +185,8 @@ def test_load_config(path):
 
 
 # --------------------------------------------------------------------------------------------
-# the schema follows the library's parameter dataclasses (a renamed option fails here)
+# the schema follows the library's parameter dataclasses (keys and defaults:
+# tests/test_config_defaults.py)
 
 
 def _schema_keys(schema: dict, *path: str) -> set[str]:
@@ -182,33 +194,6 @@ def _schema_keys(schema: dict, *path: str) -> set[str]:
     for key in path:
         node = node["properties"][key]
     return set(node["properties"])
-
-
-@pytest.mark.parametrize(
-    ("path", "target", "workflow_keys"),
-    [
-        (("embedded",), "moesub.embedded:EmbeddedConfig", set()),
-        (("streams",), "moesub.streams:StreamsConfig", {"source"}),
-        (("capture",), "moesub.capture:CaptureParams", set()),
-        (("emulate",), "moesub.emulate:EmulateParams", {"policies"}),
-        (("expb",), "moesub.expb:ExpBParams", set(EXPB_ANALYSIS_KEYS)),
-        (("engine",), "moesub.engine.spec:EngineParams", {"devices", "policies", "bench"}),
-        (("engine", "bench"), "moesub.engine.bench:BenchParams", {"enabled"}),
-        (("generate",), "moesub.generate:GenerateParams", {"tasks", "policies"}),
-        (("generate", "tasks", "gsm8k"), "moesub.generate:GenerateParams", {"path"}),
-        (("generate", "tasks", "humaneval"), "moesub.generate:GenerateParams", {"path"}),
-        (("analysis",), "moesub.stats:AnalysisParams", set()),
-        (("cost",), "moesub.simulate:CostModel", set()),
-    ],
-)
-def test_schema_matches_library(path, target, workflow_keys):
-    import importlib
-
-    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
-    module, name = target.split(":")
-    fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
-    keys = _schema_keys(schema, *path) - workflow_keys
-    assert keys <= fields, f"config {'.'.join(path)} keys unknown to {target}: {keys - fields}"
 
 
 def test_expb_decision_rule_keys():
@@ -257,6 +242,30 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     assert not (wf / "results").exists()
 
 
+def test_config_paths_are_inputs_of_their_rules(tmp_path):
+    """Every local path config names is an input of the rule that reads it: editing it
+    re-plans that rule (Snakemake drops a job whose input is missing but whose outputs exist,
+    so a path that is only a param would silently keep the old results)."""
+    wf = copy_workflow(tmp_path / "wf")
+    (wf / "my_eval.jsonl").write_text('{"text": "x"}\n')
+    cfg = load_test_config()
+    cfg["streams"]["source"] = {"kind": "text", "path": "my_eval.jsonl"}
+    (wf / "text.yaml").write_text(yaml.safe_dump(cfg))
+    run = snakemake(wf, "--dry-run", "--configfile", "text.yaml")
+    assert run.returncode == 0, run.stdout[-3000:]
+    inputs: dict[str, set[str]] = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", run.stdout):
+        m = re.match(r"(?:local)?rule (\w+):.*?\n\s+input: ([^\n]*)", block, flags=re.S)
+        if m:
+            inputs.setdefault(m.group(1), set()).update(m.group(2).split(", "))
+    assert "my_eval.jsonl" in inputs["streams"], inputs["streams"]
+    assert cfg["generate"]["tasks"]["gsm8k"]["path"] in inputs["generate"], inputs["generate"]
+    assert [key for key, _, _ in mcfg.input_paths(cfg)] == [
+        "streams.source.path",
+        "generate.tasks.gsm8k.path",
+    ]
+
+
 def _bad(cfg: dict, edit) -> dict:
     edit(cfg)
     return cfg
@@ -291,11 +300,30 @@ BAD_CONFIGS = {
         lambda c: c["streams"]["source"].update(path="x.jsonl"),
         "instance['streams']['source']['path']",
     ),
+    # every input path is checked before planning (a typo used to reuse the old streams)
+    "stream_source_typo": (
+        lambda c: c["streams"].update(source={"kind": "text", "path": "data/evl.jsonl"}),
+        "streams.source.path: 'data/evl.jsonl' does not exist",
+    ),
+    "task_data_typo": (
+        lambda c: c["generate"]["tasks"]["gsm8k"].update(path="tests/config/gsm8k.jsonl"),
+        "generate.tasks.gsm8k.path: 'tests/config/gsm8k.jsonl' does not exist",
+    ),
+    "checkpoint_names_a_file": (
+        lambda c: c["models"].update(real={"path": "tests/config/config.yaml"}),
+        "models.real.path: 'tests/config/config.yaml' is a file; give the checkpoint directory",
+    ),
+    # every capacity rule at parse time: Experiment B's pool needs C >= 2k - 1 (k = 4: 7)
+    "expb_pool_below_2k_minus_1": (
+        lambda c: c["expb"].update(fraction=0.08),
+        "expb.fraction=0.08 gives Experiment B a substitute pool of 5 experts",
+    ),
 }
 
 
 # Through the CLI (a few; each costs a Snakemake start): schema errors and a parse-time check.
-CLI_CASES = ("unknown_policy_key", "wrong_type", "capacity_below_k")
+CLI_CASES = ("unknown_policy_key", "wrong_type", "capacity_below_k", "stream_source_typo",
+             "expb_pool_below_2k_minus_1")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CLI_CASES)

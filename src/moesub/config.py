@@ -1,13 +1,20 @@
-"""Pipeline configuration helpers: policy expansion, model geometry and capacity checks.
+"""Pipeline configuration helpers: schema defaults, policy expansion, model geometry, capacity
+and input-path checks.
 
 The Snakemake workflow (workflow/rules/common.smk) imports these at parse time, after the JSON
 schema has validated `config.yaml`, so that every error is raised before any job runs and names
 the offending key. They are plain functions of the config dict, usable outside Snakemake too
 (`load_config` = read YAML + schema + the checks below).
+
+The schema (workflow/schemas/config.schema.yaml) owns every default: `schema_defaults(section)`
+reads them, and tests/test_config_defaults.py holds every options dataclass's defaults equal to
+the schema's.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import re
@@ -16,19 +23,57 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moesub.policy import EVICTIONS, RULES
+from moesub.policy import EVICTIONS, RULES, capacity_for
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@functools.cache
+def config_schema() -> dict[str, Any]:
+    """The pipeline's JSON schema (read once)."""
+    import yaml
+
+    if not SCHEMA_PATH.is_file():
+        raise FileNotFoundError(
+            f"config schema {str(SCHEMA_PATH)!r} not found: moesub.config reads it from the "
+            "repository checkout (install with `pip install -e .` from the repository)"
+        )
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _resolve(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A schema node with its `$ref` (to `#/$defs/...`) merged in; the node's own keys win."""
+    node = dict(node)
+    while "$ref" in node:
+        ref = node.pop("$ref")
+        target = config_schema()["$defs"][ref.removeprefix("#/$defs/")]
+        node = {**target, **node}
+    return node
+
+
+def schema_defaults(section: str) -> dict[str, Any]:
+    """The schema's default of every key of a config section that has one (deep copies).
+
+    `section`: dotted keys through the schema's `properties` ("emulate", "engine.bench",
+    "generate.tasks.gsm8k"); `*` stands for any name of a name -> object map ("policies.*").
+    """
+    node = _resolve(config_schema())
+    for key in section.split("."):
+        node = _resolve(node["additionalProperties"] if key == "*" else node["properties"][key])
+    out = {}
+    for key, prop in node.get("properties", {}).items():
+        prop = _resolve(prop)
+        if "default" in prop:
+            out[key] = copy.deepcopy(prop["default"])
+    return out
+
 
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
-
-
-POLICY_DEFAULTS: dict[str, Any] = {"tau": 0.0, "eviction": "lru", "beta": 0.0, "delay": 1}
+POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
 # The engine's reserved policy name: every expert in fast memory (the floor on time per token).
 # It may be listed in engine.policies / engine.bench.policies but not defined under policies:.
 ALL_RESIDENT = "all_resident"
 ALL_RESIDENT_POLICY: dict[str, Any] = {"rule": "fetch_all", **POLICY_DEFAULTS}
-# moesub.embedded.EmbeddedConfig defaults (repeated here so parse-time checks need no torch).
-EMBEDDED_DEFAULT_E = 512
-EMBEDDED_DEFAULT_K = 10
 # The cache fraction at which the study gives its regime figures (moesub.regime): 25% resident.
 REGIME_FRACTION = 0.25
 # Names become path components and Snakemake wildcard values.
@@ -42,11 +87,6 @@ _K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
 def number_label(value: float) -> str:
     """Canonical text of a number in names and paths: 0.25 -> "0.25", 1.0 -> "1", 0.1 -> "0.1"."""
     return format(float(value), "g")
-
-
-def capacity(fraction: float, num_experts: int) -> int:
-    """Resident experts per layer for a cache fraction: C = floor(fraction * E + 0.5)."""
-    return math.floor(fraction * num_experts + 0.5)
 
 
 def canonical(value: Any) -> Any:
@@ -223,13 +263,26 @@ def stage_policies(
     return out
 
 
+def check_checkpoint_dir(path: str | Path, where: str) -> Path:
+    """`path` is a checkpoint directory holding config.json; errors say what it is instead."""
+    path = Path(path)
+    if path.is_file():
+        raise ValueError(
+            f"{where}: {str(path)!r} is a file; give the checkpoint directory that holds it "
+            f"({str(path.parent)!r})"
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(f"{where}: checkpoint directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{where}: {str(path / 'config.json')!r} not found (not a Hugging Face checkpoint)"
+        )
+    return path
+
+
 def read_checkpoint_geometry(path: str | Path, where: str) -> tuple[int, int]:
     """(E, k) from a Hugging Face checkpoint's config.json (text_config for multimodal ones)."""
-    cfg_path = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"{where}: checkpoint directory {str(path)!r} does not exist")
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{where}: {str(cfg_path)!r} not found (not a HF checkpoint)")
+    cfg_path = check_checkpoint_dir(path, where) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg = cfg.get("text_config", cfg) if not any(k in cfg for k in _E_KEYS) else cfg
     num_experts = next((cfg[k] for k in _E_KEYS if cfg.get(k)), None)
@@ -246,21 +299,31 @@ def model_geometry(config: Mapping[str, Any], name: str) -> tuple[int, int]:
     """(E, k) of model `name`: from the `embedded:` section or from the checkpoint's config.json."""
     spec = config["models"][name]
     if spec.get("embedded"):
-        emb = config.get("embedded") or {}
-        return (
-            int(emb.get("num_experts", EMBEDDED_DEFAULT_E)),
-            int(emb.get("num_experts_per_tok", EMBEDDED_DEFAULT_K)),
-        )
+        emb = {**schema_defaults("embedded"), **(config.get("embedded") or {})}
+        return int(emb["num_experts"]), int(emb["num_experts_per_tok"])
     return read_checkpoint_geometry(spec["path"], f"models.{name}.path")
 
 
+def expb_min_capacity(top_k: int) -> int:
+    """The smallest resident set Experiment B can draw substitutes from: a token may have k - 1
+    substituted ranks, each needing a resident not among its k computed experts (C >= 2k - 1)."""
+    return 2 * top_k - 1
+
+
 def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-    """Every (model, fraction) must give k <= C <= E; returns model -> (E, k)."""
+    """Every capacity rule of the pipeline, per model, naming the key; returns model -> (E, k).
+
+    C = `moesub.policy.capacity_for(fraction, E)`. Every cache fraction (`fractions`,
+    `expb.fraction` and the regime's fixed 25%) must give k <= C <= E; Experiment B's substitute
+    pool (`expb.fraction`'s C, or E with `expb.resident: all`) must hold 2k - 1 experts; the
+    engine benchmark's own geometry (`engine.bench`) must give k <= C <= E.
+    """
     geometry = {}
-    fractions = [("fractions", i, f) for i, f in enumerate(config["fractions"])]
-    expb_fraction = (config.get("expb") or {}).get("fraction")
-    if expb_fraction is not None:
-        fractions.append(("expb.fraction", None, expb_fraction))
+    fractions = [(f"fractions[{i}]", f) for i, f in enumerate(config["fractions"])]
+    expb = config.get("expb") or {}
+    if expb.get("fraction") is not None:
+        fractions.append(("expb.fraction", expb["fraction"]))
+    fractions.append(("the regime's fixed fraction (moesub.regime)", REGIME_FRACTION))
     for name in config["models"]:
         check_name(name, f"models.{name}")
         num_experts, top_k = model_geometry(config, name)
@@ -271,19 +334,100 @@ def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
             if config["models"][name].get("embedded")
             else f"config.json of models.{name}.path"
         )
-        for key, index, fraction in fractions:
-            label = key if index is None else f"{key}[{index}]"
-            cap = capacity(fraction, num_experts)
+        model = f"model {name!r} (E={num_experts}, k={top_k} from {source})"
+        for label, fraction in fractions:
+            cap = capacity_for(fraction, num_experts)
             if cap < top_k:
                 raise ValueError(
-                    f"{label}={fraction} gives capacity C={cap} < k={top_k} for model {name!r} "
-                    f"(E={num_experts}, k from {source}): "
+                    f"{label}={fraction} gives capacity C={cap} < k={top_k} for {model}: "
                     "C = floor(fraction * E + 0.5) must be >= k"
                 )
             if cap > num_experts:
                 raise ValueError(f"{label}={fraction} gives C={cap} > E={num_experts}")
+        if expb:
+            every_expert = expb.get("resident") == "all"
+            fraction = expb.get("fraction", schema_defaults("expb")["fraction"])
+            pool = num_experts if every_expert else capacity_for(fraction, num_experts)
+            need = expb_min_capacity(top_k)
+            if pool < need:
+                key = "expb.resident: all" if every_expert else f"expb.fraction={fraction}"
+                raise ValueError(
+                    f"{key} gives Experiment B a substitute pool of {pool} experts per layer for "
+                    f"{model}; it needs C >= 2k - 1 = {need} (a token may have k - 1 substituted "
+                    f"ranks, each replaced by a resident outside its k computed experts): raise "
+                    f"expb.fraction to >= {need / num_experts:.3g}"
+                )
         geometry[name] = (num_experts, top_k)
+    bench = (config.get("engine") or {}).get("bench") or {}
+    if bench.get("enabled", True):
+        b = {**schema_defaults("engine.bench"), **bench}
+        cap = capacity_for(b["fraction"], b["num_experts"])
+        if not b["top_k"] <= cap <= b["num_experts"]:
+            raise ValueError(
+                f"engine.bench.fraction={b['fraction']} gives the benchmark capacity C={cap} "
+                f"outside [k={b['top_k']}, E={b['num_experts']}] (engine.bench.top_k, "
+                "engine.bench.num_experts)"
+            )
     return geometry
+
+
+def input_paths(config: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(key, path, kind) of every local input the config names; kind: "file", "dir" or
+    "checkpoint" (a Hugging Face checkpoint directory).
+
+    Each is checked at parse time (`check_input_paths`) and is an input of the rule that reads
+    it (workflow/rules/common.smk), so that editing the path re-plans that rule: Snakemake drops
+    a job whose input is missing but whose outputs exist, and would silently keep old results.
+    """
+    out = [
+        (f"models.{name}.path", spec["path"], "checkpoint")
+        for name, spec in config["models"].items()
+        if spec.get("path")
+    ]
+    source = config["streams"]["source"]
+    if source["kind"] == "text":
+        out += [(f"streams.source.{k}", source.get(k), "file") for k in ("path", "calib_path")]
+    elif source["kind"] == "embedded":
+        out.append(("streams.source.root", source.get("root"), "dir"))
+    elif source["kind"] == "datasets" and _local_name(source["name"]):
+        out.append(("streams.source.name", source["name"], "dir"))
+    for task, spec in ((config.get("generate") or {}).get("tasks") or {}).items():
+        out.append((f"generate.tasks.{task}.path", (spec or {}).get("path"), "file"))
+    return [(key, str(path), kind) for key, path, kind in out if path]
+
+
+def _local_name(name: str) -> bool:
+    """A `datasets` source name that is a local save_to_disk directory, not a Hub name."""
+    return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
+
+
+def check_input_paths(config: Mapping[str, Any]) -> None:
+    """Every input path of the config exists and is of its kind; errors name the key."""
+    for key, path, kind in input_paths(config):
+        p = Path(path).expanduser()
+        if kind == "checkpoint":
+            check_checkpoint_dir(p, key)
+        elif not p.exists():
+            raise FileNotFoundError(
+                f"{key}: {path!r} does not exist (relative paths are relative to the directory "
+                f"Snakemake runs in, {str(Path.cwd())!r})"
+            )
+        elif kind == "file" and not p.is_file():
+            raise ValueError(f"{key}: {path!r} is a directory; give a file")
+        elif kind == "dir" and not p.is_dir():
+            raise ValueError(f"{key}: {path!r} is a file; give a directory")
+
+
+def fill_defaults(config: dict[str, Any], node: Mapping[str, Any] | None = None) -> None:
+    """Fill the schema's defaults into a validated `config` in place, as Snakemake's `validate`
+    does: absent keys with a default get it; present objects are filled recursively."""
+    node = _resolve(config_schema() if node is None else node)
+    for key, prop in node.get("properties", {}).items():
+        prop = _resolve(prop)
+        if key not in config and "default" in prop:
+            config[key] = copy.deepcopy(prop["default"])
+        if isinstance(config.get(key), dict):
+            fill_defaults(config[key], prop)
 
 
 def load_config(path: str | Path, schema_path: str | Path | None = None) -> dict[str, Any]:
@@ -298,15 +442,17 @@ def load_config(path: str | Path, schema_path: str | Path | None = None) -> dict
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} not found")
     config = yaml.safe_load(path.read_text()) or {}
-    if schema_path is None:
-        schema_path = Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml"
-    schema = yaml.safe_load(Path(schema_path).read_text())
+    schema = (
+        config_schema() if schema_path is None else yaml.safe_load(Path(schema_path).read_text())
+    )
     validator_cls = jsonschema.validators.validator_for(schema)
     errors = sorted(validator_cls(schema).iter_errors(config), key=lambda e: list(e.path))
     if errors:
         err = errors[0]
         key = ".".join(str(p) for p in err.absolute_path) or "<top level>"
         raise ValueError(f"config {str(path)!r}: {key}: {err.message}")
+    fill_defaults(config)
     stage_policies(config, expand_policies(config))
     check_capacities(config)
+    check_input_paths(config)
     return config

@@ -182,6 +182,11 @@ def moe_info(model: nn.Module) -> MoEInfo:
 
 def _check_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
+    if p.is_file():
+        raise ValueError(
+            f"model path {str(p)!r} is a file; give the checkpoint directory that holds it "
+            f"({str(p.parent)!r})"
+        )
     if not p.exists():
         raise FileNotFoundError(f"model directory {str(p)!r} does not exist")
     if not p.is_dir():
@@ -200,11 +205,12 @@ def _load_config(p: Path):
         raise ValueError(f"{str(p)!r}: cannot read the model config: {e}") from e
 
 
-def check_checkpoint(path: str | os.PathLike) -> MoEInfo:
+def check_checkpoint(path: str | os.PathLike, tokenizer: bool = False) -> MoEInfo:
     """Validate a local checkpoint without loading its weights and return its routing geometry.
 
     The model is built on the meta device from its config (no memory, no weights), so the
-    answer comes from the same module-structure code as `moe_info`.
+    answer comes from the same module-structure code as `moe_info`. `tokenizer`: the checkpoint
+    must also hold tokenizer files (the pipeline tokenizes its streams with them).
     """
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +220,7 @@ def check_checkpoint(path: str | os.PathLike) -> MoEInfo:
         raise ValueError(
             f"{str(p)!r} is not a complete checkpoint: no weight files ({', '.join(_WEIGHT_FILES)})"
         )
+    has_tokenizer(p, required=tokenizer)
     config = _load_config(p)
     family = getattr(config, "model_type", None)
     if family not in _FAMILIES:
@@ -250,17 +257,45 @@ def load_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, Any]:
     """Load a local MoE checkpoint (eval mode) and its tokenizer (None if the dir has none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_checkpoint(path)
     p = Path(path)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     model = model.to(device).eval()
     _realign(model)
-    tokenizer = None
-    if any((p / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    tokenizer = load_tokenizer(p) if has_tokenizer(p) else None
     return model, tokenizer
+
+
+def has_tokenizer(path: str | os.PathLike, required: bool = False) -> bool:
+    """Whether checkpoint `path` holds tokenizer files (`required`: raise if it does not).
+
+    Without them transformers may still build a tokenizer from config.json alone, with an empty
+    vocabulary, and every document then tokenizes to nothing."""
+    p = Path(path)
+    found = any((p / f).is_file() for f in _TOKENIZER_FILES)
+    if required and not found:
+        raise FileNotFoundError(
+            f"{str(p)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): copy the "
+            "tokenizer files of the model it was trained from into the checkpoint directory"
+        )
+    return found
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of checkpoint `path`; a missing or empty one is an error that says so."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    has_tokenizer(p, required=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(p)!r}: the tokenizer files do not load: {e}") from e
+    if len(tokenizer) == 0 or not tokenizer("a b c")["input_ids"]:
+        raise ValueError(f"{str(p)!r}: the tokenizer is empty (it encodes text to no tokens)")
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------

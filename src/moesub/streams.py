@@ -418,12 +418,9 @@ def build_streams(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model_dir: {model_dir} is not a directory")
-    from transformers import AutoTokenizer
+    from moesub.models import load_tokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"model_dir: no loadable tokenizer in {model_dir}: {e}") from e
+    tokenizer = load_tokenizer(model_dir)  # a missing or empty tokenizer says so
     vocab = _model_vocab(model_dir, tokenizer)
     documents = load_documents(model_dir, source)
     outputs = {"eval": Path(out_eval), "calib": Path(out_calib)}

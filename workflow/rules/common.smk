@@ -15,7 +15,9 @@ from moesub.config import (
     ALL_RESIDENT_POLICY,
     REGIME_FRACTION,
     check_capacities,
+    check_input_paths,
     expand_policies,
+    input_paths,
     canonical,
     number_label,
     stage_policies,
@@ -28,6 +30,7 @@ ALL_CORES = workflow.resource_settings.cores or 1
 
 POLICIES = expand_policies(config)
 GEOMETRY = check_capacities(config)  # model -> (E, k)
+check_input_paths(config)
 MODELS = list(config["models"])
 EMBEDDED_MODELS = [m for m in MODELS if config["models"][m].get("embedded")]
 CHECKPOINT_MODELS = [m for m in MODELS if not config["models"][m].get("embedded")]
@@ -87,12 +90,15 @@ def checkpoint_config(wildcards):
     return os.path.join(config["models"][wildcards.model]["path"], "config.json")
 
 
+def config_inputs(prefix):
+    """The local paths config names under `prefix` (moesub.config.input_paths): inputs of the
+    rule that reads them, so that editing or touching one re-plans it and what depends on it.
+    """
+    return [path for key, path, _ in input_paths(config) if key.startswith(prefix)]
+
+
 def streams_source(wildcards):
-    """Local source files are inputs (editing them reruns streams and everything downstream)."""
-    source = config["streams"]["source"]
-    if source["kind"] != "text":
-        return []
-    return [source[key] for key in ("path", "calib_path") if source.get(key)]
+    return config_inputs("streams.source.")
 
 
 def policy_dict(name):
@@ -127,10 +133,10 @@ def engine_params(wildcards):
     """The engine section minus what the workflow consumes; the disk tier's expert file lives
     under results/ (for a real checkpoint too, never beside the user's checkpoint)."""
     params = section("engine", exclude=["devices", "policies", "bench"])
-    dtype = params.get("dtype", "float32")
-    params.setdefault(
-        "store_path", f"results/{wildcards.model}/engine/experts-{dtype}.bin"
-    )
+    # dtype null: the engine picks it per device (moesub.engine.spec.engine_dtype)
+    dtype = params.get("dtype") or f"auto-{wildcards.device}"
+    if not params.get("store_path"):
+        params["store_path"] = f"results/{wildcards.model}/engine/experts-{dtype}.bin"
     return canonical(params)
 
 
@@ -149,9 +155,8 @@ def task_path(wildcards):
 
 
 def task_data(wildcards):
-    """The task's data file as an input when it exists: missing data is reported, not fatal."""
-    path = task_path(wildcards)
-    return [path] if path and os.path.exists(path) else []
+    """The task's data file (checked to exist at parse time), when the config names one."""
+    return config_inputs(f"generate.tasks.{wildcards.task}.path")
 
 
 def generate_reference(wildcards):

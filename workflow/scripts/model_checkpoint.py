@@ -9,6 +9,6 @@ from moesub.models import check_checkpoint
 
 job_setup(snakemake.log[0])
 
-info = check_checkpoint(snakemake.params.path)
+info = check_checkpoint(snakemake.params.path, tokenizer=True)  # streams tokenize with it
 logging.info("checkpoint %s: %s", snakemake.params.path, info)
 write_json({"path": snakemake.params.path, **info.to_dict()}, snakemake.output[0])

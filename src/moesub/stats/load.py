@@ -21,8 +21,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from moesub.config import capacity, normalize_policy
+from moesub.config import normalize_policy
 from moesub.io import read_metadata, write_parquet
+from moesub.policy import capacity_for
 
 if TYPE_CHECKING:
     from moesub.stats.params import AnalysisParams
@@ -389,7 +390,7 @@ class Context:
             for info in self.infos[kind]:
                 cap = info.meta.get("capacity")
                 if cap is None and num_experts is not None:
-                    cap = capacity(info.fraction, int(num_experts))
+                    cap = capacity_for(info.fraction, int(num_experts))
                 caps.setdefault(float(info.fraction), None if cap is None else int(cap))
         row["fractions"] = sorted(caps)
         row["capacities"] = [caps[f] for f in sorted(caps)]

@@ -1,0 +1,163 @@
+"""The config schema owns every default (workflow/schemas/config.schema.yaml).
+
+Each config section maps onto the library's options dataclass for it. Every key of the section
+is an option of that dataclass (a renamed option fails here), and every option the schema knows
+has the schema's default as its own default in code: a default changed in one place only fails
+here. Keys without a schema default are listed below with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import pytest
+
+from moesub import config as mcfg
+
+# (schema section, "module:Class", keys of the section that are not options of the class)
+SECTIONS = [
+    ("policies.*", "moesub.policy:Policy", set()),
+    ("embedded", "moesub.embedded:EmbeddedConfig", set()),
+    ("streams", "moesub.streams:StreamsConfig", {"source"}),
+    ("capture", "moesub.capture:CaptureParams", set()),
+    ("emulate", "moesub.emulate:EmulateParams", {"policies"}),
+    ("expb", "moesub.expb:ExpBParams", {"alpha", "designs"}),
+    (
+        "expb",
+        "moesub.stats:ExpBRule",
+        {"fraction", "resident", "seed", "max_streams", "dtype", "device", "designs"},
+    ),  # fmt: skip
+    ("engine", "moesub.engine:EngineParams", {"devices", "policies", "bench"}),
+    ("engine.bench", "moesub.engine:BenchParams", {"enabled", "policies"}),
+    ("generate", "moesub.generate:GenerateParams", {"tasks", "policies"}),
+    ("generate.tasks.gsm8k", "moesub.generate:GenerateParams", {"path"}),
+    ("generate.tasks.humaneval", "moesub.generate:GenerateParams", {"path"}),
+    ("generate.tasks.code_completion", "moesub.generate:GenerateParams", {"path"}),
+    ("analysis", "moesub.stats:AnalysisParams", set()),
+    ("cost", "moesub.cost:CostModel", set()),
+]
+
+# Keys the schema gives no default, on purpose (checked to have none).
+NO_DEFAULT = {
+    "policies.*.rule": "required: a policy names its rule",
+    "engine.store_path": "the workflow puts the expert file under results/<model>/engine/",
+    **{
+        f"generate.tasks.{task}.{key}": f"inherits generate.{key} (a default would override it)"
+        for task, keys in {
+            "gsm8k": ("seed", "max_prompt_tokens"),
+            "humaneval": ("seed", "max_prompt_tokens"),
+            "code_completion": ("seed", "max_prompt_tokens", "max_new_tokens"),
+        }.items()
+        for key in keys
+    },
+    **{
+        f"cost.{key}": "a key left out comes from the engine's calibration"
+        for key in (
+            "link_bandwidth_Bps",
+            "transfer_latency_s",
+            "expert_bytes",
+            "expert_compute_s",
+            "host_expert_compute_s",
+            "dense_layer_s",
+            "background_shares_link",
+        )
+    },  # fmt: skip
+}
+
+
+def _class(target: str) -> type:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _code_default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _plain(value: Any) -> Any:
+    """Compare as the YAML would hold it: dataclasses as dicts, tuples as lists."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _schema_keys(section: str) -> dict[str, Any]:
+    node = mcfg._resolve(mcfg.config_schema())
+    for key in section.split("."):
+        node = mcfg._resolve(
+            node["additionalProperties"] if key == "*" else node["properties"][key]
+        )
+    return node["properties"]
+
+
+@pytest.mark.parametrize(("section", "target", "workflow_keys"), SECTIONS)
+def test_section_keys_are_options(section, target, workflow_keys):
+    fields = {f.name for f in dataclasses.fields(_class(target))}
+    keys = set(_schema_keys(section)) - workflow_keys
+    assert keys <= fields, f"config {section} keys unknown to {target}: {keys - fields}"
+
+
+@pytest.mark.parametrize(("section", "target", "workflow_keys"), SECTIONS)
+def test_code_defaults_are_the_schema_defaults(section, target, workflow_keys):
+    schema = mcfg.schema_defaults(section)
+    mismatches = []
+    for field in dataclasses.fields(_class(target)):
+        key = f"{section}.{field.name}"
+        if field.name not in _schema_keys(section) or field.name in workflow_keys:
+            continue  # a library-only option (progress, threads, ...)
+        if key in NO_DEFAULT:
+            assert field.name not in schema, f"{key} has a schema default: {NO_DEFAULT[key]}"
+            continue
+        assert field.name in schema, f"{key}: no default in the schema (code: {field.default!r})"
+        expected = schema[field.name]
+        if isinstance(expected, dict):  # an object: its keys' defaults fill it
+            expected = {**mcfg.schema_defaults(key), **expected}
+        code = _plain(_code_default(field))
+        if code != expected:
+            mismatches.append(f"{key}: code {code!r} != schema {expected!r}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.parametrize("design", ["study", "matched"])
+def test_design_rule_defaults_are_the_schema_defaults(design):
+    """The analysis' decision rule of each Experiment B design defaults as the schema does."""
+    from moesub.stats import ExpBRule
+
+    schema = mcfg.schema_defaults(f"expb.designs.{design}")
+    rule = ExpBRule.from_mapping({"designs": {design: {"primary": 0.01}}}).designs[design]
+    options = {f.name for f in dataclasses.fields(rule)} - {"design", "primary", "heavy_mass"}
+    assert options, rule
+    for key in options:
+        if getattr(rule, key) is not None:
+            assert getattr(rule, key) == schema[key], f"expb.designs.{design}.{key}"
+
+
+def test_workflow_helpers_read_the_schema():
+    """config.py's own defaults are the schema's: the policy fields and the embedded geometry."""
+    assert mcfg.POLICY_DEFAULTS == {"tau": 0.0, "eviction": "lru", "beta": 0.0, "delay": 1}
+    assert mcfg.schema_defaults("policies.*") == mcfg.POLICY_DEFAULTS
+    cfg = {"models": {"m": {"embedded": True}}, "embedded": {}}
+    emb = mcfg.schema_defaults("embedded")
+    assert mcfg.model_geometry(cfg, "m") == (emb["num_experts"], emb["num_experts_per_tok"])
+
+
+def test_load_config_fills_schema_defaults(tmp_path):
+    """`load_config` fills the defaults as the workflow's validation does."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models: {m: {embedded: true}}\nstreams: {source: {kind: embedded}}\n"
+        "fractions: [0.25]\npolicies: {fetch_every_miss: {rule: fetch_all}}\n"
+    )
+    cfg = mcfg.load_config(path)
+    assert cfg["streams"]["eval"] == mcfg.schema_defaults("streams.eval")
+    assert cfg["engine"]["bench"]["fraction"] == mcfg.schema_defaults("engine.bench")["fraction"]
+    assert cfg["embedded"]["num_experts"] == 512
+    assert "store_path" not in cfg["engine"]
