@@ -41,7 +41,7 @@ class Policy:
     """A miss rule, an eviction order and (beta > 0) background admission."""
 
     rule: str = "fetch_all"
-    tau: float = 0.15  # threshold rule only: fetch a miss whose gate weight is >= tau
+    tau: float = 0.0  # threshold rule only: fetch a miss whose gate weight is >= tau
     eviction: str = "lru"
     beta: float = 0.0  # admit an expert once its substituted mass reaches beta; 0 = never
     delay: int = 1  # tokens between an admission request and the expert becoming resident
