@@ -1,4 +1,5 @@
-"""The report's figures (seaborn, Agg backend), one function per figure, one panel row per model.
+"""The report's figures (seaborn, Agg backend), one function per figure, one panel row per model
+(the shared drawing helpers are `moesub.report.plotting`).
 
 Scatter points carry the policy's number from the report's policy table (`numbers`); a key
 beside each figure maps numbers to names, and `labels.place_labels` keeps the numbers apart.
@@ -7,109 +8,28 @@ Each figure is written as a PNG (for Snakemake's `report()` tag) and embedded as
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 import numpy as np
-import pandas as pd
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from moesub.io import atomic_path  # noqa: E402
-from moesub.report.labels import key_text, place_labels  # noqa: E402
-from moesub.report.load import (  # noqa: E402
-    AnalysisOutputs,
-    ci_label,
-    column,
-    finite,
-    lacking,
-    regime_wide,
-    unique,
+from moesub.report.load import column, finite, lacking, regime_wide, unique  # noqa: E402
+from moesub.report.plotting import (  # noqa: E402
+    Figure,
+    FigureData,
+    finish,
+    models_of,
+    panels,
+    png_data_uri,
+    rows_of,
+    symlog_if_wide,
 )
-
-DPI = 110
-PANEL = (5.2, 3.6)  # inches per panel
-
-
-@dataclass
-class Figure:
-    """One figure of the report: its id, caption, PNG path and inline data URI (or why not)."""
-
-    name: str
-    title: str
-    caption: str
-    png: Path | None = None
-    data_uri: str | None = None
-    missing: str | None = None
-
-
-@dataclass
-class FigureData:
-    """What every figure function gets: the analysis outputs and the policy numbers."""
-
-    out: AnalysisOutputs
-    numbers: dict[str, int]
-
-    @property
-    def ci(self) -> str:
-        return ci_label(self.out.ci_level)
-
-
-def panels(
-    n_models: int, n_cols: int, width: float = PANEL[0], **kw
-) -> tuple[plt.Figure, np.ndarray]:
-    """(fig, axes (n_models, n_cols)): one row of panels per model, `width` inches each."""
-    fig, axes = plt.subplots(
-        n_models,
-        n_cols,
-        figsize=(width * n_cols, PANEL[1] * n_models),
-        squeeze=False,
-        **kw,
-    )
-    return fig, axes
-
-
-def models_of(df: pd.DataFrame) -> list[str]:
-    return unique(df["model"].astype(str)) if "model" in df.columns else [""]
-
-
-def rows_of(df: pd.DataFrame, model: str) -> pd.DataFrame:
-    return df[df["model"].astype(str) == model] if "model" in df.columns else df
-
-
-def finish(
-    fig: plt.Figure, fd: FigureData, labelled: list[tuple[plt.Axes, pd.DataFrame, str, str]]
-):
-    """Lay the figure out, then number the points and add the key of the policies shown."""
-    shown: list[str] = []
-    for _, df, _, _ in labelled:
-        shown.extend(df["policy"].astype(str))
-    key = key_text(fd.numbers, shown)
-    fig.tight_layout(rect=(0, 0, 0.86 if key else 1, 1))
-    for ax, df, x, y in labelled:
-        texts = [str(fd.numbers.get(p, "?")) for p in df["policy"].astype(str)]
-        place_labels(ax, df[x].to_numpy(float), df[y].to_numpy(float), texts)
-    if key:
-        fig.text(0.87, 0.98, key, va="top", ha="left", fontsize=7, family="monospace")
-    return fig
-
-
-def symlog_if_wide(ax: plt.Axes, values: pd.Series) -> None:
-    v = values.to_numpy(float)
-    v = v[np.isfinite(v)]
-    if v.size and v.max() > 50:
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_ylim(bottom=min(0.0, float(v.min())))
-
-
-# ---- figures ------------------------------------------------------------------------------------
 
 
 def fig_mass(fd: FigureData) -> plt.Figure:
@@ -509,17 +429,6 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         fig_per_input,
     ),
 ]
-
-
-def png_data_uri(fig: plt.Figure, path: Path) -> str:
-    """Write `fig` as a PNG at `path` (atomically) and return the same bytes as a data URI."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    data = buf.getvalue()
-    with atomic_path(path, suffix=".png") as tmp:
-        tmp.write_bytes(data)
-    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
 def draw_figures(fd: FigureData, fig_dir: Path) -> list[Figure]:

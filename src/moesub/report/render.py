@@ -21,9 +21,10 @@ from moesub.report.experiments import (
     regime_table,
     regime_verdicts,
 )
-from moesub.report.figures import FigureData, draw_figures
+from moesub.report.figures import draw_figures
 from moesub.report.headline import headline
 from moesub.report.load import ci_label, load_outputs, summarize_reasons
+from moesub.report.plotting import FigureData
 from moesub.report.tables import (
     frame_table,
     generation_missing,
