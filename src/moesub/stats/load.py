@@ -44,7 +44,6 @@ EXTRA_KINDS = ("model_summary", "calibration", "regime")
 FETCH_FIRST_RULES = ("threshold", "first_choice")
 SUBSTITUTE_FIRST_RULES = ("substitute_all",)
 NEVER_SUBSTITUTE_RULES = ("fetch_all", "host_compute")
-COUNT_COLS = ("hit", "fetch", "sub", "host", "forced")
 PROVENANCE_KEYS = (
     "name",
     "policy",

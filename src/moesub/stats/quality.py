@@ -19,8 +19,9 @@ import numpy as np
 import pandas as pd
 
 from moesub.metrics import dppl_pct
+from moesub.policy import STATUS_NAMES
 from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
-from moesub.stats.load import COUNT_COLS, Context, missing
+from moesub.stats.load import Context, missing
 from moesub.stats.power import paired_mde
 
 
@@ -82,7 +83,7 @@ def policy_quality(g: pd.DataFrame, name: str, frac: float, ctx: Context) -> dic
     n_s = len(g)
     n_tok, n_nll = g["n_tok"].to_numpy(float), g["n_nll"].to_numpy(float)
     sum_mass, sum_dnll = g["sum_mass"].to_numpy(float), g["sum_dnll"].to_numpy(float)
-    calls = float(sum(g[c].sum() for c in COUNT_COLS))
+    calls = float(sum(g[c].sum() for c in STATUS_NAMES))
     has_base = n_nll.sum() > 0
     nll_n = n_nll.sum() if has_base else g["n_nll_own"].sum()
     nll_sum = g["sum_nll"].sum() if has_base else g["sum_nll_own"].sum()
