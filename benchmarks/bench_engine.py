@@ -9,6 +9,7 @@ fetch_every_miss and vs host_compute, measured in the same run), the measured li
 the simulator cost model's error; writes the Parquet table to `--out`.
 
     PYTHONPATH=src python benchmarks/bench_engine.py [--device cpu --layers 2 --tokens 256]
+    python benchmarks/bench_engine.py --quick   # small shapes, seconds: a smoke run
 
 The expert file (layers x 3 GiB) is kept beside `--out` for reuse (`--store` to move it,
 `--delete-store` to remove it afterwards). The reference study's GPU figure for speed/quality
@@ -38,9 +39,16 @@ def main() -> None:
     ap.add_argument("--store", type=Path, default=None, help="expert file (default beside --out)")
     ap.add_argument("--delete-store", action="store_true")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument(
+        "--quick", action="store_true", help="small experts (E=64, H=256, I=64, top-4), 32 tokens"
+    )
     args = ap.parse_args()
+    quick = {"num_experts": 64, "hidden": 256, "width": 64, "top_k": 4, "calib_tokens": 512}
+    if args.quick:
+        args.tokens, args.warmup, args.rounds = 32, 4, 1
 
-    store = args.store or args.out.parent / f"bench_experts_L{args.layers}.bin"
+    tag = "quick" if args.quick else "L"
+    store = args.store or args.out.parent / f"bench_experts_{tag}{args.layers}.bin"
     params = {
         "layers": args.layers,
         "tokens": args.tokens,
@@ -49,6 +57,7 @@ def main() -> None:
         "threads": args.threads,
         "store_path": str(store),
         "progress": not args.quiet,
+        **(quick if args.quick else {}),
     }
     try:
         df = run_benchmark(params, args.device, args.out)
@@ -62,7 +71,8 @@ def main() -> None:
     pl.Config.set_float_precision(4)
     print(f"\n{meta['tier']}")
     print(
-        f"layers={args.layers}, C={meta['capacity']} of 512 per layer, expert "
+        f"layers={args.layers}, C={meta['capacity']} of {meta['params']['num_experts']} per "
+        f"layer, expert "
         f"{meta['expert_bytes'] / 2**20:.1f} MiB, {meta['threads']} CPU threads, "
         f"{args.tokens} tokens x {args.rounds} rounds per policy"
     )
@@ -83,7 +93,7 @@ def main() -> None:
     cols = [
         "policy", "time_per_token_median_s", "time_per_token_p90_s", "fetch_wait_s",
         "hit_rate", "sub_rate", "speedup_vs_fetch_every_miss", "speedup_vs_host_compute",
-        "est_time_per_token_s", "sim_rel_error",
+        "syncs_per_token", "admit_latency_tokens", "est_time_per_token_s", "sim_rel_error",
     ]  # fmt: skip
     print(df.select(cols))
 

@@ -224,19 +224,29 @@ def test_bad_input(stage, quality_engine, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_generation_matches_the_emulator(stage):
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            f"cuda:{i}",
+            marks=pytest.mark.skipif(torch.cuda.device_count() <= i, reason=f"needs {i + 1} GPUs"),
+        )
+        for i in range(2)
+    ],
+)
+def test_cuda_generation_matches_the_emulator(stage, device):
     """Pinned->CUDA tier, admissions on the side stream at the core's delay: the emulator's
-    tokens (the emulator also on the GPU, so both see GPU rounding)."""
+    tokens (the emulator also on the GPU in float32, so both see the same GPU rounding)."""
     import copy
 
     root, model, initial = stage
     with open_engine(
-        root / "model", "speed", SPEED, FRACTION, "cuda", initial, params(root, admission="delay")
-    ) as eng:
+        root / "model", "speed", SPEED, FRACTION, device, initial,
+        params(root, admission="delay", dtype="float32"),
+    ) as eng:  # fmt: skip
         res = eng.generate(PROMPTS, NEW)
     emu = greedy_decode(
-        copy.deepcopy(model).to("cuda"), PROMPTS, Policy.from_dict(SPEED), C, initial, NEW
+        copy.deepcopy(model).to(device), PROMPTS, Policy.from_dict(SPEED), C, initial, NEW
     )
     assert [r.tokens for r in res] == [x.tokens for x in emu]
     assert sum(int(r.bytes_bg.sum()) for r in res) > 0

@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,7 @@ from moesub.engine.kernels import ExpertPlan, choose_path, expert_forward
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
 from moesub.engine.tiers import DiskTier
-from moesub.policy import Policy
+from moesub.policy import Policy, scan
 from moesub.synthetic import synthetic_logits
 
 ACT = torch.nn.functional.silu
@@ -215,3 +217,103 @@ def test_admissions_install_at_token_start_with_latency_and_syncs(tmp_path):
         engine.close()
     assert admitted > 0 and admitted <= installed
     assert latency >= admitted  # at least the next token
+
+
+# ----------------------------------------------------------------------------------- CUDA tier
+class FakeEvent:
+    """A CUDA event on the CPU: complete after `lag` queries (copies "in flight" for a while)."""
+
+    lag = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self._left, self.t = FakeEvent.lag, 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        if self._left > 0:
+            self._left -= 1
+            return False
+        return True
+
+    def synchronize(self) -> None:
+        self._left = 0
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+class FakeStream:
+    def __init__(self, device=None) -> None:
+        self.waits = 0
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.waits += 1
+
+
+class FakeCuda:
+    """The torch.cuda calls the CUDA tier makes, on the CPU (copies run at once; events lag)."""
+
+    Event = FakeEvent
+    Stream = FakeStream
+
+    def __init__(self) -> None:
+        self.compute = FakeStream()
+
+    def current_stream(self, device=None) -> FakeStream:
+        return self.compute
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        yield
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def get_device_name(self, device=None) -> str:
+        return "fake"
+
+
+@pytest.mark.parametrize("lag", [0, 3], ids=["instant", "lagging"])
+@pytest.mark.parametrize("pinned_layers", [2, 1, 0])
+@pytest.mark.parametrize(
+    "policy,admission",
+    [
+        ({"rule": "fetch_all"}, "completion"),
+        ({"rule": "host_compute"}, "completion"),
+        ({"rule": "first_choice", "eviction": "lfu", "beta": 0.5}, "delay"),
+    ],
+    ids=["fetch_all", "host_compute", "admissions"],
+)
+def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, admission,
+                                                pinned_layers, lag):  # fmt: skip
+    """The CUDA tier's logic (pinned layers and layers on disk behind a budget, bounce buffers,
+    admissions through pinned reads and staging buffers, events that complete late) run on
+    the CPU: decisions are the core's own scan, every output the full-weight reference's."""
+    from test_engine import ACT as act
+    from test_engine import drive, small_layout, write_random
+
+    from moesub.engine.cuda_tier import CudaTier
+
+    monkeypatch.setattr(FakeEvent, "lag", lag)
+    lay = small_layout()
+    E, k, C = lay.num_experts, 4, 6
+    experts = write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
+    tier = CudaTier(host, C, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=FakeCuda())
+    assert tier.kind == ("pinned->CUDA" if pinned_layers == 2 else "disk->pinned->CUDA")
+    pol = Policy(**policy)
+    trace = synthetic_logits(60, lay.num_layers, E, seed=3)
+    engine = OffloadEngine(tier, E, k, C, pol, None, act, admission=admission)
+    try:
+        status = drive(engine, trace, experts, E, lay.hidden)
+        installed = sum(c.counters()["admissions"] for c in engine.caches)
+    finally:
+        engine.close()
+    assert np.array_equal(status, scan(trace, k, C, pol).status)
+    if admission == "delay":
+        assert installed > 0
+    assert not tier._queued and all(not q for q in tier._inflight)  # drained on close
+    assert sorted(tier._free) == list(range(3))

@@ -17,6 +17,7 @@ ratios to `fetch_every_miss` and `host_compute`, and the simulator's cost-model 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -77,7 +78,7 @@ class BenchParams:
     calib_tokens: int = 4096  # synthetic tokens the frequency-initial set is counted on
     seed: int = 0
     store_path: str | None = None  # disk tier expert file (default: beside out_path)
-    staging_buffers: int = 4
+    staging_buffers: int | None = None  # None: the tier's default (see EngineParams)
     threads: int | None = None
     progress: bool = True
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BENCH_POLICIES))
@@ -88,6 +89,8 @@ class BenchParams:
         for name in ("layers", "num_experts", "hidden", "width", "top_k", "tokens", "calib_tokens",
                      "staging_buffers", "rounds"):  # fmt: skip
             v = getattr(p, name)
+            if name == "staging_buffers" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"params.{name}={v!r} must be a positive integer")
         if isinstance(p.warmup, bool) or not isinstance(p.warmup, int) or p.warmup < 0:
@@ -154,6 +157,9 @@ class _Run:
     bytes_bg: np.ndarray
     counts: np.ndarray  # (T, 5)
     admissions: int
+    syncs: np.ndarray  # (T,) host waits for the device per token
+    admitted: int  # background copies installed
+    admit_latency: int  # tokens from request to install, summed over those installed
 
 
 @torch.inference_mode()
@@ -173,7 +179,8 @@ def _run_policy(
     wall, wait = np.zeros(n), np.zeros(n)
     bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
     counts = np.zeros((n, 5), np.int64)
-    admissions = 0
+    syncs = np.zeros(n, np.int64)
+    admissions = admitted = admit_latency = 0
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
         t0 = time.perf_counter()
         engine.begin_token()
@@ -197,11 +204,13 @@ def _run_policy(
             i = t - warmup
             wall[i], wait[i] = dt, st.fetch_wait_s
             bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
-            counts[i] = st.counts
+            counts[i], syncs[i] = st.counts, st.syncs
             admissions += st.admissions
+            admitted += st.admitted
+            admit_latency += st.admit_latency
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
-    return _Run(wall, wait, bsync, bbg, counts, admissions)
+    return _Run(wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency)
 
 
 def _random_fill(lay: StoreLayout, seed: int, dev: torch.device):
@@ -227,6 +236,9 @@ def _concat_runs(runs: list[_Run]) -> _Run:
         bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
         counts=np.concatenate([r.counts for r in runs]),
         admissions=sum(r.admissions for r in runs),
+        syncs=np.concatenate([r.syncs for r in runs]),
+        admitted=sum(r.admitted for r in runs),
+        admit_latency=sum(r.admit_latency for r in runs),
     )
 
 
@@ -280,8 +292,10 @@ def run_benchmark(
     Writes one row per policy (`policy, device, tier, layers, tokens, time_per_token_median_s,
     time_per_token_p90_s, fetch_wait_s, bytes_sync, bytes_bg, hit_rate, sub_rate,
     speedup_vs_fetch_every_miss, speedup_vs_host_compute`, plus `time_per_token_mean_s,
-    est_time_per_token_s, sim_rel_error`) to `out_path` atomically and returns the table.
-    `fetch_wait_s`, `bytes_sync`, `bytes_bg` are means per token.
+    syncs_per_token, admit_latency_tokens, est_time_per_token_s, sim_rel_error`) to `out_path`
+    atomically and returns the table. `fetch_wait_s`, `bytes_sync`, `bytes_bg` are means per
+    token; `admit_latency_tokens` is the mean number of tokens from an admission's request to
+    its install.
     """
     from moesub.synthetic import synthetic_logits
 
@@ -402,6 +416,8 @@ def run_benchmark(
                 "bytes_bg": float(r.bytes_bg.mean()),
                 "hit_rate": float(c[0] / slots),
                 "sub_rate": float(c[2] / slots),
+                "syncs_per_token": float(r.syncs.mean()),
+                "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
                 "est_time_per_token_s": float(est),
                 "sim_rel_error": float((est - mean) / mean),
             }

@@ -66,10 +66,17 @@ class CudaTier:
         staging_buffers: int | None = None,
         capability: tuple[int, int] | None = None,
         alloc: Allocator = pinned_empty,
+        cuda=None,
     ) -> None:
-        dev = require_cuda(device)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        # `cuda`: the torch.cuda API the tier drives (streams, events, synchronize); a test
+        # passes a CPU stand-in to run the tier's bookkeeping without a GPU
+        self.cuda = torch.cuda if cuda is None else cuda
+        if cuda is None:
+            dev = require_cuda(device)
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        else:
+            dev = torch.device(device)
         lay = host.layout
         n = staging_buffers or default_staging_buffers(lay.num_layers, capacity, lay.expert_bytes)
         if n < 1:
@@ -80,8 +87,8 @@ class CudaTier:
         self.path = choose_path(dev, lay.torch_dtype, capability)
         self.syncs = HostSync()
         dt = lay.torch_dtype
-        self.compute = torch.cuda.current_stream(dev)
-        self.side = torch.cuda.Stream(device=dev)
+        self.compute = self.cuda.current_stream(dev)
+        self.side = self.cuda.Stream(device=dev)
         self.slots = [
             SlotBuffers(
                 torch.empty((capacity, *lay.gate_up_shape), dtype=dt, device=dev),
@@ -119,7 +126,7 @@ class CudaTier:
     def description(self) -> str:
         return (
             f"{self.kind}: {self.host.describe()}; C slots per layer on {self.device} "
-            f"({torch.cuda.get_device_name(self.device)}), admissions on a side CUDA stream "
+            f"({self.cuda.get_device_name(self.device)}), admissions on a side CUDA stream "
             f"({len(self.staging)} staging buffers), expert kernel {self.path}; host_compute "
             "misses computed on the CPU from the host weights"
         )
@@ -136,13 +143,13 @@ class CudaTier:
 
     def to_host(self, layer: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device tensors of one layer copied into its pinned buffers; one event, one wait."""
-        with torch.cuda.stream(self.compute):
+        with self.cuda.stream(self.compute):
             out = []
             for i, t in enumerate(tensors):
                 buf = self._pinned(("d2h", layer, i), t.shape, t.dtype)
                 buf.copy_(t.detach(), non_blocking=True)
                 out.append(buf)
-            ev = torch.cuda.Event()
+            ev = self.cuda.Event()
             ev.record(self.compute)
         self.syncs.wait(ev)
         return tuple(out)
@@ -152,7 +159,7 @@ class CudaTier:
         src = torch.from_numpy(np.ascontiguousarray(array))
         buf = self._pinned(("h2d", layer, tag), src.shape, src.dtype)
         buf.copy_(src)
-        with torch.cuda.stream(self.compute):
+        with self.cuda.stream(self.compute):
             return buf.to(self.device, non_blocking=True)
 
     # ---------------------------------------------------------------- slots
@@ -162,7 +169,7 @@ class CudaTier:
         lay = self.layout
         tmp = (aligned_empty(lay.gate_up_shape, lay.torch_dtype),
                aligned_empty(lay.down_shape, lay.torch_dtype))  # fmt: skip
-        with torch.cuda.stream(self.compute):
+        with self.cuda.stream(self.compute):
             for slot, e in enumerate(resident.tolist()):
                 if e < 0:
                     continue
@@ -191,8 +198,8 @@ class CudaTier:
         if not pairs:
             return 0
         s = self.slots[layer]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.compute):
+        start, end = self.cuda.Event(enable_timing=True), self.cuda.Event(enable_timing=True)
+        with self.cuda.stream(self.compute):
             start.record(self.compute)
             if self.host.on_disk(layer):
                 for e, slot in pairs:
@@ -202,7 +209,7 @@ class CudaTier:
                     self._wait_s += time.perf_counter() - t0
                     s.gate_up[slot].copy_(gu, non_blocking=True)
                     s.down[slot].copy_(dn, non_blocking=True)
-                    fence = torch.cuda.Event()
+                    fence = self.cuda.Event()
                     fence.record(self.compute)
                     self._bounce_fence[b] = fence
             else:
@@ -234,13 +241,13 @@ class CudaTier:
         else:
             src = self.reader.buffers[read_buf]
         sg, sd = self.staging[idx]
-        with torch.cuda.stream(self.side):
+        with self.cuda.stream(self.side):
             fence = self._staging_fence[idx]
             if fence is not None:
                 self.side.wait_event(fence)  # the last install out of this buffer has run
             sg.copy_(src[0], non_blocking=True)
             sd.copy_(src[1], non_blocking=True)
-            done = torch.cuda.Event()
+            done = self.cuda.Event()
             done.record(self.side)
         if read_buf is not None:
             self.reader.release(read_buf, fence=done)  # reused once this copy has run
@@ -277,10 +284,10 @@ class CudaTier:
         _e, idx, nbytes = handle
         sg, sd = self.staging[idx]
         s = self.slots[layer]
-        with torch.cuda.stream(self.compute):
+        with self.cuda.stream(self.compute):
             s.gate_up[slot].copy_(sg, non_blocking=True)
             s.down[slot].copy_(sd, non_blocking=True)
-            fence = torch.cuda.Event()
+            fence = self.cuda.Event()
             fence.record(self.compute)
         self._release(idx, fence)
         return nbytes
@@ -311,12 +318,12 @@ class CudaTier:
         out = expert_forward(hidden, ids, weights, gu, dn, self.act)
         buf = self._pinned(("host_out", layer), out.shape, out.dtype)
         buf.copy_(out)
-        with torch.cuda.stream(self.compute):
+        with self.cuda.stream(self.compute):
             return buf.to(self.device, non_blocking=True), nbytes
 
     def token_sync(self) -> None:
         """Wait for the compute stream (not the side stream: admissions keep copying)."""
-        ev = torch.cuda.Event()
+        ev = self.cuda.Event()
         ev.record(self.compute)
         self.syncs.wait(ev)
 
@@ -330,7 +337,7 @@ class CudaTier:
 
     def synchronize(self) -> None:
         """The whole device (set-up, stream boundaries and calibration only)."""
-        torch.cuda.synchronize(self.device)
+        self.cuda.synchronize(self.device)
 
     def drain(self) -> None:
         """Discard every queued and in-flight admission (stream boundary)."""

@@ -33,6 +33,7 @@ from moesub.policy import FETCH, FORCED, HOST, LayerCache, LayerStep, Policy
 
 NUM_STATUS = 5
 ADMISSION_TIMINGS = ("completion", "delay")
+ADMIT_TIMEOUT_S = 60.0  # admission="delay": longest wait for a due copy before giving up
 
 
 @dataclass
@@ -243,6 +244,12 @@ class OffloadEngine:
                 waiting.discard(expert)
             if not waiting:
                 break
+            if time.perf_counter() - t0 > ADMIT_TIMEOUT_S:
+                raise RuntimeError(
+                    f"admission: layer {layer}, experts {sorted(waiting)} requested for token "
+                    f"{t} did not land within {ADMIT_TIMEOUT_S} s (a copy that never completes, "
+                    "or too few staging buffers for the admissions in flight)"
+                )
             time.sleep(5e-5)
         self.stats.admit_wait_s += time.perf_counter() - t0
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moesub.config import schema_defaults
 from moesub.engine.runtime import ADMISSION_TIMINGS
 from moesub.engine.store import DTYPES
 from moesub.engine.tiers import require_cuda
@@ -18,25 +19,29 @@ from moesub.io import require_file
 from moesub.params import options_from
 from moesub.policy import ALL_RESIDENT, Policy, capacity_for
 
+_DEFAULTS = schema_defaults("engine")  # workflow/schemas/config.schema.yaml
+
 
 @dataclass(frozen=True)
 class EngineParams:
     """The `engine:` section of config.yaml (every key optional)."""
 
     # model and expert dtype (None: bfloat16 on CUDA, float32 on the CPU, see `engine_dtype`)
-    dtype: str | None = None
+    dtype: str | None = _DEFAULTS["dtype"]
     store_path: str | None = None  # expert file of the disk tier (default: beside the model)
     # background admissions in flight at most (None: 4 on the disk tier; on CUDA one per slot
     # of every layer within 512 MiB of GPU memory, `cuda_tier.default_staging_buffers`)
-    staging_buffers: int | None = None
+    staging_buffers: int | None = _DEFAULTS["staging_buffers"]
     # CUDA tier: GiB of pinned host memory for experts; the layers past it stay in the expert
     # store on disk (disk -> pinned RAM -> GPU). None: every layer pinned
-    pinned_budget_gb: float | None = None
-    max_streams: int | None = None  # decode only the first n streams (smoke runs)
-    max_tokens: int | None = None  # decode only the first n tokens of each stream
+    pinned_budget_gb: float | None = _DEFAULTS["pinned_budget_gb"]
+    # decode only the first n streams (smoke runs)
+    max_streams: int | None = _DEFAULTS["max_streams"]
+    # decode only the first n tokens of each stream
+    max_tokens: int | None = _DEFAULTS["max_tokens"]
     threads: int | None = None  # torch CPU threads (None = torch's default)
     progress: bool = True
-    calibrate_tokens: int = 32  # decode steps timed for dense_layer_s
+    calibrate_tokens: int = _DEFAULTS["calibrate_tokens"]  # decode steps timed for dense_layer_s
     # background admissions usable when their copy completes ("completion"), or exactly
     # policy.delay tokens after the request, waiting for the copy if needed ("delay": the
     # emulator's and simulator's decisions, token for token)

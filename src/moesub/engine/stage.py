@@ -16,11 +16,11 @@ from tqdm.auto import tqdm
 from moesub.engine.generate import EngineModel
 from moesub.engine.spec import resolve_engine
 from moesub.io import require_file, write_parquet
-from moesub.policy import ALL_RESIDENT
+from moesub.policy import ALL_RESIDENT, STATUS_NAMES
 
 ROW_COLUMNS = (
     "stream", "pos", "wall_s", "fetch_wait_s", "bytes_sync", "bytes_bg",
-    "hit", "fetch", "sub", "host", "forced", "nll",
+    *STATUS_NAMES, "nll",
 )  # fmt: skip
 
 
@@ -91,7 +91,7 @@ def run_engine(
                         "bytes_bg": r["bytes_bg"],
                         **{
                             n: r["counts"][:, i].astype(np.int32)
-                            for i, n in enumerate(("hit", "fetch", "sub", "host", "forced"))
+                            for i, n in enumerate(STATUS_NAMES)
                         },  # fmt: skip
                         "nll": r["nll"],
                         "mass": r["mass"],
