@@ -4,12 +4,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "policy.hpp"
 #include "simulate.hpp"
@@ -20,14 +22,30 @@ using namespace moesub;
 template <typename T, size_t N>
 using Array = nb::ndarray<T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
 
-static PolicyParams make_policy(int rule, double tau, int eviction, double beta, int64_t delay) {
+// A policy as moesub.policy.Policy._core_args() passes it: v1 fields, then v2.
+using PolicyArgs = std::tuple<int, double, int, double, int64_t, int, double, int, int>;
+
+static PolicyParams make_policy(const PolicyArgs& a) {
   PolicyParams p;
-  p.rule = static_cast<Rule>(rule);
-  p.tau = tau;
-  p.eviction = static_cast<Eviction>(eviction);
-  p.beta = beta;
-  p.delay = delay;
+  p.rule = static_cast<Rule>(std::get<0>(a));
+  p.tau = std::get<1>(a);
+  p.eviction = static_cast<Eviction>(std::get<2>(a));
+  p.beta = std::get<3>(a);
+  p.delay = std::get<4>(a);
+  p.prefetch = std::get<5>(a);
+  p.route_bias = std::get<6>(a);
+  p.light_miss = static_cast<LightMiss>(std::get<7>(a));
+  p.substitute_by = static_cast<SubstituteBy>(std::get<8>(a));
   return p;
+}
+
+// "<what>: contain NaN or inf (at index (t, l, e))" for the first non-finite entry of row z.
+static std::invalid_argument non_finite(const char* what, int64_t t, int64_t l, const float* z) {
+  int64_t e = 0;
+  while (std::isfinite(z[e])) ++e;
+  return std::invalid_argument(std::string(what) + ": contain NaN or inf (at index (" +
+                               std::to_string(t) + ", " + std::to_string(l) + ", " +
+                               std::to_string(e) + "))");
 }
 
 static nb::dict counters_dict(const Counters& c) {
@@ -41,6 +59,8 @@ static nb::dict counters_dict(const Counters& c) {
   d["admission_requests"] = c.admission_requests;
   d["admissions"] = c.admissions;
   d["evictions"] = c.evictions;
+  d["prefetches"] = c.prefetches;
+  d["rerouted"] = c.rerouted;
   return d;
 }
 
@@ -52,28 +72,42 @@ NB_MODULE(_core, m) {
   nb::class_<LayerCache>(m, "LayerCache")
       .def(
           "__init__",
-          [](LayerCache* self, int E, int k, int C, int rule, double tau, int eviction, double beta,
-             int64_t delay, std::optional<Array<const int32_t, 1>> initial, bool external) {
-            new (self) LayerCache(E, k, C, make_policy(rule, tau, eviction, beta, delay),
-                                  initial ? initial->data() : nullptr, external);
+          [](LayerCache* self, int E, int k, int C, PolicyArgs policy,
+             std::optional<Array<const int32_t, 1>> initial, bool external,
+             std::optional<Array<const double, 2>> coactivation) {
+            const PolicyParams p = make_policy(policy);
+            if (p.eviction == Eviction::Belady)
+              throw std::invalid_argument(
+                  "policy eviction 'belady' needs the whole stream's future: scan and the "
+                  "simulator only, not the streaming LayerCache");
+            new (self) LayerCache(E, k, C, p, initial ? initial->data() : nullptr, external);
+            if (coactivation) self->set_coactivation(coactivation->data());
           },
-          nb::arg("num_experts"), nb::arg("k"), nb::arg("capacity"), nb::arg("rule"),
-          nb::arg("tau"), nb::arg("eviction"), nb::arg("beta"), nb::arg("delay"),
-          nb::arg("initial").none(), nb::arg("external_admission"))
+          nb::arg("num_experts"), nb::arg("k"), nb::arg("capacity"), nb::arg("policy"),
+          nb::arg("initial").none(), nb::arg("external_admission"),
+          nb::arg("coactivation").none())
       .def(
           "step",
-          [](LayerCache& self, Array<const float, 2> logits, Array<int32_t, 2> ids,
+          [](LayerCache& self, Array<const float, 2> logits,
+             std::optional<Array<const float, 2>> lookahead, Array<int32_t, 2> ids,
              Array<double, 2> weights, Array<int8_t, 2> status, Array<int32_t, 2> selected,
-             Array<int32_t, 2> slot, Array<double, 1> mass) {
+             Array<int32_t, 2> slot, Array<double, 1> mass, Array<double, 1> rerouted,
+             Array<int32_t, 1> prefetched) {
             std::vector<std::pair<int64_t, int32_t>> admissions;
             StepOut out{ids.data(), weights.data(), status.data(), selected.data(), slot.data(),
-                        static_cast<int64_t>(ids.shape(1)), mass.data(), 1, &admissions};
+                        static_cast<int64_t>(ids.shape(1)), mass.data(), 1, rerouted.data(),
+                        prefetched.data(), &admissions};
             {
               nb::gil_scoped_release release;
-              self.step(logits.data(), logits.shape(0), logits.shape(1), out);
+              self.step(logits.data(), logits.shape(0), logits.shape(1), out,
+                        lookahead ? lookahead->data() : nullptr,
+                        lookahead ? lookahead->shape(1) : 0);
             }
             return admissions;
-          })
+          },
+          nb::arg("logits"), nb::arg("lookahead").none(), nb::arg("ids"), nb::arg("weights"),
+          nb::arg("status"), nb::arg("selected"), nb::arg("slot"), nb::arg("mass"),
+          nb::arg("rerouted"), nb::arg("prefetched"))
       .def("admit", &LayerCache::admit, nb::arg("expert"))
       .def("resident", [](const LayerCache& self) { return self.resident(); })
       .def("counters", [](const LayerCache& self) { return counters_dict(self.counters()); })
@@ -83,42 +117,81 @@ NB_MODULE(_core, m) {
   // Whole-stream scan of a (T, L, E) trace into (T, L, k) outputs, token by token: the top-k of
   // all L rows of a token first (the trace is read front to back), then each layer's cache.
   // A NaN/inf logit raises ValueError naming its (token, layer, expert); outputs are then junk.
+  // Belady's eviction first reads every layer's future (a pass of top-k over the whole trace).
   m.def("scan",
-        [](Array<const float, 3> logits, int k, int C, int rule, double tau, int eviction,
-           double beta, int64_t delay, std::optional<Array<const int32_t, 2>> initial,
-           Array<int32_t, 3> ids, Array<double, 3> weights, Array<int8_t, 3> status,
-           Array<int32_t, 3> selected, Array<double, 2> mass) {
+        [](Array<const float, 3> logits, int k, int C, PolicyArgs policy,
+           std::optional<Array<const int32_t, 2>> initial,
+           std::optional<Array<const float, 3>> lookahead,
+           std::optional<Array<const double, 3>> coactivation, Array<int32_t, 3> ids,
+           Array<double, 3> weights, Array<int8_t, 3> status, Array<int32_t, 3> selected,
+           Array<double, 2> mass, Array<double, 2> rerouted, Array<int32_t, 2> prefetched) {
           const int64_t T = logits.shape(0), L = logits.shape(1), E = logits.shape(2);
-          const PolicyParams p = make_policy(rule, tau, eviction, beta, delay);
+          const PolicyParams p = make_policy(policy);
           const int32_t* init = initial ? initial->data() : nullptr;
+          const float* y = lookahead ? lookahead->data() : nullptr;
+          const double* A = coactivation ? coactivation->data() : nullptr;
           nb::gil_scoped_release release;
+          std::vector<Future> futures;
+          if (p.eviction == Eviction::Belady)
+            for (int64_t l = 0; l < L; ++l) {
+              try {
+                futures.push_back(layer_future(logits.data() + l * E, T, L * E,
+                                               static_cast<int>(E), k));
+              } catch (const NonFiniteLogits& ex) {
+                throw non_finite("logits", ex.token, l, logits.data() + (ex.token * L + l) * E);
+              }
+            }
           std::vector<LayerCache> caches;
           std::vector<StepOut> outs;
           for (int64_t l = 0; l < L; ++l) {
             caches.emplace_back(static_cast<int>(E), k, C, p, init ? init + l * C : nullptr, false);
-            outs.push_back({ids.data() + l * k, weights.data() + l * k, status.data() + l * k,
-                            selected.data() + l * k, nullptr, L * k, mass.data() + l, L, nullptr});
+            if (A) caches.back().set_coactivation(A + l * E * E);
+            if (!futures.empty()) caches.back().set_future(&futures[l]);
+            StepOut out;
+            out.ids = ids.data() + l * k;
+            out.weights = weights.data() + l * k;
+            out.status = status.data() + l * k;
+            out.selected = selected.data() + l * k;
+            out.k_stride = L * k;
+            out.mass = mass.data() + l;
+            out.rerouted = rerouted.data() + l;
+            out.prefetched = prefetched.data() + l;
+            out.mass_stride = L;
+            outs.push_back(out);
           }
           std::vector<int32_t> sel(L * k);
           std::vector<float> vals(L * k);
           std::vector<double> w(L * k);
           for (int64_t t = 0; t < T; ++t) {
             const float* rows = logits.data() + t * L * E;
+            for (int64_t l = 0; l < L; ++l)
+              if (!select_topk(rows + l * E, static_cast<int>(E), k, &sel[l * k], &vals[l * k]))
+                throw non_finite("logits", t, l, rows + l * E);
+            gate_weights(vals.data(), L, k, w.data());
             for (int64_t l = 0; l < L; ++l) {
-              const float* z = rows + l * E;
-              if (!select_topk(z, static_cast<int>(E), k, &sel[l * k], &vals[l * k])) {
-                int64_t e = 0;
-                while (std::isfinite(z[e])) ++e;
-                throw std::invalid_argument("logits: contain NaN or inf (at index (" +
-                                            std::to_string(t) + ", " + std::to_string(l) + ", " +
-                                            std::to_string(e) + "))");
+              const float* yl = y ? y + (t * L + l) * E : nullptr;
+              try {
+                caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t, yl);
+              } catch (const NonFiniteLookahead&) {
+                throw non_finite("lookahead", t, l, yl);
               }
             }
-            gate_weights(vals.data(), L, k, w.data());
-            for (int64_t l = 0; l < L; ++l)
-              caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t);
           }
         });
+
+  // Co-activation counts (L, E, E) int64 of a (T, L, E) trace, added to `counts`.
+  m.def("coactivation_counts", [](Array<const float, 3> logits, int k, Array<int64_t, 3> counts) {
+    const int64_t T = logits.shape(0), L = logits.shape(1), E = logits.shape(2);
+    nb::gil_scoped_release release;
+    for (int64_t l = 0; l < L; ++l) {
+      try {
+        coactivation_counts(logits.data() + l * E, T, L * E, static_cast<int>(E), k,
+                            counts.data() + l * E * E);
+      } catch (const NonFiniteLogits& ex) {
+        throw non_finite("logits", ex.token, l, logits.data() + (ex.token * L + l) * E);
+      }
+    }
+  });
 
   m.def("forced_substitution",
         [](Array<const float, 2> logits, int k, Array<const int32_t, 1> resident,
@@ -130,23 +203,28 @@ NB_MODULE(_core, m) {
                               sub_mask.data(), ids.data(), weights.data(), selected.data());
         });
 
-  // Grid simulation. Per grid point g: rule/tau/eviction/beta/delay/capacity/initial/belady.
-  // Returns (counters (G, L, 9) int64 in Counters order, belady hits (G, L)); fills mass[g].
+  // Grid simulation. Per grid point g: its policy (Policy._core_args()), capacity, initial set
+  // and belady flag; per stream an optional lookahead array; one optional (L, E, E) co-activation
+  // table. Fills counters (G, L, 10) int64 in Counters order (rerouted apart), rerouted (G, L)
+  // float64 sums, belady hits (G, L) and mass[g].
   m.def("simulate_grid",
-        [](std::vector<Array<const float, 3>> streams, int k, std::vector<int> rules,
-           std::vector<double> taus, std::vector<int> evictions, std::vector<double> betas,
-           std::vector<int64_t> delays, std::vector<int> capacities,
+        [](std::vector<Array<const float, 3>> streams,
+           std::vector<std::optional<Array<const float, 3>>> lookahead, int k,
+           std::vector<PolicyArgs> policies, std::vector<int> capacities,
            std::vector<std::optional<Array<const int32_t, 2>>> initials, std::vector<bool> belady,
-           std::vector<Array<double, 2>> mass, Array<int64_t, 3> counters_out,
+           std::optional<Array<const double, 3>> coactivation, std::vector<Array<double, 2>> mass,
+           Array<int64_t, 3> counters_out, Array<double, 2> rerouted_out,
            Array<int64_t, 2> belady_out, int n_threads) {
           const int L = static_cast<int>(streams.at(0).shape(1));
           const int E = static_cast<int>(streams.at(0).shape(2));
           std::vector<StreamView> views;
-          for (auto& s : streams) views.push_back({s.data(), static_cast<int64_t>(s.shape(0))});
-          std::vector<GridPoint> points(rules.size());
+          for (size_t i = 0; i < streams.size(); ++i)
+            views.push_back({streams[i].data(), static_cast<int64_t>(streams[i].shape(0)),
+                             lookahead.at(i) ? lookahead[i]->data() : nullptr});
+          std::vector<GridPoint> points(policies.size());
           std::vector<double*> mass_ptrs;
-          for (size_t g = 0; g < rules.size(); ++g) {
-            points[g].policy = make_policy(rules[g], taus[g], evictions[g], betas[g], delays[g]);
+          for (size_t g = 0; g < policies.size(); ++g) {
+            points[g].policy = make_policy(policies[g]);
             points[g].capacity = capacities[g];
             points[g].initial = initials[g] ? initials[g]->data() : nullptr;
             points[g].belady = belady[g];
@@ -156,14 +234,18 @@ NB_MODULE(_core, m) {
           {
             nb::gil_scoped_release release;
             simulate_grid(views, L, E, k, points, n_threads, counters.data(), mass_ptrs,
-                          belady_out.data());
+                          belady_out.data(), coactivation ? coactivation->data() : nullptr);
           }
           int64_t* c = counters_out.data();
-          for (const Counters& x : counters) {
-            const int64_t row[9] = {x.tokens, x.hit, x.fetch, x.sub, x.host, x.forced,
-                                    x.admission_requests, x.admissions, x.evictions};
-            std::copy(row, row + 9, c);
-            c += 9;
+          for (size_t j = 0; j < counters.size(); ++j) {
+            const Counters& x = counters[j];
+            const int64_t row[10] = {x.tokens,     x.hit,        x.fetch,
+                                     x.sub,        x.host,       x.forced,
+                                     x.admission_requests, x.admissions, x.evictions,
+                                     x.prefetches};
+            std::copy(row, row + 10, c);
+            c += 10;
+            rerouted_out.data()[j] = x.rerouted;
           }
         });
 }

@@ -275,6 +275,62 @@ void gate_weights(const float* vals, int64_t rows, int k, double* w) {
   }
 }
 
+// Gate weights of one row of k logits in any order (route_bias: S ranked by biased logits): the
+// softmax of the logits against the row's largest, summed in the row's order. When the largest
+// comes first this is gate_weights' arithmetic, bit for bit.
+static void softmax_row(const float* v, int k, double* w) {
+  float top = v[0];
+  for (int r = 1; r < k; ++r) top = v[r] > top ? v[r] : top;
+  double x[kMaxTopK + 4], e[kMaxTopK + 4];
+  for (int r = 0; r < k; ++r) x[r] = static_cast<double>(v[r]) - top;
+  for (int r = k; r % 4; ++r) x[r] = 0.0;
+  exp_nonpositive(x, (k + 3) / 4 * 4, e);
+  double sum = 0.0;
+  for (int r = 0; r < k; ++r) sum += e[r];
+  for (int r = 0; r < k; ++r) w[r] = e[r] / sum;
+}
+
+// The smallest logit of a row (route_bias: the bias is lambda times the row's range).
+MOESUB_SIMD_CLONES
+static float row_min(const float* z, int E) {
+  const int full = E / 8 * 8;
+  f32x8 vmin = broadcast<f32x8>(std::numeric_limits<float>::infinity());
+  for (int s = 0; s < full; s += 8) {
+    const f32x8 x = load<f32x8>(z + s);
+    vmin = select(x < vmin, x, vmin);
+  }
+  float m = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < 8; ++i) m = vmin[i] < m ? vmin[i] : m;
+  for (int s = full; s < E; ++s) m = z[s] < m ? z[s] : m;
+  return m;
+}
+
+// The experts e of a row with z[e] >= f whose bit is set in `keep` (a bitmap of E bits), in id
+// order, into `out`; returns how many. 32 logits at a time become a 32-bit mask (each lane's
+// compare ANDed with its own bit, ORed across lanes), so only the hits are visited.
+MOESUB_SIMD_CLONES
+static int at_least(const float* z, int E, float f, const uint64_t* keep, int32_t* out) {
+  i32x8 bit[4];
+  for (int v = 0; v < 4; ++v)
+    for (int j = 0; j < 8; ++j) bit[v][j] = static_cast<int32_t>(uint32_t{1} << (8 * v + j));
+  int n = 0;
+  const int full = E / 32 * 32;
+  for (int s = 0; s < full; s += 32) {
+    i32x8 acc = {};
+    for (int v = 0; v < 4; ++v) acc |= (load<f32x8>(z + s + 8 * v) >= f) & bit[v];
+    const i64x4 a = reinterpret_cast<i64x4>(acc);
+    const uint64_t q = static_cast<uint64_t>(a[0] | a[1] | a[2] | a[3]);
+    uint32_t hits = (static_cast<uint32_t>(q) | static_cast<uint32_t>(q >> 32)) &
+                    static_cast<uint32_t>(keep[s >> 6] >> (s & 63));
+    for (; hits; hits &= hits - 1) out[n++] = s + __builtin_ctz(hits);
+  }
+  for (int e = full; e < E; ++e) {
+    out[n] = e;
+    n += (z[e] >= f) & static_cast<int>(keep[e >> 6] >> (e & 63) & 1);
+  }
+  return n;
+}
+
 // Substitute choice of step 5 over prepared candidates: zs[s] is the logit of the expert in slot
 // s, or kExcluded if it may not stand in (it is already in the token's computed set). Returns the
 // expert with the highest logit, ties to the lower id; -1 if none. Callers fill zs once per token
@@ -294,6 +350,26 @@ static int32_t best_substitute(const float* zs, const int32_t* resident, int C) 
   for (int s = full; s < C; ++s) best_z = zs[s] > best_z ? zs[s] : best_z;
   if (best_z == kExcluded) return -1;
   return lowest_id_where<f32x8, i32x8>(zs, best_z, resident, C);
+}
+
+// substitute_by = coactivation: among the candidates of best_substitute's `zs`, the expert c
+// with the largest a[c] (the missed expert's co-activation row), ties to the higher logit, then
+// the lower id; -1 if none.
+static int32_t best_coactivated(const double* a, const float* zs, const int32_t* resident, int C) {
+  int32_t best = -1;
+  double best_a = 0.0;
+  float best_z = kExcluded;
+  for (int s = 0; s < C; ++s) {
+    if (zs[s] == kExcluded) continue;
+    const int32_t c = resident[s];
+    if (best < 0 || a[c] > best_a ||
+        (a[c] == best_a && (zs[s] > best_z || (zs[s] == best_z && c < best)))) {
+      best = c;
+      best_a = a[c];
+      best_z = zs[s];
+    }
+  }
+  return best;
 }
 
 void forced_substitution(const float* logits, int64_t T, int E, int k, const int32_t* resident,
@@ -326,9 +402,20 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
 
 LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
     : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
-      key_(C), acc_(E, 0.0), sel_(k), w_(k), zs_(C) {
+      key_(C), acc_(E, 0.0), sel_(k), w_(k), zs_(C), pref_ids_(std::max(p.prefetch, 1)),
+      pref_vals_(std::max(p.prefetch, 1)), res_bits_((E + 63) / 64, 0), t0_bits_((E + 63) / 64, 0),
+      cand_(E + 1) {
   if (k < 1 || k > kMaxTopK || C < k || C > E)
     throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
+  if (p.prefetch < 0 || p.prefetch > C)
+    throw std::invalid_argument("policy prefetch: must be in [0, capacity=" + std::to_string(C) +
+                                "], got " + std::to_string(p.prefetch));
+  if (!(std::isfinite(p.route_bias) && p.route_bias >= 0.0))
+    throw std::invalid_argument("policy route_bias: must be a finite number >= 0");
+  if (p.eviction == Eviction::Belady && p.route_bias > 0.0)
+    throw std::invalid_argument(
+        "policy eviction 'belady' with route_bias > 0: the future selection depends on the cache");
+  if (p.eviction == Eviction::Belady) upcoming_.assign(E, Future::kNever);
   for (int s = 0; s < C; ++s) {
     const int32_t e = initial ? initial[s] : s;
     if (e < 0 || e >= E || expert_[e].slot != -1)
@@ -336,13 +423,16 @@ LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initi
     expert_[e].slot = s;
     expert_in_slot_[s] = e;
     key_[s] = eviction_key(e);
+    res_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   }
 }
 
-// Eviction order (smallest first): lfu (freq, last use, id); lru (last use, id). The key packs
-// the first two (last use + 1, so never-used experts with last = -1 come first); ties on the key
-// go to the lower id in pick_victim.
+// Eviction order (smallest first): lfu (freq, last use, id); lru (last use, id); belady (next
+// selection, farthest first, id). The key packs all but the id (last use + 1, so never-used
+// experts with last = -1 come first; belady: kNever minus the next selection, so never again is
+// 0); ties on the key go to the lower id in pick_victim.
 int64_t LayerCache::eviction_key(int32_t e) const {
+  if (p_.eviction == Eviction::Belady) return int64_t{Future::kNever} - upcoming_[e];
   const int64_t recency = expert_[e].last + 1;
   if (p_.eviction == Eviction::Lfu) return (static_cast<int64_t>(expert_[e].freq) << 32) | recency;
   return recency;
@@ -374,8 +464,10 @@ std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
   if (victim < 0) throw std::logic_error("policy core: no evictable expert (all pinned)");
   const int32_t slot = expert_[victim].slot;
   expert_[victim].slot = -1;
+  res_bits_[victim >> 6] &= ~(uint64_t{1} << (victim & 63));
   ++counters_.evictions;
   expert_[e].slot = slot;
+  res_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   expert_in_slot_[slot] = e;
   key_[slot] = eviction_key(e);
   return {slot, victim};
@@ -398,6 +490,114 @@ void LayerCache::apply_ready_admissions() {
   queue_.erase(queue_.begin(), ready);
 }
 
+void LayerCache::set_future(const Future* future) {
+  if (t_ != 0) throw std::logic_error("set_future: the cache has already stepped");
+  if (future->k != k_ || static_cast<int>(future->first_use.size()) != E_)
+    throw std::invalid_argument("set_future: the future's k or E differs from the cache's");
+  future_ = future;
+  upcoming_ = future->first_use;
+  for (int s = 0; s < C_; ++s) key_[s] = eviction_key(expert_in_slot_[s]);
+}
+
+// Step 1b: P = the n largest lookahead logits; each one not resident is inserted. All of P is
+// pinned while it runs (n <= C, so a victim always exists and all of P is resident after it).
+// Returns the number inserted.
+int32_t LayerCache::prefetch(const float* y, int64_t i) {
+  const int n = p_.prefetch;
+  int32_t* P = pref_ids_.data();
+  if (!select_topk(y, E_, n, P, pref_vals_.data())) throw NonFiniteLookahead(i);
+  for (int j = 0; j < n; ++j)
+    if (expert_[P[j]].slot >= 0) key_[expert_[P[j]].slot] = kPinned;
+  int32_t inserted = 0;
+  for (int j = 0; j < n; ++j) {
+    const int32_t e = P[j];
+    if (expert_[e].slot >= 0) continue;
+    key_[insert(e).first] = kPinned;
+    acc_[e] = 0.0;
+    ++inserted;
+  }
+  for (int j = 0; j < n; ++j) key_[expert_[P[j]].slot] = eviction_key(P[j]);
+  counters_.prefetches += inserted;
+  return inserted;
+}
+
+// Step 2 with route_bias: S = the k largest biased logits z' (z + b for residents, z otherwise,
+// float64), ranked by z' (ties to the lower id). z' >= z, so S's k-th value is at least T0's
+// k-th logit `thr`; a non-resident outside T0 is outranked by all of T0, so S is drawn from T0
+// and the residents with z + b >= thr.
+double LayerCache::biased_selection(const float* z, const int32_t* sel0, const double* w0,
+                                    int32_t* sel, double* w) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const double b =
+      p_.route_bias * (static_cast<double>(z[sel0[0]]) - static_cast<double>(row_min(z, E_)));
+  const double thr = z[sel0[k_ - 1]];
+  // Most tokens: all of T0 resident, every member gains b. Then S = T0 unless rounding z + b
+  // merges values: T0 must stay in (z' descending, id ascending) order, and the best outsider
+  // (at most the float below thr; one equal to thr has a higher id than T0's) must stay below.
+  bool all_resident = true;
+  for (int r = 0; r < k_; ++r) all_resident &= is_resident(sel0[r]);
+  if (all_resident) {
+    double prev = static_cast<double>(z[sel0[0]]) + b;
+    bool ordered = true;
+    for (int r = 1; r < k_; ++r) {
+      const double v = static_cast<double>(z[sel0[r]]) + b;
+      ordered &= v < prev || (v == prev && sel0[r] > sel0[r - 1]);
+      prev = v;
+    }
+    if (ordered && static_cast<double>(std::nextafter(z[sel0[k_ - 1]], -kInf)) + b < prev) {
+      std::copy(sel0, sel0 + k_, sel);
+      std::copy(w0, w0 + k_, w);
+      return 0.0;
+    }
+  }
+  double val[kMaxTopK];
+  int n = 0;
+  auto offer = [&](double v, int32_t e) {  // insertion by (v descending, id ascending)
+    if (n == k_ && !(v > val[k_ - 1] || (v == val[k_ - 1] && e < sel[k_ - 1]))) return;
+    int pos = n < k_ ? n++ : k_ - 1;
+    while (pos > 0 && (v > val[pos - 1] || (v == val[pos - 1] && e < sel[pos - 1]))) {
+      val[pos] = val[pos - 1];
+      sel[pos] = sel[pos - 1];
+      --pos;
+    }
+    val[pos] = v;
+    sel[pos] = e;
+  };
+  for (int r = 0; r < k_; ++r) {
+    const int32_t e = sel0[r];
+    offer(is_resident(e) ? static_cast<double>(z[e]) + b : z[e], e);
+    t0_bits_[e >> 6] |= uint64_t{1} << (e & 63);
+  }
+  // Outsiders: residents with z + b >= thr. A float prefilter z >= f, with f below thr - b by
+  // more than any rounding of z + b, finds them in one vector pass over the row.
+  const double d = thr - b - (std::fabs(thr) + b) * 0x1p-50;
+  float f = d < -std::numeric_limits<float>::max() ? -kInf : static_cast<float>(d);
+  if (static_cast<double>(f) > d) f = std::nextafter(f, -kInf);
+  for (size_t i = 0; i < res_bits_.size(); ++i) t0_bits_[i] = res_bits_[i] & ~t0_bits_[i];
+  const int nc = at_least(z, E_, f, t0_bits_.data(), cand_.data());  // residents outside T0
+  for (int i = 0; i < nc; ++i) {
+    const double v = static_cast<double>(z[cand_[i]]) + b;
+    if (v >= thr) offer(v, cand_[i]);
+  }
+  std::fill(t0_bits_.begin(), t0_bits_.end(), 0);
+  bool same = true;
+  for (int r = 0; r < k_; ++r) same &= sel[r] == sel0[r];
+  if (same) {  // the same ranking: v1's weights, nothing rerouted
+    std::copy(w0, w0 + k_, w);
+    return 0.0;
+  }
+  float v[kMaxTopK];
+  for (int r = 0; r < k_; ++r) v[r] = z[sel[r]];
+  softmax_row(v, k_, w);
+  double rho = 0.0;  // T0's own weights of its experts that S left out, in T0's rank order
+  for (int r = 0; r < k_; ++r) {
+    bool kept = false;
+    for (int q = 0; q < k_; ++q) kept |= sel[q] == sel0[r];
+    if (!kept) rho += w0[r];
+  }
+  return rho;
+}
+
 std::pair<int32_t, int32_t> LayerCache::admit(int32_t e) {
   if (!external_) throw std::invalid_argument("admit() needs external_admission=True");
   if (e < 0 || e >= E_ || !expert_[e].pending)
@@ -408,22 +608,46 @@ std::pair<int32_t, int32_t> LayerCache::admit(int32_t e) {
   return insert(e);  // between tokens nothing is pinned
 }
 
-void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out) {
+void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out,
+                      const float* lookahead, int64_t lookahead_stride) {
   for (int64_t i = 0; i < T; ++i) {
     const float* z = logits + i * row_stride;
     float vals[kMaxTopK];
     if (!select_topk(z, E_, k_, sel_.data(), vals)) throw NonFiniteLogits(i);
     gate_weights(vals, 1, k_, w_.data());
-    step_selected(z, sel_.data(), w_.data(), out, i);
+    step_selected(z, sel_.data(), w_.data(), out, i,
+                  lookahead ? lookahead + i * lookahead_stride : nullptr);
   }
 }
 
-void LayerCache::step_selected(const float* z, const int32_t* sel, const double* w,
-                               const StepOut& out, int64_t i) {
+void LayerCache::step_selected(const float* z, const int32_t* sel0, const double* w0,
+                               const StepOut& out, int64_t i, const float* y) {
   if (t_ >= kMaxTokens)
     throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
-  // 1. admissions that are ready (2. selection is the caller's: sel, w)
+  if (p_.prefetch > 0 && !y) throw std::invalid_argument("policy prefetch > 0 needs lookahead");
+  if (p_.substitute_by == SubstituteBy::Coactivation && !coact_)
+    throw std::invalid_argument("policy substitute_by 'coactivation' needs a coactivation table");
+  if (p_.eviction == Eviction::Belady &&
+      (!future_ || t_ >= static_cast<int64_t>(future_->next_after.size()) / k_))
+    throw std::invalid_argument(
+        "policy eviction 'belady' needs the whole stream's future: scan and the simulator only");
+  // 1. admissions that are ready
   if (!external_) apply_ready_admissions();
+  // 1b. prefetch from the lookahead logits
+  const int32_t n_prefetched = p_.prefetch > 0 ? prefetch(y, i) : 0;
+  // 2. selection: the caller's unbiased top-k (sel0, w0), re-selected with route_bias
+  int32_t sel_biased[kMaxTopK];
+  double w_biased[kMaxTopK];
+  const int32_t* sel = sel0;
+  const double* w = w0;
+  double rho = 0.0;
+  if (p_.route_bias > 0.0) {
+    rho = biased_selection(z, sel0, w0, sel_biased, w_biased);
+    sel = sel_biased;
+    w = w_biased;
+  }
+  if (future_)  // belady: from here on, "next" starts after this token
+    for (int r = 0; r < k_; ++r) upcoming_[sel[r]] = future_->next_after[t_ * k_ + r];
   const int64_t o = i * out.k_stride;
   int8_t st[kMaxTopK];
   int32_t ids[kMaxTopK], slots[kMaxTopK];
@@ -445,6 +669,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel, const double*
       case Rule::Threshold: st[r] = (r == 0 || w[r] >= p_.tau) ? FETCH : SUB; break;
       case Rule::HostCompute: st[r] = HOST; break;
     }
+    if (st[r] == SUB && p_.light_miss == LightMiss::Host) st[r] = HOST;  // the lossless hybrid
   }
   // 4. fetches in rank order
   for (int r = 0; r < k_; ++r) {
@@ -466,7 +691,11 @@ void LayerCache::step_selected(const float* z, const int32_t* sel, const double*
         if (st[q] == HIT || st[q] == FETCH) zs_[slots[q]] = kExcluded;
       candidates_ready = true;
     }
-    const int32_t s = best_substitute(zs_.data(), expert_in_slot_.data(), C_);
+    const int32_t s =
+        p_.substitute_by == SubstituteBy::Coactivation
+            ? best_coactivated(coact_ + static_cast<int64_t>(e) * E_, zs_.data(),
+                               expert_in_slot_.data(), C_)
+            : best_substitute(zs_.data(), expert_in_slot_.data(), C_);
     if (s < 0) {  // unreachable with a full cache and k <= C; kept for the contract
       st[r] = FORCED;
       slots[r] = insert(e).first;
@@ -504,6 +733,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel, const double*
   counters_.sub += per_status[SUB];
   counters_.host += per_status[HOST];
   counters_.forced += per_status[FORCED];
+  counters_.rerouted += rho;
   ++counters_.tokens;
   // k is small: plain stores beat a memmove call per array
   if (out.ids) for (int r = 0; r < k_; ++r) out.ids[o + r] = ids[r];
@@ -512,25 +742,45 @@ void LayerCache::step_selected(const float* z, const int32_t* sel, const double*
   if (out.weights) for (int r = 0; r < k_; ++r) out.weights[o + r] = w[r];
   if (out.slot) for (int r = 0; r < k_; ++r) out.slot[o + r] = slots[r];
   if (out.mass) out.mass[i * out.mass_stride] = m;
+  if (out.rerouted) out.rerouted[i * out.mass_stride] = rho;
+  if (out.prefetched) out.prefetched[i * out.mass_stride] = n_prefetched;
   ++t_;
+}
+
+Future layer_future(const float* logits, int64_t T, int64_t row_stride, int E, int k) {
+  Future f;
+  f.k = k;
+  f.sel.resize(T * k);
+  std::vector<float> vals(k);
+  for (int64_t t = 0; t < T; ++t)
+    if (!select_topk(logits + t * row_stride, E, k, &f.sel[t * k], vals.data()))
+      throw NonFiniteLogits(t);
+  // backwards: `first_use` holds each expert's next selection after t, then its first one
+  f.next_after.resize(T * k);
+  f.first_use.assign(E, Future::kNever);
+  for (int64_t t = T - 1; t >= 0; --t) {
+    for (int r = 0; r < k; ++r) f.next_after[t * k + r] = f.first_use[f.sel[t * k + r]];
+    for (int r = 0; r < k; ++r) f.first_use[f.sel[t * k + r]] = static_cast<int32_t>(t);
+  }
+  return f;
+}
+
+void coactivation_counts(const float* logits, int64_t T, int64_t row_stride, int E, int k,
+                         int64_t* counts) {
+  int32_t sel[kMaxTopK];
+  float vals[kMaxTopK];
+  for (int64_t t = 0; t < T; ++t) {
+    if (!select_topk(logits + t * row_stride, E, k, sel, vals)) throw NonFiniteLogits(t);
+    for (int a = 0; a < k; ++a)
+      for (int b = 0; b < k; ++b) ++counts[static_cast<int64_t>(sel[a]) * E + sel[b]];
+  }
 }
 
 int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, int k, int C,
                     const int32_t* initial) {
-  // Selections of every token, then each (token, rank)'s next use of the same expert.
-  std::vector<int32_t> sel(T * k);
-  std::vector<float> vals(k);
-  for (int64_t t = 0; t < T; ++t)
-    if (!select_topk(logits + t * row_stride, E, k, &sel[t * k], vals.data()))
-      throw NonFiniteLogits(t);
-  const int64_t never = std::numeric_limits<int64_t>::max();
-  std::vector<int64_t> next_after(T * k), upcoming(E, never);
-  for (int64_t t = T - 1; t >= 0; --t) {
-    for (int r = 0; r < k; ++r) next_after[t * k + r] = upcoming[sel[t * k + r]];
-    for (int r = 0; r < k; ++r) upcoming[sel[t * k + r]] = t;
-  }
-  // `upcoming` now holds each expert's first use: the next use of the initial residents.
-  std::vector<int64_t> next_use = upcoming;
+  const Future f = layer_future(logits, T, row_stride, E, k);
+  // `next_use` starts as each expert's first selection: the next use of the initial residents.
+  std::vector<int32_t> next_use = f.first_use;
   std::vector<int32_t> resident;
   std::vector<uint8_t> is_res(E, 0);
   std::vector<int64_t> stamp(E, -1);
@@ -541,7 +791,7 @@ int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, i
   }
   int64_t hits = 0;
   for (int64_t t = 0; t < T; ++t) {
-    const int32_t* S = &sel[t * k];
+    const int32_t* S = &f.sel[t * k];
     for (int r = 0; r < k; ++r) stamp[S[r]] = t;
     for (int r = 0; r < k; ++r) {
       const int32_t e = S[r];
@@ -563,7 +813,7 @@ int64_t belady_hits(const float* logits, int64_t T, int64_t row_stride, int E, i
         is_res[e] = 1;
       }
     }
-    for (int r = 0; r < k; ++r) next_use[S[r]] = next_after[t * k + r];
+    for (int r = 0; r < k; ++r) next_use[S[r]] = f.next_after[t * k + r];
   }
   return hits;
 }

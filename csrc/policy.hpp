@@ -20,7 +20,9 @@ enum class Rule : int {
   Threshold = 3,
   HostCompute = 4
 };
-enum class Eviction : int { Lru = 0, Lfu = 1 };
+enum class Eviction : int { Lru = 0, Lfu = 1, Belady = 2 };  // belady: offline (needs the future)
+enum class LightMiss : int { Substitute = 0, Host = 1 };
+enum class SubstituteBy : int { Logit = 0, Coactivation = 1 };
 constexpr int kMaxTopK = 64;
 enum Status : int8_t { HIT = 0, FETCH = 1, SUB = 2, HOST = 3, FORCED = 4 };
 
@@ -30,12 +32,19 @@ struct PolicyParams {
   Eviction eviction = Eviction::Lru;
   double beta = 0.0;  // 0 = no background admission
   int64_t delay = 1;
+  // v2 (docs/policy-semantics.md); the defaults are v1
+  int prefetch = 0;          // experts prefetched per token from the lookahead logits (step 1b)
+  double route_bias = 0.0;   // lambda of cache-aware routing (step 2)
+  LightMiss light_miss = LightMiss::Substitute;
+  SubstituteBy substitute_by = SubstituteBy::Logit;
 };
 
 // Per-layer counters, summed over every token the layer has processed.
 struct Counters {
   int64_t tokens = 0, hit = 0, fetch = 0, sub = 0, host = 0, forced = 0;
   int64_t admission_requests = 0, admissions = 0, evictions = 0;
+  int64_t prefetches = 0;  // experts inserted in step 1b
+  double rerouted = 0.0;   // rerouted mass, summed over tokens
 };
 
 // Where one step's per-token outputs go. Strides are in elements between consecutive tokens, so
@@ -44,11 +53,13 @@ struct StepOut {
   int32_t* ids = nullptr;       // computed expert per rank
   double* weights = nullptr;    // normalized gate weight of the originally selected expert
   int8_t* status = nullptr;
-  int32_t* selected = nullptr;  // originally selected expert per rank
+  int32_t* selected = nullptr;  // selected expert per rank (route_bias: the biased selection S)
   int32_t* slot = nullptr;      // cache slot of the computed expert (-1 for HOST)
   int64_t k_stride = 0;         // between tokens in ids/weights/status/selected/slot
   double* mass = nullptr;       // substituted mass per token
-  int64_t mass_stride = 1;
+  int64_t mass_stride = 1;      // between tokens in mass/rerouted/prefetched
+  double* rerouted = nullptr;   // rerouted mass per token (route_bias)
+  int32_t* prefetched = nullptr;  // experts inserted in step 1b per token
   std::vector<std::pair<int64_t, int32_t>>* admissions = nullptr;  // (token, expert) enqueued
 };
 
@@ -56,6 +67,14 @@ struct StepOut {
 struct NonFiniteLogits : std::invalid_argument {
   explicit NonFiniteLogits(int64_t t)
       : std::invalid_argument("logits: contain NaN or inf (token " + std::to_string(t) + ")"),
+        token(t) {}
+  int64_t token;
+};
+
+// The lookahead logits held NaN or inf at `token` (the row's index within the call).
+struct NonFiniteLookahead : std::invalid_argument {
+  explicit NonFiniteLookahead(int64_t t)
+      : std::invalid_argument("lookahead: contain NaN or inf (token " + std::to_string(t) + ")"),
         token(t) {}
   int64_t token;
 };
@@ -68,6 +87,21 @@ bool select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out
 // softmax over the row, with the core's own exp (within 1 ulp of std::exp, the same bits on
 // every machine). Batching rows is faster; each row's result does not depend on the batch.
 void gate_weights(const float* vals, int64_t rows, int k, double* w_out);
+
+// What Belady's eviction knows of one layer's stream: every token's top-k (`sel`, (T, k)), for
+// token t and rank r the next token after t that selects the same expert (`next_after`, (T, k)),
+// and each expert's first selection (`first_use`, E); kNever if none.
+struct Future {
+  static constexpr int32_t kNever = std::numeric_limits<int32_t>::max();
+  int k = 0;
+  std::vector<int32_t> sel, next_after, first_use;
+};
+Future layer_future(const float* logits, int64_t T, int64_t row_stride, int E, int k);
+
+// Co-activation counts of one layer: counts[a * E + b] += 1 for every ordered pair (a, b) of a
+// token's top-k (a == b included: the diagonal counts each expert's selections).
+void coactivation_counts(const float* logits, int64_t T, int64_t row_stride, int E, int k,
+                         int64_t* counts);
 
 // Experiment B: substitute exactly the ranks in `sub_mask` (T, k) from a static resident set;
 // every other selected expert is computed exactly. Candidates exclude all selected experts.
@@ -83,14 +117,26 @@ class LayerCache {
 
   // Process `T` consecutive tokens; `logits` rows are `row_stride` floats apart. Throws
   // NonFiniteLogits at a NaN/inf row, after the rows before it were processed.
-  void step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out);
+  // With prefetch > 0 `lookahead` holds the lookahead rows, `lookahead_stride` floats apart
+  // (NonFiniteLookahead at a NaN/inf row).
+  void step(const float* logits, int64_t T, int64_t row_stride, const StepOut& out,
+            const float* lookahead = nullptr, int64_t lookahead_stride = 0);
 
   // One token whose selection is already known: `sel` holds the top-k experts by rank and `w`
   // their normalized gate weights (select_topk + gate_weights of `z`); outputs go to token `i`
   // of `out`. Selection does not depend on the cache, so callers replaying many layers or
   // policies over one trace select once.
+  // `y` is the token's lookahead row (prefetch > 0 only). With route_bias > 0, `sel` and `w` are
+  // the unbiased top-k T0 and the cache re-selects from them.
   void step_selected(const float* z, const int32_t* sel, const double* w, const StepOut& out,
-                     int64_t i);
+                     int64_t i, const float* y = nullptr);
+
+  // substitute_by = coactivation: this layer's co-activation table A (E, E), row-major; it must
+  // outlive the cache.
+  void set_coactivation(const double* A) { coact_ = A; }
+  // eviction = belady: the whole stream's future of this layer (it must outlive the cache and
+  // cover every token stepped).
+  void set_future(const Future* future);
 
   // External-admission mode: the copy of `expert` completed; make it resident now.
   // Returns (slot, evicted expert or -1); slot is the existing one if it was already resident.
@@ -107,6 +153,11 @@ class LayerCache {
   static constexpr int64_t kPinned = std::numeric_limits<int64_t>::max();
   static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
   int64_t eviction_key(int32_t expert) const;
+  int32_t prefetch(const float* y, int64_t i);  // step 1b: experts inserted
+  // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0);
+  // returns the rerouted mass
+  double biased_selection(const float* z, const int32_t* sel0, const double* w0, int32_t* sel,
+                          double* w);
   int32_t pick_victim() const;                    // resident with the smallest key, -1 if pinned
   std::pair<int32_t, int32_t> insert(int32_t e);  // evicts the victim: (freed slot, victim)
   void apply_ready_admissions();
@@ -131,6 +182,18 @@ class LayerCache {
   std::vector<int32_t> sel_;
   std::vector<double> w_;
   std::vector<float> zs_;  // best_substitute's scratch
+  // v2
+  const double* coact_ = nullptr;   // (E, E) co-activation table of this layer
+  const Future* future_ = nullptr;  // belady only
+  std::vector<int32_t> upcoming_;   // belady: each expert's next selection at or after now
+  std::vector<int32_t> pref_ids_;   // step 1b scratch (prefetch)
+  std::vector<float> pref_vals_;
+  // route_bias: residency as a bitmap (E bits: one cache line for 512 experts, where expert_
+  // would take a miss per probe); scratch: a bitmap (T0, then the residents outside it) and the
+  // prefiltered experts
+  std::vector<uint64_t> res_bits_, t0_bits_;
+  std::vector<int32_t> cand_;
+  bool is_resident(int32_t e) const { return res_bits_[e >> 6] >> (e & 63) & 1; }
 };
 
 // Belady's optimal eviction for fetch-every-miss over one layer of a token stream: evict the

@@ -18,15 +18,23 @@ static void add(Counters& into, const Counters& c) {
   into.admission_requests += c.admission_requests;
   into.admissions += c.admissions;
   into.evictions += c.evictions;
+  into.prefetches += c.prefetches;
+  into.rerouted += c.rerouted;
 }
 
 // One layer of one stream through every grid point. Selection does not depend on the policy, so
 // each token's top-k and gate weights are computed once and shared by all G caches.
 static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
                      const std::vector<GridPoint>& points, int layer,
-                     const std::vector<double*>& mass, Counters* counters, int64_t* belady) {
+                     const std::vector<double*>& mass, Counters* counters, int64_t* belady,
+                     const double* coactivation) {
   const int64_t row_stride = static_cast<int64_t>(L) * E;
   const float* logits = s.logits + static_cast<int64_t>(layer) * E;
+  const float* lookahead = s.lookahead ? s.lookahead + static_cast<int64_t>(layer) * E : nullptr;
+  bool any_belady = false;
+  for (const GridPoint& gp : points) any_belady |= gp.policy.eviction == Eviction::Belady;
+  Future future;  // one per task, shared by every belady point
+  if (any_belady) future = layer_future(logits, s.T, row_stride, E, k);
   std::vector<LayerCache> caches;
   std::vector<StepOut> outs;
   for (size_t g = 0; g < points.size(); ++g) {
@@ -34,6 +42,8 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
     const int32_t* initial =
         gp.initial ? gp.initial + static_cast<int64_t>(layer) * gp.capacity : nullptr;
     caches.emplace_back(E, k, gp.capacity, gp.policy, initial, false);
+    if (coactivation) caches.back().set_coactivation(coactivation + static_cast<int64_t>(layer) * E * E);
+    if (gp.policy.eviction == Eviction::Belady) caches.back().set_future(&future);
     StepOut out;
     out.mass = mass[g] + offset * L + layer;
     out.mass_stride = L;
@@ -51,8 +61,9 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
     gate_weights(vals, n, k, w);
     for (int64_t i = 0; i < n; ++i) {
       const float* z = logits + (t0 + i) * row_stride;
+      const float* y = lookahead ? lookahead + (t0 + i) * row_stride : nullptr;
       for (size_t g = 0; g < caches.size(); ++g)
-        caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i);
+        caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i, y);
     }
   }
   for (size_t g = 0; g < points.size(); ++g) {
@@ -68,7 +79,8 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
 
 void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
                    const std::vector<GridPoint>& points, int n_threads, Counters* counters,
-                   const std::vector<double*>& mass, int64_t* belady) {
+                   const std::vector<double*>& mass, int64_t* belady,
+                   const double* coactivation) {
   // Tasks are (stream, layer) pairs; each writes its own counters, summed in task order, so the
   // result is the same for any number of threads.
   const int64_t G = static_cast<int64_t>(points.size());
@@ -86,7 +98,7 @@ void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
       const int layer = static_cast<int>(task % L);
       try {
         run_task(streams[i], offset[i], L, E, k, points, layer, mass,
-                 &task_counters[task * G * L], &task_belady[task * G * L]);
+                 &task_counters[task * G * L], &task_belady[task * G * L], coactivation);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = std::current_exception();

@@ -20,11 +20,14 @@ struct GridPoint {
 struct StreamView {
   const float* logits;  // (T, L, E)
   int64_t T;
+  const float* lookahead = nullptr;  // (T, L, E) lookahead logits, or null (no prefetch)
 };
 
 // counters: G*L entries; mass[g]: (sum of T, L) substituted mass; belady: G*L hit counts.
+// coactivation: (L, E, E) table for substitute_by = coactivation, or null.
 void simulate_grid(const std::vector<StreamView>& streams, int L, int E, int k,
                    const std::vector<GridPoint>& points, int n_threads, Counters* counters,
-                   const std::vector<double*>& mass, int64_t* belady);
+                   const std::vector<double*>& mass, int64_t* belady,
+                   const double* coactivation = nullptr);
 
 }  // namespace moesub

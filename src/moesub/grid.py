@@ -16,11 +16,18 @@ import polars as pl
 
 from moesub import _core
 from moesub.cost import CostModel
-from moesub.policy import Policy, capacity_for, check_initial, check_sizes
+from moesub.policy import (
+    Policy,
+    capacity_for,
+    check_coactivation,
+    check_initial,
+    check_lookahead,
+    check_sizes,
+)
 
 COUNTER_NAMES = (
     "tokens", "hit", "fetch", "sub", "host", "forced", "admission_requests", "admissions",
-    "evictions",
+    "evictions", "prefetches",
 )  # fmt: skip
 
 
@@ -41,10 +48,14 @@ def simulate(
     cost: CostModel | None = None,
     n_threads: int | None = None,
     belady: bool = True,
+    lookahead: list[np.ndarray] | None = None,
+    coactivation: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """Replay every stream (float32 (T, L, E); caches restart per stream) for every grid point.
 
     `initial_sets` maps a capacity to its (L, C) resident set (default: experts 0..C-1).
+    `lookahead` holds each stream's lookahead logits (prefetch), `coactivation` the (L, E, E)
+    table (substitute_by='coactivation'); see moesub.policy.scan.
     Returns one row per grid point and layer, plus a total row per grid point (layer = -1).
     """
     if not streams:
@@ -68,18 +79,27 @@ def simulate(
         if initial_sets is not None and init is None:
             raise ValueError(f"initial_sets: no resident set for capacity {C} ({g.name})")
         initials.append(check_initial(init, (L, C), E))
+    if lookahead is not None and len(lookahead) != len(streams):
+        raise ValueError(
+            f"lookahead: need one array per stream ({len(streams)}), got {len(lookahead)}"
+        )
+    ys: list[np.ndarray | None] = [None] * len(streams)
+    table = None
+    for g, C in zip(grid, capacities, strict=True):
+        for i, s in enumerate(streams):
+            y = check_lookahead(g.policy, C, None if lookahead is None else lookahead[i], s.shape)
+            ys[i] = y if y is not None else ys[i]
+        A = check_coactivation(g.policy, coactivation, (L, E, E))
+        table = A if A is not None else table
     use_belady = [belady and g.policy.rule == "fetch_all" for g in grid]
     total_T = sum(s.shape[0] for s in streams)
     mass = [np.zeros((total_T, L), np.float64) for _ in grid]
     counters = np.zeros((len(grid), L, len(COUNTER_NAMES)), np.int64)
     belady_hits = np.zeros((len(grid), L), np.int64)
-    args = [g.policy._core_args() for g in grid]
+    rerouted = np.zeros((len(grid), L), np.float64)
     _core.simulate_grid(
-        streams, k,
-        [a[0] for a in args], [a[1] for a in args], [a[2] for a in args],
-        [a[3] for a in args], [a[4] for a in args],
-        capacities, initials, use_belady, mass, counters, belady_hits,
-        n_threads or os.cpu_count() or 1,
+        streams, ys, k, [g.policy._core_args() for g in grid], capacities, initials, use_belady,
+        table, mass, counters, rerouted, belady_hits, n_threads or os.cpu_count() or 1,
     )  # fmt: skip
     rows = []
     for gi, (g, C) in enumerate(zip(grid, capacities, strict=True)):
@@ -88,10 +108,12 @@ def simulate(
                 c = dict(zip(COUNTER_NAMES, counters[gi, layer].tolist(), strict=True))
                 m = mass[gi][:, layer]
                 bel = belady_hits[gi, layer]
+                rho = rerouted[gi, layer]
             else:
                 c = dict(zip(COUNTER_NAMES, counters[gi].sum(0).tolist(), strict=True))
                 m = mass[gi].ravel()
                 bel = belady_hits[gi].sum()
+                rho = rerouted[gi].sum()
             calls = c["tokens"] * k
             n_layers = L if layer < 0 else 1
             rows.append(
@@ -108,6 +130,7 @@ def simulate(
                     "mass_p90": float(np.quantile(m, 0.9)),
                     "mass_p99": float(np.quantile(m, 0.99)),
                     "mass_per_token": float(mass[gi].sum(1).mean()) if layer < 0 else None,
+                    "rerouted_mean": float(rho) / c["tokens"],
                     "est_time_per_token_s": cost.time_per_token(c, n_layers),
                     "belady_hit_rate": bel / calls if use_belady[gi] else None,
                 }

@@ -18,7 +18,10 @@ from moesub import _core
 HIT, FETCH, SUB, HOST, FORCED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")
 RULES = ("fetch_all", "substitute_all", "first_choice", "threshold", "host_compute")
-EVICTIONS = ("lru", "lfu")
+EVICTIONS = ("lru", "lfu")  # online evictions: every stage, the streaming form included
+OFFLINE_EVICTIONS = ("belady",)  # needs the whole future: scan and the simulator only
+LIGHT_MISSES = ("substitute", "host")  # what the light misses a rule would substitute do
+SUBSTITUTE_BY = ("logit", "coactivation")  # step 5's candidate ranking
 CORE_BUILD_ID: str = _core.BUILD_ID
 # Reserved policy name: every expert resident (the engine's floor on time per token).
 ALL_RESIDENT = "all_resident"
@@ -38,20 +41,27 @@ STUDY_POLICIES: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Policy:
-    """A miss rule, an eviction order and (beta > 0) background admission."""
+    """A miss rule, an eviction order and (beta > 0) background admission; v2 adds prefetch,
+    cache-aware routing, host-computed light misses and co-activation substitutes (defaults: v1).
+    """
 
     rule: str = "fetch_all"
     tau: float = 0.0  # threshold rule only: fetch a miss whose gate weight is >= tau
     eviction: str = "lru"
     beta: float = 0.0  # admit an expert once its substituted mass reaches beta; 0 = never
     delay: int = 1  # tokens between an admission request and the expert becoming resident
+    prefetch: int = 0  # experts prefetched per token from the lookahead logits (step 1b)
+    route_bias: float = 0.0  # lambda: residents' logits + lambda * (max - min) in selection
+    light_miss: str = "substitute"  # "host": what the rule would substitute runs on the host
+    substitute_by: str = "logit"  # "coactivation": the resident most co-selected with the miss
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"policy rule: unknown rule {self.rule!r}; expected one of {RULES}")
-        if self.eviction not in EVICTIONS:
+        if self.eviction not in EVICTIONS + OFFLINE_EVICTIONS:
             raise ValueError(
-                f"policy eviction: unknown eviction {self.eviction!r}; expected one of {EVICTIONS}"
+                f"policy eviction: unknown eviction {self.eviction!r}; expected one of "
+                f"{EVICTIONS + OFFLINE_EVICTIONS}"
             )
         if not (math.isfinite(self.tau) and self.tau >= 0):
             raise ValueError(f"policy tau: must be a finite number >= 0, got {self.tau!r}")
@@ -61,6 +71,34 @@ class Policy:
             raise ValueError(f"policy delay: must be an integer >= 1, got {self.delay!r}")
         if self.rule == "host_compute" and self.beta > 0:
             raise ValueError("policy beta: host_compute never changes the cache; beta must be 0")
+        if isinstance(self.prefetch, bool) or int(self.prefetch) != self.prefetch:
+            raise ValueError(f"policy prefetch: must be an integer >= 0, got {self.prefetch!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"policy prefetch: must be >= 0, got {self.prefetch!r}")
+        if not (math.isfinite(self.route_bias) and self.route_bias >= 0):
+            raise ValueError(
+                f"policy route_bias: lambda must be a finite number >= 0, got {self.route_bias!r}"
+            )
+        if self.light_miss not in LIGHT_MISSES:
+            raise ValueError(
+                f"policy light_miss: unknown value {self.light_miss!r}; expected one of "
+                f"{LIGHT_MISSES}"
+            )
+        if self.substitute_by not in SUBSTITUTE_BY:
+            raise ValueError(
+                f"policy substitute_by: unknown value {self.substitute_by!r}; expected one of "
+                f"{SUBSTITUTE_BY}"
+            )
+        if self.eviction == "belady" and self.route_bias > 0:
+            raise ValueError(
+                "policy eviction: 'belady' needs the future selections, which route_bias > 0 "
+                "makes depend on the cache; use route_bias=0 or an online eviction"
+            )
+        if self.light_miss == "host" and self.beta > 0:
+            raise ValueError(
+                "policy beta: with light_miss='host' nothing is substituted, so nothing is ever "
+                "admitted; beta must be 0"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Policy:
@@ -73,13 +111,17 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def _core_args(self) -> tuple[int, float, int, float, int]:
+    def _core_args(self) -> tuple[int, float, int, float, int, int, float, int, int]:
         return (
             RULES.index(self.rule),
             float(self.tau),
-            EVICTIONS.index(self.eviction),
+            (EVICTIONS + OFFLINE_EVICTIONS).index(self.eviction),
             float(self.beta),
             int(self.delay),
+            int(self.prefetch),
+            float(self.route_bias),
+            LIGHT_MISSES.index(self.light_miss),
+            SUBSTITUTE_BY.index(self.substitute_by),
         )
 
 
@@ -163,6 +205,49 @@ def _check_policy(policy: Any) -> Policy:
     return policy
 
 
+def _check_prefetch(policy: Policy, capacity: int) -> None:
+    if policy.prefetch > capacity:
+        raise ValueError(f"policy prefetch: n={policy.prefetch} exceeds the capacity C={capacity}")
+
+
+def check_lookahead(
+    policy: Policy, capacity: int, lookahead: Any, shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """Prefetch's lookahead logits: float32 of the logits' shape, needed iff prefetch > 0 (the
+    core checks them for NaN/inf as it reads them, like the logits). None if unused."""
+    _check_prefetch(policy, capacity)
+    if lookahead is None:
+        if policy.prefetch > 0:
+            raise ValueError("lookahead: policy prefetch > 0 needs the lookahead logits")
+        return None
+    if not isinstance(lookahead, np.ndarray) or lookahead.dtype != np.float32:
+        raise ValueError("lookahead: expected a float32 numpy array")
+    if lookahead.shape != shape:
+        raise ValueError(f"lookahead: expected the logits' shape {shape}, got {lookahead.shape}")
+    return np.ascontiguousarray(lookahead) if policy.prefetch > 0 else None
+
+
+def check_coactivation(
+    policy: Policy, coactivation: Any, shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """substitute_by='coactivation''s table (`coactivation()`), as float64. None if unused."""
+    if coactivation is None:
+        if policy.substitute_by == "coactivation":
+            raise ValueError(
+                "coactivation: substitute_by='coactivation' needs the co-activation table "
+                "(moesub.policy.coactivation of the calibration trace)"
+            )
+        return None
+    A = np.asarray(coactivation)
+    if A.shape != shape:
+        raise ValueError(f"coactivation: expected shape {shape}, got {A.shape}")
+    if not np.issubdtype(A.dtype, np.floating) or not np.isfinite(A).all():
+        raise ValueError("coactivation: expected finite floating-point values")
+    if policy.substitute_by != "coactivation":
+        return None
+    return np.ascontiguousarray(A, dtype=np.float64)
+
+
 # ---------------------------------------------------------------------------------------------
 # whole-stream scan
 
@@ -173,7 +258,9 @@ class ScanResult:
     weights: np.ndarray  # float64 (T, L, k): normalized gate weights of the selected experts
     status: np.ndarray  # int8 (T, L, k): HIT / FETCH / SUB / HOST / FORCED
     mass: np.ndarray  # float64 (T, L): substituted mass per token-layer
-    selected: np.ndarray  # int32 (T, L, k): the router's top-k by rank
+    selected: np.ndarray  # int32 (T, L, k): the selection S by rank (v1: the router's top-k)
+    rerouted: np.ndarray  # float64 (T, L): mass route_bias moved off the unbiased top-k
+    prefetched: np.ndarray  # int32 (T, L): experts inserted by prefetch (step 1b)
 
     @classmethod
     def empty(cls, T: int, L: int, k: int) -> ScanResult:
@@ -185,6 +272,8 @@ class ScanResult:
             "status": ((T, L, k), np.int8),
             "mass": ((T, L), np.float64),
             "selected": ((T, L, k), np.int32),
+            "rerouted": ((T, L), np.float64),
+            "prefetched": ((T, L), np.int32),
         }
         sizes = [-(-math.prod(s) * np.dtype(d).itemsize // 64) * 64 for s, d in specs.values()]
         block = np.empty(sum(sizes), np.uint8)
@@ -197,13 +286,22 @@ class ScanResult:
 
 
 def _check_scan_args(
-    logits: Any, k: int, capacity: int, policy: Any, initial: Any, finite: bool = True
-) -> tuple[np.ndarray, np.ndarray | None]:
+    logits: Any,
+    k: int,
+    capacity: int,
+    policy: Any,
+    initial: Any,
+    lookahead: Any = None,
+    coactivation: Any = None,
+    finite: bool = True,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     logits = _check_logits(logits, 3, finite)
     T, L, E = logits.shape
     check_sizes(E, k, capacity)
     _check_policy(policy)
-    return logits, check_initial(initial, (L, capacity), E)
+    init = check_initial(initial, (L, capacity), E)
+    y = check_lookahead(policy, capacity, lookahead, logits.shape)
+    return logits, init, y, check_coactivation(policy, coactivation, (L, E, E))
 
 
 def scan(
@@ -212,22 +310,34 @@ def scan(
     capacity: int,
     policy: Policy,
     initial: np.ndarray | None = None,
+    coactivation: np.ndarray | None = None,
+    lookahead: np.ndarray | None = None,
 ) -> ScanResult:
-    """Replay a whole (T, L, E) float32 trace through the policy; every layer has its own cache."""
+    """Replay a whole (T, L, E) float32 trace through the policy; every layer has its own cache.
+
+    `lookahead` (float32, the logits' shape) feeds prefetch; `coactivation` ((L, E, E), see
+    `coactivation()`) feeds substitute_by='coactivation'.
+    """
     # the core checks for NaN/inf while it reads the logits (a separate pass costs a third of it)
-    logits, init = _check_scan_args(logits, k, capacity, policy, initial, finite=False)
+    logits, init, y, A = _check_scan_args(
+        logits, k, capacity, policy, initial, lookahead, coactivation, finite=False
+    )
     r = ScanResult.empty(*logits.shape[:2], k)
     _core.scan(
         logits,
         k,
         capacity,
-        *policy._core_args(),
+        policy._core_args(),
         init,
+        y,
+        A,
         r.ids,
         r.weights,
         r.status,
         r.selected,
         r.mass,
+        r.rerouted,
+        r.prefetched,
     )
     return r
 
@@ -244,6 +354,8 @@ class LayerStep:
     selected: np.ndarray  # int32 (T, k)
     slot: np.ndarray  # int32 (T, k): cache slot of the computed expert, -1 for HOST
     mass: np.ndarray  # float64 (T,)
+    rerouted: np.ndarray  # float64 (T,)
+    prefetched: np.ndarray  # int32 (T,)
     admissions: np.ndarray  # int64 (n, 2): (token, expert) admission requests made in this call
 
 
@@ -253,6 +365,8 @@ class LayerCache:
     Stepping over a stream in chunks of any size gives exactly the result of one `scan`. With
     `external_admission=True` admissions are not applied after `delay` tokens: the caller copies
     the expert in the background and calls `admit(expert)` when the copy has completed.
+    `coactivation` is the layer's (E, E) table (substitute_by='coactivation'); prefetch needs
+    each step's lookahead rows. Eviction 'belady' needs the future and is rejected here.
     """
 
     def __init__(
@@ -263,25 +377,37 @@ class LayerCache:
         policy: Policy,
         initial: np.ndarray | None = None,
         external_admission: bool = False,
+        coactivation: np.ndarray | None = None,
     ) -> None:
         check_sizes(num_experts, k, capacity)
         self.policy = _check_policy(policy)
+        if policy.eviction in OFFLINE_EVICTIONS:
+            raise ValueError(
+                f"policy eviction: {policy.eviction!r} needs the whole stream's future; it runs "
+                "in scan and the simulator only, not in the streaming LayerCache"
+            )
         self.num_experts, self.k, self.capacity = int(num_experts), int(k), int(capacity)
         init = check_initial(initial, (capacity,), num_experts)
+        E = self.num_experts
+        _check_prefetch(policy, capacity)  # the lookahead itself comes with each step
+        self._coactivation = check_coactivation(policy, coactivation, (E, E))
         self._core = _core.LayerCache(
-            self.num_experts,
+            E,
             self.k,
             self.capacity,
-            *policy._core_args(),
+            policy._core_args(),
             init,
             bool(external_admission),
+            self._coactivation,  # kept on self: the core holds a pointer into it
         )
 
-    def step(self, logits: np.ndarray) -> LayerStep:
+    def step(self, logits: np.ndarray, lookahead: np.ndarray | None = None) -> LayerStep:
+        """Step T tokens: logits (T, E) float32; lookahead (T, E) float32 when prefetch > 0."""
         logits = _check_logits(logits, 2)
         T, E = logits.shape
         if self.num_experts != E:
             raise ValueError(f"logits: expected {self.num_experts} experts per row, got {E}")
+        y = check_lookahead(self.policy, self.capacity, lookahead, logits.shape)
         k = self.k
         s = LayerStep(
             ids=np.empty((T, k), np.int32),
@@ -290,9 +416,14 @@ class LayerCache:
             selected=np.empty((T, k), np.int32),
             slot=np.empty((T, k), np.int32),
             mass=np.empty(T, np.float64),
+            rerouted=np.empty(T, np.float64),
+            prefetched=np.empty(T, np.int32),
             admissions=np.empty((0, 2), np.int64),
         )
-        adm = self._core.step(logits, s.ids, s.weights, s.status, s.selected, s.slot, s.mass)
+        adm = self._core.step(
+            logits, y, s.ids, s.weights, s.status, s.selected, s.slot, s.mass, s.rerouted,
+            s.prefetched,
+        )  # fmt: skip
         if adm:
             s.admissions = np.asarray(adm, dtype=np.int64)
         return s
@@ -340,6 +471,30 @@ def forced_substitution(
     return ids, weights, selected
 
 
+def coactivation(logits: np.ndarray | list[np.ndarray], k: int) -> np.ndarray:
+    """The co-activation table of a trace (docs/policy-semantics.md, v2 `substitute_by`).
+
+    `logits`: one float32 (T, L, E) trace or a list of streams of one model. Returns float64
+    (L, E, E): A[l, e, c] = (tokens with e and c both in layer l's top-k) / max(1, tokens with e
+    in it), the top-k with v1's ties (lower id). The diagonal is 1 for an expert ever selected.
+    """
+    streams = [logits] if isinstance(logits, np.ndarray) else list(logits)
+    if not streams:
+        raise ValueError("coactivation: need at least one router-logit stream")
+    # the core checks for NaN/inf as it reads the logits, as in scan
+    streams = [_check_logits(s, 3, finite=False) for s in streams]
+    shapes = {s.shape[1:] for s in streams}
+    if len(shapes) != 1:
+        raise ValueError(f"coactivation: all streams need the same (L, E); got {sorted(shapes)}")
+    L, E = streams[0].shape[1:]
+    check_sizes(E, k, E)
+    counts = np.zeros((L, E, E), np.int64)
+    for s in streams:
+        _core.coactivation_counts(s, k, counts)
+    selected = np.diagonal(counts, axis1=1, axis2=2)  # (L, E): tokens with e in the top-k
+    return counts / np.maximum(1, selected)[:, :, None]
+
+
 # ---------------------------------------------------------------------------------------------
 # reference implementation: docs/policy-semantics.md, line by line (slow; tests only)
 
@@ -350,37 +505,87 @@ def reference_scan(
     capacity: int,
     policy: Policy,
     initial: np.ndarray | None = None,
+    coactivation: np.ndarray | None = None,
+    lookahead: np.ndarray | None = None,
 ) -> ScanResult:
-    logits, init = _check_scan_args(logits, k, capacity, policy, initial)
+    logits, init, y, A = _check_scan_args(
+        logits, k, capacity, policy, initial, lookahead, coactivation
+    )
+    if y is not None and not np.isfinite(y).all():
+        bad = np.argwhere(~np.isfinite(y))[0]
+        raise ValueError(f"lookahead: contain NaN or inf (first at index {tuple(bad.tolist())})")
     L = logits.shape[1]
     out = ScanResult.empty(*logits.shape[:2], k)
     for layer in range(L):
         row = list(range(capacity)) if init is None else [int(e) for e in init[layer]]
-        _reference_layer(logits[:, layer], k, policy, row, out, layer)
+        _reference_layer(
+            logits[:, layer],
+            k,
+            policy,
+            row,
+            out,
+            layer,
+            None if y is None else y[:, layer],
+            None if A is None else A[layer],
+        )
     return out
 
 
+def _reference_topk(z: list[float], k: int) -> list[int]:
+    """The k largest values, ranked descending, ties to the lower id."""
+    return sorted(range(len(z)), key=lambda e: (-z[e], e))[:k]
+
+
+def _reference_weights(z: list[float], S: list[int]) -> list[float]:
+    """Softmax of z over S against S's largest logit, summed in S's order (float64)."""
+    top = max(z[e] for e in S)
+    ex = [math.exp(z[e] - top) for e in S]
+    total = 0.0
+    for x in ex:
+        total += x
+    return [x / total for x in ex]
+
+
 def _reference_layer(
-    logits: np.ndarray, k: int, policy: Policy, resident: list[int], out: ScanResult, layer: int
+    logits: np.ndarray,
+    k: int,
+    policy: Policy,
+    resident: list[int],
+    out: ScanResult,
+    layer: int,
+    lookahead: np.ndarray | None,
+    coactivation: np.ndarray | None,
 ) -> None:
-    """One layer of `reference_scan`: logits (T, E); `resident` is the initial set (mutated)."""
+    """One layer of `reference_scan`: logits (T, E); `resident` is the initial set (mutated);
+    lookahead (T, E) for prefetch, coactivation (E, E) for substitute_by='coactivation'."""
     T, E = logits.shape
     freq = [0] * E
     last = [-1] * E
     acc = [0.0] * E
     pending: dict[int, int] = {}  # expert -> ready time
+    uses: list[list[int]] = [[] for _ in range(E)]  # belady: the tokens that select each expert
+    if policy.eviction == "belady":  # route_bias is 0: the selection is the unbiased top-k
+        for t in range(T):
+            for e in _reference_topk([float(x) for x in logits[t]], k):
+                uses[e].append(t)
 
-    def victim(pinned: set[int]) -> int:
+    def next_use(e: int, start: int) -> float:
+        return next((u for u in uses[e] if u >= start), math.inf)
+
+    def victim(pinned: set[int], now: int) -> int:
+        # now: the first token whose selection counts as "next" (belady)
         def key(e: int) -> tuple:
             if policy.eviction == "lfu":
                 return (freq[e], last[e], e)
+            if policy.eviction == "belady":
+                return (-next_use(e, now), e)
             return (last[e], e)
 
         return min((e for e in resident if e not in pinned), key=key)
 
-    def insert(e: int, pinned: set[int]) -> None:
+    def insert(e: int, pinned: set[int], now: int) -> None:
         # the cache is always full: evict a victim and take its place
-        v = victim(pinned)
+        v = victim(pinned, now)
         resident[resident.index(v)] = e
 
     for t in range(T):
@@ -389,37 +594,55 @@ def _reference_layer(
         for _ready, e in sorted((r, e) for e, r in pending.items() if r <= t):
             del pending[e]
             if e not in resident:
-                insert(e, pinned=set())
-        # 2. selection: k largest logits, ties to the lower id; weights in float64
-        S = sorted(range(E), key=lambda e: (-z[e], e))[:k]
-        ex = [math.exp(z[e] - z[S[0]]) for e in S]
-        total = 0.0
-        for x in ex:
-            total += x
-        w = [x / total for x in ex]
+                insert(e, pinned=set(), now=t)
+        # 1b. prefetch the n largest lookahead logits; all of P is pinned meanwhile
+        n_prefetched = 0
+        if policy.prefetch > 0:
+            P = _reference_topk([float(x) for x in lookahead[t]], policy.prefetch)
+            for e in P:
+                if e not in resident:
+                    insert(e, pinned=set(P), now=t)
+                    acc[e] = 0.0
+                    n_prefetched += 1
+        # 2. selection: k largest logits, ties to the lower id; weights in float64. With
+        # route_bias the residents' logits are raised by lambda times the row's range.
+        T0 = _reference_topk(z, k)
+        w0 = _reference_weights(z, T0)
+        S, w, rho = T0, w0, 0.0
+        if policy.route_bias > 0:
+            b = policy.route_bias * (max(z) - min(z))
+            biased = [z[e] + b if e in resident else z[e] for e in range(E)]
+            S = _reference_topk(biased, k)
+            w = _reference_weights(z, S)
+            for r, e in enumerate(T0):
+                if e not in S:
+                    rho += w0[r]
         for e in S:
             freq[e] += 1
         # 3. classify in rank order
         status = []
         for r, e in enumerate(S):
             if e in resident:
-                status.append(HIT)
+                s = HIT
             elif policy.rule == "fetch_all":
-                status.append(FETCH)
+                s = FETCH
             elif policy.rule == "substitute_all":
-                status.append(SUB)
+                s = SUB
             elif policy.rule == "first_choice":
-                status.append(FETCH if r == 0 else SUB)
+                s = FETCH if r == 0 else SUB
             elif policy.rule == "threshold":
-                status.append(FETCH if r == 0 or w[r] >= policy.tau else SUB)
+                s = FETCH if r == 0 or w[r] >= policy.tau else SUB
             else:
-                status.append(HOST)
+                s = HOST
+            if s == SUB and policy.light_miss == "host":
+                s = HOST
+            status.append(s)
         ids = list(S)
         computed = {e for r, e in enumerate(S) if status[r] in (HIT, HOST)}
         # 4. fetch in rank order; hits and earlier fetches are pinned
         for r, e in enumerate(S):
             if status[r] == FETCH:
-                insert(e, pinned=computed)
+                insert(e, pinned=computed, now=t + 1)
                 computed.add(e)
                 acc[e] = 0.0
         # 5. substitute in rank order
@@ -430,11 +653,14 @@ def _reference_layer(
             candidates = [x for x in resident if x not in computed]
             if not candidates:
                 status[r] = FORCED
-                insert(e, pinned=computed)
+                insert(e, pinned=computed, now=t + 1)
                 computed.add(e)
                 acc[e] = 0.0
                 continue
-            s = min(candidates, key=lambda x: (-z[x], x))
+            if policy.substitute_by == "coactivation":
+                s = min(candidates, key=lambda x: (-coactivation[e, x], -z[x], x))
+            else:
+                s = min(candidates, key=lambda x: (-z[x], x))
             ids[r] = s
             computed.add(s)
             m += w[r]
@@ -450,3 +676,5 @@ def _reference_layer(
         out.status[t, layer] = status
         out.selected[t, layer] = S
         out.mass[t, layer] = m
+        out.rerouted[t, layer] = rho
+        out.prefetched[t, layer] = n_prefetched

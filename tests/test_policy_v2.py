@@ -1,0 +1,425 @@
+"""Policy semantics v2 (prefetch, route_bias, light_miss, substitute_by, belady eviction): the
+C++ core against the plain-Python reference, v1 reproduced by every default, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moesub.policy import (
+    EVICTIONS,
+    FETCH,
+    HIT,
+    HOST,
+    LIGHT_MISSES,
+    OFFLINE_EVICTIONS,
+    RULES,
+    SUB,
+    SUBSTITUTE_BY,
+    LayerCache,
+    Policy,
+    coactivation,
+    reference_scan,
+    scan,
+)
+from moesub.simulate import GridPoint, simulate
+
+
+def tie_prone(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """float16 rounding and a small range make exact ties common."""
+    return (rng.normal(size=shape) * scale).astype(np.float16).astype(np.float32)
+
+
+@st.composite
+def policies(draw, capacity: int, online: bool = False) -> Policy:
+    rule = draw(st.sampled_from(RULES))
+    light_miss = draw(st.sampled_from(LIGHT_MISSES))
+    no_admission = rule == "host_compute" or light_miss == "host"
+    evictions = EVICTIONS if online else EVICTIONS + OFFLINE_EVICTIONS
+    eviction = draw(st.sampled_from(evictions))
+    route_bias = 0.0 if eviction == "belady" else draw(st.sampled_from([0.0, 0.02, 0.1, 0.5, 3.0]))
+    return Policy(
+        rule=rule,
+        tau=draw(st.sampled_from([0.0, 0.15, 0.3, 0.9])),
+        eviction=eviction,
+        beta=0.0 if no_admission else draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
+        delay=draw(st.integers(1, 3)),
+        prefetch=draw(st.one_of(st.integers(0, min(capacity, 3)), st.just(capacity))),
+        route_bias=route_bias,
+        light_miss=light_miss,
+        substitute_by=draw(st.sampled_from(SUBSTITUTE_BY)),
+    )
+
+
+SMALL_E = st.integers(2, 16)
+
+
+@st.composite
+def cases(draw, num_experts=SMALL_E, max_k=5, max_tokens=25, online=False):
+    """(logits, k, C, policy, initial, coactivation table, lookahead)."""
+    E = draw(num_experts)
+    k = draw(st.integers(1, min(E, max_k)))
+    C = draw(st.integers(k, E))
+    T = draw(st.integers(1, max_tokens))
+    L = draw(st.integers(1, 2))
+    policy = draw(policies(C, online))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    logits = tie_prone(rng, (T, L, E), draw(st.sampled_from([0.3, 1.0, 4.0])))
+    initial = None
+    if draw(st.booleans()):
+        initial = np.stack([rng.permutation(E)[:C] for _ in range(L)]).astype(np.int32)
+    table = draw(st.sampled_from(["calibration", "coarse", "none"]))
+    if table == "calibration":  # the real thing: counted on another trace of the same shape
+        A = coactivation(tie_prone(rng, (30, L, E), 1.0), k)
+    elif table == "coarse":  # few distinct values: ties on A, broken by the logit, then the id
+        A = rng.integers(0, 3, size=(L, E, E)) / 2.0
+    else:
+        A = None if policy.substitute_by == "logit" else np.zeros((L, E, E))
+    # the predictor: the logits themselves, a noisy copy (often right), or unrelated
+    kind = draw(st.sampled_from(["exact", "noisy", "unrelated"]))
+    y = {
+        "exact": logits,
+        "noisy": (logits + tie_prone(rng, logits.shape, 0.5)).astype(np.float32),
+        "unrelated": tie_prone(rng, logits.shape, 1.0),
+    }[kind]
+    lookahead = y if policy.prefetch > 0 or draw(st.booleans()) else None
+    return logits, k, C, policy, initial, A, lookahead
+
+
+def assert_same(a, b):
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(a.status, b.status)
+    np.testing.assert_array_equal(a.selected, b.selected)
+    np.testing.assert_array_equal(a.prefetched, b.prefetched)
+    np.testing.assert_allclose(a.weights, b.weights, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(a.mass, b.mass, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(a.rerouted, b.rerouted, rtol=0, atol=1e-12)
+
+
+def run_both(case):
+    logits, k, C, policy, initial, A, y = case
+    got = scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
+    want = reference_scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
+    return got, want
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_scan_matches_reference(case):
+    assert_same(*run_both(case))
+
+
+# E >= 32: the core's lane-filtered top-k for the selection and the prefetch set
+wide_cases = cases(num_experts=st.sampled_from([32, 45, 70]), max_k=10, max_tokens=15)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wide_cases)
+def test_scan_matches_reference_wide_rows(case):
+    assert_same(*run_both(case))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cases(online=True, max_tokens=30),
+    st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    st.booleans(),
+)
+def test_streaming_matches_whole_scan(case, chunks, external):
+    """LayerCache in chunks (lookahead rows with each chunk) = scan; with external admission,
+    admit() called when the delay expires reproduces the internal queue."""
+    logits, k, C, policy, initial, A, y = case
+    T, L, E = logits.shape
+    whole = scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
+    for layer in range(L):
+        cache = LayerCache(
+            E, k, C, policy, None if initial is None else initial[layer],
+            external_admission=external, coactivation=None if A is None else A[layer],
+        )  # fmt: skip
+        ready: list[tuple[int, int]] = []
+        t, i = 0, 0
+        while t < T:
+            n = 1 if external else min(chunks[i % len(chunks)], T - t)
+            for _r, e in sorted(x for x in ready if x[0] <= t):
+                cache.admit(e)
+            ready = [x for x in ready if x[0] > t]
+            rows = np.ascontiguousarray(logits[t : t + n, layer])
+            ys = None if y is None else np.ascontiguousarray(y[t : t + n, layer])
+            s = cache.step(rows, ys)
+            if external:  # the engine's part: the copy completes when the delay expires
+                ready += [(int(tt) + policy.delay, int(e)) for tt, e in s.admissions]
+            sl = (slice(t, t + n), layer)
+            np.testing.assert_array_equal(s.ids, whole.ids[sl])
+            np.testing.assert_array_equal(s.status, whole.status[sl])
+            np.testing.assert_array_equal(s.selected, whole.selected[sl])
+            np.testing.assert_array_equal(s.weights, whole.weights[sl])
+            np.testing.assert_array_equal(s.mass, whole.mass[sl])
+            np.testing.assert_array_equal(s.rerouted, whole.rerouted[sl])
+            np.testing.assert_array_equal(s.prefetched, whole.prefetched[sl])
+            t, i = t + n, i + 1
+        c = cache.counters()
+        assert c["prefetches"] == whole.prefetched[:, layer].sum()
+        assert c["rerouted"] == pytest.approx(whole.rerouted[:, layer].sum(), abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# every default reproduces v1 bit for bit, and each field's neutral setting too
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_neutral_v2_settings_are_v1_bit_for_bit(case):
+    logits, k, C, policy, initial, _, y = case
+    T, L, E = logits.shape
+    v1 = Policy(policy.rule, policy.tau, "lru", 0.0 if policy.light_miss == "host" else policy.beta)
+    base = scan(logits, k, C, v1, initial)
+    fields = ("ids", "weights", "status", "selected", "mass", "rerouted", "prefetched")
+
+    def same(r):
+        for f in fields:
+            np.testing.assert_array_equal(getattr(r, f), getattr(base, f), err_msg=f)
+
+    # v2 defaults, spelled out, with unused arrays passed along
+    explicit = Policy(v1.rule, v1.tau, v1.eviction, v1.beta, prefetch=0, route_bias=0.0,
+                      light_miss="substitute", substitute_by="logit")  # fmt: skip
+    same(scan(logits, k, C, explicit, initial, coactivation=np.zeros((L, E, E)), lookahead=y))
+    # a table with one value: every tie goes to the higher logit, then the lower id = "logit"
+    flat = Policy(v1.rule, v1.tau, v1.eviction, v1.beta, substitute_by="coactivation")
+    same(scan(logits, k, C, flat, initial, coactivation=np.full((L, E, E), 0.25)))
+    # everything resident: the bias lifts every logit alike, so S and its weights are v1's
+    everything = Policy(v1.rule, v1.tau, route_bias=0.7)
+    a = scan(logits, k, E, everything)
+    b = scan(logits, k, E, Policy(v1.rule, v1.tau))
+    for f in fields:
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    assert (a.rerouted == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# what each field does
+
+
+def test_prefetch_of_the_exact_top_k_makes_every_selection_a_hit():
+    """P = the top-k itself: after step 1b all of P is resident (P is pinned while it is
+    inserted), so even substitute_all never misses, and each token inserts only new experts."""
+    rng = np.random.default_rng(0)
+    x = tie_prone(rng, (200, 2, 40), 1.0)
+    k = 6
+    for ev in ("lru", "lfu", "belady"):
+        r = scan(x, k, k, Policy(rule="substitute_all", eviction=ev, prefetch=k), lookahead=x)
+        assert (r.status == HIT).all()
+        new = [len(set(r.selected[t, 0]) - set(r.selected[t - 1, 0])) for t in range(1, 200)]
+        np.testing.assert_array_equal(r.prefetched[1:, 0], new)
+
+
+def test_prefetch_is_not_a_use():
+    """A prefetched expert keeps its freq and last use: at token 2 the fetch of 5 evicts 3
+    (prefetched at token 1, never used), not 1 (used at tokens 0 and 1)."""
+    E, k, C = 8, 1, 2
+    z = np.full((3, 1, E), -5.0, np.float32)
+    y = np.full((3, 1, E), -5.0, np.float32)
+    for t, (sel, pre) in enumerate([(1, 1), (1, 3), (5, 1)]):
+        z[t, 0, sel] = 5.0
+        y[t, 0, pre] = 5.0
+    for ev in ("lru", "lfu"):
+        r = scan(z, k, C, Policy(eviction=ev, prefetch=1), lookahead=y)
+        assert r.prefetched[:, 0].tolist() == [0, 1, 0]  # token 1: 3 replaces 0 (never used)
+        assert r.status[:, 0, 0].tolist() == [HIT, HIT, FETCH]
+        cache = LayerCache(E, k, C, Policy(eviction=ev, prefetch=1))
+        cache.step(np.ascontiguousarray(z[:, 0]), np.ascontiguousarray(y[:, 0]))
+        assert sorted(cache.resident().tolist()) == [1, 5]
+
+
+def test_route_bias_keeps_selections_resident():
+    """A large bias: with C >= k every selection is resident, so nothing misses; the original
+    top-k's mass moved off is the rerouted mass, and the weights stay a softmax of the
+    original logits over S."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(300, 2, 64)).astype(np.float32)
+    r = scan(x, 8, 16, Policy(rule="substitute_all", route_bias=10.0))
+    assert (r.status == HIT).all()
+    assert r.rerouted.max() > 0.5 and (r.mass == 0).all()
+    top = np.take_along_axis(x.astype(np.float64), r.selected.astype(np.int64), -1)
+    e = np.exp(top - top.max(-1, keepdims=True))
+    np.testing.assert_allclose(r.weights, e / e.sum(-1, keepdims=True), rtol=1e-14, atol=1e-300)
+    small = scan(x, 8, 16, Policy(rule="substitute_all", route_bias=0.05))
+    plain = scan(x, 8, 16, Policy(rule="substitute_all"))
+    assert (small.status == HIT).mean() > (plain.status == HIT).mean()
+    assert 0 < small.rerouted.mean() < r.rerouted.mean()
+
+
+def test_light_misses_on_the_host_are_lossless():
+    x = np.random.default_rng(2).normal(size=(300, 2, 64)).astype(np.float32)
+    sub = scan(x, 8, 16, Policy(rule="threshold", tau=0.15))
+    host = scan(x, 8, 16, Policy(rule="threshold", tau=0.15, light_miss="host"))
+    assert (host.mass == 0).all() and not (host.status == SUB).any()
+    np.testing.assert_array_equal(host.selected, sub.selected)  # same routing
+    assert (host.status == HOST).any()
+    # computed exactly: every slot computes its own selected expert
+    np.testing.assert_array_equal(host.ids, host.selected)
+
+
+def test_coactivation_substitute_is_the_most_coselected_resident():
+    """substitute_all never changes the cache (experts 0..C-1), so each token's first
+    substitute is drawn from the residents outside its selection: the one most co-selected
+    with the miss (ties: higher logit, then lower id)."""
+    x = np.random.default_rng(3).normal(size=(400, 1, 32)).astype(np.float32)
+    A = coactivation(x[:200], 4)
+    z = x[200:, 0]
+    r = scan(x[200:], 4, 8, Policy(rule="substitute_all", substitute_by="coactivation"),
+             coactivation=A)  # fmt: skip
+    checked = 0
+    for t in range(200):
+        subs = np.flatnonzero(r.status[t, 0] == SUB)
+        if not len(subs):
+            continue
+        miss = r.selected[t, 0, subs[0]]
+        cands = [c for c in range(8) if c not in r.selected[t, 0]]
+        best = min(cands, key=lambda c: (-A[0, miss, c], -z[t, c], c))
+        assert r.ids[t, 0, subs[0]] == best
+        checked += 1
+    assert checked > 100
+
+
+def test_belady_eviction_of_fetch_all_is_the_v1_bound():
+    """eviction='belady' with fetch_all has exactly the hits of the simulator's v1 bound."""
+    x = tie_prone(np.random.default_rng(4), (300, 3, 64), 1.0)
+    rng = np.random.default_rng(5)
+    initial = np.stack([rng.permutation(64)[:16] for _ in range(3)]).astype(np.int32)
+    r = scan(x, 4, 16, Policy(eviction="belady"), initial)
+    df = simulate([x], 4, [GridPoint("f", Policy(), 0.25)], initial_sets={16: initial})
+    for row in df.filter(pl.col("layer") >= 0).to_dicts():
+        assert (r.status[:, row["layer"]] == HIT).sum() == round(row["belady_hit_rate"] * 300 * 4)
+    lru = scan(x, 4, 16, Policy(), initial)
+    assert (r.status == HIT).sum() > (lru.status == HIT).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# the co-activation table and the simulator
+
+
+def reference_coactivation(streams: list[np.ndarray], k: int) -> np.ndarray:
+    L, E = streams[0].shape[1:]
+    both = np.zeros((L, E, E))
+    for x in streams:
+        for t in range(x.shape[0]):
+            for layer in range(L):
+                S = sorted(range(E), key=lambda e: (-float(x[t, layer, e]), e))[:k]
+                for a in S:
+                    for c in S:
+                        both[layer, a, c] += 1
+    n = np.diagonal(both, axis1=1, axis2=2)
+    return both / np.maximum(1, n)[:, :, None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([5, 16, 40]), st.integers(1, 5))
+def test_coactivation_matches_reference(seed, E, k):
+    rng = np.random.default_rng(seed)
+    streams = [tie_prone(rng, (T, 2, E), 0.5) for T in (7, 12)]
+    A = coactivation(streams, k)
+    np.testing.assert_array_equal(A, reference_coactivation(streams, k))
+    np.testing.assert_array_equal(
+        coactivation(streams[0], k), reference_coactivation(streams[:1], k)
+    )
+    assert A.dtype == np.float64 and A.shape == (2, E, E)
+
+
+def test_simulator_counts_v2_policies_like_scan():
+    rng = np.random.default_rng(6)
+    x = tie_prone(rng, (250, 3, 48), 1.0)
+    y = (x + tie_prone(rng, x.shape, 0.7)).astype(np.float32)
+    streams, ys = [x[:100], x[100:]], [y[:100], y[100:]]
+    A = coactivation(tie_prone(rng, (100, 3, 48), 1.0), 4)
+    policies = {
+        "prefetch": Policy(rule="threshold", prefetch=4, eviction="lfu", beta=0.3),
+        "bias": Policy(rule="first_choice", route_bias=0.05),
+        "both": Policy(rule="threshold", prefetch=4, route_bias=0.05),
+        "hybrid": Policy(rule="threshold", light_miss="host"),
+        "buddy": Policy(rule="substitute_all", substitute_by="coactivation"),
+        "belady": Policy(rule="first_choice", eviction="belady", prefetch=2),
+    }
+    grid = [GridPoint(n, p, 0.25) for n, p in policies.items()]
+    df = simulate(streams, 4, grid, lookahead=ys, coactivation=A, n_threads=2)
+    for name, p in policies.items():
+        rs = [
+            scan(s, 4, 12, p, coactivation=A, lookahead=ly)
+            for s, ly in zip(streams, ys, strict=True)
+        ]
+        status = np.concatenate([r.status for r in rs])
+        tot = df.filter((pl.col("policy") == name) & (pl.col("layer") == -1)).row(0, named=True)
+        for code, col in ((HIT, "hit"), (FETCH, "fetch"), (SUB, "sub"), (HOST, "host")):
+            assert tot[col] == (status == code).sum(), (name, col)
+        assert tot["prefetches"] == sum(r.prefetched.sum() for r in rs)
+        rerouted = np.concatenate([r.rerouted for r in rs])
+        assert tot["rerouted_mean"] == pytest.approx(rerouted.mean(), abs=1e-12)
+        mass = np.concatenate([r.mass for r in rs])
+        assert tot["mass_mean"] == pytest.approx(mass.mean(), abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: clear errors before any work
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(route_bias=-0.1), "policy route_bias: lambda must be"),
+        (dict(route_bias=float("nan")), "policy route_bias"),
+        (dict(prefetch=-1), "policy prefetch: must be >= 0"),
+        (dict(prefetch=1.5), "policy prefetch: must be an integer"),
+        (dict(prefetch=True), "policy prefetch: must be an integer"),
+        (dict(light_miss="cpu"), "policy light_miss: unknown value 'cpu'"),
+        (dict(substitute_by="buddy"), "policy substitute_by: unknown value 'buddy'"),
+        (dict(eviction="belady", route_bias=0.1), "policy eviction: 'belady' needs the future"),
+        (dict(eviction="optimal"), "policy eviction: unknown eviction"),
+        (dict(light_miss="host", rule="threshold", beta=0.5), "policy beta: with light_miss"),
+    ],
+)
+def test_bad_v2_policy(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Policy(**kwargs)
+
+
+def test_bad_v2_arrays():
+    x = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="policy prefetch: n=5 exceeds the capacity C=4"):
+        scan(x, 2, 4, Policy(prefetch=5), lookahead=x)
+    with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
+        scan(x, 2, 4, Policy(prefetch=2))
+    with pytest.raises(ValueError, match="lookahead: expected the logits' shape"):
+        scan(x, 2, 4, Policy(prefetch=2), lookahead=x[:3])
+    with pytest.raises(ValueError, match="lookahead: expected a float32"):
+        scan(x, 2, 4, Policy(prefetch=2), lookahead=x.astype(np.float64))
+    bad = x.copy()
+    bad[2, 1, 5] = np.nan
+    with pytest.raises(ValueError, match=r"lookahead: contain NaN or inf.*\(2, 1, 5\)"):
+        scan(x, 2, 4, Policy(prefetch=2), lookahead=bad)
+    buddy = Policy(rule="substitute_all", substitute_by="coactivation")
+    with pytest.raises(ValueError, match="coactivation: substitute_by='coactivation' needs"):
+        scan(x, 2, 4, buddy)
+    with pytest.raises(ValueError, match=r"coactivation: expected shape \(2, 8, 8\)"):
+        scan(x, 2, 4, buddy, coactivation=np.zeros((8, 8)))
+    with pytest.raises(ValueError, match="coactivation: expected finite"):
+        scan(x, 2, 4, buddy, coactivation=np.full((2, 8, 8), np.nan))
+    with pytest.raises(ValueError, match="streaming LayerCache"):
+        LayerCache(8, 2, 4, Policy(eviction="belady"))
+    with pytest.raises(ValueError, match="policy prefetch: n=5 exceeds the capacity C=4"):
+        LayerCache(8, 2, 4, Policy(prefetch=5))
+    with pytest.raises(ValueError, match=r"coactivation: expected shape \(8, 8\)"):
+        LayerCache(8, 2, 4, buddy, coactivation=np.zeros((2, 8, 8)))
+    with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
+        LayerCache(8, 2, 4, Policy(prefetch=1)).step(x[:, 0].copy())
+    with pytest.raises(ValueError, match="lookahead: need one array per stream"):
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)], lookahead=[x, x])
+    with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)])
+    with pytest.raises(ValueError, match="coactivation: need at least one"):
+        coactivation([], 2)
+    with pytest.raises(ValueError, match=r"logits: contain NaN or inf.*\(2, 1, 5\)"):
+        coactivation(bad, 2)
+    with pytest.raises(ValueError, match="k: must be in"):
+        coactivation(x, 9)
