@@ -78,7 +78,7 @@ class BenchParams:
     calib_tokens: int = 4096  # synthetic tokens the frequency-initial set is counted on
     seed: int = 0
     store_path: str | None = None  # disk tier expert file (default: beside out_path)
-    staging_buffers: int | None = None  # None: the tier's default (see EngineParams)
+    staging_buffers: int = 4
     threads: int | None = None
     progress: bool = True
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BENCH_POLICIES))
@@ -89,8 +89,6 @@ class BenchParams:
         for name in ("layers", "num_experts", "hidden", "width", "top_k", "tokens", "calib_tokens",
                      "staging_buffers", "rounds"):  # fmt: skip
             v = getattr(p, name)
-            if name == "staging_buffers" and v is None:
-                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"params.{name}={v!r} must be a positive integer")
         if isinstance(p.warmup, bool) or not isinstance(p.warmup, int) or p.warmup < 0:
