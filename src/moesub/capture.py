@@ -38,19 +38,23 @@ from moesub.artefacts import (
     selection_counts,
     write_initial_set_table,
 )
+from moesub.config import schema_defaults
 from moesub.io import ParquetStreamWriter, write_parquet
 from moesub.params import check_dtype, options_from, torch_device, torch_dtype
 from moesub.policy import capacity_for
+
+_DEFAULTS = schema_defaults("capture")  # workflow/schemas/config.schema.yaml
 
 
 @dataclass(frozen=True)
 class CaptureParams:
     """Config `capture:` section (all optional)."""
 
-    dtype: str = "float32"  # model dtype: float32 | bfloat16 | float16
-    device: str = "cpu"  # torch device, or "auto" (cuda if available)
-    row_group_mb: float = 64.0  # router-table row-group size
-    batch_tokens: int = 4096  # tokens per teacher-forced forward (equal-length streams batched)
+    dtype: str = _DEFAULTS["dtype"]  # model dtype: float32 | bfloat16 | float16
+    device: str = _DEFAULTS["device"]  # torch device, or "auto" (cuda if available)
+    row_group_mb: float = _DEFAULTS["row_group_mb"]  # router-table row-group size
+    # tokens per teacher-forced forward (equal-length streams batched)
+    batch_tokens: int = _DEFAULTS["batch_tokens"]
     name: str | None = None  # recorded as metadata `model` (default: the model directory)
 
     @classmethod

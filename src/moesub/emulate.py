@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import check_token_table, initial_set_for, iter_streams
+from moesub.config import schema_defaults
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
@@ -46,16 +47,20 @@ from moesub.replay import (
     router_context,
 )
 
-
 # --------------------------------------------------------------------------- configuration
+_DEFAULTS = schema_defaults("emulate")  # workflow/schemas/config.schema.yaml
+
+
 @dataclass(frozen=True)
 class EmulateParams:
     """The `emulate:` section of config.yaml (every key optional)."""
 
     progress: bool = True  # tqdm over streams
-    max_streams: int | None = None  # emulate only the first n streams (smoke runs)
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = the capture's dtype
-    device: str = "cpu"  # torch device, or "auto" (cuda if available)
+    # emulate only the first n streams (smoke runs)
+    max_streams: int | None = _DEFAULTS["max_streams"]
+    # float32 | bfloat16 | float16; None = the capture's dtype
+    dtype: str | None = _DEFAULTS["dtype"]
+    device: str = _DEFAULTS["device"]  # torch device, or "auto" (cuda if available)
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EmulateParams:

@@ -41,6 +41,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from moesub.artefacts import STREAM_SCHEMA
+from moesub.config import schema_defaults
 from moesub.io import write_parquet
 
 _SPLIT_CODES = {"eval": 0, "calib": 1}
@@ -54,21 +55,29 @@ _SOURCE_KEYS = {
 }  # fmt: skip
 
 
+_DEFAULTS = schema_defaults("streams")  # workflow/schemas/config.schema.yaml
+
+
 @dataclass
 class SplitSpec:
     n_streams: int
-    stream_len: int = 512
+    stream_len: int = schema_defaults("streams.eval")["stream_len"]
+
+
+def _split_default(split: str) -> SplitSpec:
+    return SplitSpec(**schema_defaults(f"streams.{split}"))
 
 
 @dataclass
 class StreamsConfig:
     """`params` of `build_streams` (config.yaml ``streams:`` section, minus ``source``)."""
 
-    eval: SplitSpec = field(default_factory=lambda: SplitSpec(n_streams=8))
-    calib: SplitSpec = field(default_factory=lambda: SplitSpec(n_streams=4))
-    doc_tokens_max: int = 192  # a document contributes at most this many tokens
-    doc_tokens_min: int = 16  # documents shorter than this are skipped
-    seed: int = 0
+    eval: SplitSpec = field(default_factory=lambda: _split_default("eval"))
+    calib: SplitSpec = field(default_factory=lambda: _split_default("calib"))
+    # a document contributes at most this many tokens
+    doc_tokens_max: int = _DEFAULTS["doc_tokens_max"]
+    doc_tokens_min: int = _DEFAULTS["doc_tokens_min"]  # documents shorter than this are skipped
+    seed: int = _DEFAULTS["seed"]
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> StreamsConfig:

@@ -7,65 +7,73 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from moesub.config import schema_defaults
 from moesub.corpus import SPECIAL_TOKENS
 
 BALANCE_POOLINGS = ("micro_batch", "global")
+
+
+_DEFAULTS = schema_defaults("embedded")  # workflow/schemas/config.schema.yaml
 
 
 @dataclass
 class EmbeddedConfig:
     """Every knob of the embedded model (config.yaml ``embedded:`` section)."""
 
-    seed: int = 0
+    seed: int = _DEFAULTS["seed"]
     # corpus split (fractions of documents, by path hash; the rest is train)
-    calib_fraction: float = 0.05
-    eval_fraction: float = 0.05
+    calib_fraction: float = _DEFAULTS["calib_fraction"]
+    eval_fraction: float = _DEFAULTS["eval_fraction"]
     # tokenizer
-    vocab_size: int = 8192
-    min_frequency: int = 2
+    vocab_size: int = _DEFAULTS["vocab_size"]
+    min_frequency: int = _DEFAULTS["min_frequency"]
     # model geometry (Qwen3NextConfig)
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
+    hidden_size: int = _DEFAULTS["hidden_size"]
+    num_hidden_layers: int = _DEFAULTS["num_hidden_layers"]
     # the first n decoder layers use a dense MLP of the MoE layers' active width (k experts +
     # the shared expert), as DeepSeek-V3 and GLM-4.5 do: a first layer's routing is nearly
     # token-level and has no temporal locality to cache
-    dense_layers: int = 0
-    full_attention_interval: int = 4  # every 4th layer full attention: 3 linear : 1 full
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    linear_num_key_heads: int = 4
-    linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 32
-    linear_value_head_dim: int = 32
-    num_experts: int = 512
-    num_experts_per_tok: int = 10
-    moe_intermediate_size: int = 16
-    shared_expert_intermediate_size: int = 64
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.01
+    dense_layers: int = _DEFAULTS["dense_layers"]
+    # every n-th layer full attention, the others linear attention
+    full_attention_interval: int = _DEFAULTS["full_attention_interval"]
+    num_attention_heads: int = _DEFAULTS["num_attention_heads"]
+    num_key_value_heads: int = _DEFAULTS["num_key_value_heads"]
+    head_dim: int = _DEFAULTS["head_dim"]
+    linear_num_key_heads: int = _DEFAULTS["linear_num_key_heads"]
+    linear_num_value_heads: int = _DEFAULTS["linear_num_value_heads"]
+    linear_key_head_dim: int = _DEFAULTS["linear_key_head_dim"]
+    linear_value_head_dim: int = _DEFAULTS["linear_value_head_dim"]
+    num_experts: int = _DEFAULTS["num_experts"]
+    num_experts_per_tok: int = _DEFAULTS["num_experts_per_tok"]
+    moe_intermediate_size: int = _DEFAULTS["moe_intermediate_size"]
+    shared_expert_intermediate_size: int = _DEFAULTS["shared_expert_intermediate_size"]
+    norm_topk_prob: bool = _DEFAULTS["norm_topk_prob"]
+    router_aux_loss_coef: float = _DEFAULTS["router_aux_loss_coef"]
     # how the load-balancing loss pools its statistics (see `balance_loss`): "micro_batch" is
     # transformers' built-in loss (f and P of the current micro-batch, pooled over layers);
     # "global" is per layer, with f pooled over steps by an EMA of `balance_ema_steps` steps
-    balance_pooling: str = "micro_batch"
-    balance_ema_steps: float = 64.0
-    router_z_loss_coef: float = 0.0
-    router_lr_scale: float = 1.0  # the routers' learning rate relative to `lr`
-    max_position_embeddings: int = 4096
+    balance_pooling: str = _DEFAULTS["balance_pooling"]
+    balance_ema_steps: float = _DEFAULTS["balance_ema_steps"]
+    router_z_loss_coef: float = _DEFAULTS["router_z_loss_coef"]
+    # the routers' learning rate relative to `lr`
+    router_lr_scale: float = _DEFAULTS["router_lr_scale"]
+    max_position_embeddings: int = _DEFAULTS["max_position_embeddings"]
     # training
-    seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    train_seconds: float | None = 600.0
-    max_tokens: int | None = None
-    eval_tokens: int = 65536  # held-out tokens scored for the perplexity (eval split)
-    train_max_bytes: int | None = None  # cap the training text (tests, smoke runs); None = all
+    seq_len: int = _DEFAULTS["seq_len"]
+    batch_size: int = _DEFAULTS["batch_size"]
+    lr: float = _DEFAULTS["lr"]
+    min_lr_ratio: float = _DEFAULTS["min_lr_ratio"]
+    warmup_steps: int = _DEFAULTS["warmup_steps"]
+    weight_decay: float = _DEFAULTS["weight_decay"]
+    beta1: float = _DEFAULTS["beta1"]
+    beta2: float = _DEFAULTS["beta2"]
+    grad_clip: float = _DEFAULTS["grad_clip"]
+    train_seconds: float | None = _DEFAULTS["train_seconds"]
+    max_tokens: int | None = _DEFAULTS["max_tokens"]
+    # held-out tokens scored for the perplexity (eval split)
+    eval_tokens: int = _DEFAULTS["eval_tokens"]
+    # cap the training text (tests, smoke runs); None = all
+    train_max_bytes: int | None = _DEFAULTS["train_max_bytes"]
     threads: int | None = None  # torch.set_num_threads; None = leave as is
     # torch deterministic algorithms while training: the default grouped_mm experts backward
     # accumulates gradients in a thread-dependent order otherwise

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
+from moesub.config import schema_defaults
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
     MatchedPlan,
@@ -54,17 +55,22 @@ TARGETS_KEY = "expb.designs.matched.masses"
 
 
 # --------------------------------------------------------------------------- configuration
+_DEFAULTS = schema_defaults("expb")  # workflow/schemas/config.schema.yaml
+
+
 @dataclass(frozen=True)
 class ExpBParams:
     """What an Experiment B job takes from config.yaml `expb:` (every key optional)."""
 
-    fraction: float = 0.25  # resident set = frequency-initial set at this fraction
-    resident: str = "initial"  # "initial" | "all" (every expert may serve as a substitute)
+    fraction: float = _DEFAULTS["fraction"]  # resident set = frequency-initial set at this fraction
+    # "initial" | "all" (every expert may serve as a substitute)
+    resident: str = _DEFAULTS["resident"]
     progress: bool = True
-    max_streams: int | None = None
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = the capture's dtype
-    device: str = "cpu"  # torch device, or "auto" (cuda if available)
-    seed: int = 0  # the matched design's (stream, pos, layer) hash
+    max_streams: int | None = _DEFAULTS["max_streams"]
+    # float32 | bfloat16 | float16; None = the capture's dtype
+    dtype: str | None = _DEFAULTS["dtype"]
+    device: str = _DEFAULTS["device"]  # torch device, or "auto" (cuda if available)
+    seed: int = _DEFAULTS["seed"]  # the matched design's (stream, pos, layer) hash
     heavy_mass: float | None = None  # the matched design's heavy weight (required for it)
 
     @classmethod

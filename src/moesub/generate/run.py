@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from moesub.config import schema_defaults
 from moesub.generate.base import Score, TaskItem, agreement, scored_length, truncate_at
 from moesub.io import write_parquet
 from moesub.params import options_from, torch_device
@@ -48,20 +49,30 @@ OUTPUT_SCHEMA = pa.schema(
 
 
 # --------------------------------------------------------------------------- parameters
+# defaults: workflow/schemas/config.schema.yaml (the shared settings, then each task's own)
+_DEFAULTS = schema_defaults("generate")
+_GSM8K = schema_defaults("generate.tasks.gsm8k")
+_HUMANEVAL = schema_defaults("generate.tasks.humaneval")
+_COMPLETION = schema_defaults("generate.tasks.code_completion")
+
+
 @dataclass(frozen=True)
 class GenerateParams:
     """The generation settings a rule passes (config `generate:` + the task's own section)."""
 
-    n: int = 10  # problems (a seeded subsample)
-    seed: int = 0
-    shots: int = 0  # GSM8K few-shot examples
-    max_new_tokens: int = 64
-    max_prompt_tokens: int | None = None  # keep the last tokens of longer prompts (None: all)
-    timeout_s: float = 5.0  # HumanEval sandbox wall clock per problem
-    min_line_chars: int = 4  # code completion: shortest line (normalized characters)
-    max_line_tokens: int = 6  # code completion: longest line (tokens)
-    line_cut: str = "random"  # code completion: prompt ends inside the line | at its start
-    device: str = "auto"  # auto | cpu | cuda
+    n: int = _GSM8K["n"]  # problems (a seeded subsample)
+    seed: int = _DEFAULTS["seed"]
+    shots: int = _GSM8K["shots"]  # GSM8K few-shot examples
+    max_new_tokens: int = _DEFAULTS["max_new_tokens"]
+    # keep the last tokens of longer prompts (None: all)
+    max_prompt_tokens: int | None = _DEFAULTS["max_prompt_tokens"]
+    timeout_s: float = _HUMANEVAL["timeout_s"]  # HumanEval sandbox wall clock per problem
+    # code completion: shortest line (normalized characters)
+    min_line_chars: int = _COMPLETION["min_line_chars"]
+    max_line_tokens: int = _COMPLETION["max_line_tokens"]  # code completion: longest line (tokens)
+    # code completion: prompt ends inside the line | at its start
+    line_cut: str = _COMPLETION["line_cut"]
+    device: str = _DEFAULTS["device"]  # auto | cpu | cuda
     progress: bool = True
     reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
 

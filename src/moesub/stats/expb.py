@@ -47,6 +47,7 @@ import pandas as pd
 import polars as pl
 from scipy import stats as sps
 
+from moesub.config import schema_defaults
 from moesub.stats.load import Context, missing, number
 from moesub.stats.power import paired_mde, wilcoxon_min_p
 
@@ -69,9 +70,12 @@ class DesignRule:
     heavy_mass: float | None = None  # matched: the heavy expert's weight (for the labels)
 
 
+# each design's decision-rule keys and their defaults (workflow/schemas/config.schema.yaml)
+_RULE_KEYS = {"study": ("max_gap", "min_heavy_fraction"),
+              "matched": ("max_gap", "min_realized_fraction")}  # fmt: skip
 _DEFAULTS = {
-    "study": {"max_gap": 0.10, "min_heavy_fraction": 0.5},
-    "matched": {"max_gap": 0.05, "min_realized_fraction": 0.9},
+    design: {key: schema_defaults(f"expb.designs.{design}")[key] for key in keys}
+    for design, keys in _RULE_KEYS.items()
 }
 
 
@@ -80,7 +84,7 @@ class ExpBRule:
     """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests
     and one `DesignRule` per configured design."""
 
-    alpha: float = 0.05
+    alpha: float = schema_defaults("expb")["alpha"]
     designs: dict[str, DesignRule] = field(default_factory=dict)
 
     @classmethod
@@ -88,7 +92,7 @@ class ExpBRule:
         where = "params['expb']"
         if not isinstance(spec, Mapping):
             raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
-        alpha = number(spec.get("alpha", 0.05), f"{where}['alpha']")
+        alpha = number(spec.get("alpha", cls.alpha), f"{where}['alpha']")
         if not 0 < alpha < 1:
             raise ValueError(f"{where}['alpha']={alpha} must be in (0, 1)")
         designs = spec.get("designs")

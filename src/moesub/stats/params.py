@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from moesub.config import normalize_policy
+from moesub.config import normalize_policy, schema_defaults
 from moesub.stats.expb import ExpBRule
 from moesub.stats.load import number
+
+_DEFAULTS = schema_defaults("analysis")  # workflow/schemas/config.schema.yaml
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,14 @@ class AnalysisParams:
 
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     expb: ExpBRule | None = None
-    n_boot: int = 2000
-    seed: int = 0
-    ci_level: float = 0.95
-    baseline: str = "fetch_every_miss"
-    host_baseline: str = "host_compute"
-    alpha: float = 0.05
-    power: float = 0.8
-    admission_bins: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    n_boot: int = _DEFAULTS["n_boot"]
+    seed: int = _DEFAULTS["seed"]
+    ci_level: float = _DEFAULTS["ci_level"]
+    baseline: str = _DEFAULTS["baseline"]
+    host_baseline: str = _DEFAULTS["host_baseline"]
+    alpha: float = _DEFAULTS["alpha"]
+    power: float = _DEFAULTS["power"]
+    admission_bins: tuple[int, ...] = tuple(_DEFAULTS["admission_bins"])
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> AnalysisParams:
@@ -46,20 +48,20 @@ class AnalysisParams:
             raise ValueError("params['policies'] must map policy names to policy dicts")
         table = {str(n): normalize_policy(str(n), dict(p)) for n, p in policies.items()}
         expb = params.get("expb")
-        n_boot = params.get("n_boot", 2000)
+        n_boot = params.get("n_boot", _DEFAULTS["n_boot"])
         if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
             raise ValueError(f"params['n_boot']={n_boot!r} must be an integer >= 10")
-        seed = params.get("seed", 0)
+        seed = params.get("seed", _DEFAULTS["seed"])
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"params['seed']={seed!r} must be an integer >= 0")
-        ci_level = number(params.get("ci_level", 0.95), "params['ci_level']")
+        ci_level = number(params.get("ci_level", _DEFAULTS["ci_level"]), "params['ci_level']")
         if not 0 < ci_level < 1:
             raise ValueError(f"params['ci_level']={ci_level} must be in (0, 1)")
-        alpha = number(params.get("alpha", 0.05), "params['alpha']")
-        power = number(params.get("power", 0.8), "params['power']")
+        alpha = number(params.get("alpha", _DEFAULTS["alpha"]), "params['alpha']")
+        power = number(params.get("power", _DEFAULTS["power"]), "params['power']")
         if not 0 < alpha < 1 or not 0 < power < 1:
             raise ValueError(f"params['alpha']={alpha}, params['power']={power}: must be in (0, 1)")
-        bins = tuple(int(b) for b in params.get("admission_bins", cls.admission_bins))
+        bins = tuple(int(b) for b in params.get("admission_bins", _DEFAULTS["admission_bins"]))
         if not bins or bins[0] != 1 or any(b >= c for b, c in pairwise(bins)):
             raise ValueError(
                 f"params['admission_bins']={list(bins)} must start at 1 and strictly increase "
@@ -71,8 +73,8 @@ class AnalysisParams:
             n_boot=n_boot,
             seed=seed,
             ci_level=ci_level,
-            baseline=str(params.get("baseline", "fetch_every_miss")),
-            host_baseline=str(params.get("host_baseline", "host_compute")),
+            baseline=str(params.get("baseline", _DEFAULTS["baseline"])),
+            host_baseline=str(params.get("host_baseline", _DEFAULTS["host_baseline"])),
             alpha=alpha,
             power=power,
             admission_bins=bins,
