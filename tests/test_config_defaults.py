@@ -36,6 +36,7 @@ SECTIONS = [
     ("generate.tasks.humaneval", "moesub.generate:GenerateParams", {"path"}),
     ("generate.tasks.code_completion", "moesub.generate:GenerateParams", {"path"}),
     ("analysis", "moesub.stats:AnalysisParams", set()),
+    ("recommend", "moesub.recommend:RecommendParams", set()),
     ("cost", "moesub.cost:CostModel", set()),
 ]
 
