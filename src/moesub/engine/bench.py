@@ -30,6 +30,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
+from moesub.config import schema_defaults
 from moesub.engine.calibrate import (
     cost_dict,
     measure_expert_compute,
@@ -61,24 +62,31 @@ BENCH_POLICIES: dict[str, dict[str, Any]] = {
 }
 
 
+_DEFAULTS = schema_defaults("engine.bench")  # workflow/schemas/config.schema.yaml
+
+
 @dataclass(frozen=True)
 class BenchParams:
     """The `engine_bench:` section of config.yaml (every key optional)."""
 
-    layers: int = 2  # MoE layers simulated (each costs E * 6 MiB of disk / pinned memory)
-    num_experts: int = 512
-    hidden: int = 2048
-    width: int = 512  # expert intermediate size I
-    top_k: int = 10
-    fraction: float = 0.25
-    dtype: str = "bfloat16"
-    tokens: int = 256  # measured tokens per policy
-    warmup: int = 32  # tokens run before measuring (cache state evolves, time not recorded)
+    # MoE layers simulated (each costs E * 6 MiB of disk / pinned memory)
+    layers: int = _DEFAULTS["layers"]
+    num_experts: int = _DEFAULTS["num_experts"]
+    hidden: int = _DEFAULTS["hidden"]
+    width: int = _DEFAULTS["width"]  # expert intermediate size I
+    top_k: int = _DEFAULTS["top_k"]
+    fraction: float = _DEFAULTS["fraction"]
+    dtype: str = _DEFAULTS["dtype"]
+    tokens: int = _DEFAULTS["tokens"]  # measured tokens per policy
+    # tokens run before measuring (cache state evolves, time not recorded)
+    warmup: int = _DEFAULTS["warmup"]
     rounds: int = 2  # every policy runs `rounds` times over the trace (order varied per round)
-    calib_tokens: int = 4096  # synthetic tokens the frequency-initial set is counted on
-    seed: int = 0
-    store_path: str | None = None  # disk tier expert file (default: beside out_path)
-    staging_buffers: int = 4
+    # synthetic tokens the frequency-initial set is counted on
+    calib_tokens: int = _DEFAULTS["calib_tokens"]
+    seed: int = _DEFAULTS["seed"]
+    # disk tier expert file (default: beside out_path)
+    store_path: str | None = _DEFAULTS["store_path"]
+    staging_buffers: int = _DEFAULTS["staging_buffers"]
     threads: int | None = None
     progress: bool = True
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BENCH_POLICIES))
