@@ -159,23 +159,24 @@ NB_MODULE(_core, m) {
             out.mass_stride = L;
             outs.push_back(out);
           }
-          std::vector<int32_t> sel(L * k);
-          std::vector<float> vals(L * k);
+          // the lookahead's top-n of every layer is read beside the logits' top-k
+          const int n = y && p.prefetch > 0 ? p.prefetch : 0;
+          std::vector<int32_t> sel(L * k), pref(L * std::max(n, 1));
+          std::vector<float> vals(L * k), pref_vals(std::max(n, 1));
           std::vector<double> w(L * k);
           for (int64_t t = 0; t < T; ++t) {
             const float* rows = logits.data() + t * L * E;
-            for (int64_t l = 0; l < L; ++l)
+            for (int64_t l = 0; l < L; ++l) {
               if (!select_topk(rows + l * E, static_cast<int>(E), k, &sel[l * k], &vals[l * k]))
                 throw non_finite("logits", t, l, rows + l * E);
-            gate_weights(vals.data(), L, k, w.data());
-            for (int64_t l = 0; l < L; ++l) {
-              const float* yl = y ? y + (t * L + l) * E : nullptr;
-              try {
-                caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t, yl);
-              } catch (const NonFiniteLookahead&) {
+              const float* yl = n ? y + (t * L + l) * E : nullptr;
+              if (n && !select_topk(yl, static_cast<int>(E), n, &pref[l * n], pref_vals.data()))
                 throw non_finite("lookahead", t, l, yl);
-              }
             }
+            gate_weights(vals.data(), L, k, w.data());
+            for (int64_t l = 0; l < L; ++l)
+              caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t,
+                                      n ? &pref[l * n] : nullptr);
           }
         });
 

@@ -499,13 +499,11 @@ void LayerCache::set_future(const Future* future) {
   for (int s = 0; s < C_; ++s) key_[s] = eviction_key(expert_in_slot_[s]);
 }
 
-// Step 1b: P = the n largest lookahead logits; each one not resident is inserted. All of P is
-// pinned while it runs (n <= C, so a victim always exists and all of P is resident after it).
-// Returns the number inserted.
-int32_t LayerCache::prefetch(const float* y, int64_t i) {
+// Step 1b: P = the n largest lookahead logits (the caller's top-n); each one not resident is
+// inserted. All of P is pinned while it runs (n <= C, so a victim always exists and all of P is
+// resident after it). Returns the number inserted.
+int32_t LayerCache::prefetch(const int32_t* P) {
   const int n = p_.prefetch;
-  int32_t* P = pref_ids_.data();
-  if (!select_topk(y, E_, n, P, pref_vals_.data())) throw NonFiniteLookahead(i);
   for (int j = 0; j < n; ++j)
     if (expert_[P[j]].slot >= 0) key_[expert_[P[j]].slot] = kPinned;
   int32_t inserted = 0;
@@ -590,11 +588,10 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
   for (int r = 0; r < k_; ++r) v[r] = z[sel[r]];
   softmax_row(v, k_, w);
   double rho = 0.0;  // T0's own weights of its experts that S left out, in T0's rank order
-  for (int r = 0; r < k_; ++r) {
-    bool kept = false;
-    for (int q = 0; q < k_; ++q) kept |= sel[q] == sel0[r];
-    if (!kept) rho += w0[r];
-  }
+  for (int r = 0; r < k_; ++r) t0_bits_[sel[r] >> 6] |= uint64_t{1} << (sel[r] & 63);
+  for (int r = 0; r < k_; ++r)
+    if (!(t0_bits_[sel0[r] >> 6] >> (sel0[r] & 63) & 1)) rho += w0[r];
+  for (int r = 0; r < k_; ++r) t0_bits_[sel[r] >> 6] = 0;
   return rho;
 }
 
@@ -615,16 +612,23 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
     float vals[kMaxTopK];
     if (!select_topk(z, E_, k_, sel_.data(), vals)) throw NonFiniteLogits(i);
     gate_weights(vals, 1, k_, w_.data());
-    step_selected(z, sel_.data(), w_.data(), out, i,
-                  lookahead ? lookahead + i * lookahead_stride : nullptr);
+    const int32_t* pref = nullptr;
+    if (p_.prefetch > 0 && lookahead) {
+      if (!select_topk(lookahead + i * lookahead_stride, E_, p_.prefetch, pref_ids_.data(),
+                       pref_vals_.data()))
+        throw NonFiniteLookahead(i);
+      pref = pref_ids_.data();
+    }
+    step_selected(z, sel_.data(), w_.data(), out, i, pref);
   }
 }
 
 void LayerCache::step_selected(const float* z, const int32_t* sel0, const double* w0,
-                               const StepOut& out, int64_t i, const float* y) {
+                               const StepOut& out, int64_t i, const int32_t* pref) {
   if (t_ >= kMaxTokens)
     throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
-  if (p_.prefetch > 0 && !y) throw std::invalid_argument("policy prefetch > 0 needs lookahead");
+  if (p_.prefetch > 0 && !pref)
+    throw std::invalid_argument("policy prefetch > 0 needs lookahead");
   if (p_.substitute_by == SubstituteBy::Coactivation && !coact_)
     throw std::invalid_argument("policy substitute_by 'coactivation' needs a coactivation table");
   if (p_.eviction == Eviction::Belady &&
@@ -634,7 +638,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   // 1. admissions that are ready
   if (!external_) apply_ready_admissions();
   // 1b. prefetch from the lookahead logits
-  const int32_t n_prefetched = p_.prefetch > 0 ? prefetch(y, i) : 0;
+  const int32_t n_prefetched = p_.prefetch > 0 ? prefetch(pref) : 0;
   // 2. selection: the caller's unbiased top-k (sel0, w0), re-selected with route_bias
   int32_t sel_biased[kMaxTopK];
   double w_biased[kMaxTopK];

@@ -126,10 +126,11 @@ class LayerCache {
   // their normalized gate weights (select_topk + gate_weights of `z`); outputs go to token `i`
   // of `out`. Selection does not depend on the cache, so callers replaying many layers or
   // policies over one trace select once.
-  // `y` is the token's lookahead row (prefetch > 0 only). With route_bias > 0, `sel` and `w` are
-  // the unbiased top-k T0 and the cache re-selects from them.
+  // With prefetch > 0, `pref` holds the lookahead row's top-n by rank (select_topk, n >= the
+  // policy's prefetch; a longer list's prefix is the shorter one). With route_bias > 0, `sel`
+  // and `w` are the unbiased top-k T0 and the cache re-selects from them.
   void step_selected(const float* z, const int32_t* sel, const double* w, const StepOut& out,
-                     int64_t i, const float* y = nullptr);
+                     int64_t i, const int32_t* pref = nullptr);
 
   // substitute_by = coactivation: this layer's co-activation table A (E, E), row-major; it must
   // outlive the cache.
@@ -153,7 +154,7 @@ class LayerCache {
   static constexpr int64_t kPinned = std::numeric_limits<int64_t>::max();
   static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
   int64_t eviction_key(int32_t expert) const;
-  int32_t prefetch(const float* y, int64_t i);  // step 1b: experts inserted
+  int32_t prefetch(const int32_t* P);  // step 1b: experts inserted
   // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0);
   // returns the rerouted mass
   double biased_selection(const float* z, const int32_t* sel0, const double* w0, int32_t* sel,
@@ -186,7 +187,7 @@ class LayerCache {
   const double* coact_ = nullptr;   // (E, E) co-activation table of this layer
   const Future* future_ = nullptr;  // belady only
   std::vector<int32_t> upcoming_;   // belady: each expert's next selection at or after now
-  std::vector<int32_t> pref_ids_;   // step 1b scratch (prefetch)
+  std::vector<int32_t> pref_ids_;   // step(): the lookahead's top-n (prefetch)
   std::vector<float> pref_vals_;
   // route_bias: residency as a bitmap (E bits: one cache line for 512 experts, where expert_
   // would take a miss per probe); scratch: a bitmap (T0, then the residents outside it) and the

@@ -49,10 +49,16 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
     out.mass_stride = L;
     outs.push_back(out);
   }
+  // the lookahead's top-n for the largest prefetch of the grid: each point takes its prefix
+  int n_pref = 0;
+  for (const GridPoint& gp : points) n_pref = std::max(n_pref, gp.policy.prefetch);
+  if (!lookahead) n_pref = 0;
   constexpr int64_t kChunk = 16;  // tokens selected together, for batched gate weights
   int32_t sel[kChunk * kMaxTopK];
   float vals[kChunk * kMaxTopK];
   double w[kChunk * kMaxTopK];
+  std::vector<int32_t> pref(std::max(n_pref, 1));
+  std::vector<float> pref_vals(std::max(n_pref, 1));
   for (int64_t t0 = 0; t0 < s.T; t0 += kChunk) {
     const int64_t n = std::min(kChunk, s.T - t0);
     for (int64_t i = 0; i < n; ++i)
@@ -61,9 +67,12 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
     gate_weights(vals, n, k, w);
     for (int64_t i = 0; i < n; ++i) {
       const float* z = logits + (t0 + i) * row_stride;
-      const float* y = lookahead ? lookahead + (t0 + i) * row_stride : nullptr;
+      if (n_pref && !select_topk(lookahead + (t0 + i) * row_stride, E, n_pref, pref.data(),
+                                 pref_vals.data()))
+        throw NonFiniteLookahead(t0 + i);
       for (size_t g = 0; g < caches.size(); ++g)
-        caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i, y);
+        caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i,
+                                n_pref ? pref.data() : nullptr);
     }
   }
   for (size_t g = 0; g < points.size(); ++g) {
