@@ -84,13 +84,13 @@ class EngineRouter:
         self.engine, self.experts = engine, experts
         self._hidden: list[torch.Tensor | None] = [None] * len(experts)
         self._handles = [
-            block.gate.register_forward_pre_hook(self._keep_input(layer))
+            block.gate.register_forward_pre_hook(self._keep_input(layer), with_kwargs=True)
             for layer, block in enumerate(moe_blocks(model))
         ]
 
     def _keep_input(self, layer: int):
-        def hook(module: nn.Module, args: tuple) -> None:
-            self._hidden[layer] = args[0]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._hidden[layer] = args[0] if args else next(iter(kwargs.values()))
 
         return hook
 

@@ -40,9 +40,9 @@ COST_KEYS = (
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
     """Median seconds of `fn()` over `reps` runs (after `warmup`), synchronized."""
-    for _ in range(warmup):
+    for _ in range(warmup):  # synchronized too: a run may reuse the last one's pinned buffers
         fn()
-    sync()
+        sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
