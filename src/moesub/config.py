@@ -358,9 +358,8 @@ def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
                     f"expb.fraction to >= {need / num_experts:.3g}"
                 )
         geometry[name] = (num_experts, top_k)
-    bench = (config.get("engine") or {}).get("bench") or {}
-    if bench.get("enabled", True):
-        b = {**schema_defaults("engine.bench"), **bench}
+    b = {**schema_defaults("engine.bench"), **((config.get("engine") or {}).get("bench") or {})}
+    if b["enabled"]:
         cap = capacity_for(b["fraction"], b["num_experts"])
         if not b["top_k"] <= cap <= b["num_experts"]:
             raise ValueError(
