@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
-from moesub.config import schema_defaults
+from moesub.config import expb_min_capacity, schema_defaults
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
     MatchedPlan,
@@ -196,7 +196,7 @@ def expb_streams(
             f"resident set has shape {resident.shape}, the model needs (L={info.num_layers}, C)"
         )
     resident = check_initial(resident, (info.num_layers, resident.shape[1]), info.num_experts)
-    if resident.shape[1] < 2 * info.top_k - 1:
+    if resident.shape[1] < expb_min_capacity(info.top_k):
         raise ValueError(
             f"resident set of {resident.shape[1]} experts per layer is too small for k="
             f"{info.top_k}: every substituted rank needs a candidate (C >= 2k - 1)"
