@@ -25,7 +25,11 @@ from typing import Any
 
 from moesub.policy import EVICTIONS, RULES, capacity_for
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+# The repository's schema (an editable install); a wheel carries a copy beside this module.
+_REPO_SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+SCHEMA_PATH = (
+    _REPO_SCHEMA if _REPO_SCHEMA.is_file() else Path(__file__).with_name(_REPO_SCHEMA.name)
+)
 
 
 @functools.cache
@@ -35,8 +39,7 @@ def config_schema() -> dict[str, Any]:
 
     if not SCHEMA_PATH.is_file():
         raise FileNotFoundError(
-            f"config schema {str(SCHEMA_PATH)!r} not found: moesub.config reads it from the "
-            "repository checkout (install with `pip install -e .` from the repository)"
+            f"config schema {str(_REPO_SCHEMA)!r} not found (nor a copy beside moesub/config.py)"
         )
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
