@@ -1,4 +1,4 @@
-"""Greedy generation under a cache/substitution policy (DESIGN.md stage 6).
+"""Greedy generation under a cache/substitution policy (the generate stage, docs/architecture.md).
 
 Every problem is decoded greedily twice from the same prompt: under the policy (the emulator's
 decode mode, `moesub.replay.greedy_decode`, with per-layer caches fresh from the initial
