@@ -16,7 +16,8 @@ Per layer (and ``layer = -1`` for all layers together):
   trace; below C, a C-slot cache can hold nearly every expert in use (collapse), and the hit
   rate says nothing about substitution. ``experts_used``: experts selected at least once;
 - ``routing_entropy``: mean over tokens of the entropy (nats) of the full softmax over E;
-- ``weight_rank<r>``: mean normalized gate weight of rank r (top-k renormalized, docs/policy-semantics.md);
+- ``weight_rank<r>``: mean normalized gate weight of rank r (top-k renormalized, as
+  docs/policy-semantics.md step 2);
   ``heavy_lower_ranks``: share of ranks 2..k with weight >= 0.15 (the misses the 0.15 rule
   always fetches);
 - ``reuse_*``: distribution of the reuse distance of expert selections, the tokens since the
