@@ -317,3 +317,44 @@ def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, a
         assert installed > 0
     assert not tier._queued and all(not q for q in tier._inflight)  # drained on close
     assert sorted(tier._free) == list(range(3))
+
+
+def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
+    """`build_engine_model` keeps no reference to the loaded model's expert weights once the
+    store is written, before the tier allocates: the host never holds them next to the tier's
+    copy (pinned memory or slots)."""
+    import gc
+    import weakref
+
+    from test_engine import tiny_model
+
+    import moesub.models
+    from moesub.engine import adapter
+    from moesub.engine.spec import EngineParams
+
+    tiny_model().save_pretrained(tmp_path / "model")
+    real_load, loaded = moesub.models.load_model, []
+
+    def load_and_watch(*args, **kwargs):
+        model, tok = real_load(*args, **kwargs)
+        for block in moesub.models.moe_blocks(model):
+            gate_up, down = moesub.models.expert_weights(block)
+            loaded.extend([weakref.ref(gate_up), weakref.ref(down)])
+        return model, tok
+
+    alive_at_tier = []
+
+    def tier_after_check(*args, **kwargs):  # what is still alive when the tier allocates
+        gc.collect()
+        alive_at_tier.append(sum(ref() is not None for ref in loaded))
+        return DiskTier(*args, **kwargs)
+
+    monkeypatch.setattr(moesub.models, "load_model", load_and_watch)
+    monkeypatch.setattr(adapter, "DiskTier", tier_after_check)
+    opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
+    setup = adapter.build_engine_model(tmp_path / "model", "cpu", opts, capacity=None)
+    try:
+        assert loaded and alive_at_tier == [0]  # every expert weight freed before the tier
+        assert (tmp_path / "experts.bin").is_file()
+    finally:
+        setup.tier.close()
