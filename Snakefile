@@ -48,6 +48,7 @@ include: "workflow/rules/expb.smk"
 include: "workflow/rules/engine.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/analysis.smk"
+include: "workflow/rules/recommend.smk"
 include: "workflow/rules/report.smk"
 
 

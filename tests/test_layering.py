@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moesub"
 STAGES = frozenset(
     {
         "streams", "capture", "simulate", "emulate", "regime", "expb", "generate", "engine",
-        "stats", "report", "embedded",
+        "stats", "recommend", "report", "embedded",
     }
 )  # fmt: skip
 

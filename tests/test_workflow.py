@@ -33,7 +33,7 @@ TEST_CONFIG = "tests/config/config.yaml"
 STAGES = {
     "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
     "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
-    "regime", "analysis", "report",
+    "regime", "analysis", "recommend", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)

@@ -1,9 +1,11 @@
-# Stage 8 (report): results/report.html, self-contained, from the analysis outputs only.
+# Stage 8 (report): results/report.html, self-contained, from the analysis outputs and the
+# recommendations only (it opens with the recommendations).
 
 
 rule report:
     input:
-        rules.analysis.output,
+        analysis=rules.analysis.output,
+        recommendations=expand(rules.recommend.output[0], model=MODELS),
     output:
         html="results/report.html",
         figures=report(

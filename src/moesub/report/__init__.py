@@ -1,7 +1,8 @@
 """`results/report.html`: one self-contained HTML file from the analysis outputs.
 
-`render_report(analysis_dir, params, out_html)` reads only what the analysis rule wrote
-(`analysis.json` and the Parquet tables it names, through DuckDB), draws the seaborn figures
+`render_report(analysis_dir, params, out_html, recommendations=...)` reads only what the
+analysis rule wrote (`analysis.json` and the Parquet tables it names, through DuckDB) and the
+recommend stage's documents (the page opens with them), draws the seaborn figures
 (Agg backend), writes each as a PNG under `<out_html's folder>/figures/` (for Snakemake's
 `report()` tags), embeds the same bytes as base64 in the page and renders
 `templates/report.html.j2` (Jinja2, autoescaped). No external CSS, JS, fonts or images: the file

@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from moesub.report.experiments import expb_designs
 from moesub.report.load import AnalysisOutputs, ci_label, finite
 from moesub.report.tables import Row, first, interval, num, power
+
+
+def recommendation_lines(docs: list[dict[str, Any]], ci: str) -> list[str]:
+    """One sentence per model and cache fraction from the recommend stage's documents: the
+    fastest policy within the Δppl budget, then the fastest lossless one."""
+
+    def speed(c: dict[str, Any], base: str) -> str:
+        where = "engine" + (f" on {c['device']}" if c.get("device") else "")
+        src = where if c.get("time_source") == "engine" else "simulator estimate"
+        t = c.get("time_per_token_s")
+        src += f", {1e3 * float(t):.3g} ms per token" if finite(t) else ""
+        if c["policy"] == base:
+            return f"{base} itself ({src})"
+        x = num(c.get("speedup_vs_fetch_every_miss"), "{:.2f}")
+        return f"{c['policy']}: {x}× faster than {base} ({src})"
+
+    lines = []
+    for d in docs:
+        base, budget = d.get("baseline", "fetch_every_miss"), d.get("dppl_budget_pct")
+        for e in d["fractions"]:
+            at = f"{d['model']}: at {100 * e['fraction']:g}% resident (C = {e['capacity']}) "
+            c = e.get("within_budget")
+            if c is not None:
+                iv = interval(c.get("dppl_ci_lo"), c.get("dppl_ci_hi"), "{:+.2f}")
+                text = (
+                    f"use {speed(c, base)} at "
+                    f"{num(c.get('dppl_pct'), '{:+.2f}')}% perplexity {iv} ({ci})"
+                )
+            else:
+                text = f"no policy is within the {budget:g}% perplexity budget: "
+                text += str(e.get("within_budget_reason"))
+            ll = e.get("lossless")
+            if ll is not None:
+                text += f"; lossless: {speed(ll, base)}."
+            else:
+                text += f"; lossless: none ({e.get('lossless_reason')})."
+            lines.append(at + text)
+    return lines
 
 
 def expb_headline(out: AnalysisOutputs) -> list[str]:

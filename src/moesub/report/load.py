@@ -1,4 +1,5 @@
-"""What the report reads: the analysis outputs only (`analysis.json` and its named Parquet files).
+"""What the report reads: the analysis outputs (`analysis.json` and its named Parquet files) and
+the recommend stage's JSON documents.
 
 The analysis writes one file per table (`analysis.json["files"]` names them); the report never
 opens a stage artefact. A table that is absent, unreadable or has no columns loads as an empty
@@ -94,6 +95,20 @@ def load_outputs(analysis_dir: str | os.PathLike) -> AnalysisOutputs:
         except Exception as exc:  # noqa: BLE001 - shown in the report instead of failing it
             out.absent[name] = f"{path.name} is unreadable: {exc}"
     return out
+
+
+def load_recommendations(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
+    """The recommend stage's documents (results/{model}/recommendation.json), in the given
+    order; a missing file or one without `model` and `fractions` is an error naming it."""
+    docs = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"recommendation {str(path)!r} is missing (rule recommend)")
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not {"model", "fractions"} <= set(doc):
+            raise ValueError(f"{path}: not a recommendation (needs keys model and fractions)")
+        docs.append(doc)
+    return docs
 
 
 # columns a figure cannot do without; an analysis that lacks one gets a message, not a crash

@@ -6,7 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,8 @@ from moesub.report.experiments import (
     regime_verdicts,
 )
 from moesub.report.figures import draw_figures
-from moesub.report.headline import headline
-from moesub.report.load import ci_label, load_outputs, summarize_reasons
+from moesub.report.headline import headline, recommendation_lines
+from moesub.report.load import ci_label, load_outputs, load_recommendations, summarize_reasons
 from moesub.report.plotting import FigureData
 from moesub.report.tables import (
     frame_table,
@@ -68,8 +68,10 @@ def render_report(
     params: Mapping[str, Any],
     out_html: str | os.PathLike,
     fig_dir: str | os.PathLike | None = None,
+    recommendations: Sequence[str | os.PathLike] = (),
 ) -> Path:
-    """Render the report from the analysis outputs in `analysis_dir` (nothing else is read).
+    """Render the report from the analysis outputs in `analysis_dir` and the recommend stage's
+    `recommendations` (results/{model}/recommendation.json; the report opens with them).
 
     `params`: the configuration shown in the report (`params["machine"]`, if given, describes the
     machine the measurements ran on). Figures also go to `fig_dir` (default `<out_html's
@@ -78,6 +80,7 @@ def render_report(
     if not isinstance(params, Mapping):
         raise ValueError(f"params must be a mapping, got {type(params).__name__}")
     out = load_outputs(analysis_dir)
+    recommended = load_recommendations(recommendations)
     out_html = Path(out_html)
     fig_dir = Path(fig_dir) if fig_dir is not None else out_html.parent / "figures"
     numbers = policy_numbers(out)
@@ -102,6 +105,7 @@ def render_report(
         "title": str(params.get("title", "moesub report")),
         "ci": ci_label(out.ci_level),
         "baseline": out.baseline,
+        "recommendation": recommendation_lines(recommended, ci_label(out.ci_level)),
         "headline": headline(out),
         "summary": summary_table(out, numbers),
         "figures": {f.name: f for f in figures},
