@@ -68,6 +68,20 @@ def test_engine_imports_are_acyclic():
     assert find_cycle(graph) is None, f"import cycle in moesub.engine: {find_cycle(graph)}"
 
 
+def test_engine_layers_are_the_documented_order():
+    """The package docstring lists the modules lowest layer first; each imports only modules
+    listed before it (so the list is the reading order, and stays true)."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((ENGINE / "__init__.py").read_text()))
+    order = re.findall(r"^- `(\w+)`:", doc, flags=re.M)
+    graph = import_graph()
+    assert sorted(order) == sorted(graph), "the docstring must list every engine module once"
+    for i, module in enumerate(order):
+        later = graph[module] - set(order[:i])
+        assert not later, f"{module} imports {sorted(later)}, listed after it"
+
+
 @pytest.mark.parametrize("path", sorted(ENGINE.glob("*.py")), ids=lambda p: p.name)
 def test_engine_modules_are_small(path):
     n = len(path.read_text().splitlines())

@@ -3,10 +3,12 @@
 Modules, lowest layer first (each imports only modules above it in this list):
 
 - `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
-- `kernels`: expert compute from slot buffers (grouped matmul or gather, chosen per device).
+- `kernels`: expert compute from slot buffers, planned on the host (grouped matmul where it
+  is fast, per-expert matmuls elsewhere).
+- `host_memory`: the experts behind the GPU (`HostExperts`: a pinned budget, disk behind it).
 - `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM).
-- `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory -> GPU, admissions on a side
-  stream).
+- `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
+  side stream).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
 - `spec`: the `engine:` options (`EngineParams`) and an engine's checked inputs (`EngineSpec`).
 - `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
