@@ -305,30 +305,39 @@ static float row_min(const float* z, int E) {
   return m;
 }
 
-// The experts e of a row with z[e] >= f whose bit is set in `keep` (a bitmap of E bits), in id
-// order, into `out`; returns how many. 32 logits at a time become a 32-bit mask (each lane's
-// compare ANDed with its own bit, ORed across lanes), so only the hits are visited.
+// Bitmap (E bits, into `bits`) of the experts e of a row with z[e] >= f: 32 logits at a time
+// become a 32-bit mask (each lane's compare ANDed with its own bit, ORed across lanes).
 MOESUB_SIMD_CLONES
-static int at_least(const float* z, int E, float f, const uint64_t* keep, int32_t* out) {
+static void mask_at_least(const float* z, int E, float f, uint64_t* bits) {
   i32x8 bit[4];
   for (int v = 0; v < 4; ++v)
     for (int j = 0; j < 8; ++j) bit[v][j] = static_cast<int32_t>(uint32_t{1} << (8 * v + j));
-  int n = 0;
+  std::fill(bits, bits + (E + 63) / 64, uint64_t{0});
   const int full = E / 32 * 32;
   for (int s = 0; s < full; s += 32) {
     i32x8 acc = {};
     for (int v = 0; v < 4; ++v) acc |= (load<f32x8>(z + s + 8 * v) >= f) & bit[v];
     const i64x4 a = reinterpret_cast<i64x4>(acc);
     const uint64_t q = static_cast<uint64_t>(a[0] | a[1] | a[2] | a[3]);
-    uint32_t hits = (static_cast<uint32_t>(q) | static_cast<uint32_t>(q >> 32)) &
-                    static_cast<uint32_t>(keep[s >> 6] >> (s & 63));
-    for (; hits; hits &= hits - 1) out[n++] = s + __builtin_ctz(hits);
+    const uint64_t mask = static_cast<uint32_t>(q) | static_cast<uint32_t>(q >> 32);
+    bits[s >> 6] |= mask << (s & 63);
   }
-  for (int e = full; e < E; ++e) {
-    out[n] = e;
-    n += (z[e] >= f) & static_cast<int>(keep[e >> 6] >> (e & 63) & 1);
-  }
-  return n;
+  for (int e = full; e < E; ++e) bits[e >> 6] |= static_cast<uint64_t>(z[e] >= f) << (e & 63);
+}
+
+RowBias row_bias(const float* z, int E, const int32_t* sel0, int k, double lambda,
+                 uint64_t* bits) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  RowBias rb;
+  rb.b = lambda * (static_cast<double>(z[sel0[0]]) - static_cast<double>(row_min(z, E)));
+  // f sits below thr - b by more than any rounding of z + b: z < f implies z + b < thr
+  const double thr = z[sel0[k - 1]];
+  const double d = thr - rb.b - (std::fabs(thr) + rb.b) * 0x1p-50;
+  float f = d < -std::numeric_limits<float>::max() ? -kInf : static_cast<float>(d);
+  if (static_cast<double>(f) > d) f = std::nextafter(f, -kInf);
+  mask_at_least(z, E, f, bits);
+  rb.above = bits;
+  return rb;
 }
 
 // Substitute choice of step 5 over prepared candidates: zs[s] is the logit of the expert in slot
@@ -404,7 +413,7 @@ LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initi
     : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
       key_(C), acc_(E, 0.0), sel_(k), w_(k), zs_(C), pref_ids_(std::max(p.prefetch, 1)),
       pref_vals_(std::max(p.prefetch, 1)), res_bits_((E + 63) / 64, 0), t0_bits_((E + 63) / 64, 0),
-      cand_(E + 1) {
+      cand_bits_((E + 63) / 64, 0) {
   if (k < 1 || k > kMaxTopK || C < k || C > E)
     throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
   if (p.prefetch < 0 || p.prefetch > C)
@@ -504,6 +513,9 @@ void LayerCache::set_future(const Future* future) {
 // resident after it). Returns the number inserted.
 int32_t LayerCache::prefetch(const int32_t* P) {
   const int n = p_.prefetch;
+  bool all_resident = true;  // the common case: nothing to insert, nothing to pin
+  for (int j = 0; j < n; ++j) all_resident &= is_resident(P[j]);
+  if (all_resident) return 0;
   for (int j = 0; j < n; ++j)
     if (expert_[P[j]].slot >= 0) key_[expert_[P[j]].slot] = kPinned;
   int32_t inserted = 0;
@@ -524,10 +536,9 @@ int32_t LayerCache::prefetch(const int32_t* P) {
 // k-th logit `thr`; a non-resident outside T0 is outranked by all of T0, so S is drawn from T0
 // and the residents with z + b >= thr.
 double LayerCache::biased_selection(const float* z, const int32_t* sel0, const double* w0,
-                                    int32_t* sel, double* w) {
+                                    const RowBias& rb, int32_t* sel, double* w) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const double b =
-      p_.route_bias * (static_cast<double>(z[sel0[0]]) - static_cast<double>(row_min(z, E_)));
+  const double b = rb.b;
   const double thr = z[sel0[k_ - 1]];
   // Most tokens: all of T0 resident, every member gains b. Then S = T0 unless rounding z + b
   // merges values: T0 must stay in (z' descending, id ascending) order, and the best outsider
@@ -566,18 +577,15 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
     offer(is_resident(e) ? static_cast<double>(z[e]) + b : z[e], e);
     t0_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   }
-  // Outsiders: residents with z + b >= thr. A float prefilter z >= f, with f below thr - b by
-  // more than any rounding of z + b, finds them in one vector pass over the row.
-  const double d = thr - b - (std::fabs(thr) + b) * 0x1p-50;
-  float f = d < -std::numeric_limits<float>::max() ? -kInf : static_cast<float>(d);
-  if (static_cast<double>(f) > d) f = std::nextafter(f, -kInf);
-  for (size_t i = 0; i < res_bits_.size(); ++i) t0_bits_[i] = res_bits_[i] & ~t0_bits_[i];
-  const int nc = at_least(z, E_, f, t0_bits_.data(), cand_.data());  // residents outside T0
-  for (int i = 0; i < nc; ++i) {
-    const double v = static_cast<double>(z[cand_[i]]) + b;
-    if (v >= thr) offer(v, cand_[i]);
+  // Outsiders: residents with z + b >= thr, among the row's prefiltered experts (rb.above)
+  for (size_t i = 0; i < res_bits_.size(); ++i) {
+    for (uint64_t m = rb.above[i] & res_bits_[i] & ~t0_bits_[i]; m; m &= m - 1) {
+      const int32_t e = static_cast<int32_t>(64 * i) + __builtin_ctzll(m);
+      const double v = static_cast<double>(z[e]) + b;
+      if (v >= thr) offer(v, e);
+    }
+    t0_bits_[i] = 0;
   }
-  std::fill(t0_bits_.begin(), t0_bits_.end(), 0);
   bool same = true;
   for (int r = 0; r < k_; ++r) same &= sel[r] == sel0[r];
   if (same) {  // the same ranking: v1's weights, nothing rerouted
@@ -624,7 +632,8 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
 }
 
 void LayerCache::step_selected(const float* z, const int32_t* sel0, const double* w0,
-                               const StepOut& out, int64_t i, const int32_t* pref) {
+                               const StepOut& out, int64_t i, const int32_t* pref,
+                               const RowBias* rb) {
   if (t_ >= kMaxTokens)
     throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
   if (p_.prefetch > 0 && !pref)
@@ -646,7 +655,8 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   const double* w = w0;
   double rho = 0.0;
   if (p_.route_bias > 0.0) {
-    rho = biased_selection(z, sel0, w0, sel_biased, w_biased);
+    const RowBias local = rb ? *rb : row_bias(z, E_, sel0, k_, p_.route_bias, cand_bits_.data());
+    rho = biased_selection(z, sel0, w0, local, sel_biased, w_biased);
     sel = sel_biased;
     w = w_biased;
   }

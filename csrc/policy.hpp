@@ -98,6 +98,16 @@ struct Future {
 };
 Future layer_future(const float* logits, int64_t T, int64_t row_stride, int E, int k);
 
+// route_bias's part of one row that does not depend on the cache, computed where the row is read
+// (beside its top-k `sel0`): the bias b = lambda * (max z - min z) and a bitmap `above` (E bits,
+// in `bits`) of the experts whose logit could carry them into S if they were resident.
+struct RowBias {
+  double b = 0.0;
+  const uint64_t* above = nullptr;
+};
+RowBias row_bias(const float* z, int E, const int32_t* sel0, int k, double lambda,
+                 uint64_t* bits);
+
 // Co-activation counts of one layer: counts[a * E + b] += 1 for every ordered pair (a, b) of a
 // token's top-k (a == b included: the diagonal counts each expert's selections).
 void coactivation_counts(const float* logits, int64_t T, int64_t row_stride, int E, int k,
@@ -128,9 +138,10 @@ class LayerCache {
   // policies over one trace select once.
   // With prefetch > 0, `pref` holds the lookahead row's top-n by rank (select_topk, n >= the
   // policy's prefetch; a longer list's prefix is the shorter one). With route_bias > 0, `sel`
-  // and `w` are the unbiased top-k T0 and the cache re-selects from them.
+  // and `w` are the unbiased top-k T0 and the cache re-selects from them; `rb` is the row's
+  // row_bias for this policy's lambda (computed here if null).
   void step_selected(const float* z, const int32_t* sel, const double* w, const StepOut& out,
-                     int64_t i, const int32_t* pref = nullptr);
+                     int64_t i, const int32_t* pref = nullptr, const RowBias* rb = nullptr);
 
   // substitute_by = coactivation: this layer's co-activation table A (E, E), row-major; it must
   // outlive the cache.
@@ -157,8 +168,8 @@ class LayerCache {
   int32_t prefetch(const int32_t* P);  // step 1b: experts inserted
   // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0);
   // returns the rerouted mass
-  double biased_selection(const float* z, const int32_t* sel0, const double* w0, int32_t* sel,
-                          double* w);
+  double biased_selection(const float* z, const int32_t* sel0, const double* w0,
+                          const RowBias& rb, int32_t* sel, double* w);
   int32_t pick_victim() const;                    // resident with the smallest key, -1 if pinned
   std::pair<int32_t, int32_t> insert(int32_t e);  // evicts the victim: (freed slot, victim)
   void apply_ready_admissions();
@@ -190,10 +201,8 @@ class LayerCache {
   std::vector<int32_t> pref_ids_;   // step(): the lookahead's top-n (prefetch)
   std::vector<float> pref_vals_;
   // route_bias: residency as a bitmap (E bits: one cache line for 512 experts, where expert_
-  // would take a miss per probe); scratch: a bitmap (T0, then the residents outside it) and the
-  // prefiltered experts
-  std::vector<uint64_t> res_bits_, t0_bits_;
-  std::vector<int32_t> cand_;
+  // would take a miss per probe); scratch bitmaps: T0, and row_bias's when the caller gave none
+  std::vector<uint64_t> res_bits_, t0_bits_, cand_bits_;
   bool is_resident(int32_t e) const { return res_bits_[e >> 6] >> (e & 63) & 1; }
 };
 
