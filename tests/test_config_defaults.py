@@ -19,6 +19,7 @@ from moesub import config as mcfg
 # (schema section, "module:Class", keys of the section that are not options of the class)
 SECTIONS = [
     ("policies.*", "moesub.policy:Policy", set()),
+    ("models.*.loading", "moesub.models:ModelLoading", set()),
     ("embedded", "moesub.embedded:EmbeddedConfig", set()),
     ("streams", "moesub.streams:StreamsConfig", {"source"}),
     ("capture", "moesub.capture:CaptureParams", set()),

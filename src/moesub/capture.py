@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ from moesub.artefacts import (
 )
 from moesub.config import schema_defaults
 from moesub.io import ParquetStreamWriter, write_parquet
+from moesub.models import ModelLoading
 from moesub.params import check_dtype, options_from, torch_device, torch_dtype
 from moesub.policy import capacity_for
 
@@ -56,10 +57,13 @@ class CaptureParams:
     # tokens per teacher-forced forward (equal-length streams batched)
     batch_tokens: int = _DEFAULTS["batch_tokens"]
     name: str | None = None  # recorded as metadata `model` (default: the model directory)
+    # the model's placement (config `models.<name>.loading`, added by the workflow)
+    loading: ModelLoading | Mapping[str, Any] | None = field(default_factory=ModelLoading)
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> CaptureParams:
         p = options_from(cls, params, "capture")
+        p = replace(p, loading=ModelLoading.from_dict(p.loading))
         check_dtype(p.dtype, "capture params dtype")
         if not (p.row_group_mb > 0):
             raise ValueError(f"capture params row_group_mb: must be > 0, got {p.row_group_mb!r}")
@@ -95,7 +99,9 @@ class _Recorder:
         """(N, L, E) float32 of the last forward (N = B*T rows, batch-major); resets."""
         if any(z is None for z in self.logits):
             raise RuntimeError("not every MoE layer's router ran in the forward")
-        out = torch.stack(self.logits, dim=1).cpu().numpy()  # type: ignore[arg-type]
+        logits: list[torch.Tensor] = self.logits  # type: ignore[assignment]
+        # one device for the stack: a placed model's layers may run on different devices
+        out = torch.stack([z.to(logits[0].device) for z in logits], dim=1).cpu().numpy()
         self.logits = [None] * self.num_layers
         return out
 
@@ -187,7 +193,9 @@ def run_capture(
     opts = CaptureParams.from_dict(params)
     table, streams_meta = read_streams(streams_path)
     device = torch_device(opts.device)
-    model, _ = load_model(model_dir, dtype=torch_dtype(opts.dtype), device=device)
+    model, _ = load_model(
+        model_dir, dtype=torch_dtype(opts.dtype), device=device, loading=opts.loading
+    )
     info = moe_info(model)
     token_ids = table.column("token_id").to_numpy()
     if token_ids.min() < 0 or token_ids.max() >= info.vocab_size:

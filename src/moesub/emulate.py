@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from moesub.artefacts import check_token_table, initial_set_for, iter_streams
 from moesub.config import schema_defaults
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
-from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
+from moesub.models import ModelLoading, RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, STATUS_NAMES, check_capacity, check_initial
 from moesub.replay import (
@@ -61,12 +61,14 @@ class EmulateParams:
     # float32 | bfloat16 | float16; None = the capture's dtype
     dtype: str | None = _DEFAULTS["dtype"]
     device: str = _DEFAULTS["device"]  # torch device, or "auto" (cuda if available)
+    # the model's placement (config `models.<name>.loading`, added by the workflow)
+    loading: ModelLoading | Mapping[str, Any] | None = field(default_factory=ModelLoading)
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EmulateParams:
         out = options_from(cls, params, "emulate")
         check_replay_options(out.max_streams, out.dtype)
-        return out
+        return replace(out, loading=ModelLoading.from_dict(out.loading))
 
 
 # --------------------------------------------------------------------------- layer-major emulation
@@ -202,7 +204,7 @@ def run_emulate(
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
 
     model, info, tokens, dtype = load_for_capture(
-        model_dir, tokens_path, opts.dtype, torch_device(opts.device)
+        model_dir, tokens_path, opts.dtype, torch_device(opts.device), opts.loading
     )
     capacity = check_capacity(fraction, info.num_experts, info.top_k)
     initial = initial_set_for(

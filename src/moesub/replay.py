@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from moesub.artefacts import check_token_table
 from moesub.io import read_metadata
-from moesub.models import RouterHook, align_ids, load_model, moe_info
+from moesub.models import RouterHook, align_ids, input_device, load_model, moe_info
 from moesub.params import check_dtype, torch_dtype
 from moesub.policy import STATUS_NAMES, LayerCache, Policy, check_initial
 
@@ -68,15 +68,22 @@ def check_geometry(meta: Mapping[str, Any], info, arg: str) -> None:
 
 
 def load_for_capture(
-    model_dir: str | os.PathLike, tokens_path: Path, dtype: str | None, device: str
+    model_dir: str | os.PathLike,
+    tokens_path: Path,
+    dtype: str | None,
+    device: str,
+    loading: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, pl.DataFrame, str]:
     """The model in the capture's dtype (unless `dtype` overrides it), checked against the
-    capture token table (E/k/L recorded there, token ids within the vocabulary).
+    capture token table (E/k/L recorded there, token ids within the vocabulary); `loading`
+    (`moesub.models.ModelLoading`) places a model that does not fit one device.
 
     Returns (model, MoEInfo, token table, dtype)."""
     token_meta = read_metadata(tokens_path)
     dtype = check_dtype(dtype or token_meta.get("dtype", "float32"), "tokens_path: capture dtype")
-    model, _tokenizer = load_model(model_dir, dtype=torch_dtype(dtype), device=device)
+    model, _tokenizer = load_model(
+        model_dir, dtype=torch_dtype(dtype), device=device, loading=loading
+    )
     info = moe_info(model)
     check_geometry(token_meta, info, "tokens_path")
     tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
@@ -84,7 +91,9 @@ def load_for_capture(
 
 
 def model_device(model) -> torch.device:
-    return next(model.parameters()).device
+    """Where the model's input ids go (`moesub.models.input_device`: the embedding's
+    execution device, also when Accelerate placed or offloaded the layers)."""
+    return input_device(model)
 
 
 # --------------------------------------------------------------------------- policy routers

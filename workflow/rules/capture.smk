@@ -18,7 +18,7 @@ rule capture:
     threads: 1
     params:
         model_dir=model_dir,
-        capture=section("capture"),
+        capture=stage_params("capture"),
     script:
         "../scripts/capture.py"
 

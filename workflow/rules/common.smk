@@ -74,6 +74,21 @@ def model_dir(wildcards):
     return spec["path"]
 
 
+def stage_params(name, exclude=()):
+    """Params of a model-loading stage: `section(name, exclude)` plus, for a model placed by
+    Accelerate, its `models.<model>.loading` as `loading` (changing the placement reruns the
+    model's jobs; models without one keep their params, so their results stay valid)."""
+
+    def params(wildcards):
+        out = section(name, exclude)
+        loading = config["models"][wildcards.model].get("loading") or {}
+        if any(value is not None for value in loading.values()):
+            out["loading"] = canonical(loading)
+        return out
+
+    return params
+
+
 def model_artefact(name):
     """What a model-consuming job waits for: the built model's summary or the checkpoint check."""
     if config["models"][name].get("embedded"):

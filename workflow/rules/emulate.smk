@@ -20,6 +20,6 @@ rule emulate:
         policy=policy_params,
         fraction=lambda wildcards: float(wildcards.fraction),
         core=core_build_id,
-        emulate=section("emulate", exclude=["policies"]),
+        emulate=stage_params("emulate", exclude=["policies"]),
     script:
         "../scripts/emulate.py"
