@@ -21,9 +21,9 @@ from moesub.policy import (
     LayerCache,
     Policy,
     forced_substitution,
-    reference_scan,
     scan,
 )
+from moesub.policy_reference import reference_scan
 
 SMALL_E = st.integers(2, 20)
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moesub.grid import GridPoint, simulate
 from moesub.policy import (
     EVICTIONS,
     FETCH,
@@ -22,10 +23,9 @@ from moesub.policy import (
     LayerCache,
     Policy,
     coactivation,
-    reference_scan,
     scan,
 )
-from moesub.simulate import GridPoint, simulate
+from moesub.policy_reference import reference_scan
 
 
 def tie_prone(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
