@@ -260,6 +260,7 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.compute = FakeStream()
+        self.device_syncs = 0  # whole-device synchronizations (set-up and drains only)
 
     def current_stream(self, device=None) -> FakeStream:
         return self.compute
@@ -269,7 +270,7 @@ class FakeCuda:
         yield
 
     def synchronize(self, device=None) -> None:
-        pass
+        self.device_syncs += 1
 
     def get_device_name(self, device=None) -> str:
         return "fake"
@@ -302,13 +303,17 @@ def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, a
     experts = write_random(tmp_path / "x.bin", lay)
     store = ExpertStore(tmp_path / "x.bin", expected=lay)
     host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
-    tier = CudaTier(host, C, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=FakeCuda())
+    cuda = FakeCuda()
+    tier = CudaTier(host, C, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=cuda)
     assert tier.kind == ("pinned->CUDA" if pinned_layers == 2 else "disk->pinned->CUDA")
     pol = Policy(**policy)
     trace = synthetic_logits(60, lay.num_layers, E, seed=3)
     engine = OffloadEngine(tier, E, k, C, pol, None, act, admission=admission)
     try:
+        device_syncs = cuda.device_syncs
         status = drive(engine, trace, experts, E, lay.hidden)
+        # tokens wait for the compute stream only, never the whole device
+        assert cuda.device_syncs == device_syncs
         installed = sum(c.counters()["admissions"] for c in engine.caches)
     finally:
         engine.close()
