@@ -39,7 +39,6 @@ SECTIONS = [
     ("analysis", "moesub.stats:AnalysisParams", set()),
     ("recommend", "moesub.recommend:RecommendParams", set()),
     ("cost", "moesub.cost:CostModel", set()),
-    ("recommend", "moesub.recommend:RecommendParams", set()),
 ]
 
 # Keys the schema gives no default, on purpose (checked to have none).

@@ -73,7 +73,9 @@ def lossless_policies(per_input_points: pd.DataFrame, fraction: float) -> dict[s
     return {str(p): bool((g["dnll_mean"] == 0).all()) for p, g in s.groupby("policy")}
 
 
-def timing_rows(summary: pd.DataFrame, speed_quality: pd.DataFrame, fraction: float) -> pd.DataFrame:
+def timing_rows(
+    summary: pd.DataFrame, speed_quality: pd.DataFrame, fraction: float
+) -> pd.DataFrame:
     """One time per policy at `fraction`: the engine's where the summary has an engine speedup
     (its device: the analysis picks a CUDA one if any ran), else the simulator's; columns
     policy, time_source, device, time_per_token_s, speedup_vs_fetch_every_miss."""
@@ -84,7 +86,8 @@ def timing_rows(summary: pd.DataFrame, speed_quality: pd.DataFrame, fraction: fl
         frames.append(eng.assign(time_source="engine", device=eng["engine_device"]))
     if not speed_quality.empty:
         sim = speed_quality[
-            np.isclose(speed_quality["fraction"], fraction) & (speed_quality["source"] == "simulate")
+            np.isclose(speed_quality["fraction"], fraction)
+            & (speed_quality["source"] == "simulate")
         ]
         frames.append(sim.assign(time_source="simulator", device=None))
     if not frames:
