@@ -9,15 +9,17 @@ for bit (disk offload reloads the same float32 values and computes on the same C
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 import torch
-from tiny_models import tiny_qwen3_next
+import yaml
+from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub import config as mcfg
-from moesub.artefacts import load_trace
+from moesub.artefacts import load_trace, write_initial_set_table
 from moesub.capture import run_capture
 from moesub.emulate import run_emulate
 from moesub.io import write_parquet
@@ -42,43 +44,16 @@ EXPLICIT_MAP = {
 }
 
 
-def streams_table() -> pl.DataFrame:
-    rng = np.random.default_rng(7)
-    frames = []
-    for s, n in enumerate((30, 30, 21)):  # two equal lengths: a batched forward too
-        frames.append(
-            pl.DataFrame(
-                {
-                    "stream": np.full(n, s, np.int32),
-                    "pos": np.arange(n, dtype=np.int32),
-                    "token_id": rng.integers(3, VOCAB, n).astype(np.int32),
-                    "doc_id": np.full(n, s, np.int32),
-                    "doc_start": np.arange(n) == 0,
-                }
-            )
-        )
-    return pl.concat(frames)
-
-
-def initial_sets() -> pl.DataFrame:
-    rng = np.random.default_rng(1)
-    rows = [
-        (FRACTION, C, layer, rank, int(e))
-        for layer in range(L)
-        for rank, e in enumerate(rng.permutation(E)[:C])
-    ]
-    return pl.DataFrame(
-        rows, schema=["fraction", "capacity", "layer", "rank", "expert"], orient="row"
-    ).cast({"capacity": pl.Int32, "layer": pl.Int16, "rank": pl.Int32, "expert": pl.Int32})
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("device_map")
     model = tiny_qwen3_next(vocab=VOCAB, layers=L, experts=E, k=K, expert_std=0.4)
     model.save_pretrained(root / "model")
-    write_parquet(streams_table(), root / "streams.parquet")
-    write_parquet(initial_sets(), root / "initial_sets.parquet")
+    # two equal lengths: the capture batches them into one forward
+    write_parquet(random_streams([30, 30, 21], VOCAB, seed=7), root / "streams.parquet")
+    rng = np.random.default_rng(1)
+    initial = np.stack([rng.permutation(E)[:C] for _ in range(L)])  # (L, C)
+    write_initial_set_table({FRACTION: initial}, root / "initial_sets.parquet", {})
     return root
 
 
@@ -151,6 +126,26 @@ def test_split_emulation_is_exact(root, split, placement):
     assert sub.equals(ref)
 
 
+def test_capture_and_emulate_place_the_model(root, split, monkeypatch):
+    """The stages really load the model with the placement their params carry."""
+    import moesub.models
+    import moesub.replay
+
+    placements = []
+
+    def recording_load_model(*args, **kwargs):
+        model, tokenizer = load_model(*args, **kwargs)
+        placements.append(getattr(model, "hf_device_map", None))
+        return model, tokenizer
+
+    monkeypatch.setattr(moesub.models, "load_model", recording_load_model)
+    monkeypatch.setattr(moesub.replay, "load_model", recording_load_model)
+    tokens, _ = capture(root, "placed_check", split)
+    emulate(root, tokens, {"rule": "fetch_all"}, "placed_check.parquet", split)
+    assert len(placements) == 2
+    assert all("disk" in p.values() and "cpu" in p.values() for p in placements), placements
+
+
 def test_input_device_of_a_placed_model(root):
     """The embedding's weight is offloaded (meta) but the inputs go to its execution device;
     the router hook sees every layer's ids on the device that layer runs on."""
@@ -199,6 +194,19 @@ def test_stage_params_check_loading_before_any_work(root):
     assert not (root / "bad_tokens.parquet").exists()
 
 
+def config_with(tmp_path, loading) -> Path:
+    """A minimal pipeline config whose one model has `loading`."""
+    cfg = {
+        "models": {"m": {"embedded": True, "loading": loading}},
+        "streams": {"source": {"kind": "embedded"}},
+        "fractions": [0.25],
+        "policies": {"fetch_every_miss": {"rule": "fetch_all"}},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 @pytest.mark.parametrize(
     ("loading", "key"),
     [
@@ -210,34 +218,14 @@ def test_stage_params_check_loading_before_any_work(root):
     ],
 )
 def test_config_schema_rejects_bad_loading(tmp_path, loading, key):
-    import yaml
-
-    cfg = {
-        "models": {"m": {"embedded": True, "loading": loading}},
-        "streams": {"source": {"kind": "embedded"}},
-        "fractions": [0.25],
-        "policies": {"fetch_every_miss": {"rule": "fetch_all"}},
-    }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        mcfg.load_config(path)
+        mcfg.load_config(config_with(tmp_path, loading))
 
 
 def test_config_schema_accepts_a_placement(tmp_path):
-    import yaml
-
     loading = {
         "device_map": "auto",
         "max_memory": {"cuda:0": "70GiB", "1": "70GiB", "cpu": "200GiB", "disk": 2**40},
         "offload_folder": "/scratch/offload",
     }
-    cfg = {
-        "models": {"m": {"embedded": True, "loading": loading}},
-        "streams": {"source": {"kind": "embedded"}},
-        "fractions": [0.25],
-        "policies": {"fetch_every_miss": {"rule": "fetch_all"}},
-    }
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert mcfg.load_config(path)["models"]["m"]["loading"] == loading
+    assert mcfg.load_config(config_with(tmp_path, loading))["models"]["m"]["loading"] == loading
