@@ -39,6 +39,7 @@ from moesub.replay import (
     PolicyRouter,
     StreamTrace,
     check_replay_options,
+    check_run,
     forward_step,
     load_for_capture,
     make_caches,
@@ -196,12 +197,9 @@ def run_emulate(
     require_file(model_dir, "model_dir")
     tokens_path = require_file(tokens_path, "tokens_path")
     initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    check_run(name, fraction)
     pol = policy_from_dict(policy)
     opts = EmulateParams.from_dict(params)
-    if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
 
     model, info, tokens, dtype = load_for_capture(
         model_dir, tokens_path, opts.dtype, torch_device(opts.device), opts.loading

@@ -41,6 +41,19 @@ def check_replay_options(max_streams: int | None, dtype: str | None) -> None:
         check_dtype(dtype)
 
 
+def check_run(name: Any, fraction: Any) -> float:
+    """A policy run's name (non-empty: it names the artefact) and cache fraction in (0, 1]."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, (int, float))
+        or not 0.0 < float(fraction) <= 1.0
+    ):
+        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
 def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
     """`moesub.policy.Policy` from a config dict, with errors that name the `policy` argument."""
     if isinstance(policy, Policy):

@@ -103,19 +103,12 @@ def resolve_engine(
     given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
     from moesub.models import check_checkpoint
     from moesub.policy import check_initial
-    from moesub.replay import policy_from_dict
+    from moesub.replay import check_run, policy_from_dict
 
     require_file(model_dir, "model_dir")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    check_run(name, fraction)
     all_resident = name == ALL_RESIDENT
     pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0.0 < float(fraction) <= 1.0
-    ):
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
     opts = EngineParams.from_dict(params)
     dev = require_cuda(device)
     opts = replace(opts, dtype=engine_dtype(opts, dev))

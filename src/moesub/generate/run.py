@@ -54,6 +54,11 @@ _DEFAULTS = schema_defaults("generate")
 _GSM8K = schema_defaults("generate.tasks.gsm8k")
 _HUMANEVAL = schema_defaults("generate.tasks.humaneval")
 _COMPLETION = schema_defaults("generate.tasks.code_completion")
+# where the schema checks each option: the shared settings, then the tasks' own
+_SECTIONS = (
+    "generate",
+    *(f"generate.tasks.{t}" for t in ("gsm8k", "humaneval", "code_completion")),
+)
 
 
 @dataclass(frozen=True)
@@ -78,32 +83,7 @@ class GenerateParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:
-        out = options_from(cls, params, "generate")
-        out.check()
-        return out
-
-    def check(self) -> None:
-        for name in ("n", "max_new_tokens", "min_line_chars", "max_line_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"params.{name} must be an integer >= 1, got {value!r}")
-        for name in ("seed", "shots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"params.{name} must be an integer >= 0, got {value!r}")
-        if self.max_prompt_tokens is not None and (
-            not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
-        ):
-            raise ValueError(
-                f"params.max_prompt_tokens must be an integer >= 1 or null, "
-                f"got {self.max_prompt_tokens!r}"
-            )
-        if self.line_cut not in ("random", "start"):
-            raise ValueError(f"params.line_cut must be random or start, got {self.line_cut!r}")
-        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"params.timeout_s must be a number > 0, got {self.timeout_s!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"params.device must be auto, cpu or cuda, got {self.device!r}")
+        return options_from(cls, params, "generate", section=_SECTIONS)
 
 
 # --------------------------------------------------------------------------- the tasks
@@ -299,7 +279,7 @@ def run_generate(
     from moesub.artefacts import initial_set_for
     from moesub.models import load_model, moe_info
     from moesub.policy import CORE_BUILD_ID, check_capacity
-    from moesub.replay import policy_from_dict
+    from moesub.replay import check_run, policy_from_dict
 
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
@@ -307,15 +287,8 @@ def run_generate(
         raise FileNotFoundError(f"model_dir: {model_dir} does not exist")
     if not Path(initial_sets_path).is_file():
         raise FileNotFoundError(f"initial_sets_path: {initial_sets_path} does not exist")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty policy name, got {name!r}")
+    check_run(name, fraction)
     pol = policy_from_dict(policy)
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not (0.0 < float(fraction) <= 1.0)
-    ):
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
     opts = GenerateParams.from_dict(params)
     if opts.reference_path is not None and not Path(opts.reference_path).is_file():
         raise FileNotFoundError(f"params.reference_path: {opts.reference_path} does not exist")
