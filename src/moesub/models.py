@@ -14,6 +14,10 @@ Qwen2-MoE, OLMoE, FlexOlmo and Mixtral. In all of them decoder layer `i` is
 
 A forward hook on `block.gate` that returns `(logits, weights, new_ids)` makes the block compute
 expert `new_ids[n, j]` with slot weight `weights[n, j]`: this is how substitution is emulated.
+
+`load_model` loads a checkpoint whole on one device, or placed by Accelerate (`ModelLoading`:
+layers over CUDA devices, the CPU and the disk) when it does not fit one; the router hook and
+`stream_nll` work the same on both (`input_device` names where a placed model's inputs go).
 """
 
 from __future__ import annotations
