@@ -165,6 +165,23 @@ def test_streaming_matches_whole_scan(case, chunks, external):
         assert c["rerouted"] == pytest.approx(whole.rerouted[:, layer].sum(), abs=1e-12)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cases(num_experts=st.sampled_from([6, 12, 40]), max_k=6, max_tokens=12),
+    st.sampled_from([1e-3, 1e6, 1e12, 1e17, 1e30]),
+    st.integers(0, 2**31 - 1),
+)
+def test_route_bias_where_rounding_merges_biased_logits(case, lam, seed):
+    """A bias that is huge against the logits' spacing rounds distinct z + b to one float64:
+    the tie rule (lower id) then decides S, in the core's fast and slow paths alike."""
+    logits, k, C, policy, initial, A, y = case
+    rng = np.random.default_rng(seed)
+    palette = np.array([0.0, -0.0, 1e-38, -1e-38, 1e-7, 3e-7, 1.0, 1.0000001, 2.5, -4.0])
+    logits = palette[rng.integers(0, len(palette), logits.shape)].astype(np.float32)
+    biased = Policy(**{**policy.to_dict(), "eviction": "lru", "route_bias": lam})
+    assert_same(*run_both((logits, k, C, biased, initial, A, y)))
+
+
 # ---------------------------------------------------------------------------------------------
 # every default reproduces v1 bit for bit, and each field's neutral setting too
 
