@@ -41,7 +41,7 @@ from moesub.artefacts import (
 from moesub.config import schema_defaults
 from moesub.io import ParquetStreamWriter, write_parquet
 from moesub.models import ModelLoading
-from moesub.params import check_dtype, options_from, torch_device, torch_dtype
+from moesub.params import options_from, torch_device, torch_dtype
 from moesub.policy import capacity_for
 
 _DEFAULTS = schema_defaults("capture")  # workflow/schemas/config.schema.yaml
@@ -62,20 +62,8 @@ class CaptureParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> CaptureParams:
-        p = options_from(cls, params, "capture")
-        p = replace(p, loading=ModelLoading.from_dict(p.loading))
-        check_dtype(p.dtype, "capture params dtype")
-        if not (p.row_group_mb > 0):
-            raise ValueError(f"capture params row_group_mb: must be > 0, got {p.row_group_mb!r}")
-        if (
-            isinstance(p.batch_tokens, bool)
-            or not isinstance(p.batch_tokens, int)
-            or p.batch_tokens < 1
-        ):
-            raise ValueError(
-                f"capture params batch_tokens: must be an integer >= 1, got {p.batch_tokens!r}"
-            )
-        return p
+        p = options_from(cls, params, "capture", section="capture")
+        return replace(p, loading=ModelLoading.from_dict(p.loading))
 
 
 # --------------------------------------------------------------------------------------------

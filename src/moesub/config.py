@@ -54,17 +54,42 @@ def _resolve(node: Mapping[str, Any]) -> dict[str, Any]:
     return node
 
 
+def _section(section: str) -> dict[str, Any]:
+    """The schema node of a config section (dotted keys, `*` = any name; see schema_defaults)."""
+    node = _resolve(config_schema())
+    for key in section.split("."):
+        node = _resolve(node["additionalProperties"] if key == "*" else node["properties"][key])
+    return node
+
+
+def check_options(values: Mapping[str, Any], sections: str | tuple[str, ...], what: str) -> None:
+    """Every value whose key the config sections' schema knows, checked against it (type, range,
+    enum: the schema is their one home; dataclasses keep the cross-field checks). The first
+    section that knows a key gives its schema. Raises ValueError naming `params.<key>`."""
+    import jsonschema
+
+    props: dict[str, Any] = {}
+    for section in (sections,) if isinstance(sections, str) else sections:
+        for key, prop in _section(section).get("properties", {}).items():
+            props.setdefault(key, prop)
+    known = {key: props[key] for key in values if key in props}
+    schema = {"$defs": config_schema()["$defs"], "type": "object", "properties": known}
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(dict(values)), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        key = str(err.absolute_path[0]) if err.absolute_path else "?"
+        raise ValueError(f"params.{key}={values.get(key)!r} ({what}): {err.message}")
+
+
 def schema_defaults(section: str) -> dict[str, Any]:
     """The schema's default of every key of a config section that has one (deep copies).
 
     `section`: dotted keys through the schema's `properties` ("emulate", "engine.bench",
     "generate.tasks.gsm8k"); `*` stands for any name of a name -> object map ("policies.*").
     """
-    node = _resolve(config_schema())
-    for key in section.split("."):
-        node = _resolve(node["additionalProperties"] if key == "*" else node["properties"][key])
     out = {}
-    for key, prop in node.get("properties", {}).items():
+    for key, prop in _section(section).get("properties", {}).items():
         prop = _resolve(prop)
         if "default" in prop:
             out[key] = copy.deepcopy(prop["default"])

@@ -38,7 +38,6 @@ from moesub.replay import (
     BatchRouter,
     PolicyRouter,
     StreamTrace,
-    check_replay_options,
     check_run,
     forward_step,
     load_for_capture,
@@ -67,8 +66,7 @@ class EmulateParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EmulateParams:
-        out = options_from(cls, params, "emulate")
-        check_replay_options(out.max_streams, out.dtype)
+        out = options_from(cls, params, "emulate", section="emulate")
         return replace(out, loading=ModelLoading.from_dict(out.loading))
 
 

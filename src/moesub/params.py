@@ -13,13 +13,24 @@ T = TypeVar("T")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def options_from(cls: type[T], params: Mapping[str, Any] | None, what: str) -> T:
-    """`cls(**params)` after checking every key is a field of `cls` (`what` names the section)."""
+def options_from(
+    cls: type[T],
+    params: Mapping[str, Any] | None,
+    what: str,
+    section: str | tuple[str, ...] | None = None,
+) -> T:
+    """`cls(**params)` after checking every key is a field of `cls` (`what` names the section)
+    and, given the config `section`(s) they come from, every value the schema knows against it
+    (`moesub.config.check_options`: types, ranges and choices live in the schema)."""
     params = dict(params or {})
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"params: unknown {what} option(s) {unknown}; known: {sorted(known)}")
+    if section is not None:
+        from moesub.config import check_options
+
+        check_options(params, section, what)
     return cls(**params)
 
 

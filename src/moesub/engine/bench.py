@@ -30,7 +30,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.config import schema_defaults
+from moesub.config import check_options, schema_defaults
 from moesub.engine.calibrate import (
     cost_dict,
     measure_expert_compute,
@@ -43,7 +43,6 @@ from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.store import (
-    DTYPES,
     StoreLayout,
     measure_read_bandwidth,
     open_or_write_store,
@@ -94,17 +93,13 @@ class BenchParams:
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> BenchParams:
         p = options_from(cls, params, "engine-bench")
-        for name in ("layers", "num_experts", "hidden", "width", "top_k", "tokens", "calib_tokens",
-                     "staging_buffers", "rounds"):  # fmt: skip
+        # `policies` here are policy dicts; in the config, a list of names (the workflow maps it)
+        options = {k: v for k, v in (params or {}).items() if k != "policies"}
+        check_options(options, "engine.bench", "engine-bench")
+        for name in ("rounds", "threads"):  # the library-only options (not config keys)
             v = getattr(p, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"params.{name}={v!r} must be a positive integer")
-        if isinstance(p.warmup, bool) or not isinstance(p.warmup, int) or p.warmup < 0:
-            raise ValueError(f"params.warmup={p.warmup!r} must be an integer >= 0")
-        if p.dtype not in DTYPES:
-            raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
-        if not 0 < p.fraction <= 1:
-            raise ValueError(f"params.fraction={p.fraction!r} must be in (0, 1]")
         if p.capacity < p.top_k:
             raise ValueError(
                 f"params.fraction={p.fraction} gives C={p.capacity} < top_k={p.top_k}: the cache "

@@ -13,7 +13,6 @@ import torch
 
 from moesub.config import schema_defaults
 from moesub.engine.runtime import ADMISSION_TIMINGS
-from moesub.engine.store import DTYPES
 from moesub.engine.tiers import require_cuda
 from moesub.io import require_file
 from moesub.params import options_from
@@ -49,18 +48,13 @@ class EngineParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> EngineParams:
-        p = options_from(cls, params, "engine")
-        if p.dtype is not None and p.dtype not in DTYPES:
-            raise ValueError(f"params.dtype={p.dtype!r} not in {list(DTYPES)}")
-        b = p.pinned_budget_gb
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b < 0):
-            raise ValueError(f"params.pinned_budget_gb={b!r} must be a number >= 0 (GiB)")
+        p = options_from(cls, params, "engine", section="engine")
+        # the library-only options (not config keys)
         if p.admission not in ADMISSION_TIMINGS:
             raise ValueError(f"params.admission={p.admission!r} not in {list(ADMISSION_TIMINGS)}")
-        for name in ("staging_buffers", "max_streams", "max_tokens", "threads", "calibrate_tokens"):
-            v = getattr(p, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"params.{name}={v!r} must be a positive integer")
+        v = p.threads
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"params.threads={v!r} must be a positive integer")
         return p
 
 

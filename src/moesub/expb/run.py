@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
-from moesub.config import expb_min_capacity, schema_defaults
+from moesub.config import check_options, expb_min_capacity, schema_defaults
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
     MatchedPlan,
@@ -43,7 +43,6 @@ from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_s
 from moesub.replay import (
     BatchRouter,
     check_geometry,
-    check_replay_options,
     computed_ids,
     load_for_capture,
     model_device,
@@ -75,16 +74,9 @@ class ExpBParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> ExpBParams:
-        out = options_from(cls, params, "expb")
-        if out.resident not in ("initial", "all"):
-            raise ValueError(f"params.resident must be 'initial' or 'all', got {out.resident!r}")
-        if not isinstance(out.fraction, (int, float)) or not 0.0 < float(out.fraction) <= 1.0:
-            raise ValueError(f"params.fraction must be in (0, 1], got {out.fraction!r}")
-        if isinstance(out.seed, bool) or not isinstance(out.seed, int) or out.seed < 0:
-            raise ValueError(f"params.seed must be an integer >= 0, got {out.seed!r}")
-        if out.heavy_mass is not None and not 0.0 < float(out.heavy_mass) < 1.0:
-            raise ValueError(f"params.heavy_mass must be in (0, 1), got {out.heavy_mass!r}")
-        check_replay_options(out.max_streams, out.dtype)
+        out = options_from(cls, params, "expb", section="expb")
+        if out.heavy_mass is not None:  # from expb.designs.matched: checked by its schema
+            check_options({"heavy_mass": out.heavy_mass}, "expb.designs.matched", "expb")
         return out
 
 

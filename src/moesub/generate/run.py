@@ -54,6 +54,11 @@ _DEFAULTS = schema_defaults("generate")
 _GSM8K = schema_defaults("generate.tasks.gsm8k")
 _HUMANEVAL = schema_defaults("generate.tasks.humaneval")
 _COMPLETION = schema_defaults("generate.tasks.code_completion")
+# where the schema checks each option: the shared settings, then the tasks' own
+_SECTIONS = (
+    "generate",
+    *(f"generate.tasks.{t}" for t in ("gsm8k", "humaneval", "code_completion")),
+)
 
 
 @dataclass(frozen=True)
@@ -78,32 +83,7 @@ class GenerateParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:
-        out = options_from(cls, params, "generate")
-        out.check()
-        return out
-
-    def check(self) -> None:
-        for name in ("n", "max_new_tokens", "min_line_chars", "max_line_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"params.{name} must be an integer >= 1, got {value!r}")
-        for name in ("seed", "shots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"params.{name} must be an integer >= 0, got {value!r}")
-        if self.max_prompt_tokens is not None and (
-            not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
-        ):
-            raise ValueError(
-                f"params.max_prompt_tokens must be an integer >= 1 or null, "
-                f"got {self.max_prompt_tokens!r}"
-            )
-        if self.line_cut not in ("random", "start"):
-            raise ValueError(f"params.line_cut must be random or start, got {self.line_cut!r}")
-        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"params.timeout_s must be a number > 0, got {self.timeout_s!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"params.device must be auto, cpu or cuda, got {self.device!r}")
+        return options_from(cls, params, "generate", section=_SECTIONS)
 
 
 # --------------------------------------------------------------------------- the tasks
