@@ -137,7 +137,8 @@ class CudaTier:
         numel = int(np.prod(shape))
         buf = self._io.get(key)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = self.alloc((numel,), dtype)
+            with torch.inference_mode(False):  # a normal tensor: reusable in and out of it
+                buf = self.alloc((numel,), dtype)
             self._io[key] = buf
         return buf[:numel].view(shape)
 
