@@ -1,8 +1,8 @@
 """Replaying a captured model under a policy: what emulate, Experiment B and generation share.
 
 - **model loading** (`load_for_capture`): the model in the capture's dtype, checked against the
-  capture's token table (geometry, vocabulary); `check_geometry`,
-  `model_device`, `check_replay_options` (the stream limit and dtype the replays take);
+  capture's token table (geometry, vocabulary); `check_geometry`, `model_device`, `check_run`
+  (a run's name and cache fraction; the replays' options are checked by the config schema);
 - **policy routers**: `PolicyRouter` hands each MoE layer's router logits to that layer's
   `moesub.policy.LayerCache` (`make_caches`: fresh caches from the initial resident set) and
   returns the ids the core computes (`computed_ids`); `BatchRouter` splits a batched forward
@@ -33,14 +33,6 @@ from moesub.policy import STATUS_NAMES, LayerCache, Policy, check_initial
 
 
 # --------------------------------------------------------------------------- inputs
-def check_replay_options(max_streams: int | None, dtype: str | None) -> None:
-    """The options emulate and Experiment B share: a stream limit and the model dtype."""
-    if max_streams is not None and int(max_streams) < 1:
-        raise ValueError(f"params.max_streams must be >= 1, got {max_streams}")
-    if dtype is not None:
-        check_dtype(dtype)
-
-
 def check_run(name: Any, fraction: Any) -> float:
     """A policy run's name (non-empty: it names the artefact) and cache fraction in (0, 1]."""
     if not isinstance(name, str) or not name:
