@@ -56,16 +56,8 @@ NO_DEFAULT = {
     },
     **{
         f"cost.{key}": "a key left out comes from the engine's calibration"
-        for key in (
-            "link_bandwidth_Bps",
-            "transfer_latency_s",
-            "expert_bytes",
-            "expert_compute_s",
-            "host_expert_compute_s",
-            "dense_layer_s",
-            "background_shares_link",
-        )
-    },  # fmt: skip
+        for key in mcfg.config_schema()["properties"]["cost"]["properties"]
+    },
 }
 
 

@@ -191,19 +191,9 @@ def moe_info(model: nn.Module) -> MoEInfo:
 
 
 def _check_dir(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if p.is_file():
-        raise ValueError(
-            f"model path {str(p)!r} is a file; give the checkpoint directory that holds it "
-            f"({str(p.parent)!r})"
-        )
-    if not p.exists():
-        raise FileNotFoundError(f"model directory {str(p)!r} does not exist")
-    if not p.is_dir():
-        raise ValueError(f"model path {str(p)!r} is not a directory")
-    if not (p / "config.json").is_file():
-        raise ValueError(f"{str(p)!r} is not a Hugging Face checkpoint: it has no config.json")
-    return p
+    from moesub.config import check_checkpoint_dir
+
+    return check_checkpoint_dir(path, "model path")
 
 
 def _load_config(p: Path):
