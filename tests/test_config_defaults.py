@@ -38,6 +38,7 @@ SECTIONS = [
     ("generate.tasks.code_completion", "moesub.generate:GenerateParams", {"path"}),
     ("analysis", "moesub.stats:AnalysisParams", set()),
     ("recommend", "moesub.recommend:RecommendParams", set()),
+    ("models.*.loading", "moesub.models:ModelLoading", set()),
     ("cost", "moesub.cost:CostModel", set()),
 ]
 
