@@ -64,7 +64,7 @@ def captured(tiny_next, tmp_path_factory):
     d = tmp_path_factory.mktemp("capture")
     cols = make_streams(d / "streams.parquet")
     # a small row group size forces several row groups per stream
-    params = {"row_group_mb": 4 * E * L * 8 / 2**20, "name": "tiny"}
+    params = {"row_group_mb": 2 * 4 * E * L * 8 / 2**20, "name": "tiny"}
     run_capture(model_dir, d / "streams.parquet", d / "tok.parquet", d / "router.parquet", params)
     return d, cols, model
 
@@ -78,11 +78,12 @@ def test_capture_schemas_and_metadata(captured):
     ]  # fmt: skip
     router = pq.ParquetFile(d / "router.parquet")
     s = router.schema_arrow
-    assert s.names == ["stream", "pos", "layer", "logits"]
+    assert s.names == ["stream", "pos", "layer", "logits", "lookahead"]
     assert s.field("stream").type == pa.int32() and s.field("pos").type == pa.int32()
     assert s.field("layer").type == pa.int16()
     t = s.field("logits").type
     assert pa.types.is_fixed_size_list(t) and t.value_type == pa.float32() and t.list_size == E
+    assert s.field("lookahead").type == t
     assert router.metadata.num_rows == sum(LENGTHS.values()) * L
     assert router.num_row_groups > len(LENGTHS)
     meta = read_metadata(d / "router.parquet")

@@ -6,8 +6,10 @@
   the capture's geometry and `batch_tokens` in its metadata. `check_token_table` checks one
   against a model's vocabulary; `iter_streams` walks it stream by stream.
 - **router trace** (`capture/*_router.parquet`, `router_schema`): one row per (stream, pos,
-  layer) with the E router logits (float32). `router_writer` / `router_rows` write one,
-  `load_trace` reads it back as a `Trace`.
+  layer) with the E router logits (float32) and, since policy v2, the E lookahead logits
+  (`lookahead`, float32: the layer's router one MoE layer earlier, `moesub.models.RouterHook`;
+  traces captured before have no such column and still load for v1 policies).
+  `router_writer` / `router_rows` write one, `load_trace` reads it back as a `Trace`.
 - **initial sets** (`initial_sets.parquet`, INITIAL_SET_COLUMNS): per cache fraction and layer
   the C experts resident when a stream starts, in rank order. The frequency rule (the C experts
   most often in a token's top-k, ties to the lower id) is `frequency_sets`;
@@ -132,35 +134,49 @@ def logits_type(num_experts: int) -> pa.DataType:
     return pa.list_(pa.field("item", pa.float32(), nullable=False), num_experts)
 
 
-def router_schema(num_experts: int) -> pa.Schema:
-    """Schema of the router-logit table (no column holds nulls)."""
-    return pa.schema(
-        [
-            pa.field("stream", pa.int32(), nullable=False),
-            pa.field("pos", pa.int32(), nullable=False),
-            pa.field("layer", pa.int16(), nullable=False),
-            pa.field("logits", logits_type(num_experts), nullable=False),
-        ]
-    )
+def router_schema(num_experts: int, lookahead: bool = True) -> pa.Schema:
+    """Schema of the router-logit table (no column holds nulls); `lookahead=False`: the v1
+    schema, without the lookahead logits."""
+    fields = [
+        pa.field("stream", pa.int32(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("logits", logits_type(num_experts), nullable=False),
+    ]
+    if lookahead:
+        fields.append(pa.field("lookahead", logits_type(num_experts), nullable=False))
+    return pa.schema(fields)
 
 
-def router_rows(stream: int, logits: np.ndarray, pos0: int = 0) -> pa.Table:
-    """Router-table rows (stream, pos, layer, logits) for a (T, L, E) float32 block at pos0."""
+def _logit_list(block: np.ndarray, what: str, shape: tuple[int, ...]) -> pa.Array:
+    if block.shape != shape:
+        raise ValueError(f"router rows: {what} has shape {block.shape}, expected {shape}")
+    flat = np.ascontiguousarray(block, dtype=np.float32).reshape(-1)  # [T*L*E]
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat), type=logits_type(shape[-1]))
+
+
+def router_rows(
+    stream: int, logits: np.ndarray, pos0: int = 0, lookahead: np.ndarray | None = None
+) -> pa.Table:
+    """Router-table rows (stream, pos, layer, logits[, lookahead]) for a (T, L, E) float32
+    block at pos0 (`lookahead`: the same shape; None writes the v1 schema)."""
     T, L, E = logits.shape
-    flat = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)  # [T*L*E]
-    return pa.table(
-        {
-            "stream": pa.array(np.full(T * L, stream, dtype=np.int32)),
-            "pos": pa.array(np.repeat(np.arange(pos0, pos0 + T, dtype=np.int32), L)),
-            "layer": pa.array(np.tile(np.arange(L, dtype=np.int16), T)),
-            "logits": pa.FixedSizeListArray.from_arrays(pa.array(flat), type=logits_type(E)),
-        },
-        schema=router_schema(E),
-    )
+    cols = {
+        "stream": pa.array(np.full(T * L, stream, dtype=np.int32)),
+        "pos": pa.array(np.repeat(np.arange(pos0, pos0 + T, dtype=np.int32), L)),
+        "layer": pa.array(np.tile(np.arange(L, dtype=np.int16), T)),
+        "logits": _logit_list(logits, "logits", (T, L, E)),
+    }
+    if lookahead is not None:
+        cols["lookahead"] = _logit_list(lookahead, "lookahead", (T, L, E))
+    return pa.table(cols, schema=router_schema(E, lookahead is not None))
 
 
 def router_writer(
-    path: str | os.PathLike, num_experts: int, metadata: Mapping[str, Any]
+    path: str | os.PathLike,
+    num_experts: int,
+    metadata: Mapping[str, Any],
+    lookahead: bool = True,
 ) -> ParquetStreamWriter:
     """Row-group-at-a-time writer of a router table, atomic (the file appears on success).
 
@@ -169,22 +185,29 @@ def router_writer(
     2048 tokens x 4 layers x 512 experts), which alone would exceed the capture-overhead budget;
     snappy saved nothing.
     """
+    schema = router_schema(num_experts, lookahead)
     return ParquetStreamWriter(
         path,
-        router_schema(num_experts),
+        schema,
         metadata,
         use_dictionary=["stream", "pos", "layer"],
-        compression={"stream": "snappy", "pos": "snappy", "layer": "snappy", "logits": "none"},
+        compression={
+            name: "snappy" if name in ("stream", "pos", "layer") else "none"
+            for name in schema.names
+        },
     )
 
 
 @dataclass
 class Trace:
-    """Captured router logits: `logits[i]` is stream `streams[i]`'s (T_s, L, E) float32 array."""
+    """Captured router logits: `logits[i]` is stream `streams[i]`'s (T_s, L, E) float32 array;
+    `lookahead[i]` its lookahead logits, the same shape (None unless loaded with
+    `load_trace(..., lookahead=True)`)."""
 
     streams: list[int]
     logits: list[np.ndarray]
     meta: dict[str, Any]
+    lookahead: list[np.ndarray] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -203,7 +226,13 @@ class Trace:
         return sum(z.shape[0] for z in self.logits)
 
 
-def _check_router_schema(path: Path) -> tuple[int, dict[str, Any]]:
+def has_lookahead(router_path: str | os.PathLike) -> bool:
+    """Whether a router trace records the lookahead logits (traces captured before policy v2
+    do not)."""
+    return "lookahead" in pq.read_schema(router_path).names
+
+
+def _check_router_schema(path: Path, lookahead: bool) -> tuple[int, dict[str, Any]]:
     schema = pq.read_schema(path)
     bad = []
     for name in ("stream", "pos", "layer"):
@@ -221,6 +250,18 @@ def _check_router_schema(path: Path) -> tuple[int, dict[str, Any]]:
             E = -1
         else:
             E = t.list_size
+    if lookahead:
+        if "lookahead" not in schema.names:
+            raise ValueError(
+                f"router trace {str(path)!r} has no lookahead logits (it was captured before "
+                "capture recorded them): a prefetch policy needs them; capture the streams "
+                "again with this version"
+            )
+        if schema.field("lookahead").type != schema.field("logits").type:
+            bad.append(
+                f"column 'lookahead' is {schema.field('lookahead').type}, expected the "
+                f"logits' type {schema.field('logits').type}"
+            )
     meta = read_metadata(path)
     missing = [k for k in TRACE_META_KEYS if k not in meta]
     if missing:
@@ -232,19 +273,31 @@ def _check_router_schema(path: Path) -> tuple[int, dict[str, Any]]:
     return E, meta
 
 
-def load_trace(router_path: str | os.PathLike) -> Trace:
+def _logit_rows(column: pa.ChunkedArray, n: int, E: int) -> np.ndarray:
+    """(n, E) float32 from a fixed_size_list<float32>[E] column."""
+    out = np.empty((n, E), dtype=np.float32)
+    i = 0
+    for chunk in column.chunks:
+        out[i : i + len(chunk)] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, E)
+        i += len(chunk)
+    return out
+
+
+def load_trace(router_path: str | os.PathLike, lookahead: bool = False) -> Trace:
     """Read a router-logit table back into one (T_s, L, E) float32 array per stream.
 
     Rows may come in any order (they are sorted by (stream, pos, layer) if needed); every
     stream must hold positions 0..T_s-1 for every layer exactly once, and every logit must be
-    finite.
+    finite. `lookahead=True` also reads the lookahead logits (`Trace.lookahead`; a trace
+    captured without them is an error that says so).
     """
     path = Path(router_path)
     if not path.is_file():
         raise FileNotFoundError(f"router trace {str(path)!r} does not exist")
-    E, meta = _check_router_schema(path)
+    E, meta = _check_router_schema(path, lookahead)
     L = int(meta["num_layers"])
-    table = pq.read_table(path, columns=["stream", "pos", "layer", "logits"])
+    names = ["stream", "pos", "layer", "logits"] + (["lookahead"] if lookahead else [])
+    table = pq.read_table(path, columns=names)
     for name in table.column_names:
         if table.column(name).null_count:
             raise ValueError(f"router trace {str(path)!r}: column {name!r} has nulls")
@@ -254,11 +307,8 @@ def load_trace(router_path: str | os.PathLike) -> Trace:
     stream = table.column("stream").to_numpy().astype(np.int64)
     pos = table.column("pos").to_numpy().astype(np.int64)
     layer = table.column("layer").to_numpy().astype(np.int64)
-    logits = np.empty((n, E), dtype=np.float32)  # [n, E]
-    i = 0
-    for chunk in table.column("logits").chunks:
-        logits[i : i + len(chunk)] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, E)
-        i += len(chunk)
+    logits = _logit_rows(table.column("logits"), n, E)  # [n, E]
+    ahead = _logit_rows(table.column("lookahead"), n, E) if lookahead else None
     del table
     if layer.min() < 0 or layer.max() >= L or pos.min() < 0:
         raise ValueError(f"router trace {str(path)!r}: layer outside [0, {L}) or negative pos")
@@ -268,18 +318,20 @@ def load_trace(router_path: str | os.PathLike) -> Trace:
         stream, pos, layer, key, logits = (
             stream[order], pos[order], layer[order], key[order], logits[order],
         )  # fmt: skip
+        ahead = None if ahead is None else ahead[order]
         if not (np.diff(key) > 0).all():
             raise ValueError(f"router trace {str(path)!r}: duplicate (stream, pos, layer) rows")
-    finite = np.isfinite(logits).all(axis=1)
-    if not finite.all():
-        r = int(np.flatnonzero(~finite)[0])
-        raise ValueError(
-            f"router trace {str(path)!r}: {int((~finite).sum())} row(s) with NaN or infinite "
-            f"logits, first at stream {stream[r]}, pos {pos[r]}, layer {layer[r]}"
-        )
+    for what, values in (("logits", logits), ("lookahead logits", ahead)):
+        finite = True if values is None else np.isfinite(values).all(axis=1)
+        if not np.all(finite):
+            r = int(np.flatnonzero(~finite)[0])
+            raise ValueError(
+                f"router trace {str(path)!r}: {int((~finite).sum())} row(s) with NaN or "
+                f"infinite {what}, first at stream {stream[r]}, pos {pos[r]}, layer {layer[r]}"
+            )
     starts = np.flatnonzero(np.r_[True, stream[1:] != stream[:-1]])
     ends = np.r_[starts[1:], n]
-    streams, arrays = [], []
+    streams, arrays, ahead_arrays = [], [], []
     for a, b in zip(starts, ends, strict=True):
         T = int(pos[b - 1]) + 1
         if b - a != T * L:
@@ -289,7 +341,14 @@ def load_trace(router_path: str | os.PathLike) -> Trace:
             )
         streams.append(int(stream[a]))
         arrays.append(logits[a:b].reshape(T, L, E))
-    return Trace(streams=streams, logits=arrays, meta=meta)
+        if ahead is not None:
+            ahead_arrays.append(ahead[a:b].reshape(T, L, E))
+    return Trace(
+        streams=streams,
+        logits=arrays,
+        meta=meta,
+        lookahead=ahead_arrays if ahead is not None else None,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,11 +4,13 @@ Capture runs the exact model (every expert resident) over the streams with teach
 streams of equal length go through `moesub.models.stream_nll` (the same call the emulator
 makes) in batches of at most `batch_tokens` tokens (`moesub.models.stream_batches`; recorded in
 the token table's metadata so that replays batch identically), with a `RouterHook` recording
-every MoE layer's router logits.
+every MoE layer's router logits and lookahead logits (the layer's router applied one MoE layer
+earlier: what prefetch predicts from; docs/policy-semantics.md, v2).
 
-Router table rows are written in (stream, pos, layer) order, one fixed-size float32 list of
-length E per row, in row groups of about `row_group_mb`, by a background thread. Memory is
-bounded by one batch's logits (B x T x L x E float32) plus two pending row groups.
+Router table rows are written in (stream, pos, layer) order, two fixed-size float32 lists of
+length E per row (logits, lookahead), in row groups of about `row_group_mb`, by a background
+thread. Memory is bounded by one batch's logits and lookahead (2 x B x T x L x E float32) plus
+two pending row groups.
 
 `write_initial_sets` counts the calibration capture's top-k selections into the frequency
 initial sets. The artefacts' schemas, readers and writers are `moesub.artefacts`.
@@ -71,26 +73,35 @@ class CaptureParams:
 
 
 class _Recorder:
-    """RouterHook callback keeping each MoE layer's logits [T, E] of the current forward."""
+    """RouterHook callback (lookahead on) keeping each MoE layer's logits and lookahead logits
+    [N, E] of the current forward."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.logits: list[torch.Tensor | None] = [None] * num_layers
+        self.lookahead: list[torch.Tensor | None] = [None] * num_layers
 
-    def __call__(self, layer: int, logits: torch.Tensor, weights, ids) -> None:
+    def __call__(self, layer: int, logits: torch.Tensor, weights, ids, lookahead) -> None:
         if self.logits[layer] is not None:
             raise RuntimeError(f"router of MoE layer {layer} ran twice in one forward")
         self.logits[layer] = logits.detach()
+        self.lookahead[layer] = lookahead.detach()
         return None
 
-    def take(self) -> np.ndarray:
-        """(N, L, E) float32 of the last forward (N = B*T rows, batch-major); resets."""
-        if any(z is None for z in self.logits):
+    @staticmethod
+    def _stack(rows: list[torch.Tensor | None]) -> np.ndarray:
+        if any(z is None for z in rows):
             raise RuntimeError("not every MoE layer's router ran in the forward")
-        logits: list[torch.Tensor] = self.logits  # type: ignore[assignment]
         # one device for the stack: a placed model's layers may run on different devices
-        out = torch.stack([z.to(logits[0].device) for z in logits], dim=1).cpu().numpy()
+        device = rows[0].device  # type: ignore[union-attr]
+        return torch.stack([z.to(device) for z in rows], dim=1).cpu().numpy()  # type: ignore[union-attr]
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """(logits, lookahead), each (N, L, E) float32, of the last forward (N = B*T rows,
+        batch-major); resets."""
+        out = self._stack(self.logits), self._stack(self.lookahead)
         self.logits = [None] * self.num_layers
+        self.lookahead = [None] * self.num_layers
         return out
 
 
@@ -101,7 +112,8 @@ def capture_batch(
     token_ids: np.ndarray,
     rows_per_group: int,
 ) -> np.ndarray:
-    """Capture B equal-length streams in one teacher-forced forward, recording every router.
+    """Capture B equal-length streams in one teacher-forced forward, recording every router
+    and its lookahead logits.
 
     `token_ids` (B, T). Writes each stream's router rows to `writer` (`rows_per_group`
     positions per row group) and returns the NLL `(B, T)` float64 (NaN at position 0).
@@ -111,17 +123,19 @@ def capture_batch(
     recorder = _Recorder(len(moe_blocks(model)))
     ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))  # (B, T)
     B, T = ids.shape
-    with RouterHook(model, recorder):
+    with RouterHook(model, recorder, lookahead=True):
         nll = stream_nll(model, ids)  # (B, T)
-    logits = recorder.take()  # (B*T, L, E) float32
+    logits, ahead = recorder.take()  # (B*T, L, E) float32 each
     logits = logits.reshape(B, T, *logits.shape[1:])  # (B, T, L, E)
+    ahead = ahead.reshape(logits.shape)
     for b, stream_id in enumerate(stream_ids):
-        if not np.isfinite(logits[b]).all():
+        if not (np.isfinite(logits[b]).all() and np.isfinite(ahead[b]).all()):
             raise ValueError(
                 f"stream {stream_id}: the model produced NaN or infinite router logits"
             )
         for p in range(0, T, rows_per_group):
-            writer.write_table(router_rows(stream_id, logits[b, p : p + rows_per_group], p))
+            rows = slice(p, p + rows_per_group)
+            writer.write_table(router_rows(stream_id, logits[b, rows], p, ahead[b, rows]))
     return nll
 
 
@@ -203,7 +217,8 @@ def run_capture(
         "dtype": opts.dtype,
         "batch_tokens": opts.batch_tokens,
     }
-    rows_per_group = max(1, int(opts.row_group_mb * 2**20 // (4 * E * L)))  # positions per group
+    # positions per row group: two float32 lists of E per (position, layer)
+    rows_per_group = max(1, int(opts.row_group_mb * 2**20 // (2 * 4 * E * L)))
     stream = table.column("stream").to_numpy()
     starts = np.flatnonzero(np.r_[True, stream[1:] != stream[:-1]])
     lengths = np.diff(np.r_[starts, len(stream)])

@@ -49,6 +49,10 @@ _FAMILIES: dict[str, bool] = {
     "mixtral": True,
 }
 SUPPORTED_FAMILIES = tuple(sorted(_FAMILIES))
+# model_type -> the decoder layer's norm between the residual stream and the MoE block (None:
+# the block reads the residual stream itself; FlexOlmo normalizes after its MLP instead).
+_PRE_MOE_NORM: dict[str, str | None] = {f: "post_attention_layernorm" for f in _FAMILIES}
+_PRE_MOE_NORM["flex_olmo"] = None
 _BLOCK_ATTRS = ("mlp", "block_sparse_moe")
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -58,7 +62,7 @@ _WEIGHT_FILES = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-RouteFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+RouteFn = Callable[..., Any]  # (layer, logits, weights, ids[, lookahead]) -> see RouterHook
 
 
 @dataclass(frozen=True)
@@ -462,50 +466,165 @@ def load_tokenizer(path: str | os.PathLike):
 # router hook
 
 
+def _moe_taps(model: nn.Module) -> list[tuple[nn.Module, nn.Module | None, nn.Module]]:
+    """Per MoE layer: (decoder layer, its pre-MoE norm or None, its sparse block)."""
+    layers = _decoder_layers(model)
+    attr = _PRE_MOE_NORM[_family(model)]
+    out = []
+    for i, block in _moe_layers(model):
+        norm = getattr(layers[i], attr) if attr is not None else None
+        out.append((layers[i], norm, block))
+    return out
+
+
+def _execution_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    """Where `module` computes: Accelerate's execution device when it placed the module, else
+    its first parameter's device (`fallback` for a module without parameters)."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    param = next(module.parameters(), None)
+    if param is None or param.device.type == "meta":
+        return fallback
+    return param.device
+
+
+def router_weights(
+    logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool
+) -> torch.Tensor:
+    """The slot weights a TopKRouter gives experts `experts [N, k]` (slot order) from its logits
+    `[N, E]`: softmax in float32 over all E, gathered, renormalized over the k when
+    `norm_topk_prob`, cast to the logits' dtype. For the router's own top-k these are its weights
+    bit for bit; cache-aware routing (route_bias) computes a rerouted row's weights with it."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top = probs.gather(1, experts.to(device=probs.device, dtype=torch.long))
+    if norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
 class RouterHook:
     """Context manager: call `on_route` at every MoE layer's router, optionally replacing ids.
 
     `on_route(layer, logits, weights, ids)` gets the MoE layer index `l` (0..L-1), the router
     logits `[N, E]` as float32 (N = B*T rows, row-major over (batch, time); do not modify),
     the slot weights `[N, k]` and selected ids `[N, k]` in the model's slot order. It returns
-    None (keep the model's choice) or replacement ids `[N, k]` in the same slot order: slot j
-    then computes expert `new[n, j]` with the unchanged weight `weights[n, j]`.
+    None (keep the model's choice), replacement ids `[N, k]` in the same slot order (slot j
+    then computes expert `new[n, j]` with the unchanged weight `weights[n, j]`), or a pair
+    `(weights, ids)` replacing both (cache-aware routing selects other experts).
     With `on_route` returning None or the same ids, the model's output is bit-identical.
+
+    `lookahead=True` also passes each layer's lookahead logits `[N, E]` float32 as a fifth
+    argument (docs/policy-semantics.md, v2 `prefetch`): layer l's router applied, through layer
+    l's own pre-MoE norm, to the residual stream entering MoE layer l-1's MoE sub-block (for
+    MoE layer 0: the residual stream entering its decoder layer), recorded by forward pre-hooks
+    during the same forward. Norm and router are the model's own modules, called on that
+    stream: the lookahead is exactly what the router would compute one MoE layer earlier.
     """
 
-    def __init__(self, model: nn.Module, on_route: RouteFn):
+    def __init__(self, model: nn.Module, on_route: RouteFn, lookahead: bool = False):
         self.model = model
         self.on_route = on_route
+        self.lookahead = bool(lookahead)
         self.blocks = moe_blocks(model)
+        self._taps = _moe_taps(model) if self.lookahead else []
         self._handles: list[Any] = []
+        self._streams: list[torch.Tensor | None] = []  # [entering MoE layer 0's decoder layer,
+        # entering MoE layer 0's MoE sub-block, ..., layer L-2's]: lookahead sources
+        self._inner = False  # True while the hook itself runs a norm / router (no recording)
 
     def _make_hook(self, layer: int):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._inner:
+                return None
             logits, weights, ids = output  # [N, E], [N, k], [N, k]
-            new = self.on_route(layer, logits.float(), weights, ids)
+            if self.lookahead:
+                y = self._lookahead_logits(layer, logits.device)
+                new = self.on_route(layer, logits.float(), weights, ids, y)
+            else:
+                new = self.on_route(layer, logits.float(), weights, ids)
             if new is None:
                 return None
+            if isinstance(new, tuple):
+                new_weights, new = new
+                new_weights = torch.as_tensor(new_weights, device=weights.device)
+                new_weights = new_weights.to(weights.dtype)
+                if new_weights.shape != weights.shape:
+                    raise ValueError(
+                        f"on_route for layer {layer} returned weights of shape "
+                        f"{tuple(new_weights.shape)}, expected {tuple(weights.shape)}"
+                    )
+            else:
+                new_weights = weights
             new = torch.as_tensor(new, device=ids.device).to(ids.dtype)
             if new.shape != ids.shape:
                 raise ValueError(
                     f"on_route for layer {layer} returned ids of shape {tuple(new.shape)}, "
                     f"expected {tuple(ids.shape)}"
                 )
-            return logits, weights, new
+            return logits, new_weights, new
 
         return hook
+
+    def _make_tap(self, index: int, kwarg: str | None):
+        """Forward pre-hook keeping a module's input (the residual stream) as source `index`."""
+
+        def tap(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._inner:
+                return None
+            x = args[0] if args else kwargs[kwarg] if kwarg else None
+            if x is None:
+                raise RuntimeError(f"{type(module).__name__}: no hidden-state input to record")
+            self._streams[index] = x.detach()
+            return None
+
+        return tap
+
+    def _lookahead_logits(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer `layer`'s lookahead logits `[N, E]` float32 from its recorded source stream."""
+        source = self._streams[layer]
+        if source is None:
+            raise RuntimeError(f"lookahead of MoE layer {layer}: its residual stream was not seen")
+        self._streams[layer] = None  # each source feeds one layer: free it
+        _decoder, norm, block = self._taps[layer]
+        self._inner = True
+        try:
+            x = source
+            if norm is not None:
+                x = norm(x.to(_execution_device(norm, x.device)))
+            x = x.to(_execution_device(block.gate, x.device))
+            y = block.gate(x.reshape(-1, x.shape[-1]))[0]  # the router's own logits
+        finally:
+            self._inner = False
+        return y.float().to(device)
 
     def __enter__(self) -> RouterHook:
         if self._handles:
             raise RuntimeError("RouterHook is already installed")
         for layer, block in enumerate(self.blocks):
             self._handles.append(block.gate.register_forward_hook(self._make_hook(layer)))
+        if self.lookahead:
+            L = len(self._taps)
+            self._streams = [None] * L
+            decoder0 = self._taps[0][0]
+            self._handles.append(
+                decoder0.register_forward_pre_hook(
+                    self._make_tap(0, "hidden_states"), with_kwargs=True
+                )
+            )
+            for m in range(L - 1):  # the last MoE layer's stream is no layer's source
+                _decoder, norm, block = self._taps[m]
+                module = norm if norm is not None else block
+                self._handles.append(
+                    module.register_forward_pre_hook(self._make_tap(m + 1, None), with_kwargs=True)
+                )
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._streams = []
 
 
 def align_ids(
