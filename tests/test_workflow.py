@@ -27,7 +27,8 @@ import yaml
 from moesub import config as mcfg
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data", "tests/config")
+WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data",
+                  "tests/config")  # fmt: skip
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
