@@ -30,15 +30,12 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.io import atomic_path
+from moesub.params import DTYPE_NAMES
 
 MAGIC = b"MOESUBEX1\n"
 HEADER_BYTES = 4096
 ALIGN = 4096
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
