@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from moesub.engine.kernels import expert_forward
-from moesub.policy import FETCH, FORCED, HOST, LayerCache, LayerStep, Policy
+from moesub.policy import FETCH, FORCED, HOST, STATUS_NAMES, LayerCache, LayerStep, Policy
 
-NUM_STATUS = 5
+NUM_STATUS = len(STATUS_NAMES)
 ADMISSION_TIMINGS = ("completion", "delay")
 ADMIT_TIMEOUT_S = 60.0  # admission="delay": longest wait for a due copy before giving up
 
