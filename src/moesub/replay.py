@@ -3,10 +3,13 @@
 - **model loading** (`load_for_capture`): the model in the capture's dtype, checked against the
   capture's token table (geometry, vocabulary); `check_geometry`, `model_device`, `check_run`
   (a run's name and cache fraction; the replays' options are checked by the config schema);
-- **policy routers**: `PolicyRouter` hands each MoE layer's router logits to that layer's
-  `moesub.policy.LayerCache` (`make_caches`: fresh caches from the initial resident set) and
-  returns the ids the core computes (`computed_ids`); `BatchRouter` splits a batched forward
-  among per-stream routers;
+- **policy routers**: `PolicyRouter` hands each MoE layer's router logits (and, for prefetch,
+  the lookahead logits the hook computes from the replayed hidden states) to that layer's
+  `moesub.policy.LayerCache` (`make_caches`: fresh caches from the initial resident set, the
+  co-activation table for substitute_by='coactivation'; `policy_router` builds both) and
+  returns the ids the core computes (`computed_ids`), with the core's selection and the
+  model's gate weights for it where route_bias rerouted a row; `BatchRouter` splits a batched
+  forward among per-stream routers;
 - **greedy decoding** (`greedy_decode`) with the KV cache under a policy (or the exact model),
   and the cached one-step forward the token-by-token oracle shares (`forward_step`).
 """
@@ -27,9 +30,16 @@ from tqdm.auto import tqdm
 
 from moesub.artefacts import check_token_table
 from moesub.io import read_metadata
-from moesub.models import RouterHook, align_ids, input_device, load_model, moe_info
+from moesub.models import (
+    RouterHook,
+    align_ids,
+    input_device,
+    load_model,
+    moe_info,
+    router_weights,
+)
 from moesub.params import check_dtype, torch_dtype
-from moesub.policy import STATUS_NAMES, LayerCache, Policy, check_initial
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_initial
 
 
 # --------------------------------------------------------------------------- inputs
@@ -56,6 +66,19 @@ def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
         return Policy.from_dict(dict(policy))
     except (TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"policy {dict(policy)!r} is invalid: {exc}") from exc
+
+
+def replay_policy(policy: Mapping[str, Any] | Any) -> Policy:
+    """`policy_from_dict`, for a replay: the caches step online with the model, so an offline
+    eviction (belady, which needs every future selection) is an error here."""
+    pol = policy_from_dict(policy)
+    if pol.eviction in OFFLINE_EVICTIONS:
+        raise ValueError(
+            f"policy eviction {pol.eviction!r} is offline-only (scan and the simulator: it needs "
+            "the whole stream's future selections); emulation, Experiment B and generation "
+            "replay the model online: use eviction 'lru' or 'lfu'"
+        )
+    return pol
 
 
 def check_geometry(meta: Mapping[str, Any], info, arg: str) -> None:
@@ -111,7 +134,10 @@ class StreamTrace:
     counts: np.ndarray  # int64 (T, 5) slots per status code, summed over layers
     status: np.ndarray | None = None  # int8 (T, L, k), when recorded
     ids: np.ndarray | None = None  # int32 (T, L, k) computed expert, when recorded
-    selected: np.ndarray | None = None  # int32 (T, L, k) router's choice, when recorded
+    selected: np.ndarray | None = None  # int32 (T, L, k) the core's selection S, when recorded
+    logits: np.ndarray | None = None  # float32 (T, L, E) replayed router logits, when recorded
+    lookahead: np.ndarray | None = None  # float32 (T, L, E) replayed lookahead (prefetch only)
+    prefetched: np.ndarray | None = None  # int32 (T, L) experts prefetched, when recorded
     admissions: int = 0  # admission requests made by the core, summed over layers
 
 
@@ -120,28 +146,59 @@ class PolicyRouter:
     """RouterHook callback: layer l's rows go through `caches[l]`; the core's ids are computed.
 
     Rows arrive in stream order (the whole stream at once, or one decode step at a time); each
-    call advances that layer's cache clock by the number of rows. `record` keeps ids and status
-    for the tests; otherwise only mass and per-status counts are kept.
+    call advances that layer's cache clock by the number of rows. With prefetch the hook must
+    pass the lookahead logits (`needs_lookahead`; `router_context` asks for them): recomputed
+    from the replayed hidden states, since substitution changes them. With route_bias the core
+    may select other experts than the router: those rows compute the core's selection with the
+    model's gate weights for it (`moesub.models.router_weights`; `norm_topk_prob` says whether
+    the model renormalizes them). `record` keeps ids, status and the core's inputs for the
+    tests; otherwise only mass and per-status counts are kept.
     """
 
     caches: list
     record: bool = False
+    norm_topk_prob: bool | None = None  # the model's gate (moe_info); needed for route_bias
     _parts: list[list[tuple]] = field(default_factory=list)
     _admissions: int = 0
 
     def __post_init__(self) -> None:
         self._parts = [[] for _ in self.caches]
+        self.policy = self.caches[0].policy
+        if self.policy.route_bias > 0 and self.norm_topk_prob is None:
+            raise ValueError(
+                "PolicyRouter: route_bias > 0 needs norm_topk_prob (the model's gate, "
+                "moe_info(model).norm_topk_prob) to weight rerouted rows; use policy_router"
+            )
 
-    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        z = logits.detach().to(torch.float32).cpu().numpy()  # (N, E) float32
-        s = self.caches[layer].step(np.ascontiguousarray(z))
+    @property
+    def needs_lookahead(self) -> bool:
+        return self.policy.prefetch > 0
+
+    def __call__(
+        self,
+        layer: int,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        lookahead: torch.Tensor | None = None,
+    ):
+        z = np.ascontiguousarray(logits.detach().to(torch.float32).cpu().numpy())  # (N, E)
+        y = None
+        if self.needs_lookahead:
+            if lookahead is None:
+                raise RuntimeError("PolicyRouter: prefetch needs the hook's lookahead logits")
+            y = np.ascontiguousarray(lookahead.detach().to(torch.float32).cpu().numpy())
+        s = self.caches[layer].step(z, y)
         status = np.asarray(s.status)
         counts = np.stack([(status == c).sum(axis=1) for c in range(len(STATUS_NAMES))], axis=1)
         part = (np.asarray(s.mass, dtype=np.float64), counts)
         if self.record:
-            part += (status.copy(), np.asarray(s.ids).copy(), np.asarray(s.selected).copy())
+            part += (status.copy(), s.ids.copy(), s.selected.copy(), z, s.prefetched.copy())
+            part += (y if y is not None else np.zeros((len(z), 0), np.float32),)
         self._parts[layer].append(part)
         self._admissions += len(s.admissions)
+        if self.policy.route_bias > 0:
+            return rerouted_ids(ids, weights, s.selected, s.ids, logits, bool(self.norm_topk_prob))
         return computed_ids(ids, s.selected, s.ids, logits)
 
     def last_mass(self) -> float:
@@ -173,6 +230,10 @@ class PolicyRouter:
             trace.status = np.stack([p[2] for p in per_layer], axis=1)
             trace.ids = np.stack([p[3] for p in per_layer], axis=1)
             trace.selected = np.stack([p[4] for p in per_layer], axis=1)
+            trace.logits = np.stack([p[5] for p in per_layer], axis=1)
+            trace.prefetched = np.stack([p[6] for p in per_layer], axis=1)
+            if self.needs_lookahead:
+                trace.lookahead = np.stack([p[7] for p in per_layer], axis=1)
         return trace
 
 
@@ -189,41 +250,131 @@ def computed_ids(
     return align_ids(model_ids, selected, computed, logits=logits)
 
 
+def rerouted_ids(
+    model_ids: torch.Tensor,
+    weights: torch.Tensor,
+    selected: np.ndarray,
+    computed: np.ndarray,
+    logits: torch.Tensor,
+    norm_topk_prob: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """Replacement for the router hook under route_bias: rows whose selection S is the
+    router's own top-k set go through `computed_ids` (the model's weights stand, bit for bit);
+    a rerouted row computes the core's experts in S's rank order with the gate weights the
+    model's router gives S (`router_weights`). Returns `computed_ids`' answer when no row was
+    rerouted, else `(weights, ids)`."""
+    mid = model_ids.detach().cpu().numpy()
+    same = (np.sort(mid, axis=1) == np.sort(selected, axis=1)).all(axis=1)  # (N,)
+    if same.all():
+        return computed_ids(model_ids, selected, computed, logits)
+    keep = torch.from_numpy(same).to(model_ids.device)
+    keep_z = keep.to(logits.device)  # a placed model's router may run on another device
+    new_ids = model_ids.clone()
+    if same.any():
+        base = computed_ids(model_ids[keep], selected[same], computed[same], logits[keep_z])
+        if base is not None:
+            new_ids[keep] = base.to(device=new_ids.device, dtype=new_ids.dtype)
+    sel = torch.from_numpy(np.ascontiguousarray(selected[~same]))
+    new_ids[~keep] = torch.from_numpy(np.ascontiguousarray(computed[~same])).to(new_ids)
+    new_weights = weights.clone()
+    rerouted = router_weights(logits[~keep_z], sel, norm_topk_prob)
+    new_weights[~keep.to(weights.device)] = rerouted.to(weights)
+    return new_weights, new_ids
+
+
 @dataclass
 class BatchRouter:
     """RouterHook callback for a forward over B equal-length streams: the hook's N = B*T rows
-    are batch-major, so stream b's rows `[b*T, (b+1)*T)` go through `routers[b]` (its own
-    per-layer caches); the replacement ids are concatenated back in the same order."""
+    are batch-major, so stream b's rows `[b*T, (b+1)*T)` (and lookahead rows, when the hook
+    passes them) go through `routers[b]` (its own per-layer caches); the replacement ids (and
+    weights, where a router replaced them) are concatenated back in the same order."""
 
     routers: list
 
-    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    @property
+    def needs_lookahead(self) -> bool:
+        return any(getattr(r, "needs_lookahead", False) for r in self.routers)
+
+    def __call__(
+        self,
+        layer: int,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        lookahead: torch.Tensor | None = None,
+    ):
         T = logits.shape[0] // len(self.routers)
         rows = [slice(b * T, (b + 1) * T) for b in range(len(self.routers))]
         new = [
-            r(layer, logits[s], weights[s], ids[s]) for r, s in zip(self.routers, rows, strict=True)
+            r(layer, logits[s], weights[s], ids[s])
+            if lookahead is None
+            else r(layer, logits[s], weights[s], ids[s], lookahead[s])
+            for r, s in zip(self.routers, rows, strict=True)
         ]
         if all(n is None for n in new):
             return None
-        return torch.cat(
-            [ids[s] if n is None else n.to(ids.device) for n, s in zip(new, rows, strict=True)]
-        )
+        out_ids, out_w = [], []
+        for n, s in zip(new, rows, strict=True):
+            w, i = n if isinstance(n, tuple) else (weights[s], ids[s] if n is None else n)
+            out_ids.append(i.to(ids.device))
+            out_w.append(w.to(weights.device))
+        if not any(isinstance(n, tuple) for n in new):
+            return torch.cat(out_ids)
+        return torch.cat(out_w), torch.cat(out_ids)
 
 
-def make_caches(model, policy, capacity: int, initial: np.ndarray | None) -> list:
-    """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None)."""
+def make_caches(
+    model,
+    policy,
+    capacity: int,
+    initial: np.ndarray | None,
+    coactivation: np.ndarray | None = None,
+) -> list:
+    """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None);
+    `coactivation` (L, E, E): the table substitute_by='coactivation' ranks candidates by
+    (`moesub.coactivation.read_coactivation`), required by such a policy."""
     info = moe_info(model)
+    policy = replay_policy(policy)
     initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
+    L, E = info.num_layers, info.num_experts
+    if policy.substitute_by == "coactivation":
+        if coactivation is None:
+            raise ValueError(
+                "coactivation: policy substitute_by='coactivation' needs the model's "
+                "co-activation table (results/{model}/coactivation.npz, moesub.coactivation)"
+            )
+        coactivation = np.asarray(coactivation)
+        if coactivation.shape != (L, E, E):
+            raise ValueError(
+                f"coactivation: expected the model's (L, E, E) = {(L, E, E)} table, got shape "
+                f"{coactivation.shape}"
+            )
+    else:
+        coactivation = None  # unused: the core rejects a table for another ranking
     return [
         LayerCache(
-            num_experts=info.num_experts,
+            num_experts=E,
             k=info.top_k,
             capacity=capacity,
             policy=policy,
             initial=None if initial is None else initial[layer],
+            coactivation=None if coactivation is None else coactivation[layer],
         )
-        for layer in range(info.num_layers)
+        for layer in range(L)
     ]
+
+
+def policy_router(
+    model,
+    policy,
+    capacity: int,
+    initial: np.ndarray | None,
+    coactivation: np.ndarray | None = None,
+    record: bool = False,
+) -> PolicyRouter:
+    """A `PolicyRouter` over fresh caches (`make_caches`) for `model`'s gate."""
+    caches = make_caches(model, policy, capacity, initial, coactivation)
+    return PolicyRouter(caches, record=record, norm_topk_prob=moe_info(model).norm_topk_prob)
 
 
 # --------------------------------------------------------------------------- greedy decoding
@@ -245,10 +396,11 @@ def forward_step(model, input_ids: torch.Tensor, cache):
 
 
 def router_context(model, router):
-    """`RouterHook(model, router)`, or nothing for the exact model (router None)."""
+    """`RouterHook(model, router)` (computing the lookahead logits when the router needs
+    them), or nothing for the exact model (router None)."""
     if router is None:
         return contextlib.nullcontext()
-    return RouterHook(model, router)
+    return RouterHook(model, router, lookahead=getattr(router, "needs_lookahead", False))
 
 
 @torch.inference_mode()
@@ -261,23 +413,27 @@ def greedy_decode(
     max_new_tokens: int,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     progress: bool = False,
+    coactivation: np.ndarray | None = None,
 ) -> list[DecodeResult]:
     """Greedy decoding with the KV cache under `policy` (None = the exact model).
 
     Each prompt gets fresh per-layer caches; the prompt is prefilled as one chunk through the
-    same `LayerCache`s that then see one row per generated token.
+    same `LayerCache`s that then see one row per generated token. `coactivation`: the table a
+    substitute_by='coactivation' policy needs (`make_caches`).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if policy is not None:
-        policy = policy_from_dict(policy)
+        policy = replay_policy(policy)
     device = model_device(model)
     results = []
     for prompt in tqdm(prompts, desc="decode", unit="prompt", disable=not progress):
         if len(prompt) == 0:
             raise ValueError("prompts: every prompt needs at least one token")
         router = (
-            None if policy is None else PolicyRouter(make_caches(model, policy, capacity, initial))
+            None
+            if policy is None
+            else policy_router(model, policy, capacity, initial, coactivation)
         )
         tokens: list[int] = []
         masses: list[float] = []
