@@ -168,7 +168,7 @@ def test_from_files_round_trip(tmp_path):
 
     logits = {s: rng.standard_normal((40, L, E)).astype(np.float32) for s in (0, 1)}
     for name in ("eval", "calib"):
-        with router_writer(tmp_path / f"{name}.parquet", E, meta) as w:
+        with router_writer(tmp_path / f"{name}.parquet", E, meta, lookahead=False) as w:
             for s, z in logits.items():
                 w.write_table(router_rows(s, z))
     write_initial_sets(tmp_path / "calib.parquet", [0.25], tmp_path / "init.parquet")
