@@ -155,3 +155,37 @@ def test_old_trace_loads_for_v1_and_names_the_missing_lookahead(tmp_path):
     np.testing.assert_array_equal(t.lookahead[0], y)
     with pytest.raises(ValueError, match="lookahead has shape"):
         router_rows(0, z, 0, y[:, :1])
+
+
+def test_lookahead_recall_by_hand_and_in_the_regime_table(tmp_path):
+    from moesub.regime import lookahead_recall, measure_regime, regime_from_files
+
+    # one layer, E=6, k=2: the top-2 of z are {0, 1} and {2, 3}
+    z = np.array([[[5, 4, 1, 0, 0, 0]], [[0, 0, 5, 4, 1, 1]]], np.float32)  # (T=2, L=1, E)
+    y = np.array([[[2, 3, 2.5, 0, 0, 0]], [[0, 0, 1, 1, 0, 0]]], np.float32)
+    found, total = lookahead_recall([z], [y], 2, 2)
+    assert found.tolist() == [1 + 2] and total.tolist() == [4]  # {1,2} & {0,1}; {2,3} & {2,3}
+    found, _ = lookahead_recall([z], [y], 2, 1)
+    assert found.tolist() == [1 + 1]  # {1} & {0,1}; the tie 2 vs 3 goes to 2: {2} & {2,3}
+    with pytest.raises(ValueError, match="n: must be in"):
+        lookahead_recall([z], [y], 2, 7)
+    rng = np.random.default_rng(0)
+    streams = [rng.standard_normal((30, 2, 8)).astype(np.float32) for _ in range(2)]
+    same = measure_regime(streams, 2, 4, None, lookahead=streams)  # a perfect predictor
+    assert (same.layers["lookahead_recall_k"] == 1.0).all()
+    assert same.summary["lookahead_recall_2k"] == 1.0
+    none = measure_regime(streams, 2, 4, None)
+    assert none.layers["lookahead_recall_k"].null_count() == none.layers.height
+    meta = {"num_experts": 8, "top_k": 2, "num_layers": 2, "norm_topk_prob": True}
+    noisy = [z + rng.standard_normal(z.shape).astype(np.float32) for z in streams]
+    with router_writer(tmp_path / "r.parquet", 8, meta) as w:
+        for s, (z, y) in enumerate(zip(streams, noisy, strict=True)):
+            w.write_table(router_rows(s, z, 0, y))
+    table = regime_from_files(tmp_path / "r.parquet", None, 0.5).layers
+    want = [lookahead_recall(streams, noisy, 2, n) for n in (2, 4)]
+    for col, (found, total) in zip(
+        ("lookahead_recall_k", "lookahead_recall_2k"), want, strict=True
+    ):
+        rows = table.sort("layer")  # -1 first: all layers pooled
+        assert rows[col].to_list() == [found.sum() / total.sum(), *(found / total).tolist()]
+    assert 0 < table["lookahead_recall_k"].min() < table["lookahead_recall_2k"].max() < 1

@@ -24,6 +24,10 @@ Per layer (and ``layer = -1`` for all layers together):
   same expert was last selected in the same stream and layer: shares of selections at distance
   1, 2-4, 5-16, 17-64, 65-256, > 256 tokens, and ``reuse_first`` (first selection in the
   stream). ``reuse_1`` of independent routing would be k / E.
+- ``lookahead_recall_k`` / ``lookahead_recall_2k``: the prefetch predictor's recall, the share
+  of a token's top-k experts found among the n largest lookahead logits (the layer's router one
+  MoE layer earlier, docs/policy-semantics.md v2) for n = k and n = min(2k, E), ties to the
+  lower id on both sides (`lookahead_recall`); null for a trace captured without lookahead.
 
 The all-layers row (``layer = -1``) pools calls (hit rates), tokens (entropy, weights) and
 selections (reuse); its ``effective_experts`` and ``experts_used`` are the smallest layer's,
@@ -40,7 +44,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moesub.artefacts import load_trace, read_initial_set, topk_mask
+from moesub.artefacts import has_lookahead, load_trace, read_initial_set, topk_mask
 from moesub.config import REGIME_FRACTION
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
@@ -157,11 +161,37 @@ def _routing_stats(streams: list[np.ndarray], k: int) -> dict[str, np.ndarray]:
     }
 
 
+def lookahead_recall(
+    streams: list[np.ndarray], lookahead: list[np.ndarray], k: int, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prefetch predictor recall per layer: (found, total) int64 (L,) each, `found` the token
+    top-k experts (router logits) that are among the `n` largest lookahead logits, `total` the
+    top-k selections (k per token); ties to the lower id on both sides (v1 selection)."""
+    if len(streams) != len(lookahead):
+        raise ValueError(f"lookahead: {len(lookahead)} streams for {len(streams)} logit streams")
+    L, E = streams[0].shape[1:]
+    if not 1 <= n <= E:
+        raise ValueError(f"n: must be in [1, E={E}], got {n}")
+    found = np.zeros(L, np.int64)
+    tokens = 0
+    for z, y in zip(streams, lookahead, strict=True):
+        if y.shape != z.shape:
+            raise ValueError(f"lookahead: shape {y.shape} differs from the logits' {z.shape}")
+        found += (topk_mask(z, k) & topk_mask(y, n)).sum(axis=(0, 2))
+        tokens += z.shape[0]
+    return found, np.full(L, tokens * k, np.int64)
+
+
 def measure_regime(
-    streams: list[np.ndarray], k: int, capacity: int, initial: np.ndarray | None
+    streams: list[np.ndarray],
+    k: int,
+    capacity: int,
+    initial: np.ndarray | None,
+    lookahead: list[np.ndarray] | None = None,
 ) -> Regime:
     """The regime of a trace: `streams` float32 (T, L, E) each (caches restart per stream);
-    `initial` the (L, C) initial resident set (None: experts 0..C-1)."""
+    `initial` the (L, C) initial resident set (None: experts 0..C-1); `lookahead` the trace's
+    lookahead logits (None: the recall columns are null)."""
     if not streams:
         raise ValueError("streams: need at least one router-logit stream")
     L, E = streams[0].shape[1:]
@@ -180,6 +210,12 @@ def measure_regime(
     tokens = sum(z.shape[0] for z in streams)
 
     eff = effective_experts(counts)  # (L,)
+    recall = {
+        f"lookahead_recall_{name}": None
+        if lookahead is None
+        else lookahead_recall(streams, lookahead, k, min(n, E))
+        for name, n in (("k", k), ("2k", 2 * k))
+    }
 
     def rows_for(layers: list[int]) -> dict[str, Any]:
         hist = stats["reuse_hist"][layers].sum(axis=0)
@@ -196,6 +232,8 @@ def measure_regime(
             row[name] = float(n / n_sel)
         row[f"reuse_gt_{REUSE_EDGES[-1]}"] = float(hist[-1] / n_sel)
         row["reuse_first"] = float(stats["reuse_first"][layers].sum() / n_sel)
+        for name, r in recall.items():  # pooled over the layers' selections
+            row[name] = None if r is None else float(r[0][layers].sum() / r[1][layers].sum())
         return row
 
     rows = []
@@ -213,7 +251,7 @@ def measure_regime(
                 **rows_for([layer] if layer >= 0 else list(range(L))),
             }
         )
-    table = pl.DataFrame(rows)
+    table = pl.DataFrame(rows, schema_overrides={name: pl.Float64 for name in recall})
     summary = summarize(table, k, E)
     return Regime(layers=table, summary=summary)
 
@@ -235,6 +273,8 @@ def summarize(table: pl.DataFrame, k: int, num_experts: int) -> dict[str, Any]:
         "heavy_lower_ranks": total["heavy_lower_ranks"],
         "min_effective_experts": min_eff,
         "collapsed": min_eff < capacity,
+        "lookahead_recall_k": total.get("lookahead_recall_k"),
+        "lookahead_recall_2k": total.get("lookahead_recall_2k"),
         "references": {name: {"value": v, "source": s} for name, (v, s) in REFERENCES.items()},
         "layers": per_layer.select(
             "layer", "hit_rate", "belady_hit_rate", "effective_experts", "experts_used"
@@ -277,13 +317,13 @@ def regime_from_files(
     fraction: float = REGIME_FRACTION,
 ) -> Regime:
     """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
-    trace = load_trace(router_path)
+    trace = load_trace(router_path, lookahead=has_lookahead(router_path))
     E, k = trace.num_experts, trace.top_k
     capacity = capacity_for(fraction, E)
     if capacity < k:
         raise ValueError(f"fraction: {fraction} gives C={capacity} < k={k} (E={E})")
     initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
-    regime = measure_regime(trace.logits, k, capacity, initial)
+    regime = measure_regime(trace.logits, k, capacity, initial, trace.lookahead)
     regime.summary["fraction"] = fraction
     regime.summary["model"] = trace.meta.get("model")
     return regime

@@ -24,6 +24,8 @@ HEADLINE_KEYS = (
     "heavy_lower_ranks",
     "min_effective_experts",
     "collapsed",
+    "lookahead_recall_k",
+    "lookahead_recall_2k",
     "verdict",
 )
 
