@@ -5,10 +5,10 @@ Streams and events, all on the tier's own device (never the current device, so `
 - the compute stream (`torch.cuda.current_stream(device)`, the model's): synchronous fetches
   (host -> device copies the next kernels wait for, timed with events), installs of admissions
   (device -> device), the expert kernels;
-- a side stream for admissions: host -> GPU staging buffer; the compute stream never waits for
-  it. An admission is installed once its event has completed (polled at the start of a token),
-  and its staging buffer is reused by the side stream only after the install has run (an event
-  the side stream waits on, on the device).
+- a side stream for background copies (admissions, prefetches): host -> GPU staging buffer;
+  the compute stream never waits for it. A copy is installed once its event has completed
+  (polled by the engine), and its staging buffer is reused by the side stream only after the
+  install has run (an event the side stream waits on, on the device).
 A token ends by waiting for an event on the compute stream only (`token_sync`): background
 copies keep running into the next tokens.
 
@@ -309,10 +309,8 @@ class CudaTier:
             ids, experts = host_ids_to_local(host_ids)
             gu = aligned_empty((len(experts), *lay.gate_up_shape), lay.torch_dtype)
             dn = aligned_empty((len(experts), *lay.down_shape), lay.torch_dtype)
-            t0 = time.perf_counter()
             for j, e in enumerate(experts.tolist()):
                 nbytes += self.host.store.read_into(layer, e, gu[j], dn[j])
-            self._wait_s += time.perf_counter() - t0
         else:
             ids = host_ids
             gu, dn = self.host.layer(layer)
@@ -321,6 +319,17 @@ class CudaTier:
         buf.copy_(out)
         with self.cuda.stream(self.compute):
             return buf.to(self.device, non_blocking=True), nbytes
+
+    def host_begin(
+        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
+    ) -> tuple:
+        """The host's experts start at `host_end`: the slot kernels queued between the two run
+        on the GPU while the CPU computes (the host thread is the one the GPU does not need)."""
+        return (layer, hidden, host_ids, weights)
+
+    def host_end(self, job: tuple) -> tuple[torch.Tensor, int]:
+        """`host_forward` of `host_begin`'s inputs: (out on the GPU, bytes read)."""
+        return self.host_forward(*job)
 
     def token_sync(self) -> None:
         """Wait for the compute stream (not the side stream: admissions keep copying)."""

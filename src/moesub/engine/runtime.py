@@ -3,24 +3,47 @@
 `OffloadEngine` is model-agnostic: the model adapter (`moesub.engine.adapter`, a Hugging Face
 model) and the real-size benchmark (`moesub.engine.bench`, synthetic routing) both call, per
 token, `begin_token()`, then per MoE layer `route(layer, logits)` and `compute(layer, hidden,
-slot_ids, weights, host)`, then `end_token()`. The router's values reach the host once per layer
-(`tier.to_host`, one counted synchronization); the slot ids of the computed experts stay on the
-host, where the expert kernel plans its work (`moesub.engine.kernels`).
-Every policy decision comes from the one policy core (`moesub.policy.LayerCache`, external
-admission mode): the engine only carries decisions out and tells the core when a background
-copy has really completed (`LayerCache.admit`).
+slot_ids, weights, host)`, then `end_token()`; with `policy.prefetch > 0` also
+`prefetch(layer, lookahead)` one MoE layer early (or the lookahead given to `route`). The
+router's values reach the host once per layer (`tier.to_host`, one counted synchronization);
+the slot ids of the computed experts stay on the host, where the expert kernel plans its work
+(`moesub.engine.kernels`). Every policy decision comes from the one policy core
+(`moesub.policy.LayerCache`, external admission mode): the engine only carries decisions out
+and tells the core when a background copy has really completed (`LayerCache.admit`).
+
+Background copies (the tier's `request` / `completed` / `install` / `discard`) serve two
+purposes: admissions (the core's requests) and speculative prefetches. A slot the core has
+given an expert whose copy has not landed yet is *stale*; no kernel reads a stale slot (the
+engine waits for its copy first), and a copy that lands for an expert no longer in its slot is
+discarded.
 
 Admission timing (`admission=`):
-- `"completion"` (default): at the start of every token, every background copy that has
+- `"completion"` (default): at the start of every token, every admission copy that has
   completed (all layers) is admitted, in completion order; a slow copy becomes usable later.
+  Prefetch: layer l's step runs at once; a prefetched expert the step computes whose copy has
+  not landed is waited for (late, `TokenStats.prefetch_wait_s`), the others land in the
+  background.
 - `"delay"`: a request made at token t is admitted exactly at token `t + policy.delay` in
   (ready time, expert id) order, the core's own `delay` semantics; the engine blocks on the copy
-  if it has not completed by then (`TokenStats.admit_wait_s`). Decisions are then those of the
-  emulator and simulator for the same router logits, whatever the copies' speed.
+  if it has not completed by then (`TokenStats.admit_wait_s`), and on every prefetch copy of
+  layer l before layer l's step. Decisions are then those of the emulator and simulator for the
+  same router logits (and lookahead logits), whatever the copies' speed.
+
+Prefetch (policy semantics v2, step 1b): at MoE layer l-1 the caller hands layer l's lookahead
+logits to `prefetch(l, y)`; the engine copies the experts of `P` (the n largest of `y`, ties to
+the lower id) that are not resident in the background, while layer l-1's experts and layer l's
+attention compute. The core inserts exactly those in its step 1b at layer l (checked: the
+prediction uses only the residency the core reports); the copies are then installed into the
+slots the core chose.
+
+Host experts (`host_compute`, `light_miss="host"`): `compute` starts the host's experts on the
+tier (a worker thread on the disk tier; on CUDA the CPU computes while the GPU runs the slot
+kernels queued before) and waits for both (`TokenStats.host_wait_s`).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,26 +52,35 @@ import numpy as np
 import torch
 
 from moesub.engine.kernels import expert_forward
-from moesub.policy import FETCH, FORCED, HOST, STATUS_NAMES, LayerCache, LayerStep, Policy
+from moesub.policy import FETCH, FORCED, HOST, LayerCache, LayerStep, Policy
 
-NUM_STATUS = len(STATUS_NAMES)
+NUM_STATUS = 5
 ADMISSION_TIMINGS = ("completion", "delay")
-ADMIT_TIMEOUT_S = 60.0  # admission="delay": longest wait for a due copy before giving up
+ADMIT_TIMEOUT_S = 60.0  # longest wait for a background copy before giving up
+POLL_S = 5e-5  # between polls of the tier while blocked on a background copy
+ADMISSION, PREFETCH = "admission", "prefetch"  # what a background copy is for
 
 
 @dataclass
 class TokenStats:
     """What one token cost, summed over layers."""
 
-    fetch_wait_s: float = 0.0  # blocked on synchronous copies (incl. host_compute reads on disk)
+    fetch_wait_s: float = 0.0  # blocked on synchronous copies
     admit_wait_s: float = 0.0  # blocked on background copies due now (admission="delay" only)
-    bytes_sync: int = 0
+    prefetch_wait_s: float = 0.0  # blocked on prefetch copies not landed when needed (late)
+    host_wait_s: float = 0.0  # blocked on the host's experts (reads + compute) after the fast
+    # tier's experts of the same layer
+    bytes_sync: int = 0  # synchronous fetches
     bytes_bg: int = 0  # background admissions installed during this token
+    bytes_prefetch: int = 0  # prefetch copies installed during this token
+    bytes_host: int = 0  # read from disk for the host's experts
     counts: np.ndarray = field(default_factory=lambda: np.zeros(NUM_STATUS, np.int64))
     mass: float = 0.0  # substituted gate mass, summed over layers
     admissions: int = 0  # admission requests made during this token
     admitted: int = 0  # background copies installed during this token
     admit_latency: int = 0  # tokens from request to install, summed over those installed
+    prefetches: int = 0  # prefetch copies issued for this token's steps (step 1b insertions)
+    prefetch_in_time: int = 0  # of those, landed before their layer's step
     syncs: int = 0  # host waits for the device (`HostSync`), router reads and token end
 
 
@@ -60,6 +92,11 @@ class HostInputs:
     ids: np.ndarray
     hidden: torch.Tensor
     weights: torch.Tensor
+
+
+def top_n(y: np.ndarray, n: int) -> np.ndarray:
+    """The n largest of a row, ties to the lower id (the core's selection order)."""
+    return np.argsort(-y, kind="stable")[:n]
 
 
 class OffloadEngine:
@@ -78,6 +115,10 @@ class OffloadEngine:
     ) -> None:
         if admission not in ADMISSION_TIMINGS:
             raise ValueError(f"admission={admission!r}: expected one of {ADMISSION_TIMINGS}")
+        if policy.prefetch > capacity:
+            raise ValueError(
+                f"policy prefetch: n={policy.prefetch} exceeds the capacity C={capacity}"
+            )
         self.admission = admission
         self.tier = tier
         self.num_layers = len(tier.slots)
@@ -97,19 +138,22 @@ class OffloadEngine:
         self.stats = TokenStats()
         self.token = 0  # tokens begun since the last reset
         self._syncs_at_begin = 0
-        # admission="delay": per layer, requests not yet admitted as (ready token, expert), and
-        # completed copies not yet due (expert -> tier handle)
-        self._due: list[list[tuple[int, int]]] = []
-        self._landed: list[dict[int, tuple]] = []
-        self._requested: list[dict[int, list[int]]] = []  # layer -> expert -> request tokens
         self.reset()
 
     def reset(self) -> None:
         """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed."""
         self.tier.drain()
-        self._due = [[] for _ in range(self.num_layers)]
-        self._landed = [{} for _ in range(self.num_layers)]
-        self._requested = [{} for _ in range(self.num_layers)]
+        L = self.num_layers
+        # per layer: background copies requested, in request order: [expert, purpose, token]
+        self._flight: list[collections.deque] = [collections.deque() for _ in range(L)]
+        # landed admission copies not applied yet: (handle, request token)
+        self._held: list[list[tuple[tuple, int]]] = [[] for _ in range(L)]
+        self._due: list[list[tuple[int, int]]] = [[] for _ in range(L)]  # (ready token, expert)
+        self._assigned: list[list[int]] = [[] for _ in range(L)]  # delay: admitted, not landed
+        self._stale: list[dict[int, int]] = [{} for _ in range(L)]  # slot -> expert to come
+        self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched for the next step
+        self._pf_landed: list[dict[int, tuple]] = [{} for _ in range(L)]  # landed before it
+        self._lookahead: list[np.ndarray | None] = [None] * L
         self.caches = [
             LayerCache(
                 self.num_experts,
@@ -119,7 +163,7 @@ class OffloadEngine:
                 self.initial[layer],
                 external_admission=True,
             )  # fmt: skip
-            for layer in range(self.num_layers)
+            for layer in range(L)
         ]
         for layer, cache in enumerate(self.caches):
             self.tier.load(layer, cache.resident())
@@ -129,15 +173,16 @@ class OffloadEngine:
         self.token = 0
 
     def begin_token(self) -> None:
-        """Start a token: with admission="completion", every background copy that has completed
+        """Start a token: with admission="completion", every admission copy that has completed
         (all layers) is installed now, which also frees its staging buffer for new requests."""
         self.token += 1
         self.stats = TokenStats()
         self._syncs_at_begin = self.tier.syncs.count
         self.tier.begin_token()
-        if self.admission == "completion":
-            for layer in range(self.num_layers):
-                self._admit_completed(layer)
+        for layer in range(self.num_layers):
+            self._poll(layer)
+            if self.admission == "completion":
+                self._admit_held(layer)
 
     def end_token(self) -> TokenStats:
         """Wait for the token's compute (the compute stream only: background copies go on) and
@@ -151,31 +196,87 @@ class OffloadEngine:
         """The router's values of a layer on the host (one counted wait for the device)."""
         return self.tier.to_host(layer, *tensors)
 
-    def route(self, layer: int, logits: np.ndarray) -> LayerStep:
+    # ------------------------------------------------------------------------- prefetch
+    def prefetch(self, layer: int, lookahead: np.ndarray) -> None:
+        """Layer `layer`'s lookahead logits (1, E) float32, known one MoE layer early: the
+        experts the core's step 1b will insert are copied in the background from now on."""
+        if self.policy.prefetch == 0:
+            return
+        y = np.ascontiguousarray(lookahead, dtype=np.float32)
+        if y.shape != (1, self.num_experts):
+            raise ValueError(f"lookahead: expected shape (1, {self.num_experts}), got {y.shape}")
+        if not np.isfinite(y).all():
+            raise ValueError(f"lookahead of layer {layer}: NaN or inf")
+        if self._lookahead[layer] is not None:
+            raise RuntimeError(f"prefetch: layer {layer} prefetched twice before its step")
+        if self.admission == "delay":  # step 1 (due admissions) comes before step 1b
+            self._assign_due(layer)
+        self._lookahead[layer] = y
+        resident = set(self.caches[layer].resident().tolist())
+        issued = [int(e) for e in top_n(y[0], self.policy.prefetch) if int(e) not in resident]
+        for e in issued:
+            self.tier.request(layer, e)
+            self._flight[layer].append((e, PREFETCH, self.token))
+        self._issued[layer] = issued
+        self.stats.prefetches += len(issued)
+
+    # ------------------------------------------------------------------------- one layer
+    def route(
+        self, layer: int, logits: np.ndarray, lookahead: np.ndarray | None = None
+    ) -> LayerStep:
         """One token's router logits (1, E) float32 through the layer's policy core; carries out
-        the decisions (admissions completed since the last call, synchronous fetches, new
-        background admissions). Returns the core's step (slot = where each computed expert is)."""
+        the decisions (due admissions, prefetches, synchronous fetches, new background
+        admissions). `lookahead` (1, E): when `prefetch` was not called for this layer and token
+        (no overlap then). Returns the core's step (slot = where each computed expert is)."""
         if logits.shape[0] != 1:
             raise ValueError(
                 f"route: the engine decodes one token per step, got {logits.shape[0]} rows "
                 "(a fetch for a later token could evict an expert an earlier one still needs)"
             )
         cache, tier, st = self.caches[layer], self.tier, self.stats
-        # 1. background copies due now become resident (admission="delay"; with "completion"
-        # they were installed at the start of the token)
+        if self.policy.prefetch > 0 and self._lookahead[layer] is None:
+            if lookahead is None:
+                raise ValueError(
+                    f"route: policy prefetch > 0 needs layer {layer}'s lookahead logits "
+                    "(engine.prefetch one layer early, or lookahead=)"
+                )
+            self.prefetch(layer, lookahead)
+        # 1. step 1 (admission="delay"): the copies due now are installed before the step
         if self.admission == "delay":
-            self._admit_due(layer)
+            if self.policy.prefetch == 0:
+                self._assign_due(layer)
+            self._wait(layer, lambda: self._assigned[layer], "admit_wait_s")
+        # 1b. prefetch copies: timeliness, and (delay) every one landed before the step
+        self._poll(layer)
+        issued, landed = self._issued[layer], self._pf_landed[layer]
+        st.prefetch_in_time += sum(e in landed for e in issued)
+        if self.admission == "delay":
+            self._wait(layer, lambda: len(landed) < len(issued), "prefetch_wait_s")
         # 2. the policy core
-        s = cache.step(logits)
+        s = cache.step(logits, self._lookahead[layer])
+        self._lookahead[layer] = None
+        if self.policy.prefetch > 0 and int(s.prefetched[0]) != len(issued):
+            raise RuntimeError(
+                f"prefetch: layer {layer}'s core inserted {int(s.prefetched[0])} experts, the "
+                f"engine copied {len(issued)} (its residency changed between prefetch and step)"
+            )
         # 3. synchronous copies into the slots the core's evictions freed
         miss = (s.status == FETCH) | (s.status == FORCED)
         if miss.any():
             pairs = list(zip(s.selected[miss].tolist(), s.slot[miss].tolist(), strict=True))
+            for _e, slot in pairs:
+                self._stale[layer].pop(slot, None)
             st.bytes_sync += tier.fetch(layer, pairs)
-        # 4. admissions requested by this step run in the background
+        # 4. prefetched experts: installed if landed, else their slots wait for the copies; a
+        # computed one must be there before the kernels run (late: waited for)
+        self._settle_prefetches(layer)
+        stale = self._stale[layer]
+        computed = set(s.slot[s.slot >= 0].tolist())
+        self._wait(layer, lambda: not computed.isdisjoint(stale), "prefetch_wait_s")
+        # 5. admissions requested by this step run in the background
         for tok, expert in s.admissions.tolist():
             tier.request(layer, int(expert))
-            self._requested[layer].setdefault(int(expert), []).append(self.token)
+            self._flight[layer].append((int(expert), ADMISSION, self.token))
             st.admissions += 1
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
@@ -183,76 +284,132 @@ class OffloadEngine:
         st.mass += float(s.mass.sum())
         return s
 
-    def _installed(self, layer: int, expert: int, installed: bool = True) -> None:
-        """A requested copy landed: installed (latency in tokens counted) or not needed."""
-        tokens = self._requested[layer].get(expert)
-        if tokens:
-            requested = tokens.pop(0)
-            if installed:
-                self.stats.admitted += 1
-                self.stats.admit_latency += self.token - requested
-
-    def _admit_completed(self, layer: int) -> None:
-        """admission="completion": every copy of this layer that has completed, in that order."""
-        cache, tier = self.caches[layer], self.tier
-        for handle in tier.completed(layer):
-            expert = handle[0]
-            if expert in cache.resident():
-                tier.discard(handle)  # fetched synchronously meanwhile
-                cache.admit(expert)
-                self._installed(layer, expert, installed=False)
+    def _settle_prefetches(self, layer: int) -> None:
+        """After the step: each prefetched expert still resident is installed (landed) or its
+        slot marked stale; a landed copy of one evicted meanwhile is dropped."""
+        resident = self.caches[layer].resident()
+        landed = self._pf_landed[layer]
+        for e in self._issued[layer]:
+            where = np.flatnonzero(resident == e)
+            handle = landed.pop(e, None)
+            if len(where) == 0:
+                if handle is not None:
+                    self.tier.discard(handle)
                 continue
-            slot, _evicted = cache.admit(expert)
-            self.stats.bytes_bg += tier.install(layer, handle, slot)
-            self._installed(layer, expert)
+            slot = int(where[0])
+            self._stale[layer][slot] = e
+            if handle is not None:
+                self._install_stale(layer, handle, PREFETCH)
+        self._issued[layer] = []
 
-    def _admit_due(self, layer: int) -> None:
-        """admission="delay": the requests due at this token, in (ready, expert) order, as the
-        core applies them with a fixed delay; blocks on copies that have not completed yet.
+    # ------------------------------------------------------------------------- copies landing
+    def _poll(self, layer: int) -> None:
+        for handle in self.tier.completed(layer):
+            self._landed(layer, handle)
 
-        The core assigns every due expert its slot first (a later admission may evict an earlier
-        one); each copy is then installed, or discarded, as it lands, which frees its staging
-        buffer at once (the tiers' FIFO of requests then cannot stall on a due copy)."""
-        cache, tier, t = self.caches[layer], self.tier, self.caches[layer].t
+    def _landed(self, layer: int, handle: tuple) -> None:
+        """A background copy of `layer` has completed: hold it, install it, or drop it."""
+        e, flight = handle[0], self._flight[layer]
+        for i, entry in enumerate(flight):
+            if entry[0] == e:
+                del flight[i]
+                break
+        else:
+            raise RuntimeError(
+                f"layer {layer}: a copy of expert {e} landed that was never asked for"
+            )
+        _e, purpose, token = entry
+        if purpose == PREFETCH:
+            if token == self.token and e in self._issued[layer]:
+                self._pf_landed[layer][e] = handle  # its step has not run yet
+            else:
+                self._install_stale(layer, handle, PREFETCH)
+        elif self.admission == "delay" and e in self._assigned[layer]:
+            self._assigned[layer].remove(e)  # due already: the core gave it a slot
+            if self._install_stale(layer, handle, ADMISSION):
+                self._count_admitted(token)
+        else:  # admitted at the next token (completion) or when due (delay)
+            self._held[layer].append((handle, token))
+
+    def _install_stale(self, layer: int, handle: tuple, purpose: str) -> bool:
+        """Install a landed copy into its expert's slot if that slot awaits it; else drop it."""
+        e = handle[0]
+        where = np.flatnonzero(self.caches[layer].resident() == e)
+        slot = int(where[0]) if len(where) else -1
+        if self._stale[layer].get(slot) != e:
+            self.tier.discard(handle)
+            return False
+        del self._stale[layer][slot]
+        n = self.tier.install(layer, handle, slot)
+        if purpose == PREFETCH:
+            self.stats.bytes_prefetch += n
+        else:
+            self.stats.bytes_bg += n
+        return True
+
+    def _count_admitted(self, request_token: int) -> None:
+        self.stats.admitted += 1
+        self.stats.admit_latency += self.token - request_token
+
+    def _admit_held(self, layer: int) -> None:
+        """admission="completion": every landed admission copy of this layer, in that order."""
+        cache, held, self._held[layer] = self.caches[layer], self._held[layer], []
+        for handle, token in held:
+            e = handle[0]
+            was_resident = e in cache.resident()  # fetched or prefetched meanwhile
+            slot, _evicted = cache.admit(e)
+            if not was_resident:
+                self._stale[layer][slot] = e
+            if self._install_stale(layer, handle, ADMISSION) and not was_resident:
+                self._count_admitted(token)
+
+    def _assign_due(self, layer: int) -> None:
+        """admission="delay": the requests due at this token get their slots from the core, in
+        (ready, expert) order, as the core applies them with a fixed delay (a later admission
+        may evict an earlier one); copies that landed already are installed at once."""
+        cache, t = self.caches[layer], self.caches[layer].t
         pending = self._due[layer]
         due = sorted(r for r in pending if r[0] <= t)
         if not due:
             return
         self._due[layer] = [r for r in pending if r[0] > t]
-        target = {}  # expert -> slot it must be copied into (absent: discard the copy)
-        for _ready, expert in due:
-            was_resident = expert in cache.resident()  # fetched synchronously meanwhile
-            slot, _evicted = cache.admit(expert)
+        for _ready, e in due:
+            was_resident = e in cache.resident()
+            slot, _evicted = cache.admit(e)
             if not was_resident:
-                target[expert] = slot
-        resident = cache.resident()
-        target = {e: slot for e, slot in target.items() if resident[slot] == e}
-        waiting = {e for _r, e in due}
-        landed = self._landed[layer]
+                self._stale[layer][slot] = e
+            self._assigned[layer].append(e)
+        held, self._held[layer] = self._held[layer], []
+        for handle, token in held:
+            e = handle[0]
+            if e in self._assigned[layer]:
+                self._assigned[layer].remove(e)
+                if self._install_stale(layer, handle, ADMISSION):
+                    self._count_admitted(token)
+            else:
+                self._held[layer].append((handle, token))
+
+    def _wait(self, layer: int, pending: Callable[[], object], what: str) -> None:
+        """Block until `pending()` is falsy, polling every layer's landed copies (which frees
+        their staging buffers for the copies still to come); the time goes to stats.`what`."""
+        if not pending():
+            return
         t0 = time.perf_counter()
         while True:
-            for handle in tier.completed(layer):
-                landed[handle[0]] = handle
-            for expert in waiting & landed.keys():
-                handle = landed.pop(expert)
-                if expert in target:
-                    self.stats.bytes_bg += tier.install(layer, handle, target[expert])
-                    self._installed(layer, expert)
-                else:
-                    tier.discard(handle)
-                    self._installed(layer, expert, installed=False)
-                waiting.discard(expert)
-            if not waiting:
+            for m in range(self.num_layers):
+                self._poll(m)
+            if not pending():
                 break
             if time.perf_counter() - t0 > ADMIT_TIMEOUT_S:
                 raise RuntimeError(
-                    f"admission: layer {layer}, experts {sorted(waiting)} requested for token "
-                    f"{t} did not land within {ADMIT_TIMEOUT_S} s (a copy that never completes, "
-                    "or too few staging buffers for the admissions in flight)"
+                    f"{what}: layer {layer}'s background copies requested for token "
+                    f"{self.token} did not land within {ADMIT_TIMEOUT_S} s (a copy that never "
+                    "completes, or too few staging buffers for the copies in flight)"
                 )
-            time.sleep(5e-5)
-        self.stats.admit_wait_s += time.perf_counter() - t0
+            time.sleep(POLL_S)
+        setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - t0)
 
+    # ------------------------------------------------------------------------- compute
     def compute(
         self,
         layer: int,
@@ -263,19 +420,25 @@ class OffloadEngine:
     ) -> torch.Tensor:
         """hidden [N, H] -> routed expert output [N, H]. `slot_ids (N, k)` host array (cache
         slot, -1 = not on the fast tier), `weights [N, k]` gate weights in the same order (on
-        the fast device), `host` the host_compute misses with their host-side inputs.
+        the fast device), `host` the host's experts (HOST status) with their host-side inputs.
 
-        The slot kernels are queued first; the host computes its misses while they run, and
-        its result goes back to the device without a wait (through pinned memory on CUDA)."""
+        The host's experts start first on the tier (concurrently with what follows), the slot
+        kernels run, then the layer waits for the host's result, which goes back to the device
+        without a wait (through pinned memory on CUDA)."""
         tier = self.tier
+        job = None
+        if host is not None and (host.ids >= 0).any():
+            job = tier.host_begin(layer, host.hidden, host.ids, host.weights)
         slots = tier.slots[layer]
         out = expert_forward(
             hidden, slot_ids, weights, slots.gate_up, slots.down, self.act, tier.path,
             upload=lambda a: tier.upload(layer, a),
         )  # fmt: skip
-        if host is not None and (host.ids >= 0).any():
-            host_out, nbytes = tier.host_forward(layer, host.hidden, host.ids, host.weights)
-            self.stats.bytes_sync += nbytes
+        if job is not None:
+            t0 = time.perf_counter()
+            host_out, nbytes = tier.host_end(job)
+            self.stats.host_wait_s += time.perf_counter() - t0
+            self.stats.bytes_host += nbytes
             out = out + host_out.to(out.dtype)
         return out
 

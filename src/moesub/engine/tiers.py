@@ -3,16 +3,18 @@
 A tier owns, per MoE layer, `C` preallocated expert slots in fast memory (`SlotBuffers`) and the
 way experts reach them from the slow tier. Every tier has the same interface, which
 `OffloadEngine` drives: `load`, `fetch`, `request` / `completed` / `install` / `discard`
-(background admissions), `begin_token`, `to_host` / `upload` (the router's values to the host,
-index arrays to the device), `host_forward` (host_compute misses), `token_sync`, `take_wait_s`,
+(background copies: admissions and prefetches), `begin_token`, `to_host` / `upload` (the
+router's values to the host, index arrays to the device), `host_begin` / `host_end` (the host's
+experts, concurrently with the fast tier's), `token_sync`, `take_wait_s`,
 `synchronize`, `drain`, `close`, plus `slots`, `device`, `act`, `path` (the expert kernel,
 `moesub.engine.kernels`), `syncs` (`HostSync`), `kind`, `description`.
 
 `DiskTier` (CPU-only machines): the slow tier is an `ExpertStore` file, the fast tier RAM.
 Synchronous fetches are blocking uncached reads straight into the slot; background admissions
 are read by an I/O thread into staging buffers, and installed into the slot the policy core
-names once the read has really completed. host_compute misses are computed on the CPU, each
-from a fresh uncached read of the expert ("host weights" live on disk).
+names once the read has really completed. The host's experts (host_compute, light_miss="host")
+are computed on the CPU by a worker thread, each from a fresh uncached read of the expert ("host
+weights" live on disk), while the main thread computes the slots' experts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,6 +215,8 @@ class DiskTier:
         self.path = choose_path(self.device, dt)
         self.syncs = HostSync()
         self._wait_s = 0.0
+        # the host's experts of one layer at a time (they use the scratch buffers above)
+        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesub-host")
 
     @property
     def description(self) -> str:
@@ -275,15 +280,29 @@ class DiskTier:
         expert or -1, hidden [N, H] and weights [N, k] on the host -> (out [N, H], bytes)."""
         local, experts = host_ids_to_local(host_ids)
         n = 0
-        t0 = time.perf_counter()
         for j, e in enumerate(experts.tolist()):
             n += self.store.read_into(layer, e, self._host_gu[j], self._host_dn[j])
-        self._wait_s += time.perf_counter() - t0
         out = expert_forward(
             hidden, local, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
             self.act,
         )  # fmt: skip
         return out, n
+
+    def host_begin(
+        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
+    ) -> Future:
+        """Start `host_forward` on the worker thread (in inference mode if the caller is)."""
+        inference = torch.is_inference_mode_enabled()
+
+        def run() -> tuple[torch.Tensor, int]:
+            with torch.inference_mode(inference):
+                return self.host_forward(layer, hidden, host_ids, weights)
+
+        return self._host.submit(run)
+
+    def host_end(self, job: Future) -> tuple[torch.Tensor, int]:
+        """Wait for `host_begin`'s result: (out [N, H], bytes read)."""
+        return job.result()
 
     def token_sync(self) -> None:
         """End of a token: the compute is done (CPU compute is synchronous; counted)."""
@@ -301,3 +320,4 @@ class DiskTier:
 
     def close(self) -> None:
         self.reader.close()
+        self._host.shutdown(wait=True)
