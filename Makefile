@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CORES ?= 2
 
-.PHONY: install install-test report test lint bench clean
+.PHONY: install install-test report test lint bench wheelhouse clean
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	bash scripts/install.sh $(VENV)
@@ -25,6 +25,10 @@ test: install-test
 
 bench: install
 	$(PY) benchmarks/bench_scan.py
+
+# offline installs for scripts/device_check.sh on the GPU machine (Python 3.12, no registry)
+wheelhouse:
+	bash scripts/build_wheelhouse.sh --device .wheelhouse/device
 
 clean:
 	rm -rf build $(VENV) .snakemake results logs

