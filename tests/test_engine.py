@@ -241,7 +241,7 @@ def engine_run(stage, name, policy, tmp_path, device="cpu", **params):
 def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
     captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
     df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path)
-    assert list(df.columns[:12]) == list(ROW_COLUMNS)
+    assert list(df.columns[:12]) == list(ROW_COLUMNS[:12]) and set(ROW_COLUMNS) <= set(df.columns)
     assert meta["tier_kind"] == "disk->RAM" and "fresh uncached disk read" in meta["tier"]
     assert meta["capacity"] == 6 and meta["read_bandwidth_Bps"] > 0
     nll = df["nll"].to_numpy()
@@ -270,6 +270,25 @@ def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
     assert (
         summ.filter(pl.col("policy") == "fetch_every_miss")["speedup_vs_fetch_every_miss"][0] == 1
     )
+
+
+@pytest.mark.parametrize("admission", ["delay", "completion"])
+def test_prefetch_keeps_fetch_every_miss_exact(stage, tmp_path, admission):
+    """fetch_all with prefetch 2 through the model path (lookahead one MoE layer early): still
+    the captured NLL (prefetch changes what is resident, never what is computed); the per-token
+    overlap columns and the summary's prefetch figures are filled."""
+    captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
+    spec = {"rule": "fetch_all", "prefetch": 2}
+    df, meta = engine_run(stage, "fetch_prefetch", spec, tmp_path, admission=admission)
+    ok = ~np.isnan(captured)
+    np.testing.assert_allclose(df["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=5e-6)
+    issued = int(df["prefetches"].sum())
+    assert issued > 0 and 0 <= df["prefetch_in_time"].sum() <= issued
+    assert df["bytes_prefetch"].sum() % meta["expert_bytes"] == 0
+    assert 0 <= meta["prefetch_timeliness"] <= 1
+    summ = summarize_engine({"fetch_prefetch": tmp_path / "fetch_prefetch.parquet"})
+    assert summ["prefetch_timeliness"][0] == meta["prefetch_timeliness"]
+    assert summ["bytes_prefetch"][0] == df["bytes_prefetch"].mean()
 
 
 def test_substituting_policy_changes_nll(stage, tmp_path):
@@ -349,6 +368,7 @@ def test_benchmark_table(tmp_path):
     params = dict(
         layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
         warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
+        routing="synthetic", rounds=1,
     )  # fmt: skip
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     assert set(df["policy"]) == {

@@ -15,7 +15,7 @@ from moesub.engine import EngineDecodeResult, generate, open_engine
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
 from moesub.engine.tiers import DiskTier
-from moesub.policy import SUB, Policy, scan
+from moesub.policy import HOST, SUB, Policy, scan
 from moesub.replay import greedy_decode
 from moesub.synthetic import synthetic_logits
 
@@ -116,7 +116,7 @@ def test_fetch_every_miss_generates_the_exact_model(stage, exact):
         assert r.tokens == x.tokens
         assert r.mass == [0.0] * NEW and not r.stopped
         assert r.counts[:, SUB].sum() == 0 and r.counts[:, 1].sum() > 0  # misses really fetched
-        assert (r.bytes_sync > 0).any()
+        assert (r.steps["bytes_sync"] > 0).any()
         assert r.prompt_tokens == len(prompt) and r.wall_s.shape == (NEW,)
 
 
@@ -149,7 +149,7 @@ def test_substituting_policy_generates_the_emulators_tokens(
         assert (r.counts.sum(axis=1) == L * K).all()
     assert any(r.tokens != x.tokens for r, x in zip(res, exact, strict=True))  # policy mattered
     assert sum(r.admissions for r in res) > 0  # background admissions were copied and installed
-    assert sum(int(r.bytes_bg.sum()) for r in res) > 0
+    assert sum(int(r.steps["bytes_bg"].sum()) for r in res) > 0
 
 
 def test_one_loop_serves_teacher_forcing(stage, quality_engine):
@@ -249,4 +249,37 @@ def test_cuda_generation_matches_the_emulator(stage, device):
         copy.deepcopy(model).to(device), PROMPTS, Policy.from_dict(SPEED), C, initial, NEW
     )
     assert [r.tokens for r in res] == [x.tokens for x in emu]
-    assert sum(int(r.bytes_bg.sum()) for r in res) > 0
+    assert sum(int(r.steps["bytes_bg"].sum()) for r in res) > 0
+
+
+@pytest.mark.parametrize(
+    "name,policy",
+    [
+        ("quality_prefetch", {**QUALITY, "prefetch": 2}),
+        ("fetch_prefetch", {"rule": "fetch_all", "prefetch": 3}),
+        ("first_choice_host", {"rule": "first_choice", "light_miss": "host", "prefetch": 1}),
+    ],
+)
+def test_prefetch_generation_equals_the_emulators(stage, name, policy):
+    """v2 on the engine (lookahead computed one MoE layer early by the PrefetchHook, copies
+    issued then, light_miss='host' on the worker thread), admission="delay": the emulator's
+    greedy tokens and substituted mass, token for token; fetch_all with prefetch is still the
+    exact model (prefetch changes what is resident, never what is computed)."""
+    root, model, initial = stage
+    with open_engine(
+        root / "model", name, policy, FRACTION, "cpu", initial, params(root, admission="delay")
+    ) as eng:
+        res = eng.generate(PROMPTS, NEW)
+    emu = greedy_decode(model, PROMPTS, Policy.from_dict(policy), C, initial, NEW)
+    for r, x in zip(res, emu, strict=True):
+        assert r.tokens == x.tokens
+        np.testing.assert_allclose(r.mass, x.mass, rtol=0, atol=1e-5)
+        assert r.steps["prefetch_in_time"].sum() <= r.steps["prefetches"].sum()
+    assert sum(int(r.steps["prefetches"].sum()) for r in res) > 0  # copies were issued
+    assert sum(int(r.steps["bytes_prefetch"].sum()) for r in res) > 0  # and installed
+    if policy["rule"] == "fetch_all":
+        exact = greedy_decode(model, PROMPTS, None, C, None, NEW)
+        assert [r.tokens for r in res] == [x.tokens for x in exact]
+    if policy.get("light_miss") == "host":
+        assert sum(int(r.counts[:, HOST].sum()) for r in res) > 0
+        assert sum(int(r.steps["bytes_host"].sum()) for r in res) > 0

@@ -7,7 +7,11 @@ every block's experts module for `EngineExperts`. Per token and MoE layer the ro
 host once, hands the logits to the engine (`OffloadEngine.route`: the policy core decides, the
 tier copies) and gives the block's `EngineExperts` the *cache slot* of every computed expert in
 the model's slot order (`models.align_ids`, on the host); `EngineExperts` then computes from the
-slot tensors, plus host_compute misses on the host.
+slot tensors, plus the host's experts on the host.
+With `policy.prefetch > 0` the hook is a `PrefetchHook`: layer l's lookahead logits are computed
+as soon as their source is seen (the residual stream entering MoE layer l-1's MoE sub-block) and
+handed to `OffloadEngine.prefetch` at once, so the copies run while layer l-1's experts and layer
+l's attention compute.
 The model's own expert weights are dropped: experts live only in the slow tier and the slots.
 """
 
@@ -35,7 +39,8 @@ from moesub.engine.store import (
     open_or_write_store,
     tensor_fingerprint,
 )
-from moesub.engine.tiers import DiskTier, require_cuda
+from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, require_cuda
+from moesub.models import RouterHook
 from moesub.policy import HOST
 
 
@@ -94,7 +99,14 @@ class EngineRouter:
 
         return hook
 
-    def __call__(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    def __call__(
+        self,
+        layer: int,
+        logits: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        lookahead: torch.Tensor | None = None,  # PrefetchHook: already with the engine
+    ):
         from moesub.models import align_ids
 
         hidden, self._hidden[layer] = self._hidden[layer], None
@@ -116,6 +128,57 @@ class EngineRouter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class PrefetchHook(RouterHook):
+    """`RouterHook(lookahead=True)` whose lookahead is computed early: when the tap records MoE
+    layer l's source stream (entering layer l-1's MoE sub-block; for layer 0 its decoder layer),
+    layer l's lookahead logits are computed at once (the hook's own norm and router call, so
+    exactly the captured lookahead) and handed to `engine.prefetch(l, y)` (one counted device ->
+    host transfer). The router hook later passes the same logits to `on_route`."""
+
+    def __init__(self, model: nn.Module, on_route, engine: OffloadEngine, device: torch.device):
+        super().__init__(model, on_route, lookahead=True)
+        self.engine, self.device = engine, device
+        self._early: dict[int, torch.Tensor] = {}
+
+    def _make_tap(self, index: int, kwarg: str | None):
+        record = super()._make_tap(index, kwarg)
+
+        def tap(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._inner:
+                return None
+            record(module, args, kwargs)
+            y = RouterHook._lookahead_logits(self, index, self.device)  # frees the source
+            self._early[index] = y
+            (y_host,) = self.engine.to_host(index, y)
+            self.engine.prefetch(index, y_host.numpy())
+            return None
+
+        return tap
+
+    def _lookahead_logits(self, layer: int, device: torch.device) -> torch.Tensor:
+        y = self._early.pop(layer, None)
+        if y is None:
+            raise RuntimeError(f"lookahead of MoE layer {layer}: its residual stream was not seen")
+        return y.to(device)
+
+
+def staging_for(opts: EngineParams, device: torch.device, prefetch: int) -> int | None:
+    """Staging buffers of the tier: the option, else the tier's default (None), raised on the
+    disk tier to hold two layers' prefetches beside its admissions. A given number too small
+    for the prefetches in flight (those of layer l and l+1 can wait together) is an error."""
+    need = 2 * prefetch + 1
+    if opts.staging_buffers is not None:
+        if prefetch and opts.staging_buffers < need:
+            raise ValueError(
+                f"engine.staging_buffers={opts.staging_buffers} is too few for policy prefetch "
+                f"{prefetch}: copies of two layers can be in flight at once, give >= {need}"
+            )
+        return opts.staging_buffers
+    if device.type == "cpu" and prefetch:
+        return DISK_STAGING_BUFFERS + 2 * prefetch
+    return None
 
 
 @dataclass
@@ -143,18 +206,21 @@ def build_engine_model(
     opts: EngineParams,
     capacity: int | None,
     measure_bandwidth: bool = False,
+    prefetch: int = 0,
 ) -> EngineSetup:
     """Load the model, write its experts to the expert store (once: later runs reuse the file),
     drop them from the model, then build the tier from the store: the disk tier reads the file;
     the CUDA tier reads it layer by layer straight into pinned memory (as many layers as
     `opts.pinned_budget_gb` holds; the others stay on disk). Allocates `capacity` slots per
-    layer (default k) and swaps in `EngineExperts`.
+    layer (default k) and swaps in `EngineExperts`. `prefetch`: the policy's, for the number
+    of staging buffers (`staging_for`).
 
     Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
     released before the tier allocates anything, so the host never holds two copies of them."""
     from moesub.models import expert_weights, load_model, moe_blocks, moe_info
 
     dev = require_cuda(device)
+    staging = staging_for(opts, dev, prefetch)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     dtype_key = engine_dtype(opts, dev)
@@ -184,10 +250,10 @@ def build_engine_model(
     gc.collect()
     try:
         if dev.type == "cpu":
-            tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, opts.staging_buffers)
+            tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, staging)
         else:
             budget = None if opts.pinned_budget_gb is None else int(opts.pinned_budget_gb * 2**30)
-            tier = CudaTier(HostExperts(store, budget), C, dev, act, opts.staging_buffers)
+            tier = CudaTier(HostExperts(store, budget), C, dev, act, staging)
     except BaseException:
         store.close()
         raise

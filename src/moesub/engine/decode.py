@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moesub.engine.adapter import EngineSetup
-from moesub.engine.runtime import OffloadEngine
+from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
 
 
 def step(model: nn.Module, token: int, cache: Any, device: torch.device):
@@ -37,9 +37,11 @@ def decode_tokens(
     next input recorded), then continue greedily for up to `max_new_tokens` tokens (argmax of
     each step's logits fed back; a token in `stop_ids` ends it and is not kept).
 
-    Returns per-step arrays over the S steps run (`wall_s, fetch_wait_s, admit_wait_s, mass,
-    bytes_sync, bytes_bg, syncs, admitted, admit_latency` (S,), `counts` (S, 5), `nll` (S,) NaN
-    where no input followed), plus `generated` (tokens), `stopped` and `admissions`. Generated
+    Returns per-step arrays over the S steps run (`wall_s` and every scalar of
+    `runtime.TokenStats`: `fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync,
+    bytes_bg, bytes_prefetch, bytes_host, mass, admissions, admitted, admit_latency, prefetches,
+    prefetch_in_time, syncs` (S,), `counts` (S, 5), `nll` (S,) NaN where no input followed),
+    plus `generated` (tokens), `stopped` and `admissions` (the total). Generated
     token i came from step P-1+i; the last generated token is never fed (S = P + n - 1, or
     P + n when a stop token ended it). A step's wall time runs from its start (admissions
     installed) to the end of its compute on the device (`OffloadEngine.end_token`: the compute
@@ -50,16 +52,13 @@ def decode_tokens(
         raise ValueError("inputs: decoding needs at least one input token")
     engine.reset()
     S = P + max(max_new_tokens - 1, 0)  # most steps that can run
-    cols = {c: np.zeros(S, np.float64) for c in ("wall_s", "fetch_wait_s", "admit_wait_s", "mass")}
-    ints = {
-        c: np.zeros(S, np.int64)
-        for c in ("bytes_sync", "bytes_bg", "syncs", "admitted", "admit_latency")
-    }
+    blank = TokenStats()
+    cols = {"wall_s": np.zeros(S, np.float64)}
+    cols.update({c: np.zeros(S, type(getattr(blank, c))) for c in SCALAR_STATS})
     counts = np.zeros((S, 5), np.int64)
     nll = np.full(S, np.nan)
     generated: list[int] = []
     stopped = False
-    admissions = 0
     cache, token, t = None, int(inputs[0]), 0
     for t in range(S):
         t0 = time.perf_counter()
@@ -77,16 +76,9 @@ def decode_tokens(
         if next_t is not None:
             token = int(next_t)
         cols["wall_s"][t] = time.perf_counter() - t0
-        cols["fetch_wait_s"][t] = st.fetch_wait_s
-        cols["admit_wait_s"][t] = st.admit_wait_s
-        cols["mass"][t] = st.mass
-        ints["bytes_sync"][t] = st.bytes_sync
-        ints["bytes_bg"][t] = st.bytes_bg
-        ints["syncs"][t] = st.syncs
-        ints["admitted"][t] = st.admitted
-        ints["admit_latency"][t] = st.admit_latency
+        for c in SCALAR_STATS:
+            cols[c][t] = getattr(st, c)
         counts[t] = st.counts
-        admissions += st.admissions
         if t + 1 >= P and max_new_tokens:
             if token in stop_ids:
                 stopped = True
@@ -95,7 +87,7 @@ def decode_tokens(
             if len(generated) == max_new_tokens:
                 break
     n = t + 1  # steps run
-    out: dict[str, Any] = {c: v[:n] for c, v in {**cols, **ints}.items()}
+    out: dict[str, Any] = {c: v[:n] for c, v in cols.items()}
     out.update(counts=counts[:n], nll=nll[:n], generated=generated, stopped=stopped)
-    out["admissions"] = admissions
+    out["admissions"] = int(out["admissions"].sum())  # the total over the decode
     return out

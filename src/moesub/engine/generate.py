@@ -16,11 +16,14 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from moesub.engine.adapter import EngineRouter, build_engine_model
+from moesub.engine.adapter import EngineRouter, PrefetchHook, build_engine_model
 from moesub.engine.decode import decode_tokens
-from moesub.engine.runtime import OffloadEngine
+from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
 from moesub.engine.spec import EngineSpec, resolve_engine
+from moesub.models import RouterHook
 from moesub.policy import Policy
+
+STEP_COLUMNS = tuple(c for c in SCALAR_STATS if c not in ("mass", "admissions"))
 
 
 @dataclass
@@ -33,26 +36,18 @@ class EngineDecodeResult:
     mass: list[float]  # substituted gate mass, summed over layers
     stopped: bool  # a stop token ended it (before max_new_tokens)
     wall_s: np.ndarray  # float64 (n,) synchronized wall time of the step
-    fetch_wait_s: np.ndarray  # float64 (n,) blocked on synchronous copies
-    admit_wait_s: np.ndarray  # float64 (n,) blocked on due admissions (admission="delay")
-    bytes_sync: np.ndarray  # int64 (n,)
-    bytes_bg: np.ndarray  # int64 (n,)
     counts: np.ndarray  # int64 (n, 5) slots per status code, summed over layers
     prompt_tokens: int  # P
     prompt_wall_s: float  # wall time of the P - 1 prompt steps that produced no token
     admissions: int  # admission requests over the whole decode
-    syncs: np.ndarray  # int64 (n,) host waits for the device during the step
-
-    @classmethod
-    def empty(cls, prompt_tokens: int) -> EngineDecodeResult:
-        """Nothing generated and no step run (max_new_tokens = 0)."""
-        f, i = np.zeros(0, np.float64), np.zeros(0, np.int64)
-        return cls(
-            [], [], False, f, f, f, i, i, np.zeros((0, 5), np.int64), prompt_tokens, 0.0, 0, i
-        )
+    # per generated token, every scalar of `runtime.TokenStats` but mass and admissions (n,):
+    # fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync, bytes_bg,
+    # bytes_prefetch, bytes_host, admitted, admit_latency, prefetches, prefetch_in_time, syncs
+    steps: dict[str, np.ndarray]
 
     @classmethod
     def from_steps(cls, r: dict[str, Any], prompt_tokens: int) -> EngineDecodeResult:
+        """From `decode_tokens`' result (no step run: nothing generated, zero-length arrays)."""
         n = len(r["generated"])
         gen = slice(prompt_tokens - 1, prompt_tokens - 1 + n)  # steps that produced a token
         return cls(
@@ -60,16 +55,21 @@ class EngineDecodeResult:
             mass=r["mass"][gen].tolist(),
             stopped=bool(r["stopped"]),
             wall_s=r["wall_s"][gen],
-            fetch_wait_s=r["fetch_wait_s"][gen],
-            admit_wait_s=r["admit_wait_s"][gen],
-            bytes_sync=r["bytes_sync"][gen],
-            bytes_bg=r["bytes_bg"][gen],
             counts=r["counts"][gen],
             prompt_tokens=prompt_tokens,
             prompt_wall_s=float(r["wall_s"][: prompt_tokens - 1].sum()),
             admissions=int(r["admissions"]),
-            syncs=r["syncs"][gen],
+            steps={c: r[c][gen] for c in STEP_COLUMNS},
         )
+
+    @classmethod
+    def empty(cls, prompt_tokens: int) -> EngineDecodeResult:
+        """Nothing generated and no step run (max_new_tokens = 0)."""
+        blank = TokenStats()
+        r = {c: np.zeros(0, type(getattr(blank, c))) for c in SCALAR_STATS}
+        r.update(wall_s=np.zeros(0), counts=np.zeros((0, 5), np.int64), generated=[])
+        r.update(stopped=False, admissions=0)
+        return cls.from_steps(r, prompt_tokens)
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
@@ -114,12 +114,11 @@ class EngineModel:
     """
 
     def __init__(self, model_dir: str | os.PathLike, spec: EngineSpec) -> None:
-        from moesub.models import RouterHook
-
         self.spec = spec
         self.setup = build_engine_model(
-            model_dir, str(spec.device), spec.opts, spec.capacity, measure_bandwidth=True
-        )
+            model_dir, str(spec.device), spec.opts, spec.capacity, measure_bandwidth=True,
+            prefetch=spec.policy.prefetch,
+        )  # fmt: skip
         info = self.setup.info
         try:
             self.engine = OffloadEngine(
@@ -132,7 +131,12 @@ class EngineModel:
         for m in self.setup.experts:
             m.engine = self.engine
         self._router = EngineRouter(self.engine, self.setup.model, self.setup.experts)
-        self._hook = RouterHook(self.setup.model, self._router)
+        if spec.policy.prefetch > 0:  # lookahead computed one MoE layer early, copies issued
+            self._hook = PrefetchHook(
+                self.setup.model, self._router, self.engine, self.setup.device
+            )
+        else:
+            self._hook = RouterHook(self.setup.model, self._router)
         self._hook.__enter__()
         self.closed = False
 

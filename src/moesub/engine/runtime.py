@@ -46,7 +46,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -82,6 +82,9 @@ class TokenStats:
     prefetches: int = 0  # prefetch copies issued for this token's steps (step 1b insertions)
     prefetch_in_time: int = 0  # of those, landed before their layer's step
     syncs: int = 0  # host waits for the device (`HostSync`), router reads and token end
+
+
+SCALAR_STATS = tuple(f.name for f in fields(TokenStats) if f.name != "counts")
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ class OffloadEngine:
         experts the core's step 1b will insert are copied in the background from now on."""
         if self.policy.prefetch == 0:
             return
-        y = np.ascontiguousarray(lookahead, dtype=np.float32)
+        y = np.array(lookahead, dtype=np.float32)  # a copy: the caller may reuse its buffer
         if y.shape != (1, self.num_experts):
             raise ValueError(f"lookahead: expected shape (1, {self.num_experts}), got {y.shape}")
         if not np.isfinite(y).all():

@@ -18,9 +18,16 @@ from moesub.engine.spec import resolve_engine
 from moesub.io import require_file, write_parquet
 from moesub.policy import ALL_RESIDENT, STATUS_NAMES
 
+# per token: time blocked on synchronous fetches, due admissions, late prefetches and the host's
+# experts; bytes moved per kind; prefetch copies issued and landed in time
+OVERLAP_COLUMNS = (
+    "admit_wait_s", "prefetch_wait_s", "host_wait_s", "bytes_prefetch", "bytes_host",
+    "prefetches", "prefetch_in_time",
+)  # fmt: skip
+BYTE_COLUMNS = ("bytes_sync", "bytes_bg", "bytes_prefetch", "bytes_host")
 ROW_COLUMNS = (
     "stream", "pos", "wall_s", "fetch_wait_s", "bytes_sync", "bytes_bg",
-    *STATUS_NAMES, "nll",
+    *STATUS_NAMES, "nll", *OVERLAP_COLUMNS,
 )  # fmt: skip
 
 
@@ -33,6 +40,20 @@ def summary(wall_s: np.ndarray, nll: np.ndarray) -> dict[str, float]:
         "time_per_token_mean_s": float(np.mean(wall_s)) if len(wall_s) else math.nan,
         "ppl": float(np.exp(nll[ok].mean())) if ok.any() else math.nan,
     }
+
+
+def timeliness(df: pl.DataFrame) -> float:
+    """Share of the prefetch copies that landed before their layer's step (NaN: none issued,
+    or an output written before prefetch existed)."""
+    if "prefetches" not in df.columns:
+        return math.nan
+    issued = int(df["prefetches"].sum())
+    return int(df["prefetch_in_time"].sum()) / issued if issued else math.nan
+
+
+def mean_of(df: pl.DataFrame, column: str) -> float:
+    """A column's mean; NaN for an output written before the column existed."""
+    return float(df[column].mean()) if column in df.columns else math.nan
 
 
 def run_engine(
@@ -48,8 +69,9 @@ def run_engine(
 ) -> Path:
     """Decode every stream of a capture token table with the real offloading engine.
 
-    Writes one row per token (`stream, pos, wall_s, fetch_wait_s, bytes_sync, bytes_bg, hit,
-    fetch, sub, host, forced, nll`, plus `mass` and `syncs`: host waits for the device) with
+    Writes one row per token (`ROW_COLUMNS`: `stream, pos, wall_s, fetch_wait_s, bytes_sync,
+    bytes_bg, hit, fetch, sub, host, forced, nll` and the overlap's `OVERLAP_COLUMNS`, plus
+    `mass` and `syncs`: host waits for the device) with
     metadata `policy, name, fraction, capacity, device, tier, ...`, the admissions' latency in
     tokens (request to install) and a `summary` (median / p90 time per token, perplexity).
     `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
@@ -96,6 +118,7 @@ def run_engine(
                         "nll": r["nll"],
                         "mass": r["mass"],
                         "syncs": r["syncs"].astype(np.int32),
+                        **{c: r[c] for c in OVERLAP_COLUMNS},
                     }
                 ).with_columns(pl.col("nll").fill_nan(None))
             )
@@ -120,6 +143,7 @@ def run_engine(
         "syncs_per_token_mean": float(out["syncs"].mean()),
         "summary": summary(out["wall_s"].to_numpy(), nll),
         "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
+        "prefetch_timeliness": timeliness(out),
     }
     if setup.bandwidth:
         meta.update(setup.bandwidth)
@@ -133,7 +157,9 @@ def summarize_engine(
 ) -> pl.DataFrame:
     """Per-policy summary over engine outputs `{name: path}` (same model, device, streams):
     median / p90 time per token, speedup vs `baseline` and `host_baseline` (median time ratio),
-    perplexity and Δppl % vs `baseline`."""
+    perplexity and Δppl % vs `baseline`; per token, the mean time blocked on synchronous
+    fetches, late prefetches and the host's experts, the mean bytes moved per kind, and the
+    share of prefetch copies landed in time."""
     rows = []
     for name, path in paths.items():
         df = pl.read_parquet(require_file(path, f"paths[{name!r}]"))
@@ -146,6 +172,10 @@ def summarize_engine(
                 "time_per_token_median_s": float(np.median(wall)),
                 "time_per_token_p90_s": float(np.percentile(wall, 90)),
                 "fetch_wait_s": float(df["fetch_wait_s"].mean()),
+                "prefetch_wait_s": mean_of(df, "prefetch_wait_s"),
+                "host_wait_s": mean_of(df, "host_wait_s"),
+                **{c: mean_of(df, c) for c in BYTE_COLUMNS},
+                "prefetch_timeliness": timeliness(df),
                 "ppl": float(np.exp(nll.mean())),
             }
         )
