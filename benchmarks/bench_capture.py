@@ -4,7 +4,8 @@ Model: Qwen3-Next-shaped at the reference routing geometry (E=512, top-10, renor
 shared expert), hidden 128, expert width 16, 4 layers (3 linear + 1 full attention), random
 weights. Both sides load the checkpoint with `moesub.models.load_model` and run one forward
 per stream (batch 1, `use_cache=False`); the capture side additionally computes the NLL,
-records every router's logits and writes both Parquet tables. Reported: the ratio measured
+records every router's logits and lookahead logits (each layer's norm and router applied once
+more, to the previous MoE layer's residual stream) and writes both Parquet tables. Reported: the ratio measured
 stream by stream back to back on one loaded model, and the end-to-end ratio (best of
 `--repeats`, alternating). By default time is this process's CPU time with one torch thread,
 which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
@@ -97,7 +98,7 @@ def interleaved(model_dir: Path, streams: Path, out: Path, repeats: int) -> list
     back to back on the same loaded model (robust to load from other processes)."""
     model, _ = load_model(model_dir)
     info = moe_info(model)
-    rows_per_group = int(64 * 2**20 // (4 * info.num_experts * info.num_layers))
+    rows_per_group = int(64 * 2**20 // (2 * 4 * info.num_experts * info.num_layers))
     ratios = []
     meta = {"num_experts": info.num_experts}
     for _ in range(repeats):
@@ -143,7 +144,7 @@ def main() -> None:
             tc.append(capture(d / "model", d / "streams.parquet", d))
         mb = (d / "router.parquet").stat().st_size / 2**20
         t0 = time.perf_counter()
-        trace = load_trace(d / "router.parquet")
+        trace = load_trace(d / "router.parquet", lookahead=True)
         t_load = time.perf_counter() - t0
     tokens = args.streams * args.length
     print(f"tokens {tokens}, router table {mb:.1f} MiB")

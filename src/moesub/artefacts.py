@@ -183,7 +183,8 @@ def router_writer(
     Dictionary encoding and compression are off for the float logits: pyarrow's default
     dictionary attempt on 512 floats per row made writing ~17x slower (1.65 s vs 0.095 s for
     2048 tokens x 4 layers x 512 experts), which alone would exceed the capture-overhead budget;
-    snappy saved nothing.
+    snappy saved nothing. Min/max statistics of the float columns cost ~15% of the write
+    (measured: 0.058 s vs 0.049 s for the same table with lookahead) and no reader uses them.
     """
     schema = router_schema(num_experts, lookahead)
     return ParquetStreamWriter(
@@ -191,6 +192,7 @@ def router_writer(
         schema,
         metadata,
         use_dictionary=["stream", "pos", "layer"],
+        write_statistics=["stream", "pos", "layer"],  # min/max of logits: costly, unused
         compression={
             name: "snappy" if name in ("stream", "pos", "layer") else "none"
             for name in schema.names

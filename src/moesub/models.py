@@ -523,6 +523,13 @@ class RouterHook:
     """
 
     def __init__(self, model: nn.Module, on_route: RouteFn, lookahead: bool = False):
+        if lookahead:
+            for block in moe_blocks(model):
+                if not type(block.gate).__name__.endswith("TopKRouter"):
+                    raise ValueError(
+                        f"RouterHook lookahead: router {type(block.gate).__name__} is not a "
+                        "transformers TopKRouter (logits = F.linear(hidden, weight))"
+                    )
         self.model = model
         self.on_route = on_route
         self.lookahead = bool(lookahead)
@@ -592,8 +599,13 @@ class RouterHook:
             x = source
             if norm is not None:
                 x = norm(x.to(_execution_device(norm, x.device)))
-            x = x.to(_execution_device(block.gate, x.device))
-            y = block.gate(x.reshape(-1, x.shape[-1]))[0]  # the router's own logits
+            x = x.to(_execution_device(block.gate, x.device)).reshape(-1, x.shape[-1])
+            gate = block.gate
+            if gate.weight.device.type != "meta" and not hasattr(gate, "_hf_hook"):
+                # a TopKRouter's logits are F.linear(hidden, weight): skip its softmax and top-k
+                y = nn.functional.linear(x, gate.weight)
+            else:  # Accelerate loads an offloaded weight for the module's own forward
+                y = gate(x)[0]
         finally:
             self._inner = False
         return y.float().to(device)
