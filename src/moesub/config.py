@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moesub.policy import EVICTIONS, RULES, capacity_for
+from moesub.policy import EVICTIONS, OFFLINE_EVICTIONS, RULES, Policy, capacity_for
 
 # The repository's schema (an editable install); a wheel carries a copy beside this module.
 _REPO_SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
@@ -97,11 +97,25 @@ def schema_defaults(section: str) -> dict[str, Any]:
 
 
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
+# v2's fields (docs/policy-semantics.md): a normalized policy carries one only where it differs
+# from the default, so every v1 policy keeps its exact params (and its jobs are not rerun)
+V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by")
 POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
 # The engine's reserved policy name: every expert in fast memory (the floor on time per token).
 # It may be listed in engine.policies / engine.bench.policies but not defined under policies:.
 ALL_RESIDENT = "all_resident"
-ALL_RESIDENT_POLICY: dict[str, Any] = {"rule": "fetch_all", **POLICY_DEFAULTS}
+ALL_RESIDENT_POLICY: dict[str, Any] = {
+    "rule": "fetch_all",
+    **{key: POLICY_DEFAULTS[key] for key in POLICY_KEYS if key != "rule"},
+}
+# Stages that run a model online (stage -> its config keys): an offline eviction (belady)
+# cannot run there.
+ONLINE_STAGES = {
+    "emulate": ("emulate",),
+    "generate": ("generate",),
+    "engine": ("engine",),
+    "engine_bench": ("engine", "bench"),
+}
 # The cache fraction at which the study gives its regime figures (moesub.regime): 25% resident.
 REGIME_FRACTION = 0.25
 # Names become path components and Snakemake wildcard values.
@@ -131,18 +145,23 @@ def canonical(value: Any) -> Any:
 
 
 def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A full `{rule, tau, eviction, beta, delay}` dict (defaults filled), checked."""
+    """A full `{rule, tau, eviction, beta, delay}` dict (defaults filled), checked, plus each v2
+    key (`V2_POLICY_KEYS`) whose value is not its default."""
     where = f"policies.{name}"
-    unknown = sorted(set(spec) - set(POLICY_KEYS))
+    unknown = sorted(set(spec) - set(POLICY_KEYS) - set(V2_POLICY_KEYS))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(POLICY_KEYS)}")
+        allowed = [*POLICY_KEYS, *V2_POLICY_KEYS]
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {allowed}")
     if "rule" not in spec:
         raise ValueError(f"{where}.rule is required (one of {list(RULES)})")
     policy = {**POLICY_DEFAULTS, **spec}
     if policy["rule"] not in RULES:
         raise ValueError(f"{where}.rule={policy['rule']!r} is not one of {list(RULES)}")
-    if policy["eviction"] not in EVICTIONS:
-        raise ValueError(f"{where}.eviction={policy['eviction']!r} is not one of {list(EVICTIONS)}")
+    if policy["eviction"] not in EVICTIONS + OFFLINE_EVICTIONS:
+        raise ValueError(
+            f"{where}.eviction={policy['eviction']!r} is not one of "
+            f"{list(EVICTIONS + OFFLINE_EVICTIONS)}"
+        )
     for key in ("tau", "beta"):
         value = policy[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -153,24 +172,43 @@ def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{where}.delay={delay!r} must be an integer >= 1")
     if policy["rule"] == "threshold" and policy["tau"] <= 0:
         raise ValueError(f"{where}.tau must be > 0 for rule 'threshold'")
-    return {key: policy[key] for key in POLICY_KEYS}
+    prefetch = policy["prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{where}.prefetch={prefetch!r} must be an integer >= 0")
+    bias = policy["route_bias"]
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias < 0:
+        raise ValueError(f"{where}.route_bias={bias!r} must be a number >= 0")
+    policy["route_bias"] = float(bias)
+    out = {key: policy[key] for key in POLICY_KEYS}
+    out |= {key: policy[key] for key in V2_POLICY_KEYS if policy[key] != POLICY_DEFAULTS[key]}
+    try:  # the cross-field rules (belady with route_bias, ...) have one home: Policy
+        Policy.from_dict(out)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return out
 
 
 def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
-    """`candidate` is the no-admission twin of admission policy `policy`: same rule, eviction
-    and (for `threshold`) tau, beta 0. Only such a pair isolates the effect of admission."""
+    """`candidate` is the no-admission twin of admission policy `policy`: same rule, eviction,
+    (for `threshold`) tau and v2 fields, beta 0. Only such a pair isolates the effect of
+    admission."""
     return (
         candidate["beta"] == 0
         and candidate["rule"] == policy["rule"]
         and candidate["eviction"] == policy["eviction"]
         and (policy["rule"] != "threshold" or math.isclose(candidate["tau"], policy["tau"]))
+        and all(
+            candidate.get(key, POLICY_DEFAULTS[key]) == policy.get(key, POLICY_DEFAULTS[key])
+            for key in V2_POLICY_KEYS
+        )
     )
 
 
 def twin_spec(policy: Mapping[str, Any]) -> str:
     """The config line of an admission policy's exact twin (for messages)."""
     tau = f", tau: {number_label(policy['tau'])}" if policy["rule"] == "threshold" else ""
-    return f"{{rule: {policy['rule']}{tau}, eviction: {policy['eviction']}}}"
+    v2 = "".join(f", {key}: {policy[key]}" for key in V2_POLICY_KEYS if key in policy)
+    return f"{{rule: {policy['rule']}{tau}, eviction: {policy['eviction']}{v2}}}"
 
 
 def missing_admission_twins(
@@ -198,7 +236,10 @@ def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Named policies plus sweep policies, name -> full policy dict, in a stable order.
 
     `sweeps.tau = {base, values}` adds `rule_tau<v>` = the `base` policy with `tau=v`;
-    `sweeps.beta = {base, values}` adds `<base>_beta<v>` = the `base` policy with `beta=v`.
+    `sweeps.beta = {base, values}` adds `<base>_beta<v>` = the `base` policy with `beta=v`;
+    `sweeps.route_bias` adds `cache_prior_<v>` (route_bias v), `sweeps.prefetch` `prefetch_<v>`
+    (prefetch v); `sweeps.belady = [names]` adds `<name>_belady` (eviction belady, the offline
+    bound of every policy listed, sweep policies included).
     A sweep name that collides with a named policy is an error (say it once).
     """
     named = config.get("policies") or {}
@@ -211,7 +252,13 @@ def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             raise ValueError(f"policies.{name}: the name is reserved for the engine's floor run")
         out[name] = normalize_policy(name, spec)
     sweeps = config.get("sweeps") or {}
-    for key in ("tau", "beta"):
+    names = {
+        "tau": lambda base, v: f"rule_tau{v}",
+        "beta": lambda base, v: f"{base}_beta{v}",
+        "route_bias": lambda base, v: f"cache_prior_{v}",
+        "prefetch": lambda base, v: f"prefetch_{v}",
+    }
+    for key, sweep_name in names.items():
         sweep = sweeps.get(key)
         if not sweep:
             continue
@@ -219,18 +266,26 @@ def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if base not in out:
             raise ValueError(f"sweeps.{key}.base={base!r} is not a policy in policies:")
         for value in sweep.get("values", []):
-            name = (
-                f"rule_tau{number_label(value)}"
-                if key == "tau"
-                else f"{base}_beta{number_label(value)}"
-            )
+            name = sweep_name(base, number_label(value))
             if name in out:
                 raise ValueError(f"sweeps.{key}: policy {name!r} already exists")
             spec = {**out[base], key: value}
             if key == "tau":
                 spec["rule"] = "threshold"
             out[name] = normalize_policy(name, spec)
+    for base in sweeps.get("belady") or []:
+        if base not in out:
+            raise ValueError(f"sweeps.belady: {base!r} is not a policy in policies: or a sweep")
+        name = f"{base}_belady"
+        if name in out:
+            raise ValueError(f"sweeps.belady: policy {name!r} already exists")
+        out[name] = normalize_policy(name, {**out[base], "eviction": "belady"})
     return out
+
+
+def is_offline(policy: Mapping[str, Any]) -> bool:
+    """The policy needs the future (eviction belady): it runs in simulate only."""
+    return policy["eviction"] in OFFLINE_EVICTIONS
 
 
 def policy_subset(
@@ -258,8 +313,10 @@ def stage_policies(
     """The policy names each stage runs, checked against the expanded policies.
 
     `engine` and `engine_bench` may also list `all_resident`; `engine_bench` is None when its
-    list is null (the library's own study set). `analysis.baseline` must be a policy. Warns
-    (UserWarning) for every emulated admission policy without its exact twin.
+    list is null (the library's own study set). `analysis.baseline` must be a policy. A null
+    list of an online stage (`ONLINE_STAGES`) leaves the offline (belady) policies out; listing
+    one there is an error. Warns (UserWarning) for every emulated admission policy without its
+    exact twin.
     """
 
     def names(*keys: str) -> list[str] | None:
@@ -281,6 +338,15 @@ def stage_policies(
         if bench is None
         else policy_subset(policies, bench, "engine.bench.policies", extra=(ALL_RESIDENT,))
     )
+    for stage, keys in ONLINE_STAGES.items():
+        offline = [n for n in out[stage] or [] if n in policies and is_offline(policies[n])]
+        if offline and names(*keys, "policies") is not None:
+            raise ValueError(
+                f"{'.'.join(keys)}.policies: {offline} use eviction 'belady', the offline bound "
+                "(it needs the future): list them under simulate only"
+            )
+        if out[stage] is not None:
+            out[stage] = [n for n in out[stage] if n not in offline]
     baseline = names("analysis", "baseline")
     if baseline is not None:
         policy_subset(policies, [baseline], "analysis.baseline")

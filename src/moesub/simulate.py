@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields, replace
 
 from moesub.artefacts import load_trace, read_initial_set
+from moesub.coactivation import read_coactivation
 from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
@@ -33,15 +34,31 @@ def run_simulate(
     fraction: float,
     cost_path: str | None,
     out_path: str,
+    coactivation_path: str | None = None,
 ) -> None:
-    """Snakemake entry point: one (policy, fraction) over a captured trace -> Parquet."""
+    """Snakemake entry point: one (policy, fraction) over a captured trace -> Parquet.
+
+    A prefetching policy reads the trace's lookahead logits; `coactivation_path` (the model's
+    coactivation.npz) is required by, and only read for, substitute_by='coactivation'.
+    """
     pol = Policy.from_dict(policy)
-    trace = load_trace(router_path)
-    E, k = trace.meta["num_experts"], trace.meta["top_k"]
+    if pol.substitute_by == "coactivation" and coactivation_path is None:
+        raise ValueError(
+            f"policy {name!r}: substitute_by='coactivation' needs the co-activation table "
+            "(coactivation_path)"
+        )
+    trace = load_trace(router_path, lookahead=pol.prefetch > 0)
+    E, k, L = trace.num_experts, trace.top_k, trace.num_layers
     C = capacity_for(fraction, E)
     initial = {C: read_initial_set(initial_sets_path, fraction)} if initial_sets_path else None
     cost = CostModel.from_json(cost_path) if cost_path else CostModel()
-    df = simulate(trace.logits, k, [GridPoint(name, pol, fraction)], initial, cost)
+    table = (
+        read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
+    )
+    df = simulate(
+        trace.logits, k, [GridPoint(name, pol, fraction)], initial, cost,
+        lookahead=trace.lookahead, coactivation=table,
+    )  # fmt: skip
     write_parquet(
         df,
         out_path,
@@ -53,5 +70,6 @@ def run_simulate(
             "cost_model": asdict(cost),
             "core_build_id": CORE_BUILD_ID,
             "router_trace": str(router_path),
+            **({"coactivation": str(coactivation_path)} if table is not None else {}),
         },
     )

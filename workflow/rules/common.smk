@@ -132,6 +132,13 @@ def core_build_id(wildcards):
     return CORE_BUILD_ID
 
 
+def coactivation_input(wildcards):
+    """The model's co-activation table, an input only of policies that substitute by it."""
+    if POLICIES.get(wildcards.policy, {}).get("substitute_by") == "coactivation":
+        return {"coactivation": f"results/{wildcards.model}/coactivation.npz"}
+    return {}
+
+
 def cost_calibration(wildcards):
     """The calibration the simulator's cost model starts from: the first engine device's."""
     return f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"

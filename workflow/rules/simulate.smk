@@ -1,5 +1,6 @@
 # Stage 3 (simulate): replay the captured router logits through the C++ policy core, one
-# (policy, fraction) per job, priced by the cost model calibrated on the engine.
+# (policy, fraction) per job, priced by the cost model calibrated on the engine; the
+# co-activation table (calibration split) for policies with substitute_by: coactivation.
 
 
 rule cost_model:
@@ -17,8 +18,26 @@ rule cost_model:
         "../scripts/cost_model.py"
 
 
+rule coactivation:
+    input:
+        "results/{model}/capture/calib_router.parquet",
+    output:
+        "results/{model}/coactivation.npz",
+    log:
+        "logs/{model}/coactivation.log",
+    benchmark:
+        "results/benchmarks/{model}/coactivation.tsv"
+    conda:
+        "../../envs/cpu.yaml"
+    params:
+        core=core_build_id,
+    script:
+        "../scripts/coactivation.py"
+
+
 rule simulate:
     input:
+        unpack(coactivation_input),
         router="results/{model}/capture/eval_router.parquet",
         initial_sets="results/{model}/initial_sets.parquet",
         cost="results/{model}/cost.json",

@@ -14,4 +14,5 @@ run_simulate(
     snakemake.params.fraction,
     snakemake.input.cost,
     snakemake.output[0],
+    coactivation_path=snakemake.input.get("coactivation"),
 )
