@@ -209,6 +209,86 @@ def write_simulate(root: Path, name: str, policy: dict, fraction: float = FRACTI
     return write_parquet(pa.Table.from_pylist(rows), path)
 
 
+# Simulate-only policies of the design space (policy v2 and Belady bounds), with known totals:
+# name -> (policy, hit rate, substituted mass per token-layer, est. time per token)
+DESIGN = {
+    "prefetch_10": ({"rule": "fetch_all", "eviction": "lru", "prefetch": 10}, 0.80, 0.0, 0.028),
+    "hybrid_015": (
+        {"rule": "threshold", "tau": 0.15, "eviction": "lru", "light_miss": "host"},
+        0.74,
+        0.0,
+        0.016,
+    ),
+    "cache_prior_0.1": (
+        {"rule": "fetch_all", "eviction": "lru", "route_bias": 0.1},
+        0.86,
+        0.0,
+        0.020,
+    ),
+    "fetch_every_miss_belady": ({"rule": "fetch_all", "eviction": "belady"}, 0.90, 0.0, 0.021),
+    "rule_015_belady": (
+        {"rule": "threshold", "tau": 0.15, "eviction": "belady"},
+        0.88,
+        0.04,
+        0.011,
+    ),
+    "prefetch_10_belady": (
+        {"rule": "fetch_all", "eviction": "belady", "prefetch": 10},
+        0.93,
+        0.0,
+        0.020,
+    ),
+}
+DESIGN_TOKENS = 512  # tokens per simulated layer
+
+
+def write_design_simulate(root: Path, name: str, fraction: float = FRACTION) -> Path:
+    """A simulate artefact of a `DESIGN` policy: every layer at its hit rate; the misses are
+    host computations for light_miss='host' (half of them), else fetches."""
+    policy, hit_rate, mass, time = DESIGN[name]
+    rows = []
+    for layer in [*range(N_LAYERS), -1]:
+        n = N_LAYERS if layer == -1 else 1
+        calls = DESIGN_TOKENS * 10 * n
+        hit = int(round(hit_rate * calls))
+        host = (calls - hit) // 2 if policy.get("light_miss") == "host" else 0
+        rows.append(
+            {
+                "policy": name,
+                "fraction": fraction,
+                "capacity": CAPACITY,
+                "layer": layer,
+                "tokens": DESIGN_TOKENS * n,
+                "hit": hit,
+                "fetch": calls - hit - host,
+                "sub": 0,
+                "host": host,
+                "forced": 0,
+                "admissions": 0,
+                "evictions": 10,
+                "prefetches": 3 * DESIGN_TOKENS * n if policy.get("prefetch") else 0,
+                "hit_rate": hit / calls,
+                "sub_rate": 0.0,
+                "mass_mean": mass,
+                "mass_p50": mass,
+                "mass_p90": mass,
+                "mass_p99": mass,
+                "rerouted_mean": 0.01 if policy.get("route_bias") else 0.0,
+                "est_time_per_token_s": time * (1.0 if layer == -1 else 1 / N_LAYERS),
+                "belady_hit_rate": None,
+            }
+        )
+    path = root / "simulate" / name / f"f{label(fraction)}.parquet"
+    return write_parquet(pa.Table.from_pylist(rows), path)
+
+
+def add_design_space(root: Path, inputs: dict, params: dict, model: str = MODEL) -> None:
+    """Add every `DESIGN` policy's simulate artefact to a `make_study` result (in place)."""
+    for name, (policy, *_) in DESIGN.items():
+        inputs["simulate"].append(str(write_design_simulate(Path(root) / model, name)))
+        params["policies"][name] = normalize_policy(name, policy)
+
+
 def write_engine(
     root: Path,
     name: str,

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from moesub.report.design import fig_design  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide, unique  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
     Figure,
@@ -367,6 +368,18 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "speed_quality",
         "Time per token vs Δppl %; the dashed line joins the Pareto-optimal policies.",
         fig_speed,
+    ),
+    (
+        "design_space",
+        "Design space: quality vs speed by family",
+        "design_space",
+        "design_space",
+        "Estimated time per token (simulator cost model; prefetches priced as background copies) "
+        "vs Δppl % (emulated policies, with their CI; lossless policies at 0 by construction) "
+        "and vs the substituted mass per token-layer (every simulated policy), one colour per "
+        "family; Belady bounds are left out (they need the future). The dashed line joins the "
+        "Pareto-optimal policies: the families on it dominate.",
+        fig_design,
     ),
     (
         "admission",

@@ -122,6 +122,19 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "sim_vs_engine": ("policy", "time_mean_s", "est_time_per_token_s", "rel_error"),
     "generation": ("task", "policy", "n", "accuracy"),
     "per_input": ("level", "policy", "unit", "dnll_mean"),
+    "design_space": (
+        "policy",
+        "family",
+        "bound",
+        "est_time_per_token_s",
+        "dppl_pct",
+        "dppl_ci_lo",
+        "dppl_ci_hi",
+        "mass_per_token_layer",
+        "frontier",
+        "frontier_mass",
+        "fraction",
+    ),
 }
 
 

@@ -21,6 +21,7 @@ from moesub.report.experiments import (
     regime_table,
     regime_verdicts,
 )
+from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline, recommendation_lines
 from moesub.report.load import ci_label, load_outputs, load_recommendations, summarize_reasons
@@ -121,6 +122,9 @@ def render_report(
         "admission": admission_table(out),
         "admission_bins": admission_bins_table(out),
         "regime": regime_table(out),
+        "design_space": design_space_table(out, numbers),
+        "design_families": design_families_table(out),
+        "design_lines": design_lines(out),
         "regime_verdicts": regime_verdicts(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "dppl_base": out.doc.get("dppl_base") or {},

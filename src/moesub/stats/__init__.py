@@ -23,7 +23,11 @@ atomically (`moesub.io`), into `out_dir`:
 - `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;
 - `engine_bench.parquet`: the engine benchmark rows as measured;
 - `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
-  r(mass, agreement).
+  r(mass, agreement);
+- `design_space.parquet`: per simulated (policy, fraction): family, hit rate, misses per
+  token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
+  gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
+  fraction): its best policy and its policies on each front.
 
 Every bootstrapped estimate `x` comes with `x_ci_lo, x_ci_hi, x_bias, x_ci_method`
 (`moesub.stats.intervals`); every test with the smallest p the design can reach and its minimum
@@ -43,6 +47,7 @@ Modules, one per part (each documents its decisions):
 - `mass`: the mass hypothesis and its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
+  `design`: the design space (policy v2 families, Belady gaps, fronts);
 - `params`: `AnalysisParams` (the config's `analysis:` plus policies and the expb rule);
 - `run`: `run_analysis`, the part order, the summary table, the output files.
 

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from moesub.io import write_json
 from moesub.stats.admission import admission_part
+from moesub.stats.design import design_space_part
 from moesub.stats.expb import expb_part
 from moesub.stats.generation import generation_part
 from moesub.stats.intervals import level_label
@@ -50,6 +51,8 @@ OUTPUT_FILES = (
     "engine_bench",
     "generation",
     "regime",
+    "design_space",
+    "design_families",
 )
 
 
@@ -126,6 +129,7 @@ PARTS: tuple[Callable[[Context], None], ...] = (
     expb_part,
     admission_part,
     simulate_part,
+    design_space_part,
     engine_part,
     generation_part,
     regime_part,

@@ -43,9 +43,7 @@ def simulate_part(ctx: Context) -> None:
     files = ctx.register_files("simulate")
     sim = ctx.con.execute(
         f"""
-        SELECT f.name AS policy, f.fraction, t.layer, t.tokens, t.hit, t."fetch", t.sub,
-               t.host, t.forced, t.admissions, t.evictions, t.hit_rate, t.sub_rate,
-               t.mass_mean, t.est_time_per_token_s, t.belady_hit_rate
+        SELECT f.name AS policy, f.fraction, t.* EXCLUDE (policy, fraction)
         FROM read_parquet({sql_list(ctx.inputs["simulate"])}, filename=true,
                           union_by_name=true) t
         JOIN {files} f USING (filename) ORDER BY policy, fraction, layer
