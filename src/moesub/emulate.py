@@ -7,8 +7,13 @@ computed with the ids the core returns (a substitute in SUB slots, the original 
 
 This *layer-major* form is exact: caches are per layer, and a token's routing at layer `l` depends
 only on earlier tokens (at every layer) and on earlier layers (for the same token), all of which
-are already final when layer `l` runs over the whole stream. `emulate_token_by_token` decodes one
-token at a time with the KV cache instead; it is kept only as the test oracle for that argument.
+are already final when layer `l` runs over the whole stream. The v2 fields replay too: prefetch
+steps the caches with lookahead logits the hook recomputes from the emulated hidden states (not
+the captured ones: substitution changes them), route_bias computes the core's selection,
+light_miss='host' computes the expert as normal (lossless), substitute_by='coactivation' takes
+the model's co-activation table. Eviction 'belady' is offline-only and rejected.
+`emulate_token_by_token` decodes one token at a time with the KV cache instead; it is kept only
+as the test oracle for that argument.
 The routers, cache set-up, model loading and greedy decoding this shares with Experiment B and
 generation are `moesub.replay`.
 """
@@ -28,22 +33,22 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import check_token_table, initial_set_for, iter_streams
+from moesub.coactivation import read_coactivation
 from moesub.config import schema_defaults
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
-from moesub.models import ModelLoading, RouterHook, moe_info, stream_batches, stream_nll
+from moesub.models import ModelLoading, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, STATUS_NAMES, check_capacity, check_initial
 from moesub.replay import (
     BatchRouter,
-    PolicyRouter,
     StreamTrace,
     check_run,
     forward_step,
     load_for_capture,
-    make_caches,
     model_device,
-    policy_from_dict,
+    policy_router,
+    replay_policy,
     router_context,
 )
 
@@ -72,25 +77,32 @@ class EmulateParams:
 
 # --------------------------------------------------------------------------- layer-major emulation
 def emulate_batch(
-    model, ids: np.ndarray, policy, capacity: int, initial=None, record=False
+    model, ids: np.ndarray, policy, capacity: int, initial=None, record=False, coactivation=None
 ) -> list[StreamTrace]:
     """Layer-major emulation of B equal-length streams `ids` (B, T) in one teacher-forced
-    forward (`stream_nll`); every stream has its own fresh per-layer caches."""
+    forward (`stream_nll`); every stream has its own fresh per-layer caches. `coactivation`:
+    the (L, E, E) table substitute_by='coactivation' needs."""
     ids = np.asarray(ids, dtype=np.int64)
     routers = [
-        PolicyRouter(make_caches(model, policy, capacity, initial), record=record) for _ in ids
+        policy_router(model, policy, capacity, initial, coactivation, record=record) for _ in ids
     ]
-    with RouterHook(model, BatchRouter(routers)):
+    with router_context(model, BatchRouter(routers)):
         nll = stream_nll(model, torch.from_numpy(ids).to(model_device(model)))  # (B, T)
     return [r.take(row) for r, row in zip(routers, nll, strict=True)]
 
 
 def emulate_stream(
-    model, ids: Sequence[int] | np.ndarray, policy, capacity: int, initial=None, record=False
+    model,
+    ids: Sequence[int] | np.ndarray,
+    policy,
+    capacity: int,
+    initial=None,
+    record=False,
+    coactivation=None,
 ) -> StreamTrace:
     """Layer-major emulation of one stream (a batch of one)."""
     ids = np.asarray(ids, dtype=np.int64)[None]  # (1, T)
-    return emulate_batch(model, ids, policy, capacity, initial, record)[0]
+    return emulate_batch(model, ids, policy, capacity, initial, record, coactivation)[0]
 
 
 def emulate_streams(
@@ -102,6 +114,7 @@ def emulate_streams(
     progress: bool = True,
     max_streams: int | None = None,
     batch_tokens: int | None = None,
+    coactivation: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """Emulate every stream of a token table under `policy`; one row per token.
 
@@ -113,7 +126,7 @@ def emulate_streams(
     """
 
     info = moe_info(model)
-    policy = policy_from_dict(policy)
+    policy = replay_policy(policy)
     df = check_token_table(token_table, info.vocab_size)
     initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
     streams = [rows for _stream, rows in iter_streams(df)][:max_streams]
@@ -122,7 +135,9 @@ def emulate_streams(
     for batch in stream_batches([r.height for r in streams], batch_tokens):
         ids = np.stack([streams[i]["token_id"].to_numpy() for i in batch])  # (B, T)
         for i, trace in zip(
-            batch, emulate_batch(model, ids, policy, capacity, initial), strict=True
+            batch,
+            emulate_batch(model, ids, policy, capacity, initial, coactivation=coactivation),
+            strict=True,
         ):
             frames.append(stream_frame(streams[i], trace.nll, trace.mass, trace.counts))
         bar.update(len(batch))
@@ -155,12 +170,11 @@ def stream_frame(
 # --------------------------------------------------------------------------- token-by-token
 @torch.inference_mode()
 def emulate_token_by_token(
-    model, ids: Sequence[int] | np.ndarray, policy, capacity: int, initial=None
+    model, ids: Sequence[int] | np.ndarray, policy, capacity: int, initial=None, coactivation=None
 ) -> StreamTrace:
     """Test oracle: teacher-forced decoding one token at a time with the KV cache, the core
     called per token and layer. Must equal `emulate_stream` (ids, status, NLL)."""
-    policy = policy_from_dict(policy)
-    router = PolicyRouter(make_caches(model, policy, capacity, initial), record=True)
+    router = policy_router(model, policy, capacity, initial, coactivation, record=True)
     ids = np.asarray(ids, dtype=np.int64)
     device = model_device(model)
     nll = np.full(len(ids), np.nan)
@@ -185,19 +199,30 @@ def run_emulate(
     fraction: float,
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
+    coactivation_path: str | os.PathLike | None = None,
 ) -> Path:
     """Emulate one (model, policy, fraction): per-token Parquet (emulate schema) at `out_path`.
 
-    Every input is checked before the model runs: the policy dict, the fraction, the token ids
-    against the model's vocabulary, and the initial resident set against the model's L/E/C.
+    Every input is checked before the model runs: the policy dict (an offline eviction is
+    rejected), the fraction, the token ids against the model's vocabulary, the initial resident
+    set against the model's L/E/C, and the co-activation table (`coactivation_path`, the
+    model's coactivation.npz: required by, and only read for, substitute_by='coactivation').
     """
 
     require_file(model_dir, "model_dir")
     tokens_path = require_file(tokens_path, "tokens_path")
     initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
     check_run(name, fraction)
-    pol = policy_from_dict(policy)
+    pol = replay_policy(policy)
     opts = EmulateParams.from_dict(params)
+    table = None
+    if pol.substitute_by == "coactivation":
+        if coactivation_path is None:
+            raise ValueError(
+                f"policy {name!r}: substitute_by='coactivation' needs the co-activation table "
+                "(coactivation_path: the model's coactivation.npz)"
+            )
+        table = read_coactivation(require_file(coactivation_path, "coactivation_path"))
 
     model, info, tokens, dtype = load_for_capture(
         model_dir, tokens_path, opts.dtype, torch_device(opts.device), opts.loading
@@ -206,6 +231,8 @@ def run_emulate(
     initial = initial_set_for(
         initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
     )
+    if table is not None:
+        table = read_coactivation(coactivation_path, info.num_layers, info.num_experts)
     out = emulate_streams(
         model,
         tokens,
@@ -215,6 +242,7 @@ def run_emulate(
         progress=opts.progress,
         max_streams=opts.max_streams,
         batch_tokens=read_metadata(tokens_path).get("batch_tokens"),
+        coactivation=table,
     )
     meta = {
         "policy": dict(policy),
@@ -224,6 +252,7 @@ def run_emulate(
         "core_build_id": CORE_BUILD_ID,
         "num_layers": info.num_layers,
         "dtype": dtype,
+        **({"coactivation": str(coactivation_path)} if table is not None else {}),
     }
     return write_parquet(out, out_path, metadata=meta)
 
