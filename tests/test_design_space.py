@@ -192,6 +192,19 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
                      str(tmp_path / "x.parquet"))  # fmt: skip
 
 
+def test_builtin_bound_only_for_demand_paging_of_v1_selections(traces):
+    """The simulator's built-in Belady bound (fetch_all) is not a bound with prefetch (not
+    demand paging) or route_bias (selections follow the cache): those rows carry none."""
+    grid = [
+        GridPoint("plain", Policy(), 0.25),
+        GridPoint("pre", Policy(prefetch=2), 0.25),
+        GridPoint("prior", Policy(route_bias=0.3), 0.25),
+    ]
+    df = simulate(traces["eval"], K, grid, lookahead=traces["look"]).filter(pl.col("layer") == -1)
+    bound = dict(zip(df["policy"], df["belady_hit_rate"], strict=True))
+    assert bound["plain"] is not None and bound["pre"] is None and bound["prior"] is None
+
+
 # ---- analysis part and report section ---------------------------------------------------------
 
 

@@ -91,7 +91,13 @@ def simulate(
             ys[i] = y if y is not None else ys[i]
         A = check_coactivation(g.policy, coactivation, (L, E, E))
         table = A if A is not None else table
-    use_belady = [belady and g.policy.rule == "fetch_all" for g in grid]
+    # the demand-paging bound of fetch_all; with prefetch (not demand paging) or route_bias (whose
+    # selections follow the cache) it bounds nothing, so those rows carry none
+    use_belady = [
+        belady and g.policy.rule == "fetch_all" and g.policy.prefetch == 0
+        and g.policy.route_bias == 0
+        for g in grid
+    ]  # fmt: skip
     total_T = sum(s.shape[0] for s in streams)
     mass = [np.zeros((total_T, L), np.float64) for _ in grid]
     counters = np.zeros((len(grid), L, len(COUNTER_NAMES)), np.int64)

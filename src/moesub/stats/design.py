@@ -142,6 +142,8 @@ def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:
         "est_time_per_token_s": float(r["est_time_per_token_s"]),
         "bound_key": bound_key(p),
         "builtin_belady": _float(r.get("belady_hit_rate")),
+        # the simulator's built-in bound (fetch_all) holds for demand paging of v1's selections
+        "v1_selection": p.prefetch == 0 and p.route_bias == 0,
     }
 
 
@@ -169,7 +171,8 @@ def _with_quality(ds: pd.DataFrame, q: pd.DataFrame) -> pd.DataFrame:
 
 def _with_bounds(ds: pd.DataFrame) -> pd.DataFrame:
     """Each online policy's Belady bound: the simulated `belady` policy with every other field
-    equal, else (fetch_all only) the simulator's built-in bound of the same run."""
+    equal, else (fetch_all without prefetch or route_bias) the simulator's built-in bound of the
+    same run."""
     bounds = {
         (row.fraction, row.bound_key): (row.policy, row.hit_rate)
         for row in ds[ds["bound"]].itertuples()
@@ -179,14 +182,14 @@ def _with_bounds(ds: pd.DataFrame) -> pd.DataFrame:
         name, rate = bounds.get((row.fraction, row.bound_key), (None, math.nan))
         if row.bound:
             name, rate = None, math.nan
-        elif name is None and math.isfinite(row.builtin_belady):
+        elif name is None and math.isfinite(row.builtin_belady) and row.v1_selection:
             name, rate = "(built-in)", row.builtin_belady
         names.append(name)
         rates.append(rate)
     ds["belady_policy"] = names
     ds["belady_hit_rate"] = rates
     ds["belady_gap"] = ds["belady_hit_rate"] - ds["hit_rate"]
-    return ds.drop(columns=["builtin_belady"])
+    return ds.drop(columns=["builtin_belady", "v1_selection"])
 
 
 def best_of(g: pd.DataFrame, budget: float) -> tuple[pd.Series, str]:
