@@ -349,7 +349,7 @@ def test_dry_run_lists_the_design_space_jobs(tmp_path):
     assert {"quality_prefetch", "buddy_quality", "hybrid_015", "cache_prior_0.1"} <= emulated
 
 
-def test_simulate_rule_takes_the_table_only_for_coactivation_policies(tmp_path):
+def test_simulate_and_emulate_take_the_table_only_for_coactivation_policies(tmp_path):
     from test_workflow import copy_workflow, snakemake
 
     wf = copy_workflow(tmp_path / "wf")
@@ -360,5 +360,14 @@ def test_simulate_rule_takes_the_table_only_for_coactivation_policies(tmp_path):
     blocks = run.stdout.split("rule ")
     buddy = next(b for b in blocks if b.startswith("simulate:") and "buddy_quality" in b)
     prefetch = next(b for b in blocks if b.startswith("simulate:") and "prefetch_10/" in b)
+    assert "results/embedded/coactivation.npz" in buddy
+    assert "coactivation.npz" not in prefetch
+    # the emulate rule takes it the same way
+    run = snakemake(wf, "--dry-run", "results/embedded/emulate/buddy_quality/f0.25.parquet",
+                    "results/embedded/emulate/quality_prefetch/f0.25.parquet")  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    blocks = run.stdout.split("rule ")
+    buddy = next(b for b in blocks if b.startswith("emulate:") and "buddy_quality" in b)
+    prefetch = next(b for b in blocks if b.startswith("emulate:") and "quality_prefetch/" in b)
     assert "results/embedded/coactivation.npz" in buddy
     assert "coactivation.npz" not in prefetch

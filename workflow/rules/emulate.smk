@@ -3,6 +3,7 @@
 
 rule emulate:
     input:
+        unpack(coactivation_input),
         model=model_input,
         tokens="results/{model}/capture/eval_tokens.parquet",
         initial_sets="results/{model}/initial_sets.parquet",

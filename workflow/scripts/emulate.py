@@ -15,4 +15,5 @@ run_emulate(
     snakemake.params.fraction,
     snakemake.output[0],
     snakemake.params.emulate,
+    coactivation_path=snakemake.input.get("coactivation"),
 )
