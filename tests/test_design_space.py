@@ -285,6 +285,9 @@ def test_pareto_fronts_and_family_bests(design):
         assert r["frontier"] == (not dominated), name
     assert not ds.loc[ds["bound"], "frontier"].any()  # a bound is never a candidate
     assert ds.loc["cache_prior_0.1", "frontier_mass"] == False  # noqa: E712 (numpy bool)
+    # the simulate-only quality proxy counts rerouted mass with substituted mass
+    assert ds.loc["cache_prior_0.1", "moved_mass_per_token_layer"] == pytest.approx(0.01)
+    assert ds.loc["rule_015_belady", "moved_mass_per_token_layer"] == pytest.approx(0.04)
     assert set(fam.index) == {"study", "host_compute", "prefetch", "cache_prior", "hybrid"}
     assert fam.loc["hybrid", "best_policy"] == "hybrid_015"
     assert fam.loc["hybrid", "best_by"] == "within_quality"

@@ -74,6 +74,7 @@ def design_space_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         Col("misses / token", lambda r: num(r.get("misses_per_token"), "{:.2f}")),
         Col("prefetches / token", lambda r: num(r.get("prefetches_per_token"), "{:.2f}")),
         Col("mass / token-layer", lambda r: num(r.get("mass_per_token_layer"), "{:.4f}")),
+        Col("rerouted / token-layer", lambda r: num(r.get("rerouted_per_token_layer"), "{:.4f}")),
         Col("est. ms / token", lambda r: num(1e3 * float(r["est_time_per_token_s"]), "{:.3f}")),
         Col(f"Δppl % ({ci})", dppl_cell),
         Col("gap to Belady bound (hit rate)", gap_cell),
@@ -166,8 +167,8 @@ def fig_design(fd: FigureData) -> plt.Figure:
         where = f"{model}: " if model else ""
         for ax, y, front, ylabel, what in (
             (a1, "dppl_pct", "frontier", "Δppl % (emulated; lossless = 0)", "quality vs speed"),
-            (a2, "mass_per_token_layer", "frontier_mass", "substituted mass per token-layer",
-             "every simulated policy"),
+            (a2, "moved_mass_per_token_layer", "frontier_mass",
+             "gate mass substituted or rerouted / token-layer", "every simulated policy"),
         ):  # fmt: skip
             pts = g[np.isfinite(g[y].to_numpy(float))]
             if pts.empty:

@@ -376,7 +376,8 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "design_space",
         "Estimated time per token (simulator cost model; prefetches priced as background copies) "
         "vs Δppl % (emulated policies, with their CI; lossless policies at 0 by construction) "
-        "and vs the substituted mass per token-layer (every simulated policy), one colour per "
+        "and vs the gate mass substituted or rerouted per token-layer (every simulated policy), "
+        "one colour per "
         "family; Belady bounds are left out (they need the future). The dashed line joins the "
         "Pareto-optimal policies: the families on it dominate.",
         fig_design,

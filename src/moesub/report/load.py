@@ -130,7 +130,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
         "dppl_pct",
         "dppl_ci_lo",
         "dppl_ci_hi",
-        "mass_per_token_layer",
+        "moved_mass_per_token_layer",
         "frontier",
         "frontier_mass",
         "fraction",

@@ -13,8 +13,9 @@ mass per token-layer, the simulator's estimated time per token (`moesub.cost`: p
 priced as background copies), Δppl % with its interval where emulated (`dppl_source`:
 `emulated`; `exact` for a lossless policy, whose Δppl is 0 by construction; else null), the
 bound's hit rate and the gap, and two Pareto fronts over the candidates of a fraction:
-`frontier` (time vs Δppl, where Δppl is known) and `frontier_mass` (time vs substituted mass:
-the simulate-only proxy for quality, every candidate). `design_families`: per family and
+`frontier` (time vs Δppl, where Δppl is known) and `frontier_mass` (time vs the gate mass
+moved off the router's choice per token-layer, substituted plus rerouted: the simulate-only
+proxy for quality, every candidate). `design_families`: per family and
 fraction, its best policy and how many of the family's policies sit on each front, beside the
 study's `quality` and `speed` policies (`REFERENCES`). The best policy (`best_by`): the fastest
 whose Δppl is known and at most `quality`'s (`within_quality`), else the one with the smallest
@@ -97,7 +98,7 @@ def design_space_part(ctx: Context) -> None:
             cand["est_time_per_token_s"], cand["dppl_pct"]
         )
         ds.loc[cand.index, "frontier_mass"] = pareto_front(
-            cand["est_time_per_token_s"], cand["mass_per_token_layer"]
+            cand["est_time_per_token_s"], cand["moved_mass_per_token_layer"]
         )
     ds = ds.sort_values(["fraction", "family", "est_time_per_token_s", "policy"], ignore_index=True)
     ctx.tables["design_space"] = ds.drop(columns=["bound_key"])
@@ -139,6 +140,8 @@ def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:
         "host_per_token": per_token("host"),
         "mass_per_token_layer": float(r["mass_mean"]),
         "rerouted_per_token_layer": _float(r.get("rerouted_mean"), 0.0),
+        # what the simulator sees of a quality loss: gate mass substituted or rerouted
+        "moved_mass_per_token_layer": float(r["mass_mean"]) + _float(r.get("rerouted_mean"), 0.0),
         "est_time_per_token_s": float(r["est_time_per_token_s"]),
         "bound_key": bound_key(p),
         "builtin_belady": _float(r.get("belady_hit_rate")),
