@@ -1,12 +1,16 @@
 """Real-size engine benchmark: time per token of the study's policies, as ratios, in ONE run.
 
 Qwen3-Next-80B-A3B expert shapes (hidden 2048, expert width 512, 512 experts per layer, top-10,
-bf16 = 6 MiB per expert), random weights, synthetic router decisions (`moesub.synthetic`),
+bf16 = 6 MiB per expert), random weights, the embedded model's captured router trace mapped
+onto the benchmark's layers (`--routing trace`, `moesub.engine.bench_inputs`; the pipeline's
+`results/embedded/capture/` by default) or synthetic router decisions (`--routing synthetic`),
 C = 25% = 128 slots per layer, `--layers` MoE layers. On `--device cpu` the slow tier is an
 expert file on disk read with O_DIRECT (the page cache bypassed) and the fast tier RAM; on
 `--device cuda` pinned host memory and the GPU. Prints the table (speedups of every policy vs
-fetch_every_miss and vs host_compute, measured in the same run), the measured link bandwidth and
-the simulator cost model's error; writes the Parquet table to `--out`.
+fetch_every_miss and vs host_compute, measured in the same run), the measured link bandwidth, the
+cost model fitted to this run's calibration runs and its error against every policy's time per
+token (median over the interleaved rounds), and the machine's load; writes the Parquet table to
+`--out`.
 
     PYTHONPATH=src python benchmarks/bench_engine.py [--device cpu --layers 2 --tokens 256]
     python benchmarks/bench_engine.py --quick   # small shapes, seconds: a smoke run
@@ -33,7 +37,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256, help="measured tokens per policy and round")
     ap.add_argument("--warmup", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--routing", choices=["trace", "synthetic"], default="trace")
+    ap.add_argument("--trace-dir", default="results/embedded/capture", help="capture directory")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/engine_bench.parquet"))
     ap.add_argument("--store", type=Path, default=None, help="expert file (default beside --out)")
@@ -54,6 +60,8 @@ def main() -> None:
         "tokens": args.tokens,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "routing": "synthetic" if args.quick else args.routing,
+        "trace_dir": args.trace_dir,
         "threads": args.threads,
         "store_path": str(store),
         "progress": not args.quiet,
@@ -83,15 +91,20 @@ def main() -> None:
             f"{meta['disk_read_latency_s'] * 1e6:.0f} us"
         )
     cost = meta["cost_model"]
+    print(f"routing: {meta['routing']}")
     print(
-        f"cost model: link {cost['link_bandwidth_Bps'] / 1e9:.2f} GB/s, latency "
+        f"cost model (fitted on {meta['cost_fit']['kept']} calibration tokens): link "
+        f"{cost['link_bandwidth_Bps'] / 1e9:.2f} GB/s, latency "
         f"{cost['transfer_latency_s'] * 1e6:.0f} us, expert compute "
         f"{cost['expert_compute_s'] * 1e6:.0f} us, host expert "
         f"{cost['host_expert_compute_s'] * 1e6:.0f} us, dense/layer "
-        f"{cost['dense_layer_s'] * 1e6:.0f} us"
+        f"{cost['dense_layer_s'] * 1e6:.0f} us, per token {cost['token_overhead_s'] * 1e6:.0f} "
+        f"us, background copy overlap {cost['background_overlap']:.2f}, install "
+        f"{cost['install_s'] * 1e6:.0f} us"
     )
+    print(f"load average (1, 5, 15 min): {meta['load_avg_start']} -> {meta['load_avg_end']}")
     cols = [
-        "policy", "time_per_token_median_s", "time_per_token_p90_s", "fetch_wait_s",
+        "policy", "time_per_token_median_s", "time_per_token_run_median_s", "fetch_wait_s",
         "hit_rate", "sub_rate", "speedup_vs_fetch_every_miss", "speedup_vs_host_compute",
         "syncs_per_token", "admit_latency_tokens", "est_time_per_token_s", "sim_rel_error",
     ]  # fmt: skip

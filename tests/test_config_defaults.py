@@ -31,7 +31,7 @@ SECTIONS = [
         {"fraction", "resident", "seed", "max_streams", "dtype", "device", "designs"},
     ),  # fmt: skip
     ("engine", "moesub.engine:EngineParams", {"devices", "policies", "bench"}),
-    ("engine.bench", "moesub.engine:BenchParams", {"enabled", "policies"}),
+    ("engine.bench", "moesub.engine:BenchParams", {"enabled", "policies", "trace_model"}),
     ("generate", "moesub.generate:GenerateParams", {"tasks", "policies"}),
     ("generate.tasks.gsm8k", "moesub.generate:GenerateParams", {"path"}),
     ("generate.tasks.humaneval", "moesub.generate:GenerateParams", {"path"}),

@@ -78,14 +78,14 @@ def test_cost_model_prices_counts():
         expert_compute_s=1e-4,
         host_expert_compute_s=1e-2,
         dense_layer_s=1e-3,
-        background_shares_link=True,
+        background_overlap=0.0,
     )
     counts = dict(tokens=20, hit=30, fetch=5, sub=4, host=1, forced=0, admissions=2)
     # per token over 2 layers (10 tokens): dense 2e-3; 39 computed calls -> 3.9e-4;
     # 1 host call -> 1e-3; 5 fetches x 2e-3 -> 1e-3; 2 admissions x 1e-3 -> 2e-4
     expected = 2e-3 + 3.9e-4 + 1e-3 + 1e-3 + 2e-4
     assert cost.time_per_token(counts, 2) == pytest.approx(expected)
-    no_share = CostModel(**{**cost.__dict__, "background_shares_link": False})
+    no_share = CostModel(**{**cost.__dict__, "background_overlap": 1.0})
     assert no_share.time_per_token(counts, 2) == pytest.approx(expected - 2e-4)
 
 

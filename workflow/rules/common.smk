@@ -162,12 +162,42 @@ def engine_params(wildcards):
     return canonical(params)
 
 
-def bench_params(wildcards):
-    """The real-size benchmark's settings, with the dicts of the policies it times."""
+def bench_trace_model():
+    """The model whose captured router trace the benchmark replays (None: synthetic routing)."""
     bench = config["engine"]["bench"]
-    params = {k: v for k, v in bench.items() if k not in ("enabled", "policies")}
+    if bench["routing"] != "trace":
+        return None
+    name = bench.get("trace_model") or (EMBEDDED_MODELS[0] if EMBEDDED_MODELS else None)
+    if name not in MODELS:
+        raise ValueError(
+            f"engine.bench.routing=trace: engine.bench.trace_model={name!r} is not in models "
+            f"{MODELS} (null picks the first embedded model; or use routing: synthetic)"
+        )
+    return name
+
+
+def bench_inputs(wildcards):
+    """The trace model's calibration and evaluation router traces (routing=trace)."""
+    name = bench_trace_model()
+    if name is None:
+        return {}
+    return {
+        "calib_router": f"results/{name}/capture/calib_router.parquet",
+        "eval_router": f"results/{name}/capture/eval_router.parquet",
+    }
+
+
+def bench_params(wildcards):
+    """The real-size benchmark's settings, with the dicts of the policies it times and the
+    capture directory of its trace."""
+    bench = config["engine"]["bench"]
+    skip = ("enabled", "policies", "trace_model")  # the workflow's keys
+    params = {k: v for k, v in bench.items() if k not in skip}
     if BENCH_POLICIES is not None:
         params["policies"] = {name: policy_dict(name) for name in BENCH_POLICIES}
+    name = bench_trace_model()
+    if name is not None:
+        params["trace_dir"] = f"results/{name}/capture"
     return canonical(params)
 
 

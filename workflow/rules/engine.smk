@@ -1,5 +1,6 @@
 # Stage 5 (engine): the real offloading engine. Cost-model calibration, per-policy runs on the
-# model's evaluation streams, and the real-expert-size benchmark. profiles/slurm sends these
+# model's evaluation streams, and the real-expert-size benchmark (replaying a captured router
+# trace, engine.bench.trace_model's, or synthetic routing). profiles/slurm sends these
 # jobs to the GPU partition.
 
 
@@ -47,6 +48,8 @@ rule engine:
 
 
 rule engine_bench:
+    input:
+        unpack(bench_inputs),
     output:
         "results/engine_bench/{device}.parquet",
     log:

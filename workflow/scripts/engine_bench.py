@@ -1,4 +1,5 @@
-"""Rule engine_bench: the engine at real expert sizes, synthetic routing (moesub.engine)."""
+"""Rule engine_bench: the engine at real expert sizes, captured or synthetic routing
+(moesub.engine.bench)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
 from moesub.engine.bench import run_benchmark

@@ -16,7 +16,10 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
 - `stage`: `run_engine` (the pipeline stage: NLL and time per token) and `summarize_engine`.
 - `calibrate`: `calibrate`, the simulator's cost-model figures measured on this machine.
-- `bench`: `run_benchmark`, real expert sizes driven by synthetic routing.
+- `bench_inputs`: the benchmark's router logits (a captured trace mapped onto its shape, or
+  synthetic), its initial set, random experts and resource checks.
+- `bench`: `run_benchmark`, real expert sizes driven by a router trace, the cost model fitted
+  and validated in the same run.
 """
 
 from moesub.engine.bench import BenchParams, run_benchmark

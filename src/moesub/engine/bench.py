@@ -2,16 +2,21 @@
 
 Experts of a real model's shapes (default Qwen3-Next-80B-A3B: H=2048, expert width 512, E=512,
 top-10, bf16 = 6 MiB per expert) with random weights, for a configurable number of layers, are
-driven by synthetic router decisions (`moesub.synthetic`) through the same engine as the model
+driven by a captured router trace mapped onto the benchmark's layers and experts, or by
+synthetic router decisions (`moesub.engine.bench_routing`) through the same engine as the model
 decode loop (`OffloadEngine`: policy core, real synchronous copies, background admissions,
 grouped compute from the slots). Per layer a real-size router matmul runs on the fast device and
 its result is brought back to the host (the synchronization a real router imposes) before the
 core decides from the synthetic logits; attention and the shared expert are not modelled.
 
-Every policy runs in ONE process over the same trace from the same frequency-initial resident
-set, one after the other; the output holds one row per policy with time per token and its
-ratios to `fetch_every_miss` and `host_compute`, and the simulator's cost-model prediction
-(calibrated in the same run) with its relative error.
+Every policy runs in ONE process over the same tokens from the same frequency-initial resident
+set, in `rounds` interleaved with the cost model's calibration runs (other tokens, mechanism
+policies: all hits, every miss fetched, host compute, background admissions), so that the
+machine's load hits all alike. The cost model is fitted to the calibration runs
+(`moesub.engine.calibrate.fit_token_costs`) and prices every policy's counters; `sim_rel_error`
+compares it with the engine's time per token (the median over rounds of each run's mean). The
+output holds one row per policy with time per token and its ratios to `fetch_every_miss` and
+`host_compute`, and the simulator's prediction with its relative error.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.config import check_options, schema_defaults
+from moesub.engine.bench_inputs import bench_logits, check_resources, frequency_initial, random_fill
 from moesub.engine.calibrate import (
-    cost_dict,
+    TokenCounts,
+    cost_from_fit,
+    fit_token_costs,
     measure_expert_compute,
-    measure_host_compute,
+    measure_install,
     measure_link,
     predicted_time_per_token,
     timeit,
@@ -59,6 +67,13 @@ BENCH_POLICIES: dict[str, dict[str, Any]] = {
     **{name: STUDY_POLICIES[name] for name in _FROM_STUDY},
     ALL_RESIDENT: {"rule": "fetch_all"},
 }
+# the cost model's calibration runs: one mechanism each (hits only are run separately)
+CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
+    "cal_fetch": {"rule": "fetch_all", "eviction": "lru"},
+    "cal_host": {"rule": "host_compute", "eviction": "lru"},
+    "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+}
+CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
 
 
 _DEFAULTS = schema_defaults("engine.bench")  # workflow/schemas/config.schema.yaml
@@ -79,7 +94,10 @@ class BenchParams:
     tokens: int = _DEFAULTS["tokens"]  # measured tokens per policy
     # tokens run before measuring (cache state evolves, time not recorded)
     warmup: int = _DEFAULTS["warmup"]
-    rounds: int = 2  # every policy runs `rounds` times over the trace (order varied per round)
+    # every policy runs `rounds` times over its tokens (order varied per round)
+    rounds: int = _DEFAULTS["rounds"]
+    routing: str = _DEFAULTS["routing"]  # "trace" (a capture, `trace_dir`) or "synthetic"
+    trace_dir: str | None = None  # capture directory of the trace (routing="trace")
     # synthetic tokens the frequency-initial set is counted on
     calib_tokens: int = _DEFAULTS["calib_tokens"]
     seed: int = _DEFAULTS["seed"]
@@ -96,7 +114,10 @@ class BenchParams:
         # `policies` here are policy dicts; in the config, a list of names (the workflow maps it)
         options = {k: v for k, v in (params or {}).items() if k != "policies"}
         check_options(options, "engine.bench", "engine-bench")
-        for name in ("rounds", "threads"):  # the library-only options (not config keys)
+        options.pop("trace_dir", None)  # set by the workflow from the trace model
+        if p.routing == "trace" and not p.trace_dir:
+            raise ValueError("params.routing='trace' needs params.trace_dir (a capture directory)")
+        for name in ("threads",):  # the library-only options (not config keys)
             v = getattr(p, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"params.{name}={v!r} must be a positive integer")
@@ -113,6 +134,11 @@ class BenchParams:
         return p
 
     @property
+    def calibration_tokens(self) -> int:
+        """Measured tokens of each calibration run (half the validation runs', at least 64)."""
+        return max(64, self.tokens // 2)
+
+    @property
     def capacity(self) -> int:
         return capacity_for(self.fraction, self.num_experts)
 
@@ -127,24 +153,6 @@ class BenchParams:
         )
 
 
-def frequency_initial(logits: np.ndarray, k: int, capacity: int) -> np.ndarray:
-    """(L, C): per layer the C experts most often in the top-k of `logits` (T, L, E), ties to
-    the lower id (the capture stage's frequency-initial rule)."""
-    from moesub.artefacts import frequency_sets, topk_mask
-
-    return frequency_sets(topk_mask(logits, k).sum(axis=0), capacity)
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
@@ -157,7 +165,7 @@ class _Run:
     bytes_sync: np.ndarray
     bytes_bg: np.ndarray
     counts: np.ndarray  # (T, 5)
-    admissions: int
+    admissions: np.ndarray  # (T,) admission requests per token
     syncs: np.ndarray  # (T,) host waits for the device per token
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
@@ -172,16 +180,19 @@ def _run_policy(
     warmup: int,
     desc: str,
     progress: bool,
+    layers: int | None = None,
 ) -> _Run:
-    """Drive the engine over `trace` (T, L, E); the first `warmup` tokens are not recorded."""
+    """Drive the engine over `trace` (T, L, E) (its first `layers` layers, default all); the
+    first `warmup` tokens are not recorded."""
     engine.reset()
     T, L, _E = trace.shape
+    L = layers or L
     n = T - warmup
     wall, wait = np.zeros(n), np.zeros(n)
     bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
     counts = np.zeros((n, 5), np.int64)
-    syncs = np.zeros(n, np.int64)
-    admissions = admitted = admit_latency = 0
+    syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    admitted = admit_latency = 0
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
         t0 = time.perf_counter()
         engine.begin_token()
@@ -206,27 +217,12 @@ def _run_policy(
             wall[i], wait[i] = dt, st.fetch_wait_s
             bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
             counts[i], syncs[i] = st.counts, st.syncs
-            admissions += st.admissions
+            admissions[i] = st.admissions
             admitted += st.admitted
             admit_latency += st.admit_latency
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
     return _Run(wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency)
-
-
-def _random_fill(lay: StoreLayout, seed: int, dev: torch.device):
-    """`HostExperts` fill: a layer of random experts made on `dev`, written into its (pinned)
-    host buffers 64 experts at a time."""
-
-    def fill(layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        g = torch.Generator(device=dev).manual_seed(seed + layer)
-        for host, fan_in in ((gate_up, lay.hidden), (down, lay.width)):
-            for e in range(0, lay.num_experts, 64):
-                shape = (min(64, lay.num_experts - e), *host.shape[1:])
-                part = torch.randn(shape, generator=g, device=dev) * fan_in**-0.5
-                host[e : e + shape[0]].copy_(part.to(lay.torch_dtype))
-
-    return fill
 
 
 def _concat_runs(runs: list[_Run]) -> _Run:
@@ -236,19 +232,32 @@ def _concat_runs(runs: list[_Run]) -> _Run:
         bytes_sync=np.concatenate([r.bytes_sync for r in runs]),
         bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
         counts=np.concatenate([r.counts for r in runs]),
-        admissions=sum(r.admissions for r in runs),
+        admissions=np.concatenate([r.admissions for r in runs]),
         syncs=np.concatenate([r.syncs for r in runs]),
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
     )
 
 
-def _calibrate_bench(tier, store, trace, initial, router_w, h0, p: BenchParams, info) -> dict:
-    """The simulator's cost-model figures measured on this tier (as `calibrate` does for a
-    model). `dense_layer_s` is everything a layer costs besides expert compute and copies
-    (router, norm, the policy core step, Python): measured on an all-hit pass over the trace
-    restricted to the resident experts, minus k expert computations."""
-    k, L = p.top_k, p.layers
+def _hits_only(logits: np.ndarray, initial: np.ndarray) -> np.ndarray:
+    """`logits` (T, L, E) with every expert outside the layer's resident set `initial` (L, C)
+    pushed down so far that it is never selected: a fetch_all run is then all hits."""
+    out = logits.copy()
+    for layer in range(out.shape[1]):
+        mask = np.ones(out.shape[2], bool)
+        mask[initial[layer]] = False
+        out[:, layer, mask] -= 1e4
+    return out
+
+
+def _token_counts(r: _Run) -> TokenCounts:
+    c = r.counts  # hit, fetch, sub, host, forced
+    return TokenCounts(r.wall_s, c[:, 1] + c[:, 4], c[:, 3], r.admissions)
+
+
+def _microbenchmarks(tier, store, router_w, h0, p: BenchParams, info: dict) -> dict[str, float]:
+    """The terms timed in isolation: link latency, expert compute, install, the router's part
+    of a layer (the fit's constant is split with them, `cost_from_fit`)."""
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(
@@ -256,24 +265,30 @@ def _calibrate_bench(tier, store, trace, initial, router_w, h0, p: BenchParams, 
             store_mode=bw.mode,
         )  # fmt: skip
     link_bw, link_lat = measure_link(tier, seed=p.seed)
-    expert_s = measure_expert_compute(tier, k, seed=p.seed)
-    host_s = measure_host_compute(tier, k, seed=p.seed)
-    n = min(trace.shape[0], 48)
-    hits_only = trace[:n].copy()  # (n, L, E): non-resident experts can never be selected
-    for layer in range(L):
-        mask = np.ones(p.num_experts, bool)
-        mask[initial[layer]] = False
-        hits_only[:, layer, mask] -= 1e4
-    engine = OffloadEngine(
-        tier, p.num_experts, k, initial.shape[1], Policy(rule="fetch_all"), initial, tier.act
-    )
-    run = _run_policy(engine, hits_only, router_w, h0, min(8, n // 2), "calibrate", False)
-    if run.counts[:, 0].sum() != run.counts.sum():
-        raise RuntimeError("calibration pass: expected only hits")
-    raw_dense = _dense_layer_s(router_w[0], h0, tier.synchronize)
-    dense = max(float(np.median(run.wall_s)) / L - k * expert_s, raw_dense)
-    info.update(dense_layer_raw_s=raw_dense)
-    return cost_dict(link_bw, link_lat, p.layout().expert_bytes, expert_s, host_s, dense)
+    micro = {
+        "link_bandwidth_Bps": link_bw,
+        "transfer_latency_s": link_lat,
+        "expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed),
+        "install_s": measure_install(tier),
+        "dense_layer_raw_s": _dense_layer_s(router_w[0], h0, tier.synchronize),
+    }
+    info["microbenchmarks"] = micro
+    return micro
+
+
+def _fit_cost(cal: dict[str, list[_Run]], micro: dict, p: BenchParams, info: dict) -> dict:
+    """The cost model fitted to the calibration runs (`fit_token_costs`, `cost_from_fit`)."""
+    runs = [_token_counts(r) for name in (CAL_HITS, *CALIBRATION_POLICIES) for r in cal[name]]
+    fit = fit_token_costs(TokenCounts.concat(runs))
+    one = cal[CAL_HITS_ONE_LAYER]
+    one_layer_s = float(np.median([np.median(r.wall_s) for r in one])) if one else None
+    info["cost_fit"] = {**fit, "one_layer_s": one_layer_s}
+    return cost_from_fit(
+        fit, layers=p.layers, k=p.top_k, expert_bytes=p.layout().expert_bytes,
+        expert_compute_s=micro["expert_compute_s"],
+        transfer_latency_s=micro["transfer_latency_s"], install_s=micro["install_s"],
+        one_layer_s=one_layer_s, dense_floor_s=micro["dense_layer_raw_s"],
+    )  # fmt: skip
 
 
 def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 20) -> float:
@@ -285,6 +300,16 @@ def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 2
     return timeit(one, sync, reps)
 
 
+def _round_order(names: list[str], rounds: int) -> list[str]:
+    """Every name once per round; the order rotates every round and is reversed every other
+    round, so that drift in the machine's load does not favour one."""
+    order = []
+    for r in range(rounds):
+        rot = names[r % len(names) :] + names[: r % len(names)]
+        order += rot if r % 2 == 0 else rot[::-1]
+    return order
+
+
 def run_benchmark(
     params: Mapping[str, Any] | None, device: str, out_path: str | os.PathLike
 ) -> pl.DataFrame:
@@ -293,13 +318,14 @@ def run_benchmark(
     Writes one row per policy (`policy, device, tier, layers, tokens, time_per_token_median_s,
     time_per_token_p90_s, fetch_wait_s, bytes_sync, bytes_bg, hit_rate, sub_rate,
     speedup_vs_fetch_every_miss, speedup_vs_host_compute`, plus `time_per_token_mean_s,
-    syncs_per_token, admit_latency_tokens, est_time_per_token_s, sim_rel_error`) to `out_path`
-    atomically and returns the table. `fetch_wait_s`, `bytes_sync`, `bytes_bg` are means per
-    token; `admit_latency_tokens` is the mean number of tokens from an admission's request to
-    its install.
+    time_per_token_run_median_s, syncs_per_token, admit_latency_tokens, est_time_per_token_s,
+    sim_rel_error`) to `out_path` atomically and returns the table. `fetch_wait_s`,
+    `bytes_sync`, `bytes_bg` are means per token; `admit_latency_tokens` is the mean number of
+    tokens from an admission's request to its install; `time_per_token_run_median_s` is the
+    median over rounds of each run's mean time per token, which `est_time_per_token_s` (the
+    cost model fitted in this run, priced on the policy's counters) is compared with:
+    `sim_rel_error = (est - run median) / run median`.
     """
-    from moesub.synthetic import synthetic_logits
-
     p = BenchParams.from_dict(params)
     dev = require_cuda(device)
     if p.threads:
@@ -307,27 +333,11 @@ def run_benchmark(
     lay = p.layout()
     C, k, E, L = p.capacity, p.top_k, p.num_experts, p.layers
     out_path = Path(out_path)
-    # memory checks before any work: slots (C) and, for all_resident, all E experts per layer
-    need_ram = L * lay.expert_bytes * (E if ALL_RESIDENT in p.policies else C)
-    if dev.type == "cuda":
-        need_ram = L * E * lay.expert_bytes  # pinned host copy of every expert
-    avail = _mem_available()
-    if avail is not None and need_ram > 0.8 * avail:
-        raise ValueError(
-            f"params.layers={L}: the benchmark needs ~{need_ram / 2**30:.1f} GiB of host memory, "
-            f"only {avail / 2**30:.1f} GiB available; use fewer layers"
-        )
-    store_path = Path(p.store_path) if p.store_path else out_path.parent / "bench_experts.bin"
-    if dev.type == "cpu":
-        store_path.parent.mkdir(parents=True, exist_ok=True)
-        free = os.statvfs(store_path.parent)
-        free_b = free.f_bavail * free.f_frsize
-        have = store_path.stat().st_size if store_path.is_file() else 0
-        if lay.file_bytes - have > 0.9 * free_b:
-            raise ValueError(
-                f"params.layers={L}: the expert file needs {lay.file_bytes / 2**30:.1f} GiB, "
-                f"{free_b / 2**30:.1f} GiB free at {store_path.parent}"
-            )
+    store_path = check_resources(p, dev, out_path)
+    logits = bench_logits(
+        p.routing, L, E, p.calib_tokens, p.warmup + p.tokens, p.warmup + p.calibration_tokens,
+        p.seed, p.trace_dir,
+    )  # fmt: skip
     store = None
     if dev.type == "cpu":
         store = open_or_write_store(
@@ -341,32 +351,27 @@ def run_benchmark(
         for _ in range(L)
     ]
     h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
-    trace_all = synthetic_logits(p.calib_tokens + p.warmup + p.tokens, L, E, seed=p.seed)
-    initial = frequency_initial(trace_all[: p.calib_tokens], k, C)
-    trace = np.ascontiguousarray(trace_all[p.calib_tokens :])
+    initial = frequency_initial(logits.initial, k, C)
+    hits = _hits_only(logits.calibration, initial)
     act = torch.nn.functional.silu
     host = None
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
-        host = HostExperts(None, layout=lay, fill=_random_fill(lay, p.seed, dev))
+        host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
 
     def make_tier(capacity: int):
         if dev.type == "cpu":
             return DiskTier(store, capacity, k, act, p.staging_buffers)
         return CudaTier(host, capacity, dev, act, p.staging_buffers)
 
-    # policies in rounds; the order rotates every round and is reversed every other round, so
-    # that drift in the machine's load does not favour a policy; one tier at a time (C slots per
-    # layer, or E for all_resident)
-    names = list(p.policies)
-    order = []
-    for r in range(p.rounds):
-        rot = names[r % len(names) :] + names[: r % len(names)]
-        order += rot if r % 2 == 0 else rot[::-1]
-    info: dict[str, Any] = {}
-    parts: dict[str, list[_Run]] = {n: [] for n in names}
-    tier, tier_cap, cost, description, engine = None, 0, None, "", None
+    # the policies and the calibration runs in interleaved rounds; one tier at a time (C slots
+    # per layer, or E for all_resident)
+    cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
+    order = _round_order(list(p.policies) + cal_names, p.rounds)
+    info: dict[str, Any] = {"routing": logits.source, "load_avg_start": os.getloadavg()}
+    parts: dict[str, list[_Run]] = {n: [] for n in [*p.policies, *cal_names, CAL_HITS_ONE_LAYER]}
+    tier, tier_cap, description, engine, micro = None, 0, "", None, None
     try:
-        for name in [None, *order]:  # None: the calibration pass, first
+        for name in order:
             cap = E if name == ALL_RESIDENT else C
             if tier is None or tier_cap != cap:
                 if tier is not None:
@@ -375,21 +380,37 @@ def run_benchmark(
                     gc.collect()
                 tier, tier_cap = make_tier(cap), cap
                 description = description or tier.description
-            if name is None:
-                cost = _calibrate_bench(tier, store, trace, initial, router_w, h0, p, info)
-                continue
+            if micro is None and cap == C:
+                micro = _microbenchmarks(tier, store, router_w, h0, p, info)
+            trace, init, layers, warmup = logits.validation, initial, None, p.warmup
             if name == ALL_RESIDENT:
                 pol, init = Policy(rule="fetch_all"), np.tile(np.arange(E, dtype=np.int32), (L, 1))
+            elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
+                pol, trace = Policy(rule="fetch_all"), hits
+                layers = 1 if name == CAL_HITS_ONE_LAYER else None
+            elif name in CALIBRATION_POLICIES:
+                pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), logits.calibration
             else:
-                pol, init = Policy.from_dict(dict(p.policies[name])), initial
+                pol = Policy.from_dict(dict(p.policies[name]))
             engine = OffloadEngine(tier, E, k, cap, pol, init, act)
-            parts[name].append(_run_policy(engine, trace, router_w, h0, p.warmup, name, p.progress))
+            show = p.progress and not name.startswith("cal_")
+            run = _run_policy(engine, trace, router_w, h0, warmup, name, show, layers)
+            all_hits = run.counts[:, 0].sum() == run.counts.sum()
+            if (layers is not None or trace is hits) and not all_hits:
+                raise RuntimeError(f"calibration run {name}: expected only hits")
+            parts[name].append(run)
+        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
+            tier.close()
+            tier = make_tier(C)
+            micro = _microbenchmarks(tier, store, router_w, h0, p, info)
     finally:
         if tier is not None:
             tier.close()
         if store is not None:
             store.close()
-    runs = {n: _concat_runs(rs) for n, rs in parts.items()}
+    info["load_avg_end"] = os.getloadavg()
+    cost = _fit_cost(parts, micro, p, info)
+    runs = {n: _concat_runs(parts[n]) for n in p.policies}
 
     rows = []
     for name, r in runs.items():
@@ -398,10 +419,11 @@ def run_benchmark(
         counts = {
             "tokens": len(r.wall_s) * L,
             "hit": c[0], "fetch": c[1], "sub": c[2], "host": c[3], "forced": c[4],
-            "admissions": r.admissions,
+            "admissions": int(r.admissions.sum()),
         }  # fmt: skip
         est = predicted_time_per_token(cost, counts, L)
         mean = float(r.wall_s.mean())
+        run_median = float(np.median([run.wall_s.mean() for run in parts[name]]))
         rows.append(
             {
                 "policy": name,
@@ -412,6 +434,7 @@ def run_benchmark(
                 "time_per_token_median_s": float(np.median(r.wall_s)),
                 "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
                 "time_per_token_mean_s": mean,
+                "time_per_token_run_median_s": run_median,
                 "fetch_wait_s": float(r.fetch_wait_s.mean()),
                 "bytes_sync": float(r.bytes_sync.mean()),
                 "bytes_bg": float(r.bytes_bg.mean()),
@@ -420,7 +443,7 @@ def run_benchmark(
                 "syncs_per_token": float(r.syncs.mean()),
                 "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
                 "est_time_per_token_s": float(est),
-                "sim_rel_error": float((est - mean) / mean),
+                "sim_rel_error": float((est - run_median) / run_median),
             }
         )
     from moesub.metrics import speedup  # the project's one speedup
@@ -442,8 +465,8 @@ def run_benchmark(
         "cost_model": cost,
         "threads": torch.get_num_threads(),
         "note": "routed experts + real-size router only (no attention / shared expert); "
-        "synthetic routing (moesub.synthetic); est_time_per_token_s = simulator cost model "
-        "calibrated in this run, sim_rel_error = (est - measured mean) / measured mean",
+        "est_time_per_token_s = the cost model fitted to this run's calibration runs (other "
+        "tokens), sim_rel_error = (est - time_per_token_run_median_s) / the same",
         **info,
     }
     write_parquet(out, out_path, metadata=meta)

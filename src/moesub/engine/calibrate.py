@@ -1,23 +1,30 @@
 """Cost-model calibration: measure the running machine's link and compute costs.
 
-Writes the JSON that `moesub.cost.CostModel.from_json` reads (exactly its keys):
-`link_bandwidth_Bps, transfer_latency_s, expert_bytes, expert_compute_s, host_expert_compute_s,
-dense_layer_s, background_shares_link`. On the disk->RAM tier the "link" is the disk read path
-(page cache bypassed) and `host_expert_compute_s` includes the fresh disk read each host miss
-costs there; on CUDA the link is pinned host -> GPU memory.
+Writes the JSON that `moesub.cost.CostModel.from_json` reads (exactly its fields). On the
+disk->RAM tier the "link" is the disk read path (page cache bypassed) and
+`host_expert_compute_s` includes the fresh disk read each host miss costs there; on CUDA the
+link is pinned host -> GPU memory.
+
+Two ways: `calibrate` (a model) times each term in isolation (microbenchmarks); the real-size
+benchmark (`moesub.engine.bench`) fits the terms to timed engine runs (`fit_token_costs`:
+least squares of every token's wall time on its counters, over calibration runs made for the
+purpose on tokens the validation runs do not use) and splits the fitted constant with
+microbenchmarks (`cost_from_fit`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from moesub.cost import CostModel
 from moesub.engine.adapter import EngineSetup, build_engine_model
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.decode import step
@@ -27,15 +34,7 @@ from moesub.engine.store import measure_read_bandwidth
 from moesub.engine.tiers import DiskTier
 from moesub.io import write_json
 
-COST_KEYS = (
-    "link_bandwidth_Bps",
-    "transfer_latency_s",
-    "expert_bytes",
-    "expert_compute_s",
-    "host_expert_compute_s",
-    "dense_layer_s",
-    "background_shares_link",
-)
+COST_KEYS = tuple(f.name for f in fields(CostModel))
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -127,6 +126,20 @@ def time_dense_layer(setup: EngineSetup, tokens: int = 32, seed: int = 0) -> flo
     return float(np.median(times)) / setup.info.num_layers
 
 
+def measure_install(tier, reps: int = 10) -> float:
+    """Seconds to install one landed background copy on the fast tier (slot-to-slot copy of an
+    expert; on the disk tier the staging buffer -> slot memcpy the main thread does)."""
+    s = tier.slots[0]
+    if s.capacity < 2:
+        return 0.0
+
+    def run() -> None:
+        s.gate_up[0].copy_(s.gate_up[1])
+        s.down[0].copy_(s.down[1])
+
+    return timeit(run, tier.synchronize, reps)
+
+
 def cost_dict(
     link_bandwidth_Bps: float,
     transfer_latency_s: float,
@@ -134,21 +147,29 @@ def cost_dict(
     expert_compute_s: float,
     host_expert_compute_s: float,
     dense_layer_s: float,
+    token_overhead_s: float = 0.0,
+    background_overlap: float = 0.0,
+    install_s: float = 0.0,
 ) -> dict[str, Any]:
-    return {
+    """The cost-model JSON (every `CostModel` field, checked by building one)."""
+    d = {
         "link_bandwidth_Bps": float(link_bandwidth_Bps),
         "transfer_latency_s": float(transfer_latency_s),
         "expert_bytes": float(expert_bytes),
         "expert_compute_s": float(expert_compute_s),
         "host_expert_compute_s": float(host_expert_compute_s),
         "dense_layer_s": float(dense_layer_s),
-        # admissions (background reads / side-stream copies) use the same disk / PCIe link
-        "background_shares_link": True,
+        "token_overhead_s": float(token_overhead_s),
+        "background_overlap": float(background_overlap),
+        "install_s": float(install_s),
     }
+    CostModel(**d)
+    return d
 
 
 def measure_tier_costs(tier, k: int, expert_bytes: int, dense_layer_s: float) -> dict[str, Any]:
-    """All cost-model figures measurable on a tier (dense time given by the caller)."""
+    """All cost-model figures measurable on a tier in isolation (dense time given by the caller;
+    background copies counted as not hidden: no overlap measured here)."""
     bw, lat = measure_link(tier)
     return cost_dict(
         bw,
@@ -157,13 +178,102 @@ def measure_tier_costs(tier, k: int, expert_bytes: int, dense_layer_s: float) ->
         measure_expert_compute(tier, k),
         measure_host_compute(tier, k),
         dense_layer_s,
+        install_s=measure_install(tier),
     )
+
+
+# ------------------------------------------------------------------- fitted to engine runs
+FIT_TERMS = ("constant", "sync_copies", "host", "background")
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """Timed tokens of engine runs: wall seconds and counters per token (all layers)."""
+
+    wall_s: np.ndarray  # (n,)
+    sync_copies: np.ndarray  # fetched + forced experts
+    host: np.ndarray  # experts computed by the host
+    background: np.ndarray  # background copies requested (admissions, prefetches)
+
+    @classmethod
+    def concat(cls, parts: Sequence[TokenCounts]) -> TokenCounts:
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+    def design(self) -> np.ndarray:
+        """(n, 4) regressors in `FIT_TERMS` order."""
+        n = len(self.wall_s)
+        cols = (np.ones(n), self.sync_copies, self.host, self.background)
+        return np.stack([np.asarray(c, float) for c in cols], axis=1)
+
+
+def fit_token_costs(tokens: TokenCounts, cut: float = 6.0, rounds: int = 4) -> dict[str, Any]:
+    """Least squares of per-token wall time on the counters, `FIT_TERMS` order: seconds per token
+    (constant) and per synchronous copy, host-computed expert and background copy. Tokens whose
+    residual is beyond `cut` robust standard deviations (another process took the CPU) are left
+    out, iteratively. A term whose counter is always zero is fitted as 0. Returns the
+    coefficients and the number of tokens kept."""
+    X, y = tokens.design(), np.asarray(tokens.wall_s, float)
+    if len(y) < len(FIT_TERMS):
+        raise ValueError(f"cost fit: {len(y)} timed tokens, need at least {len(FIT_TERMS)}")
+    used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
+    keep = np.ones(len(y), bool)
+    beta = np.zeros(X.shape[1])
+    for _ in range(rounds):
+        beta[used] = np.linalg.lstsq(X[keep][:, used], y[keep], rcond=None)[0]
+        r = y - X @ beta
+        mad = 1.4826 * np.median(np.abs(r[keep] - np.median(r[keep])))
+        new = np.abs(r - np.median(r[keep])) <= cut * max(mad, 1e-12)
+        if (new == keep).all():
+            break
+        keep = new
+    return {**dict(zip(FIT_TERMS, beta.tolist(), strict=True)), "kept": int(keep.sum())}
+
+
+def cost_from_fit(
+    fit: dict[str, float],
+    *,
+    layers: int,
+    k: int,
+    expert_bytes: float,
+    expert_compute_s: float,
+    transfer_latency_s: float,
+    install_s: float,
+    one_layer_s: float | None,
+    dense_floor_s: float = 0.0,
+) -> dict[str, Any]:
+    """The cost model that reproduces a fit (`fit_token_costs`) of `layers`-layer, top-`k` runs.
+
+    The fitted constant is token overhead + layers x (dense + k x expert compute); it is split
+    with `one_layer_s` (the same all-hit runs over one layer: the per-token part) and the
+    microbenchmarked `expert_compute_s` (lowered if it would leave a layer less than
+    `dense_floor_s`). A synchronous copy's fitted cost keeps the measured latency and gives the
+    link bandwidth; a host expert replaces a fast-tier expert; a background copy costs the
+    measured `install_s` plus the unhidden share of its link time (the overlap, clipped to
+    [0, 1])."""
+    const = fit["constant"]
+    token = 0.0
+    if one_layer_s is not None and layers > 1:
+        per_layer = (const - one_layer_s) / (layers - 1)
+        token = min(max(const - layers * per_layer, 0.0), const)
+    per_layer = (const - token) / layers
+    expert = min(expert_compute_s, max(per_layer - dense_floor_s, 0.0) / k)
+    copy = fit["sync_copies"]
+    if copy <= transfer_latency_s:
+        raise ValueError(
+            f"cost fit: a synchronous copy fitted at {copy * 1e6:.0f} us, not more than the "
+            f"measured latency {transfer_latency_s * 1e6:.0f} us (too few copies timed?)"
+        )
+    bw = expert_bytes / (copy - transfer_latency_s)
+    link = expert_bytes / bw
+    overlap = 1.0 - (fit["background"] - install_s) / link
+    return cost_dict(
+        bw, transfer_latency_s, expert_bytes, expert, fit["host"] + expert,
+        per_layer - k * expert, token, min(max(overlap, 0.0), 1.0), install_s,
+    )  # fmt: skip
 
 
 def predicted_time_per_token(cost: dict[str, Any], counts: dict[str, float], layers: int):
     """The simulator's cost-model estimate (`moesub.cost.CostModel.time_per_token`)."""
-    from moesub.cost import CostModel
-
     return CostModel(**{k: cost[k] for k in COST_KEYS}).time_per_token(counts, layers)
 
 

@@ -10,13 +10,18 @@ so that with every expert resident the result matches the stock model.
 device): which entries are computed, and with which weights, is planned there, so the kernel
 needs no `nonzero` / `bincount` / `.item()` (each a device->host synchronization on a GPU).
 
-Two paths, chosen once per tier by `choose_path` from the device and dtype:
+Two paths; `choose_path` gives a tier's path for many tokens from the device and dtype, and
+`path_for` the one a call takes from its token count:
 - `"grouped"`: one `grouped_mm` per projection over the rows sorted by group. Torch's fast
   grouped kernel exists only for bf16 on compute capability 9.x / 10.x (Hopper, Blackwell);
   elsewhere torch runs an internal fallback that loops over all G groups, so its cost grows
   with the cache capacity. The plan's row order and group offsets are uploaded once per call.
-- `"per_expert"`: one matmul per computed (n, j) on a view of its group's weights (no gather
-  copy of the weights), the path everywhere else, including the CPU.
+  Taken for `GROUPED_MIN_TOKENS` tokens or more (prefill) where the tier's path is grouped.
+- `"per_expert"`: per group used, one matmul per projection over that group's rows, on a view
+  of the group's weights (no gather copy): every used expert's weights are read once, whatever
+  the number of groups G (the cache capacity), so a decode step (one token, k experts) runs at
+  the memory bandwidth (`benchmarks/bench_kernels.py` measures it). Decode everywhere, and every
+  call on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import torch.nn.functional as F
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_CAPABILITIES = (9, 10)  # major compute capabilities with torch's fast grouped kernel
 PATHS = ("grouped", "per_expert")
+# fewer tokens than this (decode) take the per-expert path also where grouped is fast: the
+# grouped kernel's plan upload and per-group setup do not pay for k single rows
+GROUPED_MIN_TOKENS = 8
 
 Upload = Callable[[np.ndarray], torch.Tensor]  # host int64 array -> the same on the device
 
@@ -44,6 +52,13 @@ def choose_path(
         return "per_expert"
     cap = capability if capability is not None else torch.cuda.get_device_capability(device)
     return "grouped" if cap[0] in GROUPED_CAPABILITIES else "per_expert"
+
+
+def path_for(path: str, tokens: int) -> str:
+    """The kernel a call of `tokens` tokens takes on a tier whose many-token path is `path`."""
+    if path not in PATHS:
+        raise ValueError(f"expert kernel path {path!r}: expected one of {PATHS}")
+    return "grouped" if path == "grouped" and tokens >= GROUPED_MIN_TOKENS else "per_expert"
 
 
 @dataclass(frozen=True)
@@ -80,23 +95,35 @@ def expert_forward(
     """hidden [N, H], ids (N, k) host array (group index, -1 = skip), weights [N, k] -> [N, H].
 
     gate_up [G, 2I, H] (gate half first), down [G, H, I], hidden and weights on their device.
-    `upload` moves the grouped path's index arrays to the device (default: a plain copy).
+    `path` is the tier's many-token path (`path_for` picks the call's); `upload` moves the
+    grouped path's index arrays to the device (default: a plain copy).
     """
     ids = np.asarray(ids)
     N, k = ids.shape
     H = hidden.shape[-1]
-    if path == "per_expert":
-        ys = hidden.new_zeros(N, k, H)
-        for n, j in zip(*np.nonzero(ids >= 0), strict=True):
-            g = int(ids[n, j])
-            x = hidden[n : n + 1].to(gate_up.dtype)
-            gate, up = F.linear(x, gate_up[g]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, down[g])  # (1, H)
-            ys[n, j] = (y[0] * weights[n, j].to(y.dtype)).to(ys.dtype)
-        return ys.sum(dim=1)
-    if path != "grouped":
-        raise ValueError(f"expert kernel path {path!r}: expected one of {PATHS}")
     plan = ExpertPlan.of(ids, gate_up.shape[0])
+    if path_for(path, N) == "per_expert":
+        ys = hidden.new_zeros(N * k, H)
+        ends = np.flatnonzero(np.diff(plan.groups, append=-1)) + 1  # end of each group's run
+        start = 0
+        for end in ends.tolist():
+            g, rows = int(plan.groups[start]), plan.rows[start:end]
+            start = end
+            if len(rows) == 1:  # decode: a view, no index tensors
+                r = int(rows[0])
+                x, w = hidden[r // k : r // k + 1], weights[r // k, r % k : r % k + 1]
+            else:
+                idx = torch.from_numpy(rows).to(hidden.device)
+                x = hidden.index_select(0, idx // k)
+                w = weights.reshape(-1).index_select(0, idx)
+            gate, up = F.linear(x.to(gate_up.dtype), gate_up[g]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, down[g])  # (rows, H)
+            y = (y * w.to(y.dtype).unsqueeze(-1)).to(ys.dtype)
+            if len(rows) == 1:
+                ys[r] = y[0]
+            else:
+                ys.index_copy_(0, idx, y)
+        return ys.view(N, k, H).sum(dim=1)
     out = hidden.new_zeros(N * k, H)
     S = len(plan.rows)
     if S:
