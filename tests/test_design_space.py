@@ -352,25 +352,17 @@ def test_dry_run_lists_the_design_space_jobs(tmp_path):
     assert {"quality_prefetch", "buddy_quality", "hybrid_015", "cache_prior_0.1"} <= emulated
 
 
-def test_simulate_and_emulate_take_the_table_only_for_coactivation_policies(tmp_path):
+@pytest.mark.parametrize("rule", ["simulate", "emulate"])
+def test_the_table_is_an_input_only_for_coactivation_policies(tmp_path, rule):
     from test_workflow import copy_workflow, snakemake
 
     wf = copy_workflow(tmp_path / "wf")
-    run = snakemake(wf, "--dry-run",
-                    "results/embedded/simulate/buddy_quality/f0.25.parquet",
-                    "results/embedded/simulate/prefetch_10/f0.25.parquet")  # fmt: skip
+    out = "results/embedded/{}/{}/f0.25.parquet"
+    run = snakemake(wf, "--dry-run", out.format(rule, "buddy_quality"),
+                    out.format(rule, "quality_prefetch"))  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    blocks = run.stdout.split("rule ")
-    buddy = next(b for b in blocks if b.startswith("simulate:") and "buddy_quality" in b)
-    prefetch = next(b for b in blocks if b.startswith("simulate:") and "prefetch_10/" in b)
-    assert "results/embedded/coactivation.npz" in buddy
-    assert "coactivation.npz" not in prefetch
-    # the emulate rule takes it the same way
-    run = snakemake(wf, "--dry-run", "results/embedded/emulate/buddy_quality/f0.25.parquet",
-                    "results/embedded/emulate/quality_prefetch/f0.25.parquet")  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:]
-    blocks = run.stdout.split("rule ")
-    buddy = next(b for b in blocks if b.startswith("emulate:") and "buddy_quality" in b)
-    prefetch = next(b for b in blocks if b.startswith("emulate:") and "quality_prefetch/" in b)
+    blocks = [b for b in run.stdout.split("rule ") if b.startswith(f"{rule}:")]
+    buddy = next(b for b in blocks if "/buddy_quality/" in b)
+    prefetch = next(b for b in blocks if "/quality_prefetch/" in b)
     assert "results/embedded/coactivation.npz" in buddy
     assert "coactivation.npz" not in prefetch
