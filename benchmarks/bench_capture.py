@@ -5,9 +5,13 @@ shared expert), hidden 128, expert width 16, 4 layers (3 linear + 1 full attenti
 weights. Both sides load the checkpoint with `moesub.models.load_model` and run one forward
 per stream (batch 1, `use_cache=False`); the capture side additionally computes the NLL,
 records every router's logits and lookahead logits (each layer's norm and router applied once
-more, to the previous MoE layer's residual stream) and writes both Parquet tables. Reported: the ratio measured
-stream by stream back to back on one loaded model, and the end-to-end ratio (best of
-`--repeats`, alternating). By default time is this process's CPU time with one torch thread,
+more, to the previous MoE layer's residual stream) and writes both Parquet tables. Reported: the
+ratio measured stream by stream back to back on one loaded model, and the end-to-end ratio (best
+of `--repeats`, alternating). On this shape (hidden 128, E=512, expert width 16) a router costs
+as much as the k routed experts, so the lookahead's second router matmul per layer and the
+table's second logit column weigh far more than on a real checkpoint (hidden 2048: the router is
+~3% of a layer): measured on a shared 2-core machine, capture_batch / forward 1.06-1.22 without
+the lookahead, 1.26-1.32 with it. By default time is this process's CPU time with one torch thread,
 which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
 elapsed time on an idle machine.
 
