@@ -283,3 +283,23 @@ def test_prefetch_generation_equals_the_emulators(stage, name, policy):
     if policy.get("light_miss") == "host":
         assert sum(int(r.counts[:, HOST].sum()) for r in res) > 0
         assert sum(int(r.steps["bytes_host"].sum()) for r in res) > 0
+
+
+@pytest.mark.parametrize("admission", ["delay", "completion"])
+def test_prefill_equals_stepping_the_prompt(stage, admission):
+    """A prompt prefilled in one forward (its rows through the cores one at a time, experts from
+    the slow tier, slots reloaded, pending admissions requested) continues exactly as the
+    prompt fed token by token: same NLL over the prompt, same tokens and mass after it."""
+    root, _model, initial = stage
+    seq = np.random.default_rng(5).integers(3, VOCAB, 24)
+    with open_engine(
+        root / "model", "quality", QUALITY, FRACTION, "cpu", initial,
+        params(root, admission=admission),
+    ) as eng:  # fmt: skip
+        stepped = eng.decode(seq, max_new_tokens=8)
+        prefilled = eng.decode(seq, max_new_tokens=8, prefill=True)
+    np.testing.assert_allclose(prefilled["nll"][1:], stepped["nll"][1:], rtol=0, atol=1e-4)
+    if admission == "delay":  # with "completion" copies land when they land
+        assert prefilled["generated"] == stepped["generated"]
+        np.testing.assert_allclose(prefilled["mass"][23:], stepped["mass"][23:], atol=1e-5)
+    assert (prefilled["wall_s"][1:23] == 0).all() and prefilled["wall_s"][0] > 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moesub.engine.cuda_tier import CudaTier
@@ -34,14 +35,43 @@ from moesub.engine.spec import EngineParams, engine_dtype
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
+    aligned_empty,
     measure_read_bandwidth,
     model_experts,
     open_or_write_store,
     tensor_fingerprint,
 )
-from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, require_cuda
+from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, host_ids_to_local, require_cuda
 from moesub.models import RouterHook
 from moesub.policy import HOST
+
+PREFILL_SCRATCH_BYTES = 256 * 2**20  # experts read at once for a prompt's rows
+
+
+def prefill_forward(
+    engine: OffloadEngine, layer: int, hidden: torch.Tensor, ids: np.ndarray, weights: torch.Tensor
+) -> torch.Tensor:
+    """A prompt's routed expert output [N, H]: `ids (N, k)` the computed experts (-1 = none),
+    each read once from the slow tier (PREFILL_SCRATCH_BYTES at a time) and applied to all its
+    rows in one matmul on the host, as transformers' experts loop does; the weighted outputs are
+    summed over the k slots in slot order, as `kernels.expert_forward` does."""
+    x, w = hidden.detach().cpu(), weights.detach().cpu()
+    ids = np.asarray(ids)
+    local, experts = host_ids_to_local(ids)
+    lay = engine.tier.layout
+    per = max(1, PREFILL_SCRATCH_BYTES // lay.expert_bytes)
+    ys = x.new_zeros(*ids.shape, x.shape[-1])  # (N, k, H)
+    for c0 in range(0, len(experts), per):
+        chunk = experts[c0 : c0 + per].tolist()
+        gu = aligned_empty((len(chunk), *lay.gate_up_shape), lay.torch_dtype)
+        dn = aligned_empty((len(chunk), *lay.down_shape), lay.torch_dtype)
+        for g, e in enumerate(chunk):
+            engine.tier.read_host(layer, e, gu[g], dn[g])
+            rows, slots = np.nonzero(local == c0 + g)
+            gate, up = F.linear(x[rows].to(gu.dtype), gu[g]).chunk(2, dim=-1)
+            y = F.linear(engine.act(gate) * up, dn[g])  # (rows, H)
+            ys[rows, slots] = (y * w[rows, slots].to(y.dtype)[:, None]).to(ys.dtype)
+    return ys.sum(dim=1).to(device=hidden.device, dtype=hidden.dtype)
 
 
 class EngineExperts(nn.Module):
@@ -49,7 +79,8 @@ class EngineExperts(nn.Module):
 
     The router hook (`EngineRouter`) leaves the model's expert ids in place and hands this module
     the token's plan on the host: the cache slot of every computed expert in the model's slot
-    order (`slot_ids`, -1 = not on the fast tier) and the host_compute misses (`host`). Without
+    order (`slot_ids`, -1 = not on the fast tier) and the host_compute misses (`host`); for a
+    prompt's rows (prefill) the computed experts themselves (`prefill_ids`). Without
     an engine attached (dense-time calibration) it returns zeros. `gate_up_proj` / `down_proj`
     are the layer's slot tensors (plain attributes, not parameters: `model.to` leaves them where
     the tier put them), so the block still reads as a sparse MoE block.
@@ -63,10 +94,14 @@ class EngineExperts(nn.Module):
         self.engine: OffloadEngine | None = None
         self.slot_ids: np.ndarray | None = None  # (N, k) set by the router for one call
         self.host: HostInputs | None = None
+        self.prefill_ids: np.ndarray | None = None  # (N, k) experts, a prompt's rows
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.engine is None:
             return torch.zeros_like(hidden)
+        if self.prefill_ids is not None:
+            ids, self.prefill_ids = self.prefill_ids, None
+            return prefill_forward(self.engine, self.layer, hidden, ids, top_k_weights)
         if self.slot_ids is None:
             raise RuntimeError(
                 f"EngineExperts (layer {self.layer}): no routing plan; the engine's router hook "
@@ -112,10 +147,15 @@ class EngineRouter:
         hidden, self._hidden[layer] = self._hidden[layer], None
         hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
         z, model_ids, w, h = self.engine.to_host(layer, logits, ids, weights, hidden)
-        z = np.ascontiguousarray(z.numpy(), dtype=np.float32)  # (1, E)
-        s = self.engine.route(layer, z)
+        z = np.ascontiguousarray(z.numpy(), dtype=np.float32)  # (1, E); (N, E) in a prefill
         zt = torch.from_numpy(z)
         plan = self.experts[layer]
+        if self.engine.prefilling:  # a prompt's rows: computed from the slow tier
+            y = None if lookahead is None else lookahead.float().cpu().numpy()
+            s = self.engine.route_prefill(layer, z, y)
+            plan.prefill_ids = align_ids(model_ids, s.selected, s.ids, logits=zt).numpy()
+            return None
+        s = self.engine.route(layer, z)
         plan.slot_ids = align_ids(model_ids, s.selected, s.slot, logits=zt).numpy()
         plan.host = None
         if (s.status == HOST).any():
@@ -151,6 +191,8 @@ class PrefetchHook(RouterHook):
             record(module, args, kwargs)
             y = RouterHook._lookahead_logits(self, index, self.device)  # frees the source
             self._early[index] = y
+            if self.engine.prefilling:  # a prompt's rows: the router hook passes them on
+                return None
             (y_host,) = self.engine.to_host(index, y)
             self.engine.prefetch(index, y_host.numpy())
             return None

@@ -32,10 +32,16 @@ def decode_tokens(
     inputs: Sequence[int] | np.ndarray,
     max_new_tokens: int = 0,
     stop_ids: Collection[int] = frozenset(),
+    prefill: bool = False,
 ) -> dict[str, Any]:
     """Decode from fresh caches, one token per step: feed `inputs` (P >= 1 tokens; NLL of each
     next input recorded), then continue greedily for up to `max_new_tokens` tokens (argmax of
     each step's logits fed back; a token in `stop_ids` ends it and is not kept).
+
+    `prefill=True` (generation): the first P - 1 inputs go through the model in one forward,
+    their rows through the policy cores one at a time (`OffloadEngine.route_prefill`: the
+    decisions of stepping them), their experts computed from the slow tier; that forward's wall
+    time is step 0's and steps 1..P-2 are empty. The prompt's last token is a timed step.
 
     Returns per-step arrays over the S steps run (`wall_s` and every scalar of
     `runtime.TokenStats`: `fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync,
@@ -50,7 +56,7 @@ def decode_tokens(
     P = len(inputs)
     if P == 0:
         raise ValueError("inputs: decoding needs at least one input token")
-    engine.reset()
+    engine.reset(load=not (prefill and P > 1))  # a prefill loads the slots it leaves
     S = P + max(max_new_tokens - 1, 0)  # most steps that can run
     blank = TokenStats()
     cols = {"wall_s": np.zeros(S, np.float64)}
@@ -59,8 +65,21 @@ def decode_tokens(
     nll = np.full(S, np.nan)
     generated: list[int] = []
     stopped = False
-    cache, token, t = None, int(inputs[0]), 0
-    for t in range(S):
+    cache, token, t, start = None, int(inputs[0]), 0, 0
+    if prefill and P > 1:
+        t0 = time.perf_counter()
+        engine.begin_token()
+        engine.prefilling = True
+        ids = torch.tensor([list(inputs[: P - 1])], dtype=torch.long, device=setup.device)
+        out = setup.model(input_ids=ids, cache=None, use_cache=True)
+        engine.end_prefill()
+        engine.end_token()
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (P - 1, V), as stream_nll
+        targets = torch.as_tensor(np.asarray(inputs[1:P]), device=logp.device)
+        nll[1:P] = (-logp.gather(1, targets[:, None])[:, 0]).cpu().numpy()
+        cols["wall_s"][0] = time.perf_counter() - t0
+        cache, token, start = out.cache, int(inputs[P - 1]), P - 1
+    for t in range(start, S):
         t0 = time.perf_counter()
         engine.begin_token()
         logits, cache = step(setup.model, token, cache, setup.device)

@@ -149,11 +149,12 @@ class EngineModel:
         inputs: Sequence[int] | np.ndarray,
         max_new_tokens: int = 0,
         stop_ids: Collection[int] = frozenset(),
+        prefill: bool = False,
     ) -> dict[str, Any]:
         """`decode_tokens` on this engine (per-step measurements; see there)."""
         if self.closed:
             raise RuntimeError("this EngineModel is closed")
-        return decode_tokens(self.setup, self.engine, inputs, max_new_tokens, stop_ids)
+        return decode_tokens(self.setup, self.engine, inputs, max_new_tokens, stop_ids, prefill)
 
     def generate(
         self,
@@ -162,7 +163,8 @@ class EngineModel:
         stop_ids: Iterable[int] = (),
         progress: bool | None = None,
     ) -> list[EngineDecodeResult]:
-        """Greedy generation, one prompt at a time: the prompt fed token by token, then up to
+        """Greedy generation, one prompt at a time: the prompt prefilled (all but its last token
+        in one forward, `decode_tokens(prefill=True)`), then up to
         `max_new_tokens` tokens, each the argmax of the step before. Every input is checked
         before the first prompt runs."""
         stop = check_generation(max_new_tokens, stop_ids)
@@ -175,7 +177,7 @@ class EngineModel:
             if max_new_tokens == 0:  # nothing to generate: no step runs (as greedy_decode)
                 results.append(EngineDecodeResult.empty(len(prompt)))
                 continue
-            r = self.decode(prompt, max_new_tokens, stop)
+            r = self.decode(prompt, max_new_tokens, stop, prefill=True)
             results.append(EngineDecodeResult.from_steps(r, len(prompt)))
         return results
 

@@ -39,6 +39,11 @@ slots the core chose.
 Host experts (`host_compute`, `light_miss="host"`): `compute` starts the host's experts on the
 tier (a worker thread on the disk tier; on CUDA the CPU computes while the GPU runs the slot
 kernels queued before) and waits for both (`TokenStats.host_wait_s`).
+
+Prompt prefill (generation): `route_prefill` steps a prompt's rows through the core one row at
+a time (token-by-token decisions; admissions at the core's delay, as the emulator's prefill),
+`adapter.prefill_forward` computes their experts from the slow tier, and `end_prefill` reloads
+the slots from the core's residency and requests the admissions still pending.
 """
 
 from __future__ import annotations
@@ -140,11 +145,13 @@ class OffloadEngine:
         self.caches: list[LayerCache] = []
         self.stats = TokenStats()
         self.token = 0  # tokens begun since the last reset
+        self.prefilling = False  # between begin_token and end_prefill of a prompt's rows
         self._syncs_at_begin = 0
         self.reset()
 
-    def reset(self) -> None:
-        """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed."""
+    def reset(self, load: bool = True) -> None:
+        """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed
+        (`load=False`: not yet, a prefill follows and `end_prefill` loads them)."""
         self.tier.drain()
         L = self.num_layers
         # per layer: background copies requested, in request order: [expert, purpose, token]
@@ -169,7 +176,8 @@ class OffloadEngine:
             for layer in range(L)
         ]
         for layer, cache in enumerate(self.caches):
-            self.tier.load(layer, cache.resident())
+            if load:
+                self.tier.load(layer, cache.resident())
         self.tier.synchronize()
         self.tier.take_wait_s()
         self.stats = TokenStats()
@@ -203,7 +211,7 @@ class OffloadEngine:
     def prefetch(self, layer: int, lookahead: np.ndarray) -> None:
         """Layer `layer`'s lookahead logits (1, E) float32, known one MoE layer early: the
         experts the core's step 1b will insert are copied in the background from now on."""
-        if self.policy.prefetch == 0:
+        if self.policy.prefetch == 0 or self.prefilling:  # (route_prefill takes its own)
             return
         y = np.array(lookahead, dtype=np.float32)  # a copy: the caller may reuse its buffer
         if y.shape != (1, self.num_experts):
@@ -411,6 +419,41 @@ class OffloadEngine:
                 )
             time.sleep(POLL_S)
         setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------- prompt prefill
+    def route_prefill(
+        self, layer: int, logits: np.ndarray, lookahead: np.ndarray | None = None
+    ) -> LayerStep:
+        """A prompt's rows (T, E) through the layer's core, one row at a time, admissions
+        applied at the core's delay; no copies (see `end_prefill`)."""
+        if not self.prefilling:
+            raise RuntimeError("route_prefill: begin a token and set prefilling first")
+        cache, steps = self.caches[layer], []
+        for i in range(logits.shape[0]):
+            due = sorted(r for r in self._due[layer] if r[0] <= cache.t)
+            self._due[layer] = [r for r in self._due[layer] if r[0] > cache.t]
+            for _ready, e in due:
+                cache.admit(e)
+            y = None if lookahead is None else lookahead[i : i + 1]
+            s = cache.step(logits[i : i + 1], y)
+            self._due[layer] += [(t + self.policy.delay, e) for t, e in s.admissions.tolist()]
+            steps.append(s)
+        return LayerStep(*(np.concatenate([getattr(s, f.name) for s in steps]) for f in
+                           fields(LayerStep)))  # fmt: skip
+
+    def end_prefill(self) -> None:
+        """After a prompt's rows: the slots hold the core's residents (loaded, untimed), the
+        admissions still pending are requested (due at the core's delay, or when they land)."""
+        for layer, cache in enumerate(self.caches):
+            self.tier.load(layer, cache.resident())
+        self.tier.synchronize()
+        for layer in range(self.num_layers):
+            for _ready, e in self._due[layer]:
+                self.tier.request(layer, e)
+                self._flight[layer].append((e, ADMISSION, self.token))
+            if self.admission == "completion":
+                self._due[layer] = []
+        self.prefilling = False
 
     # ------------------------------------------------------------------------- compute
     def compute(

@@ -288,6 +288,10 @@ class DiskTier:
         )  # fmt: skip
         return out, n
 
+    def read_host(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """One expert's weights from the slow tier into host buffers (a prompt's prefill)."""
+        return self.store.read_into(layer, expert, gate_up, down)
+
     def host_begin(
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
     ) -> Future:
