@@ -98,7 +98,7 @@ class BenchParams:
     rounds: int = _DEFAULTS["rounds"]
     routing: str = _DEFAULTS["routing"]  # "trace" (a capture, `trace_dir`) or "synthetic"
     trace_dir: str | None = None  # capture directory of the trace (routing="trace")
-    # synthetic tokens the frequency-initial set is counted on
+    # tokens the frequency-initial set is counted on
     calib_tokens: int = _DEFAULTS["calib_tokens"]
     seed: int = _DEFAULTS["seed"]
     # disk tier expert file (default: beside out_path)
@@ -114,13 +114,9 @@ class BenchParams:
         # `policies` here are policy dicts; in the config, a list of names (the workflow maps it)
         options = {k: v for k, v in (params or {}).items() if k != "policies"}
         check_options(options, "engine.bench", "engine-bench")
-        options.pop("trace_dir", None)  # set by the workflow from the trace model
-        if p.routing == "trace" and not p.trace_dir:
-            raise ValueError("params.routing='trace' needs params.trace_dir (a capture directory)")
-        for name in ("threads",):  # the library-only options (not config keys)
-            v = getattr(p, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"params.{name}={v!r} must be a positive integer")
+        v = p.threads  # a library-only option (not a config key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"params.threads={v!r} must be a positive integer")
         if p.capacity < p.top_k:
             raise ValueError(
                 f"params.fraction={p.fraction} gives C={p.capacity} < top_k={p.top_k}: the cache "
@@ -131,6 +127,8 @@ class BenchParams:
         for name, spec in p.policies.items():
             if name != ALL_RESIDENT:
                 Policy.from_dict(dict(spec))
+        if p.routing == "trace" and not p.trace_dir:
+            raise ValueError("params.routing='trace' needs params.trace_dir (a capture directory)")
         return p
 
     @property
