@@ -75,10 +75,48 @@ for req in reqs:
 PYEOF
 
 echo "build_wheelhouse: Python $PYVER, manylinux up to glibc $GLIBC -> $DEST"
-python3 -m pip download -q --only-binary=:all: --implementation cp --python-version "$PYVER" \
-  "${PLATFORMS[@]}" -d "$TMP" -r "$TMP/requirements.txt"
+download() {
+  python3 -m pip download -q --only-binary=:all: --implementation cp --python-version "$PYVER" \
+    "${PLATFORMS[@]}" -d "$TMP" "$@"
+}
+# A requirement that depends on torch (accelerate) would make pip fetch a multi-GB torch and its
+# CUDA libraries: such a requirement is fetched alone (--no-deps) and only its other
+# dependencies are resolved, with the rest.
+download --no-deps -r "$TMP/requirements.txt"
+python3 - "$TMP" > "$TMP/resolve.txt" <<'PYEOF'
+import re, sys, zipfile
+from pathlib import Path
 
-# Drop what the target has (and torch, if a dependency ever pulled it in): wheel file names
+def name(req: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]).lower()
+
+tmp = Path(sys.argv[1])
+needs = {}  # distribution -> its unconditional Requires-Dist
+for whl in tmp.glob("*.whl"):
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    dist = name(re.search(r"^Name: (.+)$", text, re.M).group(1))
+    needs[dist] = [r for r in re.findall(r"^Requires-Dist: (.+)$", text, re.M) if "extra ==" not in r]
+for req in (tmp / "requirements.txt").read_text().split("\n"):
+    if not req:
+        continue
+    deps = needs.get(name(req), [])
+    if any(name(d) == "torch" for d in deps):
+        print(*(d for d in deps if name(d) != "torch"), sep="\n")
+    else:
+        print(req)
+PYEOF
+download -r "$TMP/resolve.txt"
+rm "$TMP/resolve.txt"
+# the installing side's fallback (--no-deps) would install two versions of one distribution
+twice=$(ls "$TMP" | grep '\.whl$' | cut -d- -f1 | tr 'A-Z' 'a-z' | sort | uniq -d)
+if [ -n "$twice" ]; then
+  echo "build_wheelhouse: two versions downloaded of: $twice; pin one in pyproject.toml" >&2
+  exit 1
+fi
+
+# Drop what the target has (and torch, had a dependency pulled it in anyway): wheel file names
 # carry the distribution name with '-', '.' and '_' folded to '_'.
 norm() { echo "$1" | tr 'A-Z.-' 'a-z__'; }
 for whl in "$TMP"/*.whl; do

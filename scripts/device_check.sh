@@ -40,7 +40,6 @@ if [ -n "$WHEELHOUSE" ] && [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
   exit 2
 fi
 mkdir -p "$OUT" "$WORK"
-exec > >(tee "$OUT/device_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 
 T0=$(date +%s)
@@ -186,39 +185,45 @@ run_bench() {
 # --------------------------------------------------------------------------------- the run
 export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS NOTE_FILE
 export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench
-stage device 30 check_device
-CUDA_OK=$([ "${RESULTS[0]}" = PASS ] && [ $CPU_ONLY = 0 ] && echo 1 || echo 0)
-if [ -n "$WHEELHOUSE" ]; then
-  stage install 90 install_wheelhouse
-else
-  skip install "no --wheelhouse: the environment's packages are used"
-fi
-stage build 120 build_core
-stage engine-tests 90 run_pytest "$OUT/engine_tests.xml" -m "not cuda" tests/test_engine*.py
-if [ $CPU_ONLY = 1 ]; then
-  # no GPU: at least show that the whole suite imports here, as the GPU run's collection needs
-  stage cuda-collect 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/
-  skip benchmark "--cpu-only"
-elif [ "$CUDA_OK" = 1 ]; then
-  # the whole suite is collected so that CUDA tests in any module run; a module that fails to
-  # import is reported (and fails the stage) without stopping the others
-  stage cuda-tests 90 run_pytest "$OUT/cuda_tests.xml" -m cuda --continue-on-collection-errors \
-    tests/
-  stage benchmark 150 run_bench
-else
-  record cuda-tests FAIL 0 "not run: no usable CUDA device (see stage device)"
-  record benchmark FAIL 0 "not run: no usable CUDA device (see stage device)"
-fi
 
-echo
-echo "== summary ($(($(date +%s) - T0)) s of ${BUDGET_S} s)"
-failed=0
-{
-  printf 'stage\tresult\tseconds\tnote\n'
-  for i in "${!NAMES[@]}"; do
-    printf '%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}" "${NOTES[$i]}"
-    [ "${RESULTS[$i]}" != FAIL ] || failed=1
-  done
-} > "$OUT/summary.tsv"
-column -t -s $'\t' "$OUT/summary.tsv" 2>/dev/null || cat "$OUT/summary.tsv"
-exit $failed
+main() {
+  stage device 30 check_device
+  CUDA_OK=$([ "${RESULTS[0]}" = PASS ] && [ $CPU_ONLY = 0 ] && echo 1 || echo 0)
+  if [ -n "$WHEELHOUSE" ]; then
+    stage install 90 install_wheelhouse
+  else
+    skip install "no --wheelhouse: the environment's packages are used"
+  fi
+  stage build 120 build_core
+  stage engine-tests 90 run_pytest "$OUT/engine_tests.xml" -m "not cuda" tests/test_engine*.py
+  if [ $CPU_ONLY = 1 ]; then
+    # no GPU: at least show that the whole suite imports here, as the GPU run's collection needs
+    stage cuda-collect 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/
+    skip benchmark "--cpu-only"
+  elif [ "$CUDA_OK" = 1 ]; then
+    # the whole suite is collected so that CUDA tests in any module run; a module that fails to
+    # import is reported (and fails the stage) without stopping the others
+    stage cuda-tests 90 run_pytest "$OUT/cuda_tests.xml" -m cuda --continue-on-collection-errors \
+      tests/
+    stage benchmark 150 run_bench
+  else
+    record cuda-tests FAIL 0 "not run: no usable CUDA device (see stage device)"
+    record benchmark FAIL 0 "not run: no usable CUDA device (see stage device)"
+  fi
+
+  echo
+  echo "== summary ($(($(date +%s) - T0)) s of ${BUDGET_S} s)"
+  failed=0
+  {
+    printf 'stage\tresult\tseconds\tnote\n'
+    for i in "${!NAMES[@]}"; do
+      printf '%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}" "${NOTES[$i]}"
+      [ "${RESULTS[$i]}" != FAIL ] || failed=1
+    done
+  } > "$OUT/summary.tsv"
+  column -t -s $'\t' "$OUT/summary.tsv" 2>/dev/null || cat "$OUT/summary.tsv"
+  return $failed
+}
+
+main 2>&1 | tee "$OUT/device_check.log"
+exit "${PIPESTATUS[0]}"
