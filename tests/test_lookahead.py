@@ -189,3 +189,17 @@ def test_lookahead_recall_by_hand_and_in_the_regime_table(tmp_path):
         rows = table.sort("layer")  # -1 first: all layers pooled
         assert rows[col].to_list() == [found.sum() / total.sum(), *(found / total).tolist()]
     assert 0 < table["lookahead_recall_k"].min() < table["lookahead_recall_2k"].max() < 1
+
+
+def test_a_trace_with_float32_list_logits_still_loads(tmp_path):
+    """Traces captured before the binary logit column stored fixed_size_list<float32>[E]."""
+    import pyarrow as pa
+
+    z = np.random.default_rng(0).standard_normal((3, 2, 4)).astype(np.float32)
+    t = router_rows(0, z).drop_columns(["logits"])
+    lists = pa.FixedSizeListArray.from_arrays(pa.array(z.reshape(-1)), 4)
+    t = t.append_column("logits", lists).replace_schema_metadata(
+        {b"num_experts": b"4", b"top_k": b"1", b"num_layers": b"2", b"norm_topk_prob": b"true"}
+    )
+    pq.write_table(t, tmp_path / "lists.parquet")
+    np.testing.assert_array_equal(load_trace(tmp_path / "lists.parquet").logits[0], z)

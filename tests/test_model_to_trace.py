@@ -53,7 +53,7 @@ def test_reload_with_auto_classes_and_capture_matches_plain_forward(captured):
     assert tokens.column_names == ["stream", "pos", "token_id", "doc_id", "doc_start", "nll"]
     router = pq.read_table(root / "eval_router.parquet")
     assert router.column_names == ["stream", "pos", "layer", "logits", "lookahead"]
-    assert router.schema.field("logits").type.list_size == TINY["num_experts"]
+    assert router.schema.field("logits").type.byte_width == 4 * TINY["num_experts"]
     meta = read_metadata(root / "eval_router.parquet")
     assert (meta["num_experts"], meta["top_k"], meta["num_layers"]) == (64, 4, 2)
     assert meta["norm_topk_prob"] is True

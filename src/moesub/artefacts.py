@@ -130,8 +130,20 @@ TRACE_META_KEYS = ("num_experts", "top_k", "num_layers", "norm_topk_prob")
 
 
 def logits_type(num_experts: int) -> pa.DataType:
-    """fixed_size_list<float32 not null>[E]: non-null items read back ~2x faster than nullable."""
-    return pa.list_(pa.field("item", pa.float32(), nullable=False), num_experts)
+    """One row's E float32 logits as fixed_size_binary[4E] (little-endian float32): Parquet
+    writes a list column value by value with repetition levels, the binary column as one block
+    (measured for 2048 tokens x 4 layers x 512 experts: write 0.028 s vs 0.0095 s, read 0.09 s
+    vs 0.005 s). Traces written before as fixed_size_list<float32>[E] still load."""
+    return pa.binary(4 * num_experts)
+
+
+def _logits_width(t: pa.DataType) -> int:
+    """E of a logits column type (the binary type above or the older float32 list), else -1."""
+    if pa.types.is_fixed_size_binary(t) and t.byte_width % 4 == 0:
+        return t.byte_width // 4
+    if pa.types.is_fixed_size_list(t) and t.value_type == pa.float32():
+        return t.list_size
+    return -1
 
 
 def router_schema(num_experts: int, lookahead: bool = True) -> pa.Schema:
@@ -151,8 +163,9 @@ def router_schema(num_experts: int, lookahead: bool = True) -> pa.Schema:
 def _logit_list(block: np.ndarray, what: str, shape: tuple[int, ...]) -> pa.Array:
     if block.shape != shape:
         raise ValueError(f"router rows: {what} has shape {block.shape}, expected {shape}")
-    flat = np.ascontiguousarray(block, dtype=np.float32).reshape(-1)  # [T*L*E]
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat), type=logits_type(shape[-1]))
+    flat = np.ascontiguousarray(block, dtype="<f4").reshape(-1)  # [T*L*E]
+    rows = flat.size // shape[-1]
+    return pa.Array.from_buffers(logits_type(shape[-1]), rows, [None, pa.py_buffer(flat)])
 
 
 def router_rows(
@@ -247,11 +260,12 @@ def _check_router_schema(path: Path, lookahead: bool) -> tuple[int, dict[str, An
         E = -1
     else:
         t = schema.field("logits").type
-        if not (pa.types.is_fixed_size_list(t) and t.value_type == pa.float32()):
-            bad.append(f"column 'logits' is {t}, expected fixed_size_list<float32>[E]")
-            E = -1
-        else:
-            E = t.list_size
+        E = _logits_width(t)
+        if E < 0:
+            bad.append(
+                f"column 'logits' is {t}, expected fixed_size_binary[4E] (E float32 values) or "
+                "fixed_size_list<float32>[E]"
+            )
     if lookahead:
         if "lookahead" not in schema.names:
             raise ValueError(
@@ -276,12 +290,17 @@ def _check_router_schema(path: Path, lookahead: bool) -> tuple[int, dict[str, An
 
 
 def _logit_rows(column: pa.ChunkedArray, n: int, E: int) -> np.ndarray:
-    """(n, E) float32 from a fixed_size_list<float32>[E] column."""
+    """(n, E) float32 from a logits column (`logits_type`, or the older float32 list)."""
     out = np.empty((n, E), dtype=np.float32)
     i = 0
     for chunk in column.chunks:
-        out[i : i + len(chunk)] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, E)
-        i += len(chunk)
+        m = len(chunk)
+        if pa.types.is_fixed_size_binary(chunk.type):
+            data = chunk.buffers()[1]
+            out[i : i + m] = np.frombuffer(data, "<f4", m * E, chunk.offset * 4 * E).reshape(m, E)
+        else:
+            out[i : i + m] = chunk.flatten().to_numpy(zero_copy_only=False).reshape(m, E)
+        i += m
     return out
 
 

@@ -7,10 +7,10 @@ the token table's metadata so that replays batch identically), with a `RouterHoo
 every MoE layer's router logits and lookahead logits (the layer's router applied one MoE layer
 earlier: what prefetch predicts from; docs/policy-semantics.md, v2).
 
-Router table rows are written in (stream, pos, layer) order, two fixed-size float32 lists of
-length E per row (logits, lookahead), in row groups of about `row_group_mb`, by a background
-thread. Memory is bounded by one batch's logits and lookahead (2 x B x T x L x E float32) plus
-two pending row groups.
+Router table rows are written in (stream, pos, layer) order, two rows of E float32 logits each
+(logits, lookahead; `moesub.artefacts.logits_type`), in row groups of about `row_group_mb`, by
+a background thread. Memory is bounded by one batch's logits and lookahead (2 x B x T x L x E
+float32) plus two pending row groups.
 
 `write_initial_sets` counts the calibration capture's top-k selections into the frequency
 initial sets. The artefacts' schemas, readers and writers are `moesub.artefacts`.
@@ -217,7 +217,7 @@ def run_capture(
         "dtype": opts.dtype,
         "batch_tokens": opts.batch_tokens,
     }
-    # positions per row group: two float32 lists of E per (position, layer)
+    # positions per row group: two rows of E float32 per (position, layer)
     rows_per_group = max(1, int(opts.row_group_mb * 2**20 // (2 * 4 * E * L)))
     stream = table.column("stream").to_numpy()
     starts = np.flatnonzero(np.r_[True, stream[1:] != stream[:-1]])
