@@ -10,8 +10,11 @@ ratio measured stream by stream back to back on one loaded model, and the end-to
 of `--repeats`, alternating). On this shape (hidden 128, E=512, expert width 16) a router costs
 as much as the k routed experts, so the lookahead's second router matmul per layer and the
 table's second logit column weigh far more than on a real checkpoint (hidden 2048: the router is
-~3% of a layer): measured on a shared 2-core machine, capture_batch / forward 1.06-1.22 without
-the lookahead, 1.26-1.32 with it. By default time is this process's CPU time with one torch thread,
+~3% of a layer). Measured on a shared 2-core machine (CPU time, min of 6 back-to-back rounds of
+4 x 512 tokens): capture_batch / forward 1.17 for the v1 capture (no lookahead, list logits),
+1.22 with the lookahead (binary logit rows); on a wider shape (hidden 512, E=128, k=8, width
+256) 1.08 and 1.04. This script's own ratios vary by +-0.2 between runs on that machine.
+By default time is this process's CPU time with one torch thread,
 which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
 elapsed time on an idle machine.
 
