@@ -186,3 +186,18 @@ def test_run_emulate_checks_the_v2_inputs_before_loading_the_model(tmp_path):
             *args, {"substitute_by": "coactivation"}, 0.25, out, None, tmp_path / "none.npz"
         )
     assert not out.exists()
+
+
+def test_greedy_decode_under_v2_matches_teacher_forced_emulation(model, initial, table):
+    """Decoding with the KV cache: the lookahead of each step's new rows comes from that step's
+    forward, and the decisions are the teacher-forced emulation's over the same tokens."""
+    from moesub.replay import greedy_decode
+
+    pol = SUBSTITUTING["biased_prefetch"]
+    prompt = [7, 21, 50, 3, 64, 12]
+    (res,) = greedy_decode(model, [prompt], pol, C, initial, 10, coactivation=table)
+    seq = np.array(prompt + res.tokens)
+    trace = emulate_stream(model, seq, pol, C, initial)
+    rows = np.arange(len(prompt) - 1, len(seq) - 1)
+    np.testing.assert_allclose(res.mass, trace.mass.sum(1)[rows], atol=1e-5)
+    assert sum(res.mass) > 0
