@@ -85,12 +85,7 @@ def _plain(value: Any) -> Any:
 
 
 def _schema_keys(section: str) -> dict[str, Any]:
-    node = mcfg._resolve(mcfg.config_schema())
-    for key in section.split("."):
-        node = mcfg._resolve(
-            node["additionalProperties"] if key == "*" else node["properties"][key]
-        )
-    return node["properties"]
+    return mcfg.schema_section(section)["properties"]
 
 
 @pytest.mark.parametrize(("section", "target", "workflow_keys"), SECTIONS)

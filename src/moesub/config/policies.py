@@ -1,0 +1,245 @@
+"""The study's policies: normalized from config, expanded by sweeps, selected per stage.
+
+`expand_policies` turns `policies:` and `sweeps:` into name -> full policy dict (defaults from
+the schema, every field checked, the cross-field rules by `moesub.policy.Policy`);
+`stage_policies` checks each stage's `policies:` list against them; the admission twins
+(`is_exact_twin`) pair each admission policy with the run that isolates its effect.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from moesub.config.names import check_name, number_label
+from moesub.config.schema import schema_defaults
+from moesub.policy import EVICTIONS, OFFLINE_EVICTIONS, RULES, Policy
+
+POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
+# v2's fields (docs/policy-semantics.md): a normalized policy carries one only where it differs
+# from the default, so every v1 policy keeps its exact params (and its jobs are not rerun)
+V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by")
+POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
+# The engine's reserved policy name: every expert in fast memory (the floor on time per token).
+# It may be listed in engine.policies / engine.bench.policies but not defined under policies:.
+ALL_RESIDENT = "all_resident"
+ALL_RESIDENT_POLICY: dict[str, Any] = {
+    "rule": "fetch_all",
+    **{key: POLICY_DEFAULTS[key] for key in POLICY_KEYS if key != "rule"},
+}
+# Stages that run a model online (stage -> its config keys): an offline eviction (belady)
+# cannot run there.
+ONLINE_STAGES = {
+    "emulate": ("emulate",),
+    "generate": ("generate",),
+    "engine": ("engine",),
+    "engine_bench": ("engine", "bench"),
+}
+
+
+def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A full `{rule, tau, eviction, beta, delay}` dict (defaults filled), checked, plus each v2
+    key (`V2_POLICY_KEYS`) whose value is not its default."""
+    where = f"policies.{name}"
+    unknown = sorted(set(spec) - set(POLICY_KEYS) - set(V2_POLICY_KEYS))
+    if unknown:
+        allowed = [*POLICY_KEYS, *V2_POLICY_KEYS]
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {allowed}")
+    if "rule" not in spec:
+        raise ValueError(f"{where}.rule is required (one of {list(RULES)})")
+    policy = {**POLICY_DEFAULTS, **spec}
+    if policy["rule"] not in RULES:
+        raise ValueError(f"{where}.rule={policy['rule']!r} is not one of {list(RULES)}")
+    if policy["eviction"] not in EVICTIONS + OFFLINE_EVICTIONS:
+        raise ValueError(
+            f"{where}.eviction={policy['eviction']!r} is not one of "
+            f"{list(EVICTIONS + OFFLINE_EVICTIONS)}"
+        )
+    for key in ("tau", "beta"):
+        value = policy[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{where}.{key}={value!r} must be a number >= 0")
+        policy[key] = float(value)
+    delay = policy["delay"]
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+        raise ValueError(f"{where}.delay={delay!r} must be an integer >= 1")
+    if policy["rule"] == "threshold" and policy["tau"] <= 0:
+        raise ValueError(f"{where}.tau must be > 0 for rule 'threshold'")
+    prefetch = policy["prefetch"]
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{where}.prefetch={prefetch!r} must be an integer >= 0")
+    bias = policy["route_bias"]
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias < 0:
+        raise ValueError(f"{where}.route_bias={bias!r} must be a number >= 0")
+    policy["route_bias"] = float(bias)
+    out = {key: policy[key] for key in POLICY_KEYS}
+    out |= {key: policy[key] for key in V2_POLICY_KEYS if policy[key] != POLICY_DEFAULTS[key]}
+    try:  # the cross-field rules (belady with route_bias, ...) have one home: Policy
+        Policy.from_dict(out)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return out
+
+
+def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
+    """`candidate` is the no-admission twin of admission policy `policy`: same rule, eviction,
+    (for `threshold`) tau and v2 fields, beta 0. Only such a pair isolates the effect of
+    admission."""
+    return (
+        candidate["beta"] == 0
+        and candidate["rule"] == policy["rule"]
+        and candidate["eviction"] == policy["eviction"]
+        and (policy["rule"] != "threshold" or math.isclose(candidate["tau"], policy["tau"]))
+        and all(
+            candidate.get(key, POLICY_DEFAULTS[key]) == policy.get(key, POLICY_DEFAULTS[key])
+            for key in V2_POLICY_KEYS
+        )
+    )
+
+
+def twin_spec(policy: Mapping[str, Any]) -> str:
+    """The config line of an admission policy's exact twin (for messages)."""
+    tau = f", tau: {number_label(policy['tau'])}" if policy["rule"] == "threshold" else ""
+    v2 = "".join(f", {key}: {policy[key]}" for key in V2_POLICY_KEYS if key in policy)
+    return f"{{rule: {policy['rule']}{tau}, eviction: {policy['eviction']}{v2}}}"
+
+
+def missing_admission_twins(
+    policies: Mapping[str, Mapping[str, Any]], names: list[str] | None = None
+) -> list[str]:
+    """One message per admission policy (beta > 0) among `names` (None: all) without its
+    exact twin among `names`: its admission effect cannot be measured."""
+    names = list(policies) if names is None else names
+    out = []
+    for name in names:
+        pol = policies[name]
+        if pol["beta"] > 0 and not any(is_exact_twin(pol, policies[n]) for n in names if n != name):
+            out.append(f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)})")
+    return out
+
+
+def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Named policies plus sweep policies, name -> full policy dict, in a stable order.
+
+    `sweeps.tau = {base, values}` adds `rule_tau<v>` = the `base` policy with `tau=v`;
+    `sweeps.beta = {base, values}` adds `<base>_beta<v>` = the `base` policy with `beta=v`;
+    `sweeps.route_bias` adds `cache_prior_<v>` (route_bias v), `sweeps.prefetch` `prefetch_<v>`
+    (prefetch v); `sweeps.belady = [names]` adds `<name>_belady` (eviction belady, the offline
+    bound of every policy listed, sweep policies included).
+    A sweep name that collides with a named policy is an error (say it once).
+    """
+    named = config.get("policies") or {}
+    if not named:
+        raise ValueError("policies: at least one policy is required")
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in named.items():
+        check_name(name, f"policies.{name}")
+        if name == ALL_RESIDENT:
+            raise ValueError(f"policies.{name}: the name is reserved for the engine's floor run")
+        out[name] = normalize_policy(name, spec)
+    sweeps = config.get("sweeps") or {}
+    names = {
+        "tau": lambda base, v: f"rule_tau{v}",
+        "beta": lambda base, v: f"{base}_beta{v}",
+        "route_bias": lambda base, v: f"cache_prior_{v}",
+        "prefetch": lambda base, v: f"prefetch_{v}",
+    }
+    for key, sweep_name in names.items():
+        sweep = sweeps.get(key)
+        if not sweep:
+            continue
+        base = sweep.get("base")
+        if base not in out:
+            raise ValueError(f"sweeps.{key}.base={base!r} is not a policy in policies:")
+        for value in sweep.get("values", []):
+            name = sweep_name(base, number_label(value))
+            if name in out:
+                raise ValueError(f"sweeps.{key}: policy {name!r} already exists")
+            spec = {**out[base], key: value}
+            if key == "tau":
+                spec["rule"] = "threshold"
+            out[name] = normalize_policy(name, spec)
+    for base in sweeps.get("belady") or []:
+        if base not in out:
+            raise ValueError(f"sweeps.belady: {base!r} is not a policy in policies: or a sweep")
+        name = f"{base}_belady"
+        if name in out:
+            raise ValueError(f"sweeps.belady: policy {name!r} already exists")
+        out[name] = normalize_policy(name, {**out[base], "eviction": "belady"})
+    return out
+
+
+def is_offline(policy: Mapping[str, Any]) -> bool:
+    """The policy needs the future (eviction belady): it runs in simulate only."""
+    return policy["eviction"] in OFFLINE_EVICTIONS
+
+
+def policy_subset(
+    policies: Mapping[str, Mapping[str, Any]],
+    names: list[str] | None,
+    where: str,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """Names selected by a stage's `policies:` list (None = all), each checked to exist.
+
+    `extra`: reserved names the stage accepts besides the configured policies (`all_resident`).
+    """
+    if names is None:
+        return list(policies)
+    missing = [n for n in names if n not in policies and n not in extra]
+    if missing:
+        known = list(policies) + list(extra)
+        raise ValueError(f"{where}: unknown policy name(s) {missing}; known: {known}")
+    return list(names)
+
+
+def stage_policies(
+    config: Mapping[str, Any], policies: Mapping[str, Mapping[str, Any]]
+) -> dict[str, list[str] | None]:
+    """The policy names each stage runs, checked against the expanded policies.
+
+    `engine` and `engine_bench` may also list `all_resident`; `engine_bench` is None when its
+    list is null (the library's own study set). `analysis.baseline` must be a policy. A null
+    list of an online stage (`ONLINE_STAGES`) leaves the offline (belady) policies out; listing
+    one there is an error. Warns (UserWarning) for every emulated admission policy without its
+    exact twin.
+    """
+
+    def names(*keys: str) -> list[str] | None:
+        node: Any = config
+        for key in keys:
+            node = (node or {}).get(key)
+        return node
+
+    out: dict[str, list[str] | None] = {
+        stage: policy_subset(policies, names(stage, "policies"), f"{stage}.policies")
+        for stage in ("simulate", "emulate", "generate")
+    }
+    out["engine"] = policy_subset(
+        policies, names("engine", "policies"), "engine.policies", extra=(ALL_RESIDENT,)
+    )
+    bench = names("engine", "bench", "policies")
+    out["engine_bench"] = (
+        None
+        if bench is None
+        else policy_subset(policies, bench, "engine.bench.policies", extra=(ALL_RESIDENT,))
+    )
+    for stage, keys in ONLINE_STAGES.items():
+        offline = [n for n in out[stage] or [] if n in policies and is_offline(policies[n])]
+        if offline and names(*keys, "policies") is not None:
+            raise ValueError(
+                f"{'.'.join(keys)}.policies: {offline} use eviction 'belady', the offline bound "
+                "(it needs the future): list them under simulate only"
+            )
+        if out[stage] is not None:
+            out[stage] = [n for n in out[stage] if n not in offline]
+    baseline = names("analysis", "baseline")
+    if baseline is not None:
+        policy_subset(policies, [baseline], "analysis.baseline")
+    # a warning, not an error: a run may leave a twin out on purpose (the analysis then reports
+    # that admission effect as missing, with this reason)
+    for message in missing_admission_twins(policies, out["emulate"]):
+        warnings.warn(f"emulate.policies: {message}", UserWarning, stacklevel=2)
+    return out
