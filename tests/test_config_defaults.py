@@ -131,7 +131,7 @@ def test_design_rule_defaults_are_the_schema_defaults(design):
 
 
 def test_workflow_helpers_read_the_schema():
-    """moesub.config's own defaults are the schema's: the policy fields and the embedded geometry."""
+    """moesub.config's own defaults are the schema's: the policy fields, the embedded geometry."""
     v1 = {key: mcfg.POLICY_DEFAULTS[key] for key in ("tau", "eviction", "beta", "delay")}
     assert v1 == {"tau": 0.0, "eviction": "lru", "beta": 0.0, "delay": 1}
     assert mcfg.schema_defaults("policies.*") == mcfg.POLICY_DEFAULTS
