@@ -303,3 +303,39 @@ def test_prefill_equals_stepping_the_prompt(stage, admission):
         assert prefilled["generated"] == stepped["generated"]
         np.testing.assert_allclose(prefilled["mass"][23:], stepped["mass"][23:], atol=1e-5)
     assert (prefilled["wall_s"][1:23] == 0).all() and prefilled["wall_s"][0] > 0
+
+
+def test_generate_stage_on_the_engine_and_the_emulator(tmp_path):
+    """The generate stage decodes on the engine by default: the rows carry time per generated
+    token (and the blocked times), the metadata the tier; under admission="delay" its tokens are
+    the emulator backend's (whose timing columns are null)."""
+    import polars as pl
+    from test_generate import gsm8k_file, tiny_checkpoint
+
+    from moesub.generate import run_generate
+    from moesub.io import read_metadata
+
+    root = tiny_checkpoint(tmp_path)
+    gsm8k_file(root / "gsm8k.jsonl", 40)
+    tables = {}
+    for backend in ("engine", "emulator"):
+        out = run_generate(
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            "speed", SPEED, 0.375, tmp_path / f"{backend}.parquet",
+            {"n": 3, "max_new_tokens": 8, "progress": False, "backend": backend},
+            {"store_path": str(tmp_path / "experts.bin")},
+        )  # fmt: skip
+        tables[backend] = (pl.read_parquet(out), read_metadata(out))
+    eng, meta = tables["engine"]
+    emu, emeta = tables["emulator"]
+    assert eng["tokens"].to_list() == emu["tokens"].to_list()
+    assert eng["correct"].to_list() == emu["correct"].to_list()
+    assert (eng["time_per_token_s"] > 0).all() and (eng["fetch_wait_s"] >= 0).all()
+    assert emu["time_per_token_s"].is_null().all()
+    assert meta["backend"] == "engine" and meta["admission"] == "delay" and "tier" in meta
+    assert meta["time_per_token_median_s"] > 0 and emeta["time_per_token_median_s"] is None
+    with pytest.raises(ValueError, match="backend"):
+        run_generate(
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            "speed", SPEED, 0.375, tmp_path / "x.parquet", {"backend": "gpu"},
+        )  # fmt: skip

@@ -153,10 +153,12 @@ def engine_env(wildcards):
 
 def engine_params(wildcards):
     """The engine section minus what the workflow consumes; the disk tier's expert file lives
-    under results/ (for a real checkpoint too, never beside the user's checkpoint)."""
+    under results/ (for a real checkpoint too, never beside the user's checkpoint). Generation
+    shares it (its jobs have no device wildcard: generate.device decides)."""
     params = section("engine", exclude=["devices", "policies", "bench"])
     # dtype null: the engine picks it per device (moesub.engine.spec.engine_dtype)
-    dtype = params.get("dtype") or f"auto-{wildcards.device}"
+    device = wildcards.device if "device" in wildcards.keys() else "generate"
+    dtype = params.get("dtype") or f"auto-{device}"
     if not params.get("store_path"):
         params["store_path"] = f"results/{wildcards.model}/engine/experts-{dtype}.bin"
     return canonical(params)

@@ -1,5 +1,5 @@
 # Stage 6 (generate): greedy generation (GSM8K, HumanEval, held-out code completion) under each
-# policy.
+# policy, on the offloading engine by default (generate.backend): rows carry time per token.
 
 
 rule generate:
@@ -24,5 +24,6 @@ rule generate:
         fraction=lambda wildcards: float(wildcards.fraction),
         core=core_build_id,
         generate=generate_params,
+        engine=engine_params,
     script:
         "../scripts/generate.py"

@@ -16,4 +16,5 @@ run_generate(
     snakemake.params.fraction,
     snakemake.output[0],
     snakemake.params.generate,
+    snakemake.params.engine,
 )

@@ -1,5 +1,13 @@
 """The generate stage: decode every problem of a task under a policy, score it, compare it with
-the exact model's output; one Parquet row per problem (OUTPUT_SCHEMA)."""
+the exact model's output; one Parquet row per problem (OUTPUT_SCHEMA).
+
+`backend="engine"` (the default) decodes on the offloading engine (`moesub.engine`: experts
+really copied, the one policy core, `admission` timing, the engine's options from the `engine:`
+config section), so each row carries real time per generated token beside its accuracy; with
+`admission="delay"` its tokens are the emulator's (`tests/test_engine_generate.py`).
+`backend="emulator"` decodes with `moesub.replay.greedy_decode` (no timing). The exact model's
+output, when no reference artefact is given, always comes from the emulator without a policy.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +52,16 @@ OUTPUT_SCHEMA = pa.schema(
         ("target", pa.string()),  # GSM8K: gold number; HumanEval: entry point; completion: line
         ("stopped", pa.bool_()),  # ended by a stop token before max_new_tokens
         ("tokens", pa.list_(pa.int32())),  # every generated token id (reference reuse)
+        # engine backend (null on the emulator): per generated token, the median wall time of
+        # the step that produced it, and the mean time blocked on synchronous fetches, late
+        # prefetches and the host's experts
+        ("time_per_token_s", pa.float64()),
+        ("fetch_wait_s", pa.float64()),
+        ("prefetch_wait_s", pa.float64()),
+        ("host_wait_s", pa.float64()),
     ]
 )
+TIMING_COLUMNS = ("time_per_token_s", "fetch_wait_s", "prefetch_wait_s", "host_wait_s")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -78,6 +94,10 @@ class GenerateParams:
     # code completion: prompt ends inside the line | at its start
     line_cut: str = _COMPLETION["line_cut"]
     device: str = _DEFAULTS["device"]  # auto | cpu | cuda
+    backend: str = _DEFAULTS["backend"]  # engine (timed) | emulator
+    # the engine's admission timing: "delay" (the emulator's decisions, so its tokens) or
+    # "completion" (copies usable when they land)
+    admission: str = _DEFAULTS["admission"]
     progress: bool = True
     reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
 
@@ -161,13 +181,27 @@ def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> 
 def decode_items(
     model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts
 ) -> list:
-    """Greedy continuations (`moesub.replay.DecodeResult`) of every item's prompt."""
+    """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
+    (its own policy; `EngineDecodeResult`s) or a Hugging Face model (the emulator under
+    `policy`, None = the exact model; `moesub.replay.DecodeResult`s)."""
+    from moesub.engine import EngineModel
     from moesub.replay import greedy_decode
 
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
+    if isinstance(model, EngineModel):
+        return model.generate(prompts, opts.max_new_tokens, stop, opts.progress)
     return greedy_decode(
         model, prompts, policy, capacity, initial, opts.max_new_tokens, stop, opts.progress
     )
+
+
+def step_times(res) -> dict[str, float | None]:
+    """The timing columns of one decoded problem (None on the emulator or with no token)."""
+    wall = getattr(res, "wall_s", None)
+    if wall is None or len(wall) == 0:
+        return dict.fromkeys(TIMING_COLUMNS)
+    waits = {c: float(np.mean(res.steps[c])) for c in TIMING_COLUMNS[1:]}
+    return {"time_per_token_s": float(np.median(wall)), **waits}
 
 
 def _reference(path: str | os.PathLike, ids: list[str]) -> list[tuple[list[int], int]]:
@@ -201,14 +235,18 @@ def generate_rows(
     initial,
     num_layers: int,
     opts: GenerateParams,
+    exact_model=None,
 ) -> pa.Table:
     """Decode, score and compare every item; one row per problem (OUTPUT_SCHEMA).
 
-    `policy` is a `moesub.policy.Policy`. Agreement and mass cover the *scored* tokens: those
-    within the task's stop cut, on both sides (the exact output is cut the same way)."""
+    `policy` is a `moesub.policy.Policy`; `model` decodes under it (an `EngineModel` built for
+    it, or a Hugging Face model for the emulator). `exact_model`, a function returning a Hugging
+    Face model (called only when the exact reference is needed; default: `model`), decodes the
+    exact reference. Agreement and mass cover the *scored* tokens: those within the task's stop cut,
+    on both sides (the exact output is cut the same way)."""
     stop = stop_ids(task, tokenizer)
 
-    def decode_and_cut(policy, capacity, initial) -> tuple[list, list[str], list[int]]:
+    def decode_and_cut(policy, capacity, initial, model=model) -> tuple[list, list[str], list]:
         """Decoded results, their stop-cut outputs, and how many tokens each output spans."""
         results = decode_items(model, tokenizer, items, policy, capacity, initial, stop, opts)
         outputs, n_scored = [], []
@@ -224,7 +262,8 @@ def generate_rows(
     elif policy.rule in EXACT_RULES:  # its greedy output is the exact model's
         reference = [(r.tokens, m) for r, m in zip(results, n_scored, strict=True)]
     else:
-        exact, _, exact_scored = decode_and_cut(None, 0, None)
+        ref_model = model if exact_model is None else exact_model()
+        exact, _, exact_scored = decode_and_cut(None, 0, None, model=ref_model)
         reference = [(r.tokens, m) for r, m in zip(exact, exact_scored, strict=True)]
     rows: dict[str, list] = {f.name: [] for f in OUTPUT_SCHEMA}
     for item, res, out, m, (ref, m_ref) in tqdm(
@@ -254,6 +293,8 @@ def generate_rows(
         rows["target"].append(item.target)
         rows["stopped"].append(bool(res.stopped))
         rows["tokens"].append(list(res.tokens))
+        for col, value in step_times(res).items():
+            rows[col].append(value)
     return pa.table(rows, schema=OUTPUT_SCHEMA)
 
 
@@ -268,16 +309,19 @@ def run_generate(
     fraction: float,
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
+    engine_params: Mapping[str, Any] | None = None,
 ) -> Path:
     """Generate one (task, policy, fraction): one row per problem (OUTPUT_SCHEMA) at `out_path`.
 
     `data_path`: GSM8K JSONL; HumanEval JSONL(.gz) or None (the bundled copy); code completion:
     a corpus_files.parquet or None (the model's own). When the data is missing, an empty table
     is written whose metadata `missing_data` holds the message (what is missing, how to provide
-    it); the message is also logged.
+    it); the message is also logged. `engine_params`: the engine's options (the `engine:`
+    section: dtype, store_path, staging_buffers, ...) for `params.backend="engine"`; the
+    admission timing comes from `params.admission`.
     """
     from moesub.artefacts import initial_set_for
-    from moesub.models import load_model, moe_info
+    from moesub.models import check_checkpoint, load_model, load_tokenizer
     from moesub.policy import CORE_BUILD_ID, check_capacity
     from moesub.replay import check_run, policy_from_dict
 
@@ -292,6 +336,19 @@ def run_generate(
     opts = GenerateParams.from_dict(params)
     if opts.reference_path is not None and not Path(opts.reference_path).is_file():
         raise FileNotFoundError(f"params.reference_path: {opts.reference_path} does not exist")
+    info = check_checkpoint(model_dir)
+    capacity = check_capacity(fraction, info.num_experts, info.top_k)
+    device = torch_device(opts.device)
+    spec = None
+    if opts.backend == "engine":  # every engine input checked before any work
+        from moesub.engine.spec import resolve_engine
+
+        eng_params = {**(engine_params or {}), "admission": opts.admission}
+        eng_params.setdefault("progress", opts.progress)
+        spec = resolve_engine(
+            model_dir, name, pol, fraction, str(device), eng_params,
+            initial_sets_path=initial_sets_path,
+        )  # fmt: skip
     meta: dict[str, Any] = {
         "task": task,
         "name": name,
@@ -300,6 +357,7 @@ def run_generate(
         "data_path": None if data_path is None else str(data_path),
         "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
         "core_build_id": CORE_BUILD_ID,
+        "backend": opts.backend,
     }
     try:
         items = task_items(task, data_path, model_dir, opts)
@@ -308,17 +366,29 @@ def run_generate(
         meta["missing_data"] = str(exc)
         return write_parquet(OUTPUT_SCHEMA.empty_table(), out_path, metadata=meta)
 
-    model, tokenizer = load_model(model_dir, device=torch_device(opts.device))
-    if tokenizer is None:
-        raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
-    info = moe_info(model)
-    capacity = check_capacity(fraction, info.num_experts, info.top_k)
     initial = initial_set_for(
         initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
     )
-    table = generate_rows(
-        model, tokenizer, task, items, name, pol, fraction, capacity, initial, info.num_layers, opts
-    )
+    if spec is not None:
+        from moesub.engine import EngineModel
+
+        tokenizer = load_tokenizer(model_dir)
+        with EngineModel(model_dir, spec) as engine:
+            table = generate_rows(
+                engine, tokenizer, task, items, name, pol, fraction, capacity, initial,
+                info.num_layers, opts,
+                exact_model=lambda: load_model(model_dir, device=device)[0],
+            )  # fmt: skip
+            meta["tier"] = engine.setup.tier.description
+            meta["admission"] = opts.admission
+    else:
+        model, tokenizer = load_model(model_dir, device=device)
+        if tokenizer is None:
+            raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
+        table = generate_rows(
+            model, tokenizer, task, items, name, pol, fraction, capacity, initial,
+            info.num_layers, opts,
+        )  # fmt: skip
     if task == "humaneval":
         from moesub.sandbox import probe_isolation
 
@@ -331,4 +401,6 @@ def run_generate(
     acc = float(np.mean(correct)) if correct else math.nan
     log.info("generate %s/%s f%s: accuracy %.3f over %d", task, name, fraction, acc, len(correct))
     meta["accuracy"] = acc if not math.isnan(acc) else None
+    times = [t for t in table.column("time_per_token_s").to_pylist() if t is not None]
+    meta["time_per_token_median_s"] = float(np.median(times)) if times else None
     return write_parquet(table, out_path, metadata=meta)
