@@ -37,7 +37,7 @@ from moesub.coactivation import read_coactivation
 from moesub.config import schema_defaults
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
-from moesub.models import ModelLoading, moe_info, stream_batches, stream_nll
+from moesub.models import ModelLoading, input_device, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
 from moesub.policy import CORE_BUILD_ID, STATUS_NAMES, check_capacity, check_initial
 from moesub.replay import (
@@ -46,7 +46,6 @@ from moesub.replay import (
     check_run,
     forward_step,
     load_for_capture,
-    model_device,
     policy_router,
     replay_policy,
     router_context,
@@ -87,7 +86,7 @@ def emulate_batch(
         policy_router(model, policy, capacity, initial, coactivation, record=record) for _ in ids
     ]
     with router_context(model, BatchRouter(routers)):
-        nll = stream_nll(model, torch.from_numpy(ids).to(model_device(model)))  # (B, T)
+        nll = stream_nll(model, torch.from_numpy(ids))  # (B, T)
     return [r.take(row) for r, row in zip(routers, nll, strict=True)]
 
 
@@ -176,7 +175,7 @@ def emulate_token_by_token(
     called per token and layer. Must equal `emulate_stream` (ids, status, NLL)."""
     router = policy_router(model, policy, capacity, initial, coactivation, record=True)
     ids = np.asarray(ids, dtype=np.int64)
-    device = model_device(model)
+    device = input_device(model)
     nll = np.full(len(ids), np.nan)
     cache = None
     with router_context(model, router):

@@ -1,7 +1,7 @@
 """Replaying a captured model under a policy: what emulate, Experiment B and generation share.
 
 - **model loading** (`load_for_capture`): the model in the capture's dtype, checked against the
-  capture's token table (geometry, vocabulary); `check_geometry`, `model_device`, `check_run`
+  capture's token table (geometry, vocabulary); `check_geometry`, `check_run`
   (a run's name and cache fraction; the replays' options are checked by the config schema);
 - **policy routers**: `PolicyRouter` hands each MoE layer's router logits (and, for prefetch,
   the lookahead logits the hook computes from the replayed hidden states) to that layer's
@@ -116,12 +116,6 @@ def load_for_capture(
     check_geometry(token_meta, info, "tokens_path")
     tokens = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
     return model, info, tokens, dtype
-
-
-def model_device(model) -> torch.device:
-    """Where the model's input ids go (`moesub.models.input_device`: the embedding's
-    execution device, also when Accelerate placed or offloaded the layers)."""
-    return input_device(model)
 
 
 # --------------------------------------------------------------------------- policy routers
@@ -425,7 +419,7 @@ def greedy_decode(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if policy is not None:
         policy = replay_policy(policy)
-    device = model_device(model)
+    device = input_device(model)
     results = []
     for prompt in tqdm(prompts, desc="decode", unit="prompt", disable=not progress):
         if len(prompt) == 0:

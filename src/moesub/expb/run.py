@@ -45,7 +45,6 @@ from moesub.replay import (
     check_geometry,
     computed_ids,
     load_for_capture,
-    model_device,
 )
 
 DESIGNS = ("study", "matched")
@@ -213,7 +212,7 @@ def expb_streams(
         routers = [ForcedRouter(resident, select(streams[i][0]), info.top_k) for i in batch]
         ids = np.stack([streams[i][1]["token_id"].to_numpy() for i in batch])  # (B, T)
         with RouterHook(model, BatchRouter(routers)):
-            nll = stream_nll(model, torch.from_numpy(ids.astype(np.int64)).to(model_device(model)))
+            nll = stream_nll(model, torch.from_numpy(ids.astype(np.int64)))
         for i, router, row_nll in zip(batch, routers, nll, strict=True):
             mass, n_sub, rank_sum, planned = router.take()  # each (T, L)
             realized.append(mass)
