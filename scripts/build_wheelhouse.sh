@@ -52,7 +52,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$DEST" ] || usage
-[[ $GLIBC =~ ^2\.[0-9]+$ ]] || { echo "build_wheelhouse: --glibc wants 2.N, got '$GLIBC'" >&2; exit 2; }
+if ! [[ $GLIBC =~ ^2\.[0-9]+$ ]]; then
+  echo "build_wheelhouse: --glibc wants 2.N, got '$GLIBC'" >&2
+  exit 2
+fi
 
 # pip matches a manylinux tag exactly: list every one the target's glibc runs.
 PLATFORMS=(--platform manylinux1_x86_64 --platform manylinux2010_x86_64
@@ -97,7 +100,8 @@ for whl in tmp.glob("*.whl"):
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
     dist = name(re.search(r"^Name: (.+)$", text, re.M).group(1))
-    needs[dist] = [r for r in re.findall(r"^Requires-Dist: (.+)$", text, re.M) if "extra ==" not in r]
+    reqs = re.findall(r"^Requires-Dist: (.+)$", text, re.M)
+    needs[dist] = [r for r in reqs if "extra ==" not in r]
 for req in (tmp / "requirements.txt").read_text().split("\n"):
     if not req:
         continue

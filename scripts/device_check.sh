@@ -128,7 +128,7 @@ import re, sys
 from importlib import metadata
 from pathlib import Path
 
-have = {re.sub(r"[-_.]+", "_", d.metadata["Name"]).lower() for d in metadata.distributions()}
+have = {re.sub(r"[-_.]+", "_", d.metadata["Name"] or "").lower() for d in metadata.distributions()}
 for whl in sorted(Path(sys.argv[1]).glob("*.whl")):
     if whl.name.split("-")[0].lower() not in have:
         print(whl)
