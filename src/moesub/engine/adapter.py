@@ -35,13 +35,12 @@ from moesub.engine.spec import EngineParams, engine_dtype
 from moesub.engine.store import (
     DTYPES,
     StoreLayout,
-    aligned_empty,
     measure_read_bandwidth,
     model_experts,
     open_or_write_store,
     tensor_fingerprint,
 )
-from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, host_ids_to_local, require_cuda
+from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, require_cuda
 from moesub.models import RouterHook
 from moesub.policy import HOST
 
@@ -52,25 +51,27 @@ def prefill_forward(
     engine: OffloadEngine, layer: int, hidden: torch.Tensor, ids: np.ndarray, weights: torch.Tensor
 ) -> torch.Tensor:
     """A prompt's routed expert output [N, H]: `ids (N, k)` the computed experts (-1 = none),
-    each read once from the slow tier (PREFILL_SCRATCH_BYTES at a time) and applied to all its
-    rows in one matmul on the host, as transformers' experts loop does; the weighted outputs are
-    summed over the k slots in slot order, as `kernels.expert_forward` does."""
+    read from the slow tier in runs of consecutive ids (`read_range`, PREFILL_SCRATCH_BYTES at a
+    time) and each applied to all its rows in one matmul on the host, as transformers' experts
+    loop does; the weighted outputs are summed over the k slots in slot order, as
+    `kernels.expert_forward` does."""
     x, w = hidden.detach().cpu(), weights.detach().cpu()
     ids = np.asarray(ids)
-    local, experts = host_ids_to_local(ids)
+    experts = np.unique(ids[ids >= 0])
     lay = engine.tier.layout
-    per = max(1, PREFILL_SCRATCH_BYTES // lay.expert_bytes)
+    span = max(1, PREFILL_SCRATCH_BYTES // lay.expert_stride)  # expert ids per read
     ys = x.new_zeros(*ids.shape, x.shape[-1])  # (N, k, H)
-    for c0 in range(0, len(experts), per):
-        chunk = experts[c0 : c0 + per].tolist()
-        gu = aligned_empty((len(chunk), *lay.gate_up_shape), lay.torch_dtype)
-        dn = aligned_empty((len(chunk), *lay.down_shape), lay.torch_dtype)
-        for g, e in enumerate(chunk):
-            engine.tier.read_host(layer, e, gu[g], dn[g])
-            rows, slots = np.nonzero(local == c0 + g)
-            gate, up = F.linear(x[rows].to(gu.dtype), gu[g]).chunk(2, dim=-1)
-            y = F.linear(engine.act(gate) * up, dn[g])  # (rows, H)
+    i = 0
+    while i < len(experts):
+        lo = int(experts[i])
+        run = experts[(experts >= lo) & (experts < lo + span)]
+        gu, dn = engine.tier.read_range(layer, lo, int(run[-1]) - lo + 1)
+        for e in run.tolist():
+            rows, slots = np.nonzero(ids == e)
+            gate, up = F.linear(x[rows].to(gu.dtype), gu[e - lo]).chunk(2, dim=-1)
+            y = F.linear(engine.act(gate) * up, dn[e - lo])  # (rows, H)
             ys[rows, slots] = (y * w[rows, slots].to(y.dtype)[:, None]).to(ys.dtype)
+        i += len(run)
     return ys.sum(dim=1).to(device=hidden.device, dtype=hidden.dtype)
 
 

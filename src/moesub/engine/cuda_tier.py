@@ -40,6 +40,7 @@ from moesub.engine.tiers import (
     HostSync,
     SlotBuffers,
     host_ids_to_local,
+    read_experts,
     require_cuda,
 )
 
@@ -320,9 +321,13 @@ class CudaTier:
         with self.cuda.stream(self.compute):
             return buf.to(self.device, non_blocking=True), nbytes
 
-    def read_host(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
-        """One expert's weights from the slow tier into host buffers (a prompt's prefill)."""
-        return self.host.read_into(layer, expert, gate_up, down)
+    def read_range(self, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts first..first+count-1 of a layer on the host (a prompt's prefill): views of
+        the pinned layer, or one sequential read of a layer on disk."""
+        if self.host.on_disk(layer):
+            return read_experts(self.host.store, layer, first, count)
+        gu, dn = self.host.layer(layer)
+        return gu[first : first + count], dn[first : first + count]
 
     def host_begin(
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
