@@ -237,3 +237,17 @@ def test_prefetch_errors(tmp_path):
         OffloadEngine(engine.tier, E, K, C, Policy(prefetch=C + 1), None, ACT)
     assert list(top_n(np.array([1.0, 3.0, 3.0, 2.0], np.float32), 3)) == [1, 2, 3]
     assert TokenStats().prefetches == 0
+
+
+def test_expert_runs_read_nearby_experts_together(monkeypatch):
+    """Prefill and slot loading read experts in runs: ids within RUN_GAP_BYTES of each other
+    in one read, never more than RUN_BYTES at once."""
+    from moesub.engine import tiers
+
+    monkeypatch.setattr(tiers, "RUN_GAP_BYTES", 2 * 100)
+    monkeypatch.setattr(tiers, "RUN_BYTES", 6 * 100)
+    runs = tiers.expert_runs(np.array([0, 1, 3, 6, 7, 8, 20]), stride=100)
+    # 1 -> 3 leaves one unused expert (merged); adding 6 would make the run 700 B > 600 (a new
+    # run); 8 -> 20 leaves 1100 B unused (a new run)
+    assert runs == [(0, [0, 1, 3]), (6, [6, 7, 8]), (20, [20])]
+    assert tiers.expert_runs(np.array([], np.int64), 100) == []

@@ -40,38 +40,28 @@ from moesub.engine.store import (
     open_or_write_store,
     tensor_fingerprint,
 )
-from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, require_cuda
+from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, expert_runs, require_cuda
 from moesub.models import RouterHook
 from moesub.policy import HOST
-
-PREFILL_SCRATCH_BYTES = 256 * 2**20  # experts read at once for a prompt's rows
 
 
 def prefill_forward(
     engine: OffloadEngine, layer: int, hidden: torch.Tensor, ids: np.ndarray, weights: torch.Tensor
 ) -> torch.Tensor:
     """A prompt's routed expert output [N, H]: `ids (N, k)` the computed experts (-1 = none),
-    read from the slow tier in runs of consecutive ids (`read_range`, PREFILL_SCRATCH_BYTES at a
-    time) and each applied to all its rows in one matmul on the host, as transformers' experts
-    loop does; the weighted outputs are summed over the k slots in slot order, as
-    `kernels.expert_forward` does."""
+    read from the slow tier in runs of nearby ids (`tiers.expert_runs`, `read_range`), each
+    applied to all its rows in one matmul on the host, as transformers' experts loop does; the
+    weighted outputs are summed over the k slots in slot order, as `kernels.expert_forward`."""
     x, w = hidden.detach().cpu(), weights.detach().cpu()
     ids = np.asarray(ids)
-    experts = np.unique(ids[ids >= 0])
-    lay = engine.tier.layout
-    span = max(1, PREFILL_SCRATCH_BYTES // lay.expert_stride)  # expert ids per read
     ys = x.new_zeros(*ids.shape, x.shape[-1])  # (N, k, H)
-    i = 0
-    while i < len(experts):
-        lo = int(experts[i])
-        run = experts[(experts >= lo) & (experts < lo + span)]
-        gu, dn = engine.tier.read_range(layer, lo, int(run[-1]) - lo + 1)
-        for e in run.tolist():
+    for lo, run in expert_runs(np.unique(ids[ids >= 0]), engine.tier.layout.expert_stride):
+        gu, dn = engine.tier.read_range(layer, lo, run[-1] - lo + 1)
+        for e in run:
             rows, slots = np.nonzero(ids == e)
             gate, up = F.linear(x[rows].to(gu.dtype), gu[e - lo]).chunk(2, dim=-1)
             y = F.linear(engine.act(gate) * up, dn[e - lo])  # (rows, H)
             ys[rows, slots] = (y * w[rows, slots].to(y.dtype)[:, None]).to(ys.dtype)
-        i += len(run)
     return ys.sum(dim=1).to(device=hidden.device, dtype=hidden.dtype)
 
 

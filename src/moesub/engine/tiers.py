@@ -56,6 +56,24 @@ def host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return local.reshape(host_ids.shape), experts
 
 
+RUN_GAP_BYTES = 2**20  # experts this close in the file are read in one sequential read
+RUN_BYTES = 256 * 2**20  # at most this much per read
+
+
+def expert_runs(experts: np.ndarray, stride: int) -> list[tuple[int, list[int]]]:
+    """Sorted expert ids -> runs `(first id, ids)` to read together: a gap of more than
+    RUN_GAP_BYTES (unused experts read for nothing) or a run past RUN_BYTES starts a new one."""
+    runs: list[tuple[int, list[int]]] = []
+    for e in np.asarray(experts).tolist():
+        if runs:
+            lo, ids = runs[-1]
+            if (e - ids[-1] - 1) * stride <= RUN_GAP_BYTES and (e - lo + 1) * stride <= RUN_BYTES:
+                ids.append(e)
+                continue
+        runs.append((e, [e]))
+    return runs
+
+
 def read_experts(
     store: ExpertStore, layer: int, first: int, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,11 +260,15 @@ class DiskTier:
         )
 
     def load(self, layer: int, resident: np.ndarray) -> None:
-        """Fill the slots with `resident` (C,) experts (-1 = leave empty); not timed."""
+        """Fill the slots with `resident` (C,) experts (-1 = leave empty); not timed. Experts
+        close together in the file are read together (`expert_runs`)."""
         s = self.slots[layer]
-        for slot, e in enumerate(resident.tolist()):
-            if e >= 0:
-                self.store.read_into(layer, e, s.gate_up[slot], s.down[slot])
+        slot_of = {e: slot for slot, e in enumerate(resident.tolist()) if e >= 0}
+        for lo, run in expert_runs(np.array(sorted(slot_of)), self.layout.expert_stride):
+            gu, dn = read_experts(self.store, layer, lo, run[-1] - lo + 1)
+            for e in run:
+                s.gate_up[slot_of[e]].copy_(gu[e - lo])
+                s.down[slot_of[e]].copy_(dn[e - lo])
 
     def fetch(self, layer: int, pairs: Sequence[tuple[int, int]]) -> int:
         """Synchronously copy experts into slots: pairs of (expert, slot). Returns bytes."""
