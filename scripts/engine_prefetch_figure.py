@@ -48,6 +48,8 @@ if not path.exists():
 store = ExpertStore(path, expected=lay)
 K, E, L = 10, a.experts, a.layers
 C = capacity_for(0.25, E)
+if C < K:
+    ap.error(f"--experts {E}: a 25% cache holds {C} experts, fewer than top-{K} (give >= 40)")
 T = a.warmup + a.tokens
 z = synthetic_logits(T, L, E, seed=1)
 rng = np.random.default_rng(2)
