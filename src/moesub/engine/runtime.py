@@ -11,11 +11,10 @@ the slot ids of the computed experts stay on the host, where the expert kernel p
 (`moesub.policy.LayerCache`, external admission mode): the engine only carries decisions out
 and tells the core when a background copy has really completed (`LayerCache.admit`).
 
-Background copies (the tier's `request` / `completed` / `install` / `discard`) serve two
-purposes: admissions (the core's requests) and speculative prefetches. A slot the core has
-given an expert whose copy has not landed yet is *stale*; no kernel reads a stale slot (the
-engine waits for its copy first), and a copy that lands for an expert no longer in its slot is
-discarded.
+Background copies (the tier's `request` / `completed` / `install` / `discard`) serve the core's
+admissions and speculative prefetches. A slot the core has given an expert whose copy has not
+landed yet is *stale*: no kernel reads it (the engine waits for the copy first); a copy that
+lands for an expert no longer in its slot is discarded.
 
 Admission timing (`admission=`):
 - `"completion"` (default): at the start of every token, every admission copy that has
@@ -145,7 +144,7 @@ class OffloadEngine:
         self.caches: list[LayerCache] = []
         self.stats = TokenStats()
         self.token = 0  # tokens begun since the last reset
-        self.prefilling = False  # between begin_token and end_prefill of a prompt's rows
+        self.prefilling = False  # a prompt's rows are being routed (until end_prefill)
         self._syncs_at_begin = 0
         self.reset()
 
@@ -153,6 +152,7 @@ class OffloadEngine:
         """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed
         (`load=False`: not yet, a prefill follows and `end_prefill` loads them)."""
         self.tier.drain()
+        self.prefilling = False
         L = self.num_layers
         # per layer: background copies requested, in request order: [expert, purpose, token]
         self._flight: list[collections.deque] = [collections.deque() for _ in range(L)]
