@@ -10,12 +10,15 @@ overrides; its model, streams, captures and regime table go to OUT/NAME (never r
 
 `evaluate` works on any embedded checkpoint (e.g. the pipeline's results/embedded/model) and
 uses the config's `streams:` section unless `--eval-streams N --stream-len T` override it.
-`table` prints one Markdown row per evaluated variant (docs/model-regime.md).
+`table` prints one Markdown row per evaluated variant (docs/model-regime.md); `steptime` times
+the training step of trained models taking turns (a training time measured for the first scales
+to the others by the ratio, whatever the load).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -116,37 +119,97 @@ def evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def _heldout_ids(model_dir: Path, eval_fraction: float):
+    """The model's config and the token ids of the documents held out at `eval_fraction`."""
+    from transformers import AutoTokenizer
+
+    from moesub.corpus import collect_corpus, encode_documents, split_of
+    from moesub.embedded.config import EmbeddedConfig
+
+    config = json.loads((model_dir / "train_summary.json").read_text())["config"]
+    if eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
+        raise ValueError(f"eval fraction {eval_fraction}: overlaps {model_dir}'s training split")
+    docs, texts = collect_corpus(EmbeddedConfig.from_params(config))
+    calib = config["calib_fraction"]
+    eval_texts = [
+        t for d, t in zip(docs, texts, strict=True)
+        if split_of(d.path, calib, eval_fraction) == "eval"
+    ]  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = encode_documents(tokenizer, eval_texts, "tokenizing eval", tokenizer.eos_token_id)
+    return config, ids
+
+
 def perplexity(args: argparse.Namespace) -> None:
     """Held-out perplexity on the documents of a given eval fraction (the embedded model's own
     measure, `moesub.embedded.heldout_perplexity`), so that models trained with different
     eval splits are compared on the same documents."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from moesub.corpus import collect_corpus, encode_documents, split_of
     from moesub.embedded.training import heldout_perplexity
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
-    config = json.loads((model_dir / "train_summary.json").read_text())["config"]
-    if args.eval_fraction > config["eval_fraction"] + config["calib_fraction"]:
-        raise ValueError(f"--eval-fraction {args.eval_fraction}: overlaps the training split")
-    from moesub.embedded.config import EmbeddedConfig
-
-    docs, texts = collect_corpus(EmbeddedConfig.from_params(config))
-    calib = config["calib_fraction"]
-    eval_texts = [
-        t for d, t in zip(docs, texts, strict=True)
-        if split_of(d.path, calib, args.eval_fraction) == "eval"
-    ]  # fmt: skip
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = encode_documents(tokenizer, eval_texts, "tokenizing eval", tokenizer.eos_token_id)
+    config, ids = _heldout_ids(model_dir, args.eval_fraction)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ppl = heldout_perplexity(model, ids, config["seq_len"], config["eval_tokens"])
     out = {"model_dir": str(model_dir), "eval_fraction": args.eval_fraction, **ppl}
     print(json.dumps(out))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def steptime(args: argparse.Namespace) -> None:
+    """Seconds per training step of each trained model (its own recipe, `train` continued from
+    its checkpoint on held-out tokens), the models taking turns for `--rounds` rounds so that
+    load from other processes falls on all of them alike: the ratio to the first model scales
+    a training time measured for it (e.g. the default run's) to the others."""
+    import statistics
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moesub.embedded.config import EmbeddedConfig
+    from moesub.embedded.training import _deterministic, train
+
+    torch.set_num_threads(args.threads)
+    runs = []
+    for model_dir in map(Path, args.model_dirs):
+        config, ids = _heldout_ids(model_dir, args.eval_fraction)
+        cfg = EmbeddedConfig.from_params(config)
+        # a token budget of `--steps` steps, no wall-clock budget
+        budget = args.steps * cfg.tokens_per_step
+        cfg = dataclasses.replace(cfg, max_tokens=budget, train_seconds=None)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        runs.append((model_dir, cfg, model, np.asarray(ids, dtype=np.int32), []))
+    for _ in range(args.rounds):
+        for _, cfg, model, ids, times in runs:
+            with _deterministic(cfg.deterministic):
+                log, _ = train(model, ids, cfg)
+            # per-step times, without each call's first step (optimizer state allocation)
+            times.extend(np.diff(log["elapsed_s"]).tolist())
+    # the median, and the fastest step (the least disturbed by other processes' bursts)
+    base, base_min = statistics.median(runs[0][4]), min(runs[0][4])
+    result = []
+    for model_dir, _, _, _, times in runs:
+        med, fastest = statistics.median(times), min(times)
+        result.append(
+            {
+                "model_dir": str(model_dir),
+                "s_per_step": med,
+                "ratio": med / base,
+                "fastest_s_per_step": fastest,
+                "fastest_ratio": fastest / base_min,
+            }
+        )
+        print(
+            f"{model_dir}: {med:.3f} s/step (median of {len(times)}), x{med / base:.3f}; "
+            f"fastest {fastest:.3f} s, x{fastest / base_min:.3f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 def table(args: argparse.Namespace) -> None:
@@ -202,6 +265,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None)
     p.set_defaults(run=perplexity)
+    p = sub.add_parser("steptime")
+    p.add_argument("model_dirs", nargs="+", help="trained models; ratios are to the first")
+    p.add_argument("--steps", type=int, default=20, help="steps per model and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="tokens it trains on")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.set_defaults(run=steptime)
     p = sub.add_parser("table")
     p.add_argument("out")
     p.set_defaults(run=table)
