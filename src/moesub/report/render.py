@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 
 from moesub.io import atomic_path
+from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.experiments import (
     admission_bins_table,
     admission_table,
@@ -21,7 +22,6 @@ from moesub.report.experiments import (
     regime_table,
     regime_verdicts,
 )
-from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline, recommendation_lines
 from moesub.report.load import ci_label, load_outputs, load_recommendations, summarize_reasons
