@@ -38,13 +38,6 @@ ALIGN = 4096
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"dtype: {dtype} is not supported by the expert store; use {list(DTYPES)}")
-
-
 def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
