@@ -244,6 +244,53 @@ def computed_ids(
     return align_ids(model_ids, selected, computed, logits=logits)
 
 
+def rerouted_rows(model_ids: torch.Tensor, selected: np.ndarray) -> np.ndarray:
+    """(N,) bool: the rows whose core selection S (route_bias) is not the router's own top-k set
+    (a tie at the k-th place is not a reroute: `align_ids` resolves it)."""
+    mid = model_ids.detach().cpu().numpy()
+    return ~(np.sort(mid, axis=1) == np.sort(selected, axis=1)).all(axis=1)
+
+
+def place_ranked(
+    model_ids: torch.Tensor,
+    selected: np.ndarray,
+    per_rank: np.ndarray,
+    logits: torch.Tensor,
+    rerouted: np.ndarray,
+) -> torch.Tensor:
+    """A per-rank array `(N, k)` of the core (computed experts; the engine's cache slots) in the
+    slot order the block computes in: the model's slot order (`align_ids`) for a row the router
+    chose itself, S's rank order for a rerouted row. On `model_ids`' device and dtype."""
+    if not rerouted.any():
+        return align_ids(model_ids, selected, per_rank, logits=logits)
+    out = torch.from_numpy(np.ascontiguousarray(per_rank)).to(model_ids)
+    keep = ~rerouted
+    if keep.any():
+        k = torch.from_numpy(keep)
+        out[k.to(out.device)] = align_ids(
+            model_ids[k.to(model_ids.device)], selected[keep], per_rank[keep],
+            logits=logits[k.to(logits.device)],  # a placed model's router may run elsewhere
+        ).to(out)  # fmt: skip
+    return out
+
+
+def rerouted_weights(
+    weights: torch.Tensor,
+    logits: torch.Tensor,
+    selected: np.ndarray,
+    rerouted: np.ndarray,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """The slot weights for `place_ranked`'s order: the model's own where the router chose the
+    row (bit for bit), the weights the model's router gives S (`router_weights`, in S's rank
+    order) where the core rerouted it. On `weights`' device and dtype."""
+    out = weights.clone()
+    sel = torch.from_numpy(np.ascontiguousarray(selected[rerouted]))
+    r = torch.from_numpy(rerouted)
+    out[r.to(out.device)] = router_weights(logits[r.to(logits.device)], sel, norm_topk_prob).to(out)
+    return out
+
+
 def rerouted_ids(
     model_ids: torch.Tensor,
     weights: torch.Tensor,
@@ -252,28 +299,15 @@ def rerouted_ids(
     logits: torch.Tensor,
     norm_topk_prob: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """Replacement for the router hook under route_bias: rows whose selection S is the
-    router's own top-k set go through `computed_ids` (the model's weights stand, bit for bit);
-    a rerouted row computes the core's experts in S's rank order with the gate weights the
-    model's router gives S (`router_weights`). Returns `computed_ids`' answer when no row was
-    rerouted, else `(weights, ids)`."""
-    mid = model_ids.detach().cpu().numpy()
-    same = (np.sort(mid, axis=1) == np.sort(selected, axis=1)).all(axis=1)  # (N,)
-    if same.all():
+    """Replacement for the router hook under route_bias: `computed_ids`' answer when no row was
+    rerouted (the model's weights stand, bit for bit), else `(weights, ids)`: the core's
+    computed experts by `place_ranked` with `rerouted_weights`. The engine's router hook
+    (`moesub.engine.adapter`) places its slots with the same two functions."""
+    rerouted = rerouted_rows(model_ids, selected)
+    if not rerouted.any():
         return computed_ids(model_ids, selected, computed, logits)
-    keep = torch.from_numpy(same).to(model_ids.device)
-    keep_z = keep.to(logits.device)  # a placed model's router may run on another device
-    new_ids = model_ids.clone()
-    if same.any():
-        base = computed_ids(model_ids[keep], selected[same], computed[same], logits[keep_z])
-        if base is not None:
-            new_ids[keep] = base.to(device=new_ids.device, dtype=new_ids.dtype)
-    sel = torch.from_numpy(np.ascontiguousarray(selected[~same]))
-    new_ids[~keep] = torch.from_numpy(np.ascontiguousarray(computed[~same])).to(new_ids)
-    new_weights = weights.clone()
-    rerouted = router_weights(logits[~keep_z], sel, norm_topk_prob)
-    new_weights[~keep.to(weights.device)] = rerouted.to(weights)
-    return new_weights, new_ids
+    ids = place_ranked(model_ids, selected, computed, logits, rerouted)
+    return rerouted_weights(weights, logits, selected, rerouted, norm_topk_prob), ids
 
 
 @dataclass

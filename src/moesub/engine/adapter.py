@@ -43,6 +43,7 @@ from moesub.engine.store import (
 from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, expert_runs, require_cuda
 from moesub.models import RouterHook
 from moesub.policy import HOST
+from moesub.replay import place_ranked, rerouted_rows, rerouted_weights
 
 
 def prefill_forward(
@@ -106,13 +107,18 @@ class EngineRouter:
     """RouterHook callback: one transfer of the router's values to the host per layer (logits,
     the model's ids and weights, and the router's input, kept by a pre-hook on every router for
     host_compute), the policy core's decision, the tier's copies, and the plan handed to the
-    block's `EngineExperts`. Returns None: the model's ids stay (the experts do not read them).
+    block's `EngineExperts`. Returns None: the model's ids and weights stay (the experts do not
+    read the ids). Cache-aware routing (route_bias) is the emulator's (`moesub.replay`): a row
+    the core rerouted computes S's experts in S's rank order with the weights the model's router
+    gives S (`place_ranked`, `rerouted_weights`), and the hook then returns those weights (with
+    the computed experts) so that the block hands them to `EngineExperts`.
     `close()` removes the pre-hooks."""
 
     def __init__(self, engine: OffloadEngine, model: nn.Module, experts: list[EngineExperts]):
-        from moesub.models import moe_blocks
+        from moesub.models import moe_blocks, moe_info
 
         self.engine, self.experts = engine, experts
+        self.norm_topk_prob = moe_info(model).norm_topk_prob  # the gate of rerouted rows
         self._hidden: list[torch.Tensor | None] = [None] * len(experts)
         self._handles = [
             block.gate.register_forward_pre_hook(self._keep_input(layer), with_kwargs=True)
@@ -133,26 +139,37 @@ class EngineRouter:
         ids: torch.Tensor,
         lookahead: torch.Tensor | None = None,  # PrefetchHook: already with the engine
     ):
-        from moesub.models import align_ids
-
         hidden, self._hidden[layer] = self._hidden[layer], None
         hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
         z, model_ids, w, h = self.engine.to_host(layer, logits, ids, weights, hidden)
         z = np.ascontiguousarray(z.numpy(), dtype=np.float32)  # (1, E); (N, E) in a prefill
         zt = torch.from_numpy(z)
         plan = self.experts[layer]
-        if self.engine.prefilling:  # a prompt's rows: computed from the slow tier
+        prefill = self.engine.prefilling
+        if prefill:  # a prompt's rows: computed from the slow tier
             y = None if lookahead is None else lookahead.float().cpu().numpy()
             s = self.engine.route_prefill(layer, z, y)
-            plan.prefill_ids = align_ids(model_ids, s.selected, s.ids, logits=zt).numpy()
-            return None
-        s = self.engine.route(layer, z)
-        plan.slot_ids = align_ids(model_ids, s.selected, s.slot, logits=zt).numpy()
-        plan.host = None
-        if (s.status == HOST).any():
-            computed = np.where(s.status == HOST, s.selected, -1)
-            host_ids = align_ids(model_ids, s.selected, computed, logits=zt).numpy()
-            plan.host = HostInputs(host_ids, h, w)
+        else:
+            s = self.engine.route(layer, z)
+        # route_bias: a row the core rerouted takes S's rank order and S's weights (as emulated)
+        rerouted = np.zeros(len(z), bool)
+        if self.engine.policy.route_bias > 0:
+            rerouted = rerouted_rows(model_ids, s.selected)
+            if rerouted.any():
+                w = rerouted_weights(w, zt, s.selected, rerouted, self.norm_topk_prob)
+
+        def place(per_rank: np.ndarray) -> np.ndarray:  # in the block's slot order
+            return place_ranked(model_ids, s.selected, per_rank, zt, rerouted).numpy()
+
+        if prefill:
+            plan.prefill_ids = place(s.ids)
+        else:
+            plan.slot_ids = place(s.slot)
+            plan.host = None
+            if (s.status == HOST).any():
+                plan.host = HostInputs(place(np.where(s.status == HOST, s.selected, -1)), h, w)
+        if rerouted.any():  # the block hands S's weights to EngineExperts (it reads no ids)
+            return w, torch.from_numpy(place(s.ids))
         return None
 
     def close(self) -> None:
