@@ -159,6 +159,7 @@ def write_emulate(
             "sub": sub.astype(np.int32),
             "host": host.astype(np.int32),
             "forced": np.zeros(n, dtype=np.int32),
+            "prefetches": np.zeros(n, dtype=np.int32),
         }
     )
     path = root / "emulate" / name / f"f{label(fraction)}.parquet"

@@ -22,6 +22,7 @@ from moesub.io import read_metadata, write_parquet
 from moesub.models import stream_batches, stream_nll
 from moesub.policy import FETCH, STATUS_NAMES, SUB, Policy, scan
 from moesub.replay import computed_ids, greedy_decode
+from moesub.simulate import run_simulate
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
 SUBSTITUTING = Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5)
@@ -76,7 +77,9 @@ def test_exact_policies_reproduce_captured_nll_bit_for_bit(model, initial, rule)
     out = emulate_streams(model, tokens, Policy(rule=rule), C, initial, progress=False)
     assert out.columns == [
         "stream", "pos", "doc_id", "doc_start", "nll", "mass", "layer_mass", *STATUS_NAMES,
+        "prefetches",
     ]  # fmt: skip
+    assert (out["prefetches"] == 0).all()  # no prefetch policy
     ref = exact_nll(model, tokens)
     got = out["nll"].fill_null(np.nan).to_numpy()
     assert np.array_equal(got, ref, equal_nan=True)  # bit-identical, not merely close
@@ -246,6 +249,34 @@ def test_fetch_every_miss_reproduces_run_capture_nll(stage_inputs):
     assert got.select("stream", "pos", "doc_id", "doc_start").equals(
         captured.select("stream", "pos", "doc_id", "doc_start")
     )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"rule": "fetch_all", "prefetch": 2},
+        {"rule": "threshold", "tau": 0.3, "eviction": "lfu", "light_miss": "host", "prefetch": 3},
+    ],
+)
+def test_emulate_counts_prefetches_as_the_simulator(stage_inputs, tmp_path, policy):
+    """A lossless prefetching policy computes the captured model exactly, so its emulation sees
+    the captured router and lookahead logits and makes the simulator's decisions: emulate's
+    `prefetches` (per token, summed over layers) and status counts add up to the simulator's
+    total row on the same trace."""
+    root = stage_inputs
+    emu = pl.read_parquet(_run(root, policy=policy, out_path=tmp_path / "emu.parquet"))
+    run_simulate(
+        str(root / "router.parquet"), str(root / "initial_sets.parquet"), "p", policy, 0.375,
+        None, str(tmp_path / "sim.parquet"),
+    )  # fmt: skip
+    total = (
+        pl.read_parquet(tmp_path / "sim.parquet").filter(pl.col("layer") == -1).row(0, named=True)
+    )
+    assert emu["prefetches"].dtype == pl.Int32 and total["prefetches"] > 0
+    for col in ("prefetches", *STATUS_NAMES):
+        assert emu[col].sum() == total[col], col
+    summary = summarize({"p": tmp_path / "emu.parquet"})
+    assert summary["prefetches"][0] == total["prefetches"]
 
 
 def _run(root, **over):

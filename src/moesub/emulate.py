@@ -118,10 +118,11 @@ def emulate_streams(
     """Emulate every stream of a token table under `policy`; one row per token.
 
     Columns: `stream, pos, doc_id, doc_start, nll, mass (sum over layers), layer_mass list[L],
-    hit, fetch, sub, host, forced` (slot counts summed over layers). Each stream starts from a
-    fresh cache per layer holding `initial` (L, C). Streams are batched as the capture batched
-    them (`batch_tokens`, from the capture's metadata; None = one stream per forward), which
-    bit-identical NLL needs.
+    hit, fetch, sub, host, forced` (slot counts summed over layers), `prefetches` (experts
+    inserted by prefetch, summed over layers: the simulator's counter of that name, per token).
+    Each stream starts from a fresh cache per layer holding `initial` (L, C). Streams are
+    batched as the capture batched them (`batch_tokens`, from the capture's metadata; None = one
+    stream per forward), which bit-identical NLL needs.
     """
 
     info = moe_info(model)
@@ -138,16 +139,22 @@ def emulate_streams(
             emulate_batch(model, ids, policy, capacity, initial, coactivation=coactivation),
             strict=True,
         ):
-            frames.append(stream_frame(streams[i], trace.nll, trace.mass, trace.counts))
+            frames.append(
+                stream_frame(streams[i], trace.nll, trace.mass, trace.counts, trace.prefetched)
+            )
         bar.update(len(batch))
     bar.close()
     return pl.concat(frames)
 
 
 def stream_frame(
-    rows: pl.DataFrame, nll: np.ndarray, layer_mass: np.ndarray, counts: np.ndarray
+    rows: pl.DataFrame,
+    nll: np.ndarray,
+    layer_mass: np.ndarray,
+    counts: np.ndarray,
+    prefetched: np.ndarray,
 ) -> pl.DataFrame:
-    """Per-token output rows of one stream (the emulate schema)."""
+    """Per-token output rows of one stream (the emulate schema); `prefetched` (T, L)."""
     num_layers = layer_mass.shape[1]
     out = rows.select(
         pl.col("stream").cast(pl.Int32),
@@ -162,6 +169,7 @@ def stream_frame(
             pl.Series(name, counts[:, code], dtype=pl.Int32)
             for code, name in enumerate(STATUS_NAMES)
         ],
+        pl.Series("prefetches", prefetched.sum(axis=1), dtype=pl.Int32),
     )
     return out.with_columns(pl.col("layer_mass").cast(pl.List(pl.Float64)))
 
@@ -259,7 +267,9 @@ def run_emulate(
 def summarize(paths: Mapping[str, str | os.PathLike], baseline: str = "fetch_every_miss"):
     """Per-policy summary of emulate outputs `{name: path}` over the same streams: perplexity,
     Δppl % vs `baseline` (moesub.metrics.dppl_pct, the project's one Δppl), substitution
-    rate (SUB slots / all slots) and mean substituted mass per token-layer."""
+    rate (SUB slots / all slots), mean substituted mass per token-layer, and `prefetches`
+    (experts inserted by prefetch over all token-layers, as the simulator's total row; None for
+    an output written before emulate counted them)."""
     rows, nll_mean = [], {}
     for name, path in paths.items():
         df = pl.read_parquet(require_file(path, f"paths[{name!r}]"))
@@ -274,6 +284,7 @@ def summarize(paths: Mapping[str, str | os.PathLike], baseline: str = "fetch_eve
                 "hit_rate": df["hit"].sum() / slots if slots else float("nan"),
                 # `mass` is the sum over the layers: per token-layer, the study's unit
                 "mass_mean": (df["mass"] / df["layer_mass"].list.len()).mean(),
+                "prefetches": int(df["prefetches"].sum()) if "prefetches" in df.columns else None,
             }
         )
     out = pl.DataFrame(rows)

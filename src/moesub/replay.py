@@ -126,12 +126,12 @@ class StreamTrace:
     nll: np.ndarray  # float64 (T,), NaN at pos 0
     mass: np.ndarray  # float64 (T, L) substituted gate mass
     counts: np.ndarray  # int64 (T, 5) slots per status code, summed over layers
+    prefetched: np.ndarray  # int32 (T, L) experts inserted by prefetch (step 1b)
     status: np.ndarray | None = None  # int8 (T, L, k), when recorded
     ids: np.ndarray | None = None  # int32 (T, L, k) computed expert, when recorded
     selected: np.ndarray | None = None  # int32 (T, L, k) the core's selection S, when recorded
     logits: np.ndarray | None = None  # float32 (T, L, E) replayed router logits, when recorded
     lookahead: np.ndarray | None = None  # float32 (T, L, E) replayed lookahead (prefetch only)
-    prefetched: np.ndarray | None = None  # int32 (T, L) experts prefetched, when recorded
     admissions: int = 0  # admission requests made by the core, summed over layers
 
 
@@ -146,7 +146,7 @@ class PolicyRouter:
     may select other experts than the router: those rows compute the core's selection with the
     model's gate weights for it (`moesub.models.router_weights`; `norm_topk_prob` says whether
     the model renormalizes them). `record` keeps ids, status and the core's inputs for the
-    tests; otherwise only mass and per-status counts are kept.
+    tests; otherwise only mass, per-status counts and prefetch insertions are kept.
     """
 
     caches: list
@@ -185,9 +185,9 @@ class PolicyRouter:
         s = self.caches[layer].step(z, y)
         status = np.asarray(s.status)
         counts = np.stack([(status == c).sum(axis=1) for c in range(len(STATUS_NAMES))], axis=1)
-        part = (np.asarray(s.mass, dtype=np.float64), counts)
+        part = (np.asarray(s.mass, dtype=np.float64), counts, s.prefetched.copy())
         if self.record:
-            part += (status.copy(), s.ids.copy(), s.selected.copy(), z, s.prefetched.copy())
+            part += (status.copy(), s.ids.copy(), s.selected.copy(), z)
             part += (y if y is not None else np.zeros((len(z), 0), np.float32),)
         self._parts[layer].append(part)
         self._admissions += len(s.admissions)
@@ -218,14 +218,14 @@ class PolicyRouter:
             nll=np.asarray(nll, dtype=np.float64),
             mass=np.stack([p[0] for p in per_layer], axis=1),
             counts=np.sum([p[1] for p in per_layer], axis=0).astype(np.int64),
+            prefetched=np.stack([p[2] for p in per_layer], axis=1),
             admissions=admissions,
         )
         if self.record:
-            trace.status = np.stack([p[2] for p in per_layer], axis=1)
-            trace.ids = np.stack([p[3] for p in per_layer], axis=1)
-            trace.selected = np.stack([p[4] for p in per_layer], axis=1)
-            trace.logits = np.stack([p[5] for p in per_layer], axis=1)
-            trace.prefetched = np.stack([p[6] for p in per_layer], axis=1)
+            trace.status = np.stack([p[3] for p in per_layer], axis=1)
+            trace.ids = np.stack([p[4] for p in per_layer], axis=1)
+            trace.selected = np.stack([p[5] for p in per_layer], axis=1)
+            trace.logits = np.stack([p[6] for p in per_layer], axis=1)
             if self.needs_lookahead:
                 trace.lookahead = np.stack([p[7] for p in per_layer], axis=1)
         return trace
