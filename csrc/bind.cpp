@@ -164,27 +164,22 @@ NB_MODULE(_core, m) {
           std::vector<int32_t> sel(L * k), pref(L * std::max(n, 1));
           std::vector<float> vals(L * k), pref_vals(std::max(n, 1));
           std::vector<double> w(L * k);
-          // route_bias's cache-independent part of each row, while the row is in L1
-          const int64_t words = (E + 63) / 64;
-          std::vector<RowBias> rbs(L);
-          std::vector<uint64_t> above(p.route_bias > 0.0 ? L * words : 0);
+          // route_bias: each row's smallest logit, from the top-k's pass over the row
+          std::vector<float> zmin(L, 0.0f);
           for (int64_t t = 0; t < T; ++t) {
             const float* rows = logits.data() + t * L * E;
             for (int64_t l = 0; l < L; ++l) {
-              if (!select_topk(rows + l * E, static_cast<int>(E), k, &sel[l * k], &vals[l * k]))
+              if (!select_topk(rows + l * E, static_cast<int>(E), k, &sel[l * k], &vals[l * k],
+                               p.route_bias > 0.0 ? &zmin[l] : nullptr))
                 throw non_finite("logits", t, l, rows + l * E);
               const float* yl = n ? y + (t * L + l) * E : nullptr;
               if (n && !select_topk(yl, static_cast<int>(E), n, &pref[l * n], pref_vals.data()))
                 throw non_finite("lookahead", t, l, yl);
-              if (p.route_bias > 0.0)
-                rbs[l] = row_bias(rows + l * E, static_cast<int>(E), &sel[l * k], k, p.route_bias,
-                                  &above[l * words]);
             }
             gate_weights(vals.data(), L, k, w.data());
             for (int64_t l = 0; l < L; ++l)
               caches[l].step_selected(rows + l * E, &sel[l * k], &w[l * k], outs[l], t,
-                                      n ? &pref[l * n] : nullptr,
-                                      p.route_bias > 0.0 ? &rbs[l] : nullptr);
+                                      n ? &pref[l * n] : nullptr, zmin[l]);
           }
         });
 

@@ -75,21 +75,27 @@ static inline void topk_insert(float v, int32_t e, int k, int& n, int32_t* ids, 
 }
 
 // Reference path: plain insertion over every expert.
-static bool topk_by_insertion(const float* z, int E, int k, int32_t* ids, float* vals) {
+static bool topk_by_insertion(const float* z, int E, int k, int32_t* ids, float* vals,
+                              float* min_out) {
   int n = 0;
+  float lowest = std::numeric_limits<float>::infinity();
   for (int e = 0; e < E; ++e) {
     if (!std::isfinite(z[e])) return false;
     topk_insert(z[e], e, k, n, ids, vals);
+    lowest = z[e] < lowest ? z[e] : lowest;
   }
+  if (min_out) *min_out = lowest;
   return true;
 }
 
-// Fast path. Lane i holds experts i, i + 32, i + 64, ...; the k-th largest lane maximum `thr` is
-// reached by at least k logits, so it bounds the k-th largest logit from below, and candidates
-// are the logits >= thr. One pass keeps each lane's maximum, its expert and the runner-up, so a
-// top lane is rescanned only if its runner-up also reaches thr. Stages avoid data-dependent
-// branches: candidates sit at random positions, and mispredictions cost more than the work.
-constexpr int kLanes = 32, kVecs = kLanes / 8, kMaxFastE = 4096, kRankWidth = 16;
+// Fast path. Lane i of `Lanes` holds experts i, i + Lanes, i + 2 Lanes, ...; the k-th largest
+// lane maximum `thr` is reached by at least k logits, so it bounds the k-th largest logit from
+// below, and candidates are the logits >= thr. One pass keeps each lane's maximum, its expert and
+// the runner-up, so a top lane is rescanned only if its runner-up also reaches thr. Stages avoid
+// data-dependent branches: candidates sit at random positions, and mispredictions cost more than
+// the work. 32 lanes for k > 4; 16 for smaller k (prefetch's top-n), where the k-th lane maximum
+// is found in a quarter of the comparisons.
+constexpr int kMaxFastE = 4096, kRankWidth = 16;
 
 // Sorts n <= W candidates by (logit descending, id ascending) into ranked_ids/vals: each one's
 // rank is the number of candidates ahead of it, so all are placed without branches. One signed
@@ -116,34 +122,44 @@ static inline void rank_candidates(const int32_t* cand, const float* cval, int n
   }
 }
 
-MOESUB_SIMD_CLONES
-static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* vals) {
+template <int Lanes, bool kMin>
+MOESUB_SIMD_CLONES static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids,
+                                             float* vals, float* min_out) {
+  constexpr int kVecs = Lanes / 8;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   // 1. per lane: maximum, its expert, runner-up; and whether any logit is NaN or inf (all
   // exponent bits set), in one accumulator so that the loop's state fits in registers
   const i32x8 exponent = broadcast<i32x8>(int32_t{0x7f800000});
-  f32x8 m[kVecs], m2[kVecs];
+  f32x8 m[kVecs], m2[kVecs], lowest[kVecs];  // lowest: only with kMin
   i32x8 arg[kVecs], lane[kVecs], non_finite = {};
   for (int v = 0; v < kVecs; ++v) {
     for (int i = 0; i < 8; ++i) lane[v][i] = 8 * v + i;
     m[v] = load<f32x8>(z + 8 * v);
+    lowest[v] = m[v];
     m2[v] = broadcast<f32x8>(-kInf);
     arg[v] = lane[v];
     non_finite |= (reinterpret_cast<i32x8>(m[v]) & exponent) == exponent;
   }
-  const int full = E / kLanes * kLanes;
-  for (int half = 0; half < kVecs; half += 2)  // two vectors at a time: the state fits registers
-    for (int j = kLanes; j < full; j += kLanes)
-      for (int v = half; v < half + 2; ++v) {
+  const int full = E / Lanes * Lanes;
+  constexpr int kStep = kVecs < 2 ? kVecs : 2;  // vectors per pass: the state fits registers
+  for (int half = 0; half < kVecs; half += kStep)
+    for (int j = Lanes; j < full; j += Lanes)
+      for (int v = half; v < half + kStep; ++v) {
         const f32x8 x = load<f32x8>(z + j + 8 * v);
         const i32x8 gt = x > m[v];
         m2[v] = select(gt, m[v], select(x > m2[v], x, m2[v]));
         arg[v] = select(gt, lane[v] + j, arg[v]);
         m[v] = select(gt, x, m[v]);
+        if (kMin) lowest[v] = select(x < lowest[v], x, lowest[v]);
         non_finite |= (reinterpret_cast<i32x8>(x) & exponent) == exponent;
       }
-  float lane_m[kLanes], lane_m2[kLanes];
-  int32_t lane_arg[kLanes];
+  float lane_m[Lanes], lane_m2[Lanes];
+  int32_t lane_arg[Lanes];
+  float row_min = std::numeric_limits<float>::infinity();
+  if (kMin) {
+    for (int v = 1; v < kVecs; ++v) lowest[0] = select(lowest[v] < lowest[0], lowest[v], lowest[0]);
+    for (int i = 0; i < 8; ++i) row_min = lowest[0][i] < row_min ? lowest[0][i] : row_min;
+  }
   for (int v = 0; v < kVecs; ++v) {
     std::memcpy(lane_m + 8 * v, &m[v], sizeof m[v]);
     std::memcpy(lane_m2 + 8 * v, &m2[v], sizeof m2[v]);
@@ -158,12 +174,14 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
     lane_m2[i] = x > lane_m[i] ? lane_m[i] : (x > lane_m2[i] ? x : lane_m2[i]);
     lane_arg[i] = x > lane_m[i] ? e : lane_arg[i];
     lane_m[i] = x > lane_m[i] ? x : lane_m[i];
+    row_min = x < row_min ? x : row_min;
   }
   if (!finite) return false;
+  if (kMin) *min_out = row_min;
   for (int v = 0; v < kVecs; ++v) m[v] = load<f32x8>(lane_m + 8 * v);  // with the tail
   // 2. top lanes: fewer than k lane maxima strictly above; thr = the smallest of their maxima
   i32x8 above[kVecs] = {};
-  for (int i = 0; i < kLanes; ++i) {
+  for (int i = 0; i < Lanes; ++i) {
     const f32x8 mi = broadcast<f32x8>(lane_m[i]);
     for (int v = 0; v < kVecs; ++v) above[v] -= mi > m[v];  // a true mask is -1
   }
@@ -179,7 +197,7 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   int32_t cand[kMaxFastE];
   float cval[kMaxFastE];
   uint32_t top = 0, rescan = 0;
-  for (int i = 0; i < kLanes; ++i) {
+  for (int i = 0; i < Lanes; ++i) {
     top |= static_cast<uint32_t>(lane_m[i] >= thr) << i;
     rescan |= static_cast<uint32_t>(lane_m2[i] >= thr) << i;
   }
@@ -191,7 +209,7 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   }
   for (; rescan; rescan &= rescan - 1) {
     const int i = __builtin_ctz(rescan);
-    for (int e = i; e < E; e += kLanes) {
+    for (int e = i; e < E; e += Lanes) {
       cand[nc] = e;
       cval[nc] = z[e];
       nc += (z[e] >= thr) & (e != lane_arg[i]);
@@ -210,8 +228,10 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   }
   int32_t ranked_ids[kRankWidth];
   float ranked_vals[kRankWidth];
-  // Candidates are padded to 12 (three quarters of rows) or 16.
-  if (nc <= 12)
+  // Candidates are padded to 8, 12 (three quarters of top-10 rows) or 16.
+  if (nc <= 8)
+    rank_candidates<8>(cand, cval, nc, ranked_ids, ranked_vals);
+  else if (nc <= 12)
     rank_candidates<12>(cand, cval, nc, ranked_ids, ranked_vals);
   else
     rank_candidates<16>(cand, cval, nc, ranked_ids, ranked_vals);
@@ -220,9 +240,14 @@ static bool topk_by_lanes(const float* z, int E, int k, int32_t* ids, float* val
   return true;
 }
 
-bool select_topk(const float* z, int E, int k, int32_t* ids, float* vals) {
-  if (E < kLanes || E > kMaxFastE || k > kLanes) return topk_by_insertion(z, E, k, ids, vals);
-  return topk_by_lanes(z, E, k, ids, vals);
+bool select_topk(const float* z, int E, int k, int32_t* ids, float* vals, float* min_out) {
+  if (E > kMaxFastE || E < 16 || k > 32 || (E < 32 && k > 4))
+    return topk_by_insertion(z, E, k, ids, vals, min_out);
+  if (k <= 4)
+    return min_out ? topk_by_lanes<16, true>(z, E, k, ids, vals, min_out)
+                   : topk_by_lanes<16, false>(z, E, k, ids, vals, nullptr);
+  return min_out ? topk_by_lanes<32, true>(z, E, k, ids, vals, min_out)
+                 : topk_by_lanes<32, false>(z, E, k, ids, vals, nullptr);
 }
 
 // e^x for x <= 0, four at a time, within 1 ulp of std::exp (subnormals included): x = n ln2 + r
@@ -290,21 +315,6 @@ static void softmax_row(const float* v, int k, double* w) {
   for (int r = 0; r < k; ++r) w[r] = e[r] / sum;
 }
 
-// The smallest logit of a row (route_bias: the bias is lambda times the row's range).
-MOESUB_SIMD_CLONES
-static float row_min(const float* z, int E) {
-  const int full = E / 8 * 8;
-  f32x8 vmin = broadcast<f32x8>(std::numeric_limits<float>::infinity());
-  for (int s = 0; s < full; s += 8) {
-    const f32x8 x = load<f32x8>(z + s);
-    vmin = select(x < vmin, x, vmin);
-  }
-  float m = std::numeric_limits<float>::infinity();
-  for (int i = 0; i < 8; ++i) m = vmin[i] < m ? vmin[i] : m;
-  for (int s = full; s < E; ++s) m = z[s] < m ? z[s] : m;
-  return m;
-}
-
 // Bitmap (E bits, into `bits`) of the experts e of a row with z[e] >= f: 32 logits at a time
 // become a 32-bit mask (each lane's compare ANDed with its own bit, ORed across lanes).
 MOESUB_SIMD_CLONES
@@ -325,19 +335,24 @@ static void mask_at_least(const float* z, int E, float f, uint64_t* bits) {
   for (int e = full; e < E; ++e) bits[e >> 6] |= static_cast<uint64_t>(z[e] >= f) << (e & 63);
 }
 
-RowBias row_bias(const float* z, int E, const int32_t* sel0, int k, double lambda,
-                 uint64_t* bits) {
+// A float f below thr - b by more than any rounding of z + b: z < f implies z + b < thr, so the
+// experts with z >= f hold every one whose biased logit can reach thr.
+static float outsider_floor(double thr, double b) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  RowBias rb;
-  rb.b = lambda * (static_cast<double>(z[sel0[0]]) - static_cast<double>(row_min(z, E)));
-  // f sits below thr - b by more than any rounding of z + b: z < f implies z + b < thr
-  const double thr = z[sel0[k - 1]];
-  const double d = thr - rb.b - (std::fabs(thr) + rb.b) * 0x1p-50;
+  const double d = thr - b - (std::fabs(thr) + b) * 0x1p-50;
   float f = d < -std::numeric_limits<float>::max() ? -kInf : static_cast<float>(d);
   if (static_cast<double>(f) > d) f = std::nextafter(f, -kInf);
-  mask_at_least(z, E, f, bits);
-  rb.above = bits;
-  return rb;
+  return f;
+}
+
+// The largest float below a finite x: its bits one step toward -inf (std::nextafter is a call).
+static inline float next_below(float x) {
+  if (x == 0.0f) return -std::numeric_limits<float>::denorm_min();
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += x > 0.0f ? -1 : 1;
+  std::memcpy(&x, &bits, sizeof bits);
+  return x;
 }
 
 // Substitute choice of step 5 over prepared candidates: zs[s] is the logit of the expert in slot
@@ -449,7 +464,9 @@ int64_t LayerCache::eviction_key(int32_t e) const {
 
 MOESUB_SIMD_CLONES
 static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, int64_t pinned) {
-  // Two branch-free passes: the smallest key, then the lowest id holding it.
+  // The smallest key (a branch-free pass), then the lowest id among the slots holding it. Few
+  // slots do (LRU: the experts the same token used last), so a bitmap of them is built 64 slots
+  // at a time (lane i of the j-th four keys sets bit 4 j + i) and walked.
   const int full = C / 4 * 4;
   i64x4 vmin = broadcast<i64x4>(pinned);
   for (int s = 0; s < full; s += 4) {
@@ -460,7 +477,19 @@ static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, in
   for (int i = 0; i < 4; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
   for (int s = full; s < C; ++s) best_key = key[s] < best_key ? key[s] : best_key;
   if (best_key == pinned) return -1;
-  return lowest_id_where<i64x4, i32x4>(key, best_key, expert, C);
+  int32_t lowest = std::numeric_limits<int32_t>::max();
+  for (int s0 = 0; s0 < C; s0 += 64) {
+    const int end = std::min(C, s0 + 64), end4 = s0 + (end - s0) / 4 * 4;
+    i64x4 bits = {}, bit = {1, 2, 4, 8};
+    for (int s = s0; s < end4; s += 4, bit <<= 4) bits |= (load<i64x4>(key + s) == best_key) & bit;
+    uint64_t holds = static_cast<uint64_t>(bits[0] | bits[1] | bits[2] | bits[3]);
+    for (int s = end4; s < end; ++s) holds |= static_cast<uint64_t>(key[s] == best_key) << (s - s0);
+    for (; holds; holds &= holds - 1) {
+      const int32_t e = expert[s0 + __builtin_ctzll(holds)];
+      lowest = e < lowest ? e : lowest;
+    }
+  }
+  return lowest;
 }
 
 int32_t LayerCache::pick_victim() const {
@@ -536,9 +565,7 @@ int32_t LayerCache::prefetch(const int32_t* P) {
 // k-th logit `thr`; a non-resident outside T0 is outranked by all of T0, so S is drawn from T0
 // and the residents with z + b >= thr.
 double LayerCache::biased_selection(const float* z, const int32_t* sel0, const double* w0,
-                                    const RowBias& rb, int32_t* sel, double* w) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const double b = rb.b;
+                                    double b, int32_t* sel, double* w) {
   const double thr = z[sel0[k_ - 1]];
   // Most tokens: all of T0 resident, every member gains b. Then S = T0 unless rounding z + b
   // merges values: T0 must stay in (z' descending, id ascending) order, and the best outsider
@@ -553,7 +580,7 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
       ordered &= v < prev || (v == prev && sel0[r] > sel0[r - 1]);
       prev = v;
     }
-    if (ordered && static_cast<double>(std::nextafter(z[sel0[k_ - 1]], -kInf)) + b < prev) {
+    if (ordered && static_cast<double>(next_below(z[sel0[k_ - 1]])) + b < prev) {
       std::copy(sel0, sel0 + k_, sel);
       std::copy(w0, w0 + k_, w);
       return 0.0;
@@ -577,9 +604,10 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
     offer(is_resident(e) ? static_cast<double>(z[e]) + b : z[e], e);
     t0_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   }
-  // Outsiders: residents with z + b >= thr, among the row's prefiltered experts (rb.above)
+  // Outsiders: residents with z + b >= thr, among the experts with z >= outsider_floor
+  mask_at_least(z, E_, outsider_floor(thr, b), cand_bits_.data());
   for (size_t i = 0; i < res_bits_.size(); ++i) {
-    for (uint64_t m = rb.above[i] & res_bits_[i] & ~t0_bits_[i]; m; m &= m - 1) {
+    for (uint64_t m = cand_bits_[i] & res_bits_[i] & ~t0_bits_[i]; m; m &= m - 1) {
       const int32_t e = static_cast<int32_t>(64 * i) + __builtin_ctzll(m);
       const double v = static_cast<double>(z[e]) + b;
       if (v >= thr) offer(v, e);
@@ -617,8 +645,9 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
                       const float* lookahead, int64_t lookahead_stride) {
   for (int64_t i = 0; i < T; ++i) {
     const float* z = logits + i * row_stride;
-    float vals[kMaxTopK];
-    if (!select_topk(z, E_, k_, sel_.data(), vals)) throw NonFiniteLogits(i);
+    float vals[kMaxTopK], zmin = 0.0f;
+    if (!select_topk(z, E_, k_, sel_.data(), vals, p_.route_bias > 0.0 ? &zmin : nullptr))
+      throw NonFiniteLogits(i);
     gate_weights(vals, 1, k_, w_.data());
     const int32_t* pref = nullptr;
     if (p_.prefetch > 0 && lookahead) {
@@ -627,13 +656,12 @@ void LayerCache::step(const float* logits, int64_t T, int64_t row_stride, const 
         throw NonFiniteLookahead(i);
       pref = pref_ids_.data();
     }
-    step_selected(z, sel_.data(), w_.data(), out, i, pref);
+    step_selected(z, sel_.data(), w_.data(), out, i, pref, zmin);
   }
 }
 
 void LayerCache::step_selected(const float* z, const int32_t* sel0, const double* w0,
-                               const StepOut& out, int64_t i, const int32_t* pref,
-                               const RowBias* rb) {
+                               const StepOut& out, int64_t i, const int32_t* pref, float zmin) {
   if (t_ >= kMaxTokens)
     throw std::invalid_argument("a layer cache holds at most 2^31 - 2 tokens of one stream");
   if (p_.prefetch > 0 && !pref)
@@ -644,6 +672,8 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
       (!future_ || t_ >= static_cast<int64_t>(future_->next_after.size()) / k_))
     throw std::invalid_argument(
         "policy eviction 'belady' needs the whole stream's future: scan and the simulator only");
+  if (p_.route_bias > 0.0 && !(zmin <= z[sel0[0]]))
+    throw std::invalid_argument("policy route_bias > 0 needs the row's smallest logit");
   // 1. admissions that are ready
   if (!external_) apply_ready_admissions();
   // 1b. prefetch from the lookahead logits
@@ -655,8 +685,8 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   const double* w = w0;
   double rho = 0.0;
   if (p_.route_bias > 0.0) {
-    const RowBias local = rb ? *rb : row_bias(z, E_, sel0, k_, p_.route_bias, cand_bits_.data());
-    rho = biased_selection(z, sel0, w0, local, sel_biased, w_biased);
+    const double b = p_.route_bias * (static_cast<double>(z[sel0[0]]) - zmin);  // lambda x range
+    rho = biased_selection(z, sel0, w0, b, sel_biased, w_biased);
     sel = sel_biased;
     w = w_biased;
   }

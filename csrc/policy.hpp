@@ -80,8 +80,10 @@ struct NonFiniteLookahead : std::invalid_argument {
 };
 
 // Top-k of one logit row: ranked by logit descending, ties to the lower id. Returns false (and
-// leaves the outputs undefined) if the row holds NaN or inf.
-bool select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out);
+// leaves the outputs undefined) if the row holds NaN or inf. With `min_out`, also the row's
+// smallest logit (route_bias's range), from the same pass over the row.
+bool select_topk(const float* z, int E, int k, int32_t* ids_out, float* vals_out,
+                 float* min_out = nullptr);
 
 // Normalized gate weights (float64) of `rows` rows of k selected logits in rank order, (rows, k):
 // softmax over the row, with the core's own exp (within 1 ulp of std::exp, the same bits on
@@ -97,16 +99,6 @@ struct Future {
   std::vector<int32_t> sel, next_after, first_use;
 };
 Future layer_future(const float* logits, int64_t T, int64_t row_stride, int E, int k);
-
-// route_bias's part of one row that does not depend on the cache, computed where the row is read
-// (beside its top-k `sel0`): the bias b = lambda * (max z - min z) and a bitmap `above` (E bits,
-// in `bits`) of the experts whose logit could carry them into S if they were resident.
-struct RowBias {
-  double b = 0.0;
-  const uint64_t* above = nullptr;
-};
-RowBias row_bias(const float* z, int E, const int32_t* sel0, int k, double lambda,
-                 uint64_t* bits);
 
 // Co-activation counts of one layer: counts[a * E + b] += 1 for every ordered pair (a, b) of a
 // token's top-k (a == b included: the diagonal counts each expert's selections).
@@ -138,10 +130,11 @@ class LayerCache {
   // policies over one trace select once.
   // With prefetch > 0, `pref` holds the lookahead row's top-n by rank (select_topk, n >= the
   // policy's prefetch; a longer list's prefix is the shorter one). With route_bias > 0, `sel`
-  // and `w` are the unbiased top-k T0 and the cache re-selects from them; `rb` is the row's
-  // row_bias for this policy's lambda (computed here if null).
+  // and `w` are the unbiased top-k T0 and the cache re-selects from them; `zmin` is the row's
+  // smallest logit (select_topk's min_out), unused without route_bias.
   void step_selected(const float* z, const int32_t* sel, const double* w, const StepOut& out,
-                     int64_t i, const int32_t* pref = nullptr, const RowBias* rb = nullptr);
+                     int64_t i, const int32_t* pref = nullptr,
+                     float zmin = std::numeric_limits<float>::quiet_NaN());
 
   // substitute_by = coactivation: this layer's co-activation table A (E, E), row-major; it must
   // outlive the cache.
@@ -166,10 +159,10 @@ class LayerCache {
   static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
   int64_t eviction_key(int32_t expert) const;
   int32_t prefetch(const int32_t* P);  // step 1b: experts inserted
-  // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0);
-  // returns the rerouted mass
-  double biased_selection(const float* z, const int32_t* sel0, const double* w0,
-                          const RowBias& rb, int32_t* sel, double* w);
+  // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0)
+  // and the bias b; returns the rerouted mass
+  double biased_selection(const float* z, const int32_t* sel0, const double* w0, double b,
+                          int32_t* sel, double* w);
   int32_t pick_victim() const;                    // resident with the smallest key, -1 if pinned
   std::pair<int32_t, int32_t> insert(int32_t e);  // evicts the victim: (freed slot, victim)
   void apply_ready_admissions();
@@ -201,7 +194,8 @@ class LayerCache {
   std::vector<int32_t> pref_ids_;   // step(): the lookahead's top-n (prefetch)
   std::vector<float> pref_vals_;
   // route_bias: residency as a bitmap (E bits: one cache line for 512 experts, where expert_
-  // would take a miss per probe); scratch bitmaps: T0, and row_bias's when the caller gave none
+  // would take a miss per probe); scratch bitmaps: T0, and the row's experts whose logit could
+  // carry them into S if they were resident
   std::vector<uint64_t> res_bits_, t0_bits_, cand_bits_;
   bool is_resident(int32_t e) const { return res_bits_[e >> 6] >> (e & 63) & 1; }
 };

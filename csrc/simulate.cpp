@@ -51,18 +51,24 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
   }
   // the lookahead's top-n for the largest prefetch of the grid: each point takes its prefix
   int n_pref = 0;
-  for (const GridPoint& gp : points) n_pref = std::max(n_pref, gp.policy.prefetch);
+  bool bias = false;  // some point needs each row's smallest logit (route_bias)
+  for (const GridPoint& gp : points) {
+    n_pref = std::max(n_pref, gp.policy.prefetch);
+    bias |= gp.policy.route_bias > 0.0;
+  }
   if (!lookahead) n_pref = 0;
   constexpr int64_t kChunk = 16;  // tokens selected together, for batched gate weights
   int32_t sel[kChunk * kMaxTopK];
   float vals[kChunk * kMaxTopK];
   double w[kChunk * kMaxTopK];
+  float zmin[kChunk] = {};
   std::vector<int32_t> pref(std::max(n_pref, 1));
   std::vector<float> pref_vals(std::max(n_pref, 1));
   for (int64_t t0 = 0; t0 < s.T; t0 += kChunk) {
     const int64_t n = std::min(kChunk, s.T - t0);
     for (int64_t i = 0; i < n; ++i)
-      if (!select_topk(logits + (t0 + i) * row_stride, E, k, sel + i * k, vals + i * k))
+      if (!select_topk(logits + (t0 + i) * row_stride, E, k, sel + i * k, vals + i * k,
+                       bias ? &zmin[i] : nullptr))
         throw NonFiniteLogits(t0 + i);
     gate_weights(vals, n, k, w);
     for (int64_t i = 0; i < n; ++i) {
@@ -72,7 +78,7 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
         throw NonFiniteLookahead(t0 + i);
       for (size_t g = 0; g < caches.size(); ++g)
         caches[g].step_selected(z, sel + i * k, w + i * k, outs[g], t0 + i,
-                                n_pref ? pref.data() : nullptr);
+                                n_pref ? pref.data() : nullptr, zmin[i]);
     }
   }
   for (size_t g = 0; g < points.size(); ++g) {

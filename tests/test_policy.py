@@ -317,13 +317,14 @@ def test_bad_layer_cache_arguments():
 @settings(max_examples=120, deadline=None)
 @given(
     st.integers(0, 2**31 - 1),
-    st.sampled_from([32, 33, 63, 160, 512, 1000, 4096, 5000]),
-    st.sampled_from([1, 8, 10, 16, 32, 33]),
+    st.sampled_from([16, 20, 31, 32, 33, 63, 160, 512, 1000, 4096, 5000]),
+    st.sampled_from([1, 3, 4, 5, 8, 10, 16, 32, 33]),
     st.sampled_from(["normal", "duplicated", "constant"]),
 )
 def test_topk_fast_path_matches_lexsort(seed, E, k, kind):
-    """E >= 32 takes the lane-filtered fast path (up to E = 4096, k = 32); check every path
-    against a full sort: exact ties, a ragged tail, rows with one value."""
+    """Up to E = 4096 the lane-filtered fast path runs: 16 lanes for k <= 4 (E >= 16), 32 lanes
+    for k <= 32 (E >= 32); check every path against a full sort: exact ties, a ragged tail, rows
+    with one value."""
     k = min(k, E)
     rng = np.random.default_rng(seed)
     x = (rng.normal(size=(40, 1, E)) * 0.5).astype(np.float16).astype(np.float32)
@@ -337,16 +338,18 @@ def test_topk_fast_path_matches_lexsort(seed, E, k, kind):
     np.testing.assert_array_equal(got, order)
 
 
-@pytest.mark.parametrize("E", [8, 64, 70])
+@pytest.mark.parametrize("E, k", [(8, 2), (20, 2), (64, 2), (70, 2), (64, 10), (70, 10)])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_logits_found_in_every_top_k_path(E, bad):
-    """The core's own check (scan skips a separate NumPy pass): small rows, lanes, ragged tail."""
+@pytest.mark.parametrize("route_bias", [0.0, 0.1])  # route_bias: the pass also takes the row min
+def test_non_finite_logits_found_in_every_top_k_path(E, k, bad, route_bias):
+    """The core's own check (scan skips a separate NumPy pass): small rows, 16 and 32 lanes,
+    ragged tails."""
     x = np.random.default_rng(0).normal(size=(5, 3, E)).astype(np.float32)
     for where in [(0, 0, 0), (3, 2, E - 1), (4, 1, E // 2)]:
         y = x.copy()
         y[where] = bad
         with pytest.raises(ValueError, match="NaN or inf.*" + re.escape(str(where))):
-            scan(y, 2, 4, Policy())
+            scan(y, k, min(12, E), Policy(route_bias=route_bias))
 
 
 def test_study_policies_match_the_shipped_config():
