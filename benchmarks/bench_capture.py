@@ -3,28 +3,47 @@
 Model: Qwen3-Next-shaped at the reference routing geometry (E=512, top-10, renormalized,
 shared expert), hidden 128, expert width 16, 4 layers (3 linear + 1 full attention), random
 weights. Both sides load the checkpoint with `moesub.models.load_model` and run one forward
-per stream (batch 1, `use_cache=False`); the capture side additionally computes the NLL,
-records every router's logits and lookahead logits (each layer's norm and router applied once
-more, to the previous MoE layer's residual stream) and writes both Parquet tables. Reported: the
-ratio measured stream by stream back to back on one loaded model, and the end-to-end ratio (best
-of `--repeats`, alternating). On this shape (hidden 128, E=512, expert width 16) a router costs
-as much as the k routed experts, so the lookahead's second router matmul per layer and the
-table's second logit column weigh far more than on a real checkpoint (hidden 2048: the router is
-~3% of a layer). Measured on a shared 2-core machine (CPU time, min of 6 back-to-back rounds of
-4 x 512 tokens): capture_batch / forward 1.17 for the v1 capture (no lookahead, list logits),
-1.22 with the lookahead (binary logit rows); on a wider shape (hidden 512, E=128, k=8, width
-256) 1.08 and 1.04. This script's own ratios vary by +-0.2 between runs on that machine.
+per batch of streams as `run_capture` batches them (`use_cache=False`); the capture side
+additionally computes the NLL, records every router's logits and lookahead logits (each layer's
+norm and router applied once more, to the previous MoE layer's residual stream) and writes both
+Parquet tables. Reported: the ratio measured batch by batch back to back on one loaded model,
+with its stages (forward + NLL, + the lookahead's RouterHook, + recording and writing =
+`capture_batch`), and the end-to-end ratio (best of `--repeats`, alternating; model loading
+weighs in it, and it spanned 0.86-1.43 over the runs below). On this shape (hidden 128, E=512,
+expert width 16) a router costs as much as the k routed experts, so the lookahead's second
+router matmul per layer and the table's second logit column weigh far more than on a real
+checkpoint (hidden 2048: the router is ~3% of a layer).
+
+Measured on a shared 2-core machine (CPU time, 4 x 512 tokens in one forward): capture_batch /
+forward 1.17 for the v1 capture (no lookahead, list logits), 1.22 with the lookahead (binary
+logit rows); on a wider shape (hidden 512, E=128, k=8, width 256) 1.08 and 1.04. With the
+stages (`--repeats 8`, four runs, the machine shared, load 3.3-3.7 on its 2 cores): capture
+1.16 / 1.20 / 1.18 / 1.30, forward + NLL 1.06 / 1.00 / 1.03 / 1.06, + lookahead 1.09 / 1.05 /
+1.08 / 1.11; single rounds span 1.05-1.51. The recording-and-writing stage (memory-bound: it
+moves the 32 MiB of logits several times) swings most with other jobs' load. Where the time
+goes (`--profile`, and CPU timers around each call; a plain forward ~0.29 s): the NLL's
+log-softmax over the 8192-token vocabulary ~15 ms, the lookahead's four [2048, 128] x [128, 512]
+router matmuls ~13 ms (~84 GFLOP/s, one core's float32 peak), the Parquet writes of the two
+16 MiB logit columns ~15 ms (a raw write of the same 32 MiB takes 6 ms; page size, write batch
+size, v2 pages, the Arrow allocator and PLAIN encoding each move it by < 1 ms; lz4 costs +1 ms
+and saves nothing on float32 logits, zstd-1 +30 ms for 7.5%), the stack interleaving the layers'
+logits into (stream, pos, layer) rows 3.5-16 ms (fresh memory), the finiteness check ~2 ms.
+Copying each layer's logits into the rows inside the hook instead of stacking them at the end
+measured the same. None of it is redundant: below 1.15 on this shape needs a cheaper table
+format or fewer recorded values.
 By default time is this process's CPU time with one torch thread,
 which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
 elapsed time on an idle machine.
 
     PYTHONPATH=src python benchmarks/bench_capture.py [--streams 4 --length 512 --repeats 3]
-        [--clock cpu|wall --threads 1]
+        [--clock cpu|wall --threads 1] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +56,15 @@ import transformers as tf
 from moesub.artefacts import load_trace, router_writer
 from moesub.capture import CaptureParams, capture_batch, run_capture
 from moesub.io import write_parquet
-from moesub.models import load_model, moe_blocks, moe_info, stream_batches
+from moesub.models import (
+    MoEInfo,
+    RouterHook,
+    load_model,
+    moe_blocks,
+    moe_info,
+    stream_batches,
+    stream_nll,
+)
 
 _clock = time.perf_counter  # set by --clock
 
@@ -100,27 +127,65 @@ def capture(model_dir: Path, streams: Path, out: Path) -> float:
     return _clock() - t0
 
 
-def interleaved(model_dir: Path, streams: Path, out: Path, repeats: int) -> list[float]:
-    """Per repeat: sum over batches of capture_batch time / plain forward time, measured
-    back to back on the same loaded model (robust to load from other processes)."""
+def _rows_per_group(info: MoEInfo) -> int:
+    """Positions per row group, as `run_capture` sizes them at its default 64 MiB."""
+    return int(64 * 2**20 // (2 * 4 * info.num_experts * info.num_layers))
+
+
+def interleaved(model_dir: Path, streams: Path, out: Path, repeats: int) -> dict[str, list[float]]:
+    """Per repeat and stage: time summed over batches / the plain forward's, every stage run
+    back to back with the plain forward on one loaded model (robust to load from other
+    processes). Each stage adds one cost to the one before: `nll` the NLL (`stream_nll`),
+    `lookahead` a RouterHook computing the lookahead logits (norm + router once more per
+    layer), `capture` recording both logit arrays and writing the table (`capture_batch`)."""
     model, _ = load_model(model_dir)
     info = moe_info(model)
-    rows_per_group = int(64 * 2**20 // (2 * 4 * info.num_experts * info.num_layers))
-    ratios = []
+    rows_per_group = _rows_per_group(info)
     meta = {"num_experts": info.num_experts}
+
+    def forward(x: np.ndarray) -> None:
+        with torch.inference_mode():
+            model(input_ids=torch.from_numpy(x), use_cache=False)
+
+    def lookahead(x: np.ndarray) -> None:
+        with RouterHook(model, lambda *route: None, lookahead=True):
+            stream_nll(model, torch.from_numpy(x))
+
+    ratios: dict[str, list[float]] = {"nll": [], "lookahead": [], "capture": []}
     for _ in range(repeats):
-        tp = tc = 0.0
+        spent = dict.fromkeys(["plain", *ratios], 0.0)
         with router_writer(out / "r.parquet", info.num_experts, meta) as writer:
+            stages = {
+                "plain": forward,
+                "nll": lambda x: stream_nll(model, torch.from_numpy(x)),
+                "lookahead": lookahead,
+                "capture": lambda x: capture_batch(
+                    model, writer, list(range(len(x))), x, rows_per_group
+                ),
+            }
             for x in batches(streams):
-                t0 = _clock()
-                with torch.inference_mode():
-                    model(input_ids=torch.from_numpy(x), use_cache=False)
-                t1 = _clock()
-                capture_batch(model, writer, list(range(len(x))), x, rows_per_group)
-                t2 = _clock()
-                tp, tc = tp + t1 - t0, tc + t2 - t1
-        ratios.append(tc / tp)
+                for name, stage in stages.items():
+                    t0 = _clock()
+                    stage(x)
+                    spent[name] += _clock() - t0
+        for name, r in ratios.items():
+            r.append(spent[name] / spent["plain"])
     return ratios
+
+
+def profile_capture(model_dir: Path, streams: Path, out: Path) -> None:
+    """cProfile of `capture_batch` over every batch, on the script's clock: the calls that take
+    the most time of their own (the router matmuls of forward and lookahead, the log-softmax,
+    the Parquet writes, the stack of the recorded logits)."""
+    model, _ = load_model(model_dir)
+    info = moe_info(model)
+    meta = {"num_experts": info.num_experts}
+    profile = cProfile.Profile(_clock)
+    with router_writer(out / "p.parquet", info.num_experts, meta) as writer:
+        for x in batches(streams):
+            ids = list(range(len(x)))
+            profile.runcall(capture_batch, model, writer, ids, x, _rows_per_group(info))
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
 def main() -> None:
@@ -134,6 +199,7 @@ def main() -> None:
         "--clock", choices=["cpu", "wall"], default="cpu",
         help="cpu: process CPU time (robust on a shared machine); wall: elapsed time",
     )  # fmt: skip
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of capture_batch")
     args = ap.parse_args()
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -149,14 +215,21 @@ def main() -> None:
         for _ in range(args.repeats):
             tp.append(plain(d / "model", d / "streams.parquet"))
             tc.append(capture(d / "model", d / "streams.parquet", d))
+        if args.profile:
+            profile_capture(d / "model", d / "streams.parquet", d)
         mb = (d / "router.parquet").stat().st_size / 2**20
         t0 = time.perf_counter()
         trace = load_trace(d / "router.parquet", lookahead=True)
         t_load = time.perf_counter() - t0
     tokens = args.streams * args.length
     print(f"tokens {tokens}, router table {mb:.1f} MiB")
-    print(f"per-stream interleaved capture/plain: median {np.median(ratios):.3f}, all "
-          f"{[round(r, 3) for r in ratios]}  (target <= 1.15)")  # fmt: skip
+    r = ratios["capture"]
+    print(f"per-batch interleaved capture/plain: median {np.median(r):.3f}, all "
+          f"{[round(x, 3) for x in r]}  (target <= 1.15)")  # fmt: skip
+    print(
+        "  stages / plain (medians): forward + NLL {:.3f}, + lookahead {:.3f}, + recording "
+        "and writing = capture {:.3f}".format(*(np.median(v) for v in ratios.values()))
+    )
     print(f"end to end plain   best {min(tp):.3f} s ({tokens / min(tp):.0f} tok/s)")
     print(f"end to end capture best {min(tc):.3f} s ({tokens / min(tc):.0f} tok/s)")
     print(f"end to end capture / plain = {min(tc) / min(tp):.3f}")
