@@ -127,9 +127,9 @@ MOESUB_SIMD_CLONES static bool topk_by_lanes(const float* z, int E, int k, int32
                                              float* vals, float* min_out) {
   constexpr int kVecs = Lanes / 8;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  // 1. per lane: maximum, its expert, runner-up; and whether any logit is NaN or inf (all
-  // exponent bits set), in one accumulator so that the loop's state fits in registers
-  const i32x8 exponent = broadcast<i32x8>(int32_t{0x7f800000});
+  // 1. per lane: maximum, its expert, runner-up; and whether any logit is NaN or inf (then
+  // x - x is NaN, else +0: its bits ORed into one accumulator, so that the loop's state fits in
+  // registers)
   f32x8 m[kVecs], m2[kVecs], lowest[kVecs];  // lowest: only with kMin
   i32x8 arg[kVecs], lane[kVecs], non_finite = {};
   for (int v = 0; v < kVecs; ++v) {
@@ -138,7 +138,7 @@ MOESUB_SIMD_CLONES static bool topk_by_lanes(const float* z, int E, int k, int32
     lowest[v] = m[v];
     m2[v] = broadcast<f32x8>(-kInf);
     arg[v] = lane[v];
-    non_finite |= (reinterpret_cast<i32x8>(m[v]) & exponent) == exponent;
+    non_finite |= reinterpret_cast<i32x8>(m[v] - m[v]);
   }
   const int full = E / Lanes * Lanes;
   constexpr int kStep = kVecs < 2 ? kVecs : 2;  // vectors per pass: the state fits registers
@@ -151,7 +151,7 @@ MOESUB_SIMD_CLONES static bool topk_by_lanes(const float* z, int E, int k, int32
         arg[v] = select(gt, lane[v] + j, arg[v]);
         m[v] = select(gt, x, m[v]);
         if (kMin) lowest[v] = select(x < lowest[v], x, lowest[v]);
-        non_finite |= (reinterpret_cast<i32x8>(x) & exponent) == exponent;
+        non_finite |= reinterpret_cast<i32x8>(x - x);
       }
   float lane_m[Lanes], lane_m2[Lanes];
   int32_t lane_arg[Lanes];
@@ -426,7 +426,8 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
 
 LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
     : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
-      key_(C), acc_(E, 0.0), sel_(k), w_(k), zs_(C), pref_ids_(std::max(p.prefetch, 1)),
+      wide_keys_(p.eviction == Eviction::Lfu), key64_(wide_keys_ ? C : 0),
+      key32_(wide_keys_ ? 0 : C), acc_(E, 0.0), sel_(k), w_(k), zs_(C), pref_ids_(std::max(p.prefetch, 1)),
       pref_vals_(std::max(p.prefetch, 1)), res_bits_((E + 63) / 64, 0), t0_bits_((E + 63) / 64, 0),
       cand_bits_((E + 63) / 64, 0) {
   if (k < 1 || k > kMaxTopK || C < k || C > E)
@@ -446,41 +447,47 @@ LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initi
       throw std::invalid_argument("initial resident set must hold distinct experts in [0, E)");
     expert_[e].slot = s;
     expert_in_slot_[s] = e;
-    key_[s] = eviction_key(e);
+    set_key(s, eviction_key(e));
     res_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   }
 }
 
 // Eviction order (smallest first): lfu (freq, last use, id); lru (last use, id); belady (next
 // selection, farthest first, id). The key packs all but the id (last use + 1, so never-used
-// experts with last = -1 come first; belady: kNever minus the next selection, so never again is
-// 0); ties on the key go to the lower id in pick_victim.
+// experts with last = -1 come first; belady: kNever - 1 minus the next selection, so never again
+// is -1 and every key stays below the pinned one); ties on the key go to the lower id in
+// pick_victim.
 int64_t LayerCache::eviction_key(int32_t e) const {
-  if (p_.eviction == Eviction::Belady) return int64_t{Future::kNever} - upcoming_[e];
+  if (p_.eviction == Eviction::Belady) return int64_t{Future::kNever} - 1 - upcoming_[e];
   const int64_t recency = expert_[e].last + 1;
   if (p_.eviction == Eviction::Lfu) return (static_cast<int64_t>(expert_[e].freq) << 32) | recency;
   return recency;
 }
 
-MOESUB_SIMD_CLONES
-static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, int64_t pinned) {
-  // The smallest key (a branch-free pass), then the lowest id among the slots holding it. Few
-  // slots do (LRU: the experts the same token used last), so a bitmap of them is built 64 slots
-  // at a time (lane i of the j-th four keys sets bit 4 j + i) and walked.
-  const int full = C / 4 * 4;
-  i64x4 vmin = broadcast<i64x4>(pinned);
-  for (int s = 0; s < full; s += 4) {
-    const i64x4 x = load<i64x4>(key + s);
+// The slot with the smallest key, as its expert (ties to the lower id); -1 if every key is the
+// pinned one, the type's largest. V holds W keys of type K.
+template <class V, class K>
+MOESUB_SIMD_CLONES static int32_t smallest_key(const K* key, const int32_t* expert, int C) {
+  // The smallest key (a branch-free pass), then the lowest id among the slots holding it.
+  constexpr int W = sizeof(V) / sizeof(K);
+  constexpr K kPinned = std::numeric_limits<K>::max();
+  const int full = C / W * W;
+  V vmin = broadcast<V>(kPinned);
+  for (int s = 0; s < full; s += W) {
+    const V x = load<V>(key + s);
     vmin = select(x < vmin, x, vmin);
   }
-  int64_t best_key = pinned;
-  for (int i = 0; i < 4; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
+  K best_key = kPinned;
+  for (int i = 0; i < W; ++i) best_key = vmin[i] < best_key ? vmin[i] : best_key;
   for (int s = full; s < C; ++s) best_key = key[s] < best_key ? key[s] : best_key;
-  if (best_key == pinned) return -1;
+  if (best_key == kPinned) return -1;
+  if constexpr (W == 8) return lowest_id_where<V, V>(key, best_key, expert, C);
+  // 64-bit keys: narrowing a compare's mask to int32 lanes costs more than the compare, so the
+  // slots holding the key (few: lfu ties) are gathered as a bitmap, 64 at a time, and walked
   int32_t lowest = std::numeric_limits<int32_t>::max();
   for (int s0 = 0; s0 < C; s0 += 64) {
     const int end = std::min(C, s0 + 64), end4 = s0 + (end - s0) / 4 * 4;
-    i64x4 bits = {}, bit = {1, 2, 4, 8};
+    i64x4 bits = {}, bit = {1, 2, 4, 8};  // lane i of the j-th four keys: bit 4 j + i
     for (int s = s0; s < end4; s += 4, bit <<= 4) bits |= (load<i64x4>(key + s) == best_key) & bit;
     uint64_t holds = static_cast<uint64_t>(bits[0] | bits[1] | bits[2] | bits[3]);
     for (int s = end4; s < end; ++s) holds |= static_cast<uint64_t>(key[s] == best_key) << (s - s0);
@@ -493,7 +500,9 @@ static int32_t smallest_key(const int64_t* key, const int32_t* expert, int C, in
 }
 
 int32_t LayerCache::pick_victim() const {
-  return smallest_key(key_.data(), expert_in_slot_.data(), C_, kPinned);
+  const int32_t* expert = expert_in_slot_.data();
+  return wide_keys_ ? smallest_key<i64x4>(key64_.data(), expert, C_)
+                    : smallest_key<i32x8>(key32_.data(), expert, C_);
 }
 
 std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
@@ -507,7 +516,7 @@ std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
   expert_[e].slot = slot;
   res_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   expert_in_slot_[slot] = e;
-  key_[slot] = eviction_key(e);
+  set_key(slot, eviction_key(e));
   return {slot, victim};
 }
 
@@ -534,7 +543,7 @@ void LayerCache::set_future(const Future* future) {
     throw std::invalid_argument("set_future: the future's k or E differs from the cache's");
   future_ = future;
   upcoming_ = future->first_use;
-  for (int s = 0; s < C_; ++s) key_[s] = eviction_key(expert_in_slot_[s]);
+  for (int s = 0; s < C_; ++s) set_key(s, eviction_key(expert_in_slot_[s]));
 }
 
 // Step 1b: P = the n largest lookahead logits (the caller's top-n); each one not resident is
@@ -546,16 +555,16 @@ int32_t LayerCache::prefetch(const int32_t* P) {
   for (int j = 0; j < n; ++j) all_resident &= is_resident(P[j]);
   if (all_resident) return 0;
   for (int j = 0; j < n; ++j)
-    if (expert_[P[j]].slot >= 0) key_[expert_[P[j]].slot] = kPinned;
+    if (expert_[P[j]].slot >= 0) pin(expert_[P[j]].slot);
   int32_t inserted = 0;
   for (int j = 0; j < n; ++j) {
     const int32_t e = P[j];
     if (expert_[e].slot >= 0) continue;
-    key_[insert(e).first] = kPinned;
+    pin(insert(e).first);
     acc_[e] = 0.0;
     ++inserted;
   }
-  for (int j = 0; j < n; ++j) key_[expert_[P[j]].slot] = eviction_key(P[j]);
+  for (int j = 0; j < n; ++j) set_key(expert_[P[j]].slot, eviction_key(P[j]));
   counters_.prefetches += inserted;
   return inserted;
 }
@@ -695,15 +704,16 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   const int64_t o = i * out.k_stride;
   int8_t st[kMaxTopK];
   int32_t ids[kMaxTopK], slots[kMaxTopK];
-  for (int r = 0; r < k_; ++r) ++expert_[sel[r]].freq;
-  // 3. classify; hits join the computed set at once, which pins them (eviction key = kPinned)
+  if (p_.eviction == Eviction::Lfu)  // only lfu's keys count selections
+    for (int r = 0; r < k_; ++r) ++expert_[sel[r]].freq;
+  // 3. classify; hits join the computed set at once, which pins them (pin: the largest key)
   for (int r = 0; r < k_; ++r) {
     const int32_t e = sel[r];
     ids[r] = e;
     slots[r] = expert_[e].slot;
     if (slots[r] >= 0) {
       st[r] = HIT;
-      key_[slots[r]] = kPinned;
+      pin(slots[r]);
       continue;
     }
     switch (p_.rule) {
@@ -720,7 +730,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
     if (st[r] != FETCH) continue;
     const int32_t e = sel[r];
     slots[r] = insert(e).first;
-    key_[slots[r]] = kPinned;
+    pin(slots[r]);
     acc_[e] = 0.0;
   }
   // 5. substitutions in rank order; candidates are the residents not pinned by now
@@ -743,14 +753,14 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
     if (s < 0) {  // unreachable with a full cache and k <= C; kept for the contract
       st[r] = FORCED;
       slots[r] = insert(e).first;
-      key_[slots[r]] = kPinned;
+      pin(slots[r]);
       zs_[slots[r]] = kExcluded;
       acc_[e] = 0.0;
       continue;
     }
     ids[r] = s;
     slots[r] = expert_[s].slot;
-    key_[slots[r]] = kPinned;
+    pin(slots[r]);
     zs_[slots[r]] = kExcluded;
     m += w[r];
     acc_[e] += w[r];
@@ -770,7 +780,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
     if (st[r] == HOST)
       slots[r] = -1;
     else
-      key_[slots[r]] = eviction_key(ids[r]);
+      set_key(slots[r], eviction_key(ids[r]));
   }
   counters_.hit += per_status[HIT];
   counters_.fetch += per_status[FETCH];

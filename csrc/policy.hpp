@@ -153,11 +153,24 @@ class LayerCache {
   bool pending(int32_t expert) const { return expert_[expert].pending; }
 
  private:
-  // Eviction keys are kept per slot, so choosing a victim is a branch-free pass over C keys.
-  // A resident in the current token's computed set is pinned: its key is kPinned until step 6.
-  static constexpr int64_t kPinned = std::numeric_limits<int64_t>::max();
+  // Eviction keys are kept per slot, so choosing a victim is a branch-free pass over C keys:
+  // 32-bit where the eviction's keys fit (lru, belady: half the bytes per pass), 64-bit for lfu.
+  // A resident in the current token's computed set is pinned: its key is the type's largest
+  // value until step 6.
   static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
   int64_t eviction_key(int32_t expert) const;
+  void set_key(int32_t slot, int64_t key) {
+    if (wide_keys_)
+      key64_[slot] = key;
+    else
+      key32_[slot] = static_cast<int32_t>(key);
+  }
+  void pin(int32_t slot) {
+    if (wide_keys_)
+      key64_[slot] = std::numeric_limits<int64_t>::max();
+    else
+      key32_[slot] = std::numeric_limits<int32_t>::max();
+  }
   int32_t prefetch(const int32_t* P);  // step 1b: experts inserted
   // step 2 with route_bias: S and its weights (k each) from the unbiased top-k T0 (sel0, w0)
   // and the bias b; returns the rerouted mass
@@ -173,13 +186,15 @@ class LayerCache {
   int64_t t_ = 0;
   struct Expert {  // per-expert state, together: a token touches it for each selected expert
     int32_t slot = -1;   // cache slot, -1 if not resident
-    int32_t freq = 0;    // times selected
+    int32_t freq = 0;    // times selected (lfu)
     int32_t last = -1;   // last token it was computed at
     bool pending = false;  // an admission is queued
   };
   std::vector<Expert> expert_;           // E
   std::vector<int32_t> expert_in_slot_;  // C: expert or -1
-  std::vector<int64_t> key_;             // C: eviction key of the slot's expert, or kPinned
+  bool wide_keys_;                       // lfu
+  std::vector<int64_t> key64_;           // C (lfu): eviction key of the slot's expert, or pinned
+  std::vector<int32_t> key32_;           // C (lru, belady)
   std::vector<double> acc_;
   std::deque<std::pair<int64_t, int32_t>> queue_;  // (ready time, expert), in request order
   Counters counters_;
