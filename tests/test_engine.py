@@ -364,13 +364,29 @@ def test_calibrate_writes_the_cost_model(stage, tmp_path):
 
 
 # ----------------------------------------------------------------------------------- bench
-def test_benchmark_table(tmp_path):
+def test_benchmark_table(tmp_path, monkeypatch):
     params = dict(
         layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
         warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
         routing="synthetic", rounds=1,
     )  # fmt: skip
+    tiers = []  # every run gets a tier of its own, closed before the next one is made
+
+    class Tier(DiskTier):
+        def __init__(self, *args, **kwargs):
+            assert all(t.closed for t in tiers), "a tier is still open"
+            super().__init__(*args, **kwargs)
+            self.closed = False
+            tiers.append(self)
+
+        def close(self):
+            super().close()
+            self.closed = True
+
+    monkeypatch.setattr("moesub.engine.bench.DiskTier", Tier)
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
+    # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer)
+    assert len(tiers) == 11 and all(t.closed for t in tiers)
     assert set(df["policy"]) == {
         "fetch_every_miss", "host_compute", "rule_015", "quality", "speed", ALL_RESIDENT,
     }  # fmt: skip

@@ -12,8 +12,10 @@ core decides from the synthetic logits; attention and the shared expert are not 
 Every policy runs in ONE process over the same tokens from the same frequency-initial resident
 set, in `rounds` interleaved with the cost model's calibration runs (other tokens, mechanism
 policies: all hits, every miss fetched, host compute, background admissions), so that the
-machine's load hits all alike. The cost model is fitted to the calibration runs
-(`moesub.engine.calibrate.fit_token_costs`) and prices every policy's counters; `sim_rel_error`
+machine's load hits all alike; every run has a tier of its own, as an engine serving one policy
+does (no thread state carried over from another policy's run). The cost model is fitted to the
+calibration runs (`moesub.engine.calibrate.fit_token_costs`) and prices every policy's counters;
+`sim_rel_error`
 compares it with the engine's time per token (the median over rounds of each run's mean). The
 output holds one row per policy with time per token and its ratios to `fetch_every_miss` and
 `host_compute`, and the simulator's prediction with its relative error.
@@ -361,23 +363,23 @@ def run_benchmark(
             return DiskTier(store, capacity, k, act, p.staging_buffers)
         return CudaTier(host, capacity, dev, act, p.staging_buffers)
 
-    # the policies and the calibration runs in interleaved rounds; one tier at a time (C slots
-    # per layer, or E for all_resident)
+    # the policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
+    # slots per layer, or E for all_resident): a run inherits no thread state from the one
+    # before. Measured on the disk tier with one tier per capacity: once a host_compute run had
+    # used the tier's host worker (which then keeps an OpenMP team of its own, more OpenMP
+    # threads than cores, so libgomp throttles the spin-waits of the decode's worker: its CPU
+    # time per token fell ~3x), every later run on that tier was ~2-3 ms per token slower, and
+    # the cost model fitted to such runs overpredicted all_resident (a tier of its own) by 15%.
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
     order = _round_order(list(p.policies) + cal_names, p.rounds)
     info: dict[str, Any] = {"routing": logits.source, "load_avg_start": os.getloadavg()}
     parts: dict[str, list[_Run]] = {n: [] for n in [*p.policies, *cal_names, CAL_HITS_ONE_LAYER]}
-    tier, tier_cap, description, engine, micro = None, 0, "", None, None
+    tier, description, engine, micro = None, "", None, None
     try:
         for name in order:
             cap = E if name == ALL_RESIDENT else C
-            if tier is None or tier_cap != cap:
-                if tier is not None:
-                    tier.close()
-                    tier = engine = None  # frees the slot buffers before allocating others
-                    gc.collect()
-                tier, tier_cap = make_tier(cap), cap
-                description = description or tier.description
+            tier = make_tier(cap)
+            description = description or tier.description
             if micro is None and cap == C:
                 micro = _microbenchmarks(tier, store, router_w, h0, p, info)
             trace, init, layers, warmup = logits.validation, initial, None, p.warmup
@@ -397,8 +399,10 @@ def run_benchmark(
             if (layers is not None or trace is hits) and not all_hits:
                 raise RuntimeError(f"calibration run {name}: expected only hits")
             parts[name].append(run)
-        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
             tier.close()
+            tier = engine = None  # frees the slot buffers before the next run allocates its own
+            gc.collect()
+        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
             tier = make_tier(C)
             micro = _microbenchmarks(tier, store, router_w, h0, p, info)
     finally:
