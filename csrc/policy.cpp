@@ -193,7 +193,7 @@ MOESUB_SIMD_CLONES static bool topk_by_lanes(const float* z, int E, int k, int32
   float thr = kInf;
   for (int i = 0; i < 8; ++i) thr = top_m[i] < thr ? top_m[i] : thr;
   // 3. candidates: each top lane's maximum, plus its other logits >= thr if its runner-up
-  // reaches thr (a rare rescan)
+  // reaches thr (a rescan of that lane: one or two lanes of a top-10 row, measured)
   int32_t cand[kMaxFastE];
   float cval[kMaxFastE];
   uint32_t top = 0, rescan = 0;
@@ -427,9 +427,9 @@ void forced_substitution(const float* logits, int64_t T, int E, int k, const int
 LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initial, bool external)
     : E_(E), k_(k), C_(C), p_(p), external_(external), expert_(E), expert_in_slot_(C, -1),
       wide_keys_(p.eviction == Eviction::Lfu), key64_(wide_keys_ ? C : 0),
-      key32_(wide_keys_ ? 0 : C), acc_(E, 0.0), sel_(k), w_(k), zs_(C), pref_ids_(std::max(p.prefetch, 1)),
-      pref_vals_(std::max(p.prefetch, 1)), res_bits_((E + 63) / 64, 0), t0_bits_((E + 63) / 64, 0),
-      cand_bits_((E + 63) / 64, 0) {
+      key32_(wide_keys_ ? 0 : C), acc_(E, 0.0), sel_(k), w_(k), zs_(C),
+      pref_ids_(std::max(p.prefetch, 1)), pref_vals_(std::max(p.prefetch, 1)),
+      res_bits_((E + 63) / 64, 0), t0_bits_((E + 63) / 64, 0), cand_bits_((E + 63) / 64, 0) {
   if (k < 1 || k > kMaxTopK || C < k || C > E)
     throw std::invalid_argument("need 1 <= k <= capacity <= num_experts and k <= 64");
   if (p.prefetch < 0 || p.prefetch > C)
