@@ -15,10 +15,9 @@ policies: all hits, every miss fetched, host compute, background admissions), so
 machine's load hits all alike; every run has a tier of its own, as an engine serving one policy
 does (no thread state carried over from another policy's run). The cost model is fitted to the
 calibration runs (`moesub.engine.calibrate.fit_token_costs`) and prices every policy's counters;
-`sim_rel_error`
-compares it with the engine's time per token (the median over rounds of each run's mean). The
-output holds one row per policy with time per token and its ratios to `fetch_every_miss` and
-`host_compute`, and the simulator's prediction with its relative error.
+`sim_rel_error` compares it with the engine's time per token (the median over rounds of each
+run's mean). The output holds one row per policy with time per token and its ratios to
+`fetch_every_miss` and `host_compute`, and the simulator's prediction with its relative error.
 """
 
 from __future__ import annotations
