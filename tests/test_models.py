@@ -21,6 +21,7 @@ from moesub.models import (
     moe_info,
     stream_nll,
 )
+from moesub.models.nll import head_rows
 
 VOCAB = 97
 
@@ -284,15 +285,21 @@ def test_checkpoint_file_and_tokenizer_errors(saved_qwen3_moe):
         load_tokenizer(path)
 
 
-def test_stream_nll_matches_plain_forward():
-    model = tiny_model("qwen3_next")
-    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), dim=-1)
-    ref = -lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).double().numpy()
-    for chunk in (None, 1024, 4, 1):
-        nll = stream_nll(model, ids, chunk=chunk)
-        assert np.isnan(nll[:, 0]).all()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stream_nll_matches_plain_forward(family, monkeypatch):
+    """The decoder + chunked head equals log_softmax(model(ids).logits) bit for bit: one chunk
+    (2 x 21 rows), and chunks of 16 rows with a longer last one (3 x 50 rows: 16 x 8 + 22)."""
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(5)
+    assert head_rows(VOCAB, torch.device("cpu")) == 2**18 // VOCAB
+    monkeypatch.setattr("moesub.models.nll.head_rows", lambda vocab, device: 16)
+    for B, T in [(2, 21), (3, 50)]:
+        ids = torch.randint(0, VOCAB, (B, T), generator=gen)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float(), dim=-1)
+        ref = -lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).double().numpy()
+        nll = stream_nll(model, ids)
+        assert nll.shape == (B, T) and np.isnan(nll[:, 0]).all()
         np.testing.assert_array_equal(nll[:, 1:], ref)
     with pytest.raises(ValueError, match="input_ids"):
         stream_nll(model, ids[0])

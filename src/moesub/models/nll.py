@@ -6,6 +6,7 @@ agree bit for bit: same batching (`stream_batches`), same forward and log-softma
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,31 +39,50 @@ def stream_batches(lengths: Sequence[int], batch_tokens: int | None) -> list[lis
 
 
 @torch.inference_mode()
-def stream_nll(model: nn.Module, input_ids: torch.Tensor, chunk: int | None = None) -> np.ndarray:
+def stream_nll(model: nn.Module, input_ids: torch.Tensor) -> np.ndarray:
     """Per-token NLL `[B, T]` float64 (NaN at position 0) from ONE teacher-forced forward.
 
     The single forward used by capture and emulate (bit-exactness between them depends on it):
-    `model(input_ids, use_cache=False)` in the model's dtype, then log-softmax in float32 over
-    the vocabulary, cast to float64. The log-softmax runs over `chunk` positions at a time
-    (default: about 2^18 logits per chunk on CPU, 2^26 on GPU); results do not depend on it.
-    On CPU, small chunks matter: one [T, V] log-softmax buffer made the NLL cost 23% of a
-    forward of the tiny model (fresh large allocations page-fault), 32-row chunks 4%.
-    Note: the batch composition (B, T) must also match for bit-identical results.
+    the model's decoder (`model.base_model`, `use_cache=False`) in the model's dtype, then its
+    output head on `head_rows(V, device)` of the B*T hidden states at a time, each chunk's
+    logits log-softmaxed in float32 and cast to float64. This is `model(input_ids)` without
+    its [B, T, V] logits tensor: with a real vocabulary the largest tensor of the forward (B*T
+    = 2048, V = 151936: 1.2 GiB of float32); on the embedded shape its fresh pages and the
+    log-softmax's second pass over it made the NLL cost 5-8% of a plain forward, the chunks
+    (in cache) make forward + NLL 0.95-0.98x one (benchmarks/bench_capture.py).
+
+    A matmul's bits can depend on its row count: no chunk is shorter than `head_rows` (the
+    remainder joins the last one), and at that height the CPU head gives the bits of one [B*T,
+    V] matmul (measured, float32: rows differ only in chunks under 12 rows), so the NLL equals
+    that of `model(input_ids).logits` (tests/test_models.py). The batch composition (B, T)
+    must match too for bit-identical results.
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     device = input_device(model)
     ids = input_ids.to(device=device, dtype=torch.long)  # [B, T]
-    logits = model(input_ids=ids, use_cache=False).logits  # [B, T, V]
-    B, T, V = logits.shape
-    targets = ids.to(logits.device)  # a placed model's head may sit on another device
-    if chunk is None:
-        budget = 2**18 if device.type == "cpu" else 2**26
-        chunk = max(1, budget // (B * V))
+    B, T = ids.shape
+    hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, H]
+    hidden = hidden.reshape(B * T, -1)  # [N, H], batch-major like the targets below
+    head = model.get_output_embeddings()
+    # row n = (b, t) predicts ids[b, t + 1]; each stream's last row predicts nothing (0)
+    targets = torch.cat([ids[:, 1:], ids.new_zeros(B, 1)], dim=1).reshape(-1)  # [N]
+    rows = head_rows(head.out_features, device)
+    bounds = [*range(0, max(B * T - rows, 1), rows), B * T]  # the last chunk: rows..2*rows-1
+    nll = torch.empty(B * T, dtype=torch.float64)  # [N]
+    for s, e in itertools.pairwise(bounds):
+        logits = head(hidden[s:e])  # [e - s, V]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        tok = lp.gather(-1, targets[s:e, None].to(lp.device)).squeeze(-1)  # [e - s]
+        nll[s:e] = -tok.double().cpu()
     out = torch.full((B, T), float("nan"), dtype=torch.float64)
-    for s in range(0, T - 1, chunk):
-        e = min(s + chunk, T - 1)
-        lp = torch.log_softmax(logits[:, s:e].float(), dim=-1)  # [B, e-s, V]
-        tok = lp.gather(-1, targets[:, s + 1 : e + 1, None]).squeeze(-1)  # [B, e-s]
-        out[:, s + 1 : e + 1] = -tok.double().cpu()
+    out[:, 1:] = nll.reshape(B, T)[:, :-1]
     return out.numpy()
+
+
+def head_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows of hidden states per output-head chunk in `stream_nll`: about 2^18 logits on CPU
+    (the chunk's logits and log-probabilities stay in cache), 2^26 on an accelerator, and at
+    least 64 (a matmul this tall is compute-bound and row-count independent, see above)."""
+    budget = 2**18 if device.type == "cpu" else 2**26
+    return max(64, budget // vocab_size)
