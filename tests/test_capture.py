@@ -24,6 +24,7 @@ from moesub.capture import (
     write_initial_sets,
 )
 from moesub.io import read_metadata, write_parquet
+from moesub.models import moe_blocks
 
 VOCAB, E, K, L = 61, 24, 5, 4
 LENGTHS = {3: 37, 0: 25, 7: 2}  # stream id -> length (not in id order, one tiny stream)
@@ -211,6 +212,34 @@ def test_capture_input_errors(tiny_next, tmp_path):
     with pytest.raises(FileNotFoundError, match="nomodel"):
         run_capture(tmp_path / "nomodel", tmp_path / "s.parquet", *out)
     assert not out[0].exists() and not out[1].exists()
+
+
+def test_capture_rejects_non_finite_router_logits(tmp_path):
+    """A NaN in one router's weights makes its logits NaN: the capture names the stream and
+    leaves no output behind."""
+    model = tiny_qwen3_next(vocab=VOCAB, layers=L, experts=E, k=K)
+    with torch.no_grad():
+        moe_blocks(model)[1].gate.weight[3, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan_model")
+    make_streams(tmp_path / "s.parquet")
+    out = (tmp_path / "t.parquet", tmp_path / "r.parquet")
+    with pytest.raises(ValueError, match=r"stream \d+: the model produced NaN or infinite"):
+        run_capture(tmp_path / "nan_model", tmp_path / "s.parquet", *out)
+    assert not out[0].exists() and not out[1].exists()
+
+
+def test_capture_checks_every_logit_when_a_sum_is_not_finite(tiny_next, captured, monkeypatch):
+    """The per-layer sums only vouch for finite logits; when one is not finite (as if it had
+    overflowed) every logit is checked, and finite logits are captured all the same."""
+    model_dir, _ = tiny_next
+    d, _, _ = captured
+    monkeypatch.setattr("moesub.capture._Recorder.all_finite", lambda self: False)
+    out = (d / "checked_tok.parquet", d / "checked_router.parquet")
+    run_capture(model_dir, d / "streams.parquet", *out, {"name": "tiny"})
+    ref, got = load_trace(d / "router.parquet", True), load_trace(out[1], True)
+    assert got.streams == ref.streams
+    for a, b in zip(ref.logits + ref.lookahead, got.logits + got.lookahead, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _brute_topk(z: np.ndarray, k: int) -> np.ndarray:
