@@ -14,26 +14,22 @@ expert width 16) a router costs as much as the k routed experts, so the lookahea
 router matmul per layer and the table's second logit column weigh far more than on a real
 checkpoint (hidden 2048: the router is ~3% of a layer).
 
-Measured on a shared 2-core machine (CPU time, 4 x 512 tokens in one forward): capture_batch /
-forward 1.17 for the v1 capture (no lookahead, list logits), 1.22 with the lookahead (binary
-logit rows); on a wider shape (hidden 512, E=128, k=8, width 256) 1.08 and 1.04. With the
-stages (`--repeats 8`, four runs, the machine shared, load 3.3-3.7 on its 2 cores): capture
-1.16 / 1.20 / 1.18 / 1.30, forward + NLL 1.06 / 1.00 / 1.03 / 1.06, + lookahead 1.09 / 1.05 /
-1.08 / 1.11; single rounds span 1.05-1.51. The recording-and-writing stage (memory-bound: it
-moves the 32 MiB of logits several times) swings most with other jobs' load. Where the time
-goes (`--profile`, and CPU timers around each call; a plain forward ~0.29 s): the NLL's
-log-softmax over the 8192-token vocabulary ~15 ms, the lookahead's four [2048, 128] x [128, 512]
-router matmuls ~13 ms (~84 GFLOP/s, one core's float32 peak), the Parquet writes of the two
-16 MiB logit columns ~15 ms (a raw write of the same 32 MiB takes 6 ms; page size, write batch
-size, v2 pages, the Arrow allocator and PLAIN encoding each move it by < 1 ms; lz4 costs +1 ms
-and saves nothing on float32 logits, zstd-1 +30 ms for 7.5%), the stack interleaving the layers'
-logits into (stream, pos, layer) rows 3.5-16 ms (fresh memory), the finiteness check ~2 ms.
-Copying each layer's logits into the rows inside the hook instead of stacking them at the end
-measured the same. None of it is redundant: below 1.15 on this shape needs a cheaper table
-format or fewer recorded values. Wall clock on the idle machine (`--clock wall --threads 1
---streams 16 --repeats 5`, 2026-12-01): per batch 1.21 (as in CPU time), and the capture loop as
-`run_capture` runs it (writes on a background thread while the next batch computes) 1.18-1.25,
-median 1.24: the second core does not hide the writes, since recording is memory-bound too.
+Measured on the 2-core machine, 2026-12-01 (CPU time, one thread, 4 x 512 tokens in one
+forward, `--repeats 15`, three runs): capture_batch / forward 1.137, 1.123, 1.138 (single
+repeats 1.05-1.33); stages forward + NLL 0.97-1.00, + lookahead 1.00-1.10; the capture loop
+with its background writer 1.12-1.15. Before, 1.185 the same morning and 1.16-1.30 under load:
+`stream_nll` took the NLL's log-softmax from the [B, T, V] logits of `model(ids)` (+5-8%); it
+now runs the output head on 64-row chunks that stay in cache, cheaper than the plain forward's
+own head (forward + NLL < 1). What remains is recording: the lookahead's four [2048, 128] x
+[128, 512] router matmuls (~84 GFLOP/s, one core's float32 peak), stacking the layers' logits
+into (stream, pos, layer) rows (~2.5 ms) and writing the two 16 MiB logit columns: ~4.5 ms of
+Parquet encoding (to /dev/null) and ~7 ms of page cache for a new file (a raw write of the same
+bytes; page size, write batch size, v2 pages, PLAIN encoding each move it by < 1 ms, lz4 costs
++1 ms and saves nothing on float32 logits). The finiteness check sums each layer's logits
+while they are in cache. On this shape that is 16 KiB of logits per token for a forward of a
+hidden-128 model; on a wider shape (hidden 512, E=128, k=8, width 256) the capture was 1.04.
+Wall clock swings with the page cache on this VM (`--clock wall --threads 1 --streams 16
+--repeats 5`, three runs): per batch 1.09, 1.36, 1.21; the loop 1.13, 1.26, 1.25.
 By default time is this process's CPU time with one torch thread,
 which stays meaningful on a machine shared with other jobs; `--clock wall --threads 2` gives
 elapsed time on an idle machine.
