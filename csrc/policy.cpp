@@ -596,21 +596,24 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
     }
   }
   double val[kMaxTopK];
+  int8_t t0_rank[kMaxTopK];  // S's member's rank in T0, or -1 for an outsider
   int n = 0;
-  auto offer = [&](double v, int32_t e) {  // insertion by (v descending, id ascending)
+  auto offer = [&](double v, int32_t e, int8_t rank) {  // insertion by (v desc, id asc)
     if (n == k_ && !(v > val[k_ - 1] || (v == val[k_ - 1] && e < sel[k_ - 1]))) return;
     int pos = n < k_ ? n++ : k_ - 1;
     while (pos > 0 && (v > val[pos - 1] || (v == val[pos - 1] && e < sel[pos - 1]))) {
       val[pos] = val[pos - 1];
       sel[pos] = sel[pos - 1];
+      t0_rank[pos] = t0_rank[pos - 1];
       --pos;
     }
     val[pos] = v;
     sel[pos] = e;
+    t0_rank[pos] = rank;
   };
   for (int r = 0; r < k_; ++r) {
     const int32_t e = sel0[r];
-    offer(is_resident(e) ? static_cast<double>(z[e]) + b : z[e], e);
+    offer(is_resident(e) ? static_cast<double>(z[e]) + b : z[e], e, static_cast<int8_t>(r));
     t0_bits_[e >> 6] |= uint64_t{1} << (e & 63);
   }
   // Outsiders: residents with z + b >= thr, among the experts with z >= outsider_floor
@@ -619,12 +622,16 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
     for (uint64_t m = cand_bits_[i] & res_bits_[i] & ~t0_bits_[i]; m; m &= m - 1) {
       const int32_t e = static_cast<int32_t>(64 * i) + __builtin_ctzll(m);
       const double v = static_cast<double>(z[e]) + b;
-      if (v >= thr) offer(v, e);
+      if (v >= thr) offer(v, e, -1);
     }
     t0_bits_[i] = 0;
   }
   bool same = true;
-  for (int r = 0; r < k_; ++r) same &= sel[r] == sel0[r];
+  uint64_t kept = 0;  // bit r: T0's rank-r expert is in S
+  for (int r = 0; r < k_; ++r) {
+    same &= t0_rank[r] == r;
+    kept |= t0_rank[r] >= 0 ? uint64_t{1} << t0_rank[r] : 0;
+  }
   if (same) {  // the same ranking: v1's weights, nothing rerouted
     std::copy(w0, w0 + k_, w);
     return 0.0;
@@ -633,10 +640,8 @@ double LayerCache::biased_selection(const float* z, const int32_t* sel0, const d
   for (int r = 0; r < k_; ++r) v[r] = z[sel[r]];
   softmax_row(v, k_, w);
   double rho = 0.0;  // T0's own weights of its experts that S left out, in T0's rank order
-  for (int r = 0; r < k_; ++r) t0_bits_[sel[r] >> 6] |= uint64_t{1} << (sel[r] & 63);
   for (int r = 0; r < k_; ++r)
-    if (!(t0_bits_[sel0[r] >> 6] >> (sel0[r] & 63) & 1)) rho += w0[r];
-  for (int r = 0; r < k_; ++r) t0_bits_[sel[r] >> 6] = 0;
+    if (!(kept >> r & 1)) rho += w0[r];
   return rho;
 }
 
