@@ -59,7 +59,8 @@ slurm-client and munge with your package manager"
 write_config() {
     local node cpus mem_mb
     node=$(hostname -s)
-    cpus=$(nproc)
+    # the node's CPUs, not the caller's OpenMP limit (nproc honours OMP_NUM_THREADS)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     mem_mb=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024}' /proc/meminfo)
     mem_mb=$((mem_mb > 4000 ? mem_mb - 2000 : mem_mb / 2))
     if [ -e "$CONF" ] && ! head -n 1 "$CONF" | grep -qF "$MARK"; then
