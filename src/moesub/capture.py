@@ -95,7 +95,7 @@ class _Recorder:
     def all_finite(self) -> bool:
         """True if every recorded logit is finite; False if some may not be (a NaN, an
         infinity, or a sum that overflowed: check the logits themselves)."""
-        return bool(torch.isfinite(torch.stack([z.cpu() for z in self.sums])).all())
+        return all(bool(torch.isfinite(z)) for z in self.sums)
 
     @staticmethod
     def _stack(rows: list[torch.Tensor | None]) -> np.ndarray:

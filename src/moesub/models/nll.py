@@ -49,7 +49,7 @@ def stream_nll(model: nn.Module, input_ids: torch.Tensor) -> np.ndarray:
     its [B, T, V] logits tensor: with a real vocabulary the largest tensor of the forward (B*T
     = 2048, V = 151936: 1.2 GiB of float32); on the embedded shape its fresh pages and the
     log-softmax's second pass over it made the NLL cost 5-8% of a plain forward, the chunks
-    (in cache) make forward + NLL 0.95-0.98x one (benchmarks/bench_capture.py).
+    (in cache) make forward + NLL 0.95-1.00x one (benchmarks/bench_capture.py).
 
     A matmul's bits can depend on its row count: no chunk is shorter than `head_rows` (the
     remainder joins the last one), and at that height the CPU head gives the bits of one [B*T,
@@ -83,6 +83,6 @@ def stream_nll(model: nn.Module, input_ids: torch.Tensor) -> np.ndarray:
 def head_rows(vocab_size: int, device: torch.device) -> int:
     """Rows of hidden states per output-head chunk in `stream_nll`: about 2^18 logits on CPU
     (the chunk's logits and log-probabilities stay in cache), 2^26 on an accelerator, and at
-    least 64 (a matmul this tall is compute-bound and row-count independent, see above)."""
+    least 64 (tall enough to be compute-bound, and on CPU to give one big matmul's bits)."""
     budget = 2**18 if device.type == "cpu" else 2**26
     return max(64, budget // vocab_size)
