@@ -9,7 +9,7 @@ norm and router applied once more, to the previous MoE layer's residual stream) 
 Parquet tables. Reported: the ratio measured batch by batch back to back on one loaded model,
 with its stages (forward + NLL, + the lookahead's RouterHook, + recording and writing =
 `capture_batch`), and the end-to-end ratio (best of `--repeats`, alternating; model loading
-weighs in it, and it spanned 0.86-1.43 over the runs below). On this shape (hidden 128, E=512,
+weighs in it: 0.81-1.27 over the runs of 2026-12-01). On this shape (hidden 128, E=512,
 expert width 16) a router costs as much as the k routed experts, so the lookahead's second
 router matmul per layer and the table's second logit column weigh far more than on a real
 checkpoint (hidden 2048: the router is ~3% of a layer).
@@ -24,8 +24,9 @@ own head (forward + NLL < 1). What remains is recording: the lookahead's four [2
 [128, 512] router matmuls (~84 GFLOP/s, one core's float32 peak), stacking the layers' logits
 into (stream, pos, layer) rows (~2.5 ms) and writing the two 16 MiB logit columns: ~4.5 ms of
 Parquet encoding (to /dev/null) and ~7 ms of page cache for a new file (a raw write of the same
-bytes; page size, write batch size, v2 pages, PLAIN encoding each move it by < 1 ms, lz4 costs
-+1 ms and saves nothing on float32 logits). The finiteness check sums each layer's logits
+bytes; these three timed apart from this script, on the same tables; page size, write batch
+size, v2 pages, PLAIN encoding each move it by < 1 ms, lz4 costs +1 ms and saves nothing on
+float32 logits). The finiteness check sums each layer's logits
 while they are in cache. On this shape that is 16 KiB of logits per token for a forward of a
 hidden-128 model; on a wider shape (hidden 512, E=128, k=8, width 256) the capture was 1.04.
 Wall clock swings with the page cache on this VM (`--clock wall --threads 1 --streams 16
