@@ -5,6 +5,7 @@ tokenizer; the generation statistics over such artefacts."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import sys
@@ -17,11 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 from tiny_models import tiny_qwen3_next
 
+from moesub.config import schema_section
 from moesub.corpus import read_document
 from moesub.generate import (
     GSM8K_SHOT_POOL,
     GSM8K_STOP,
     OUTPUT_SCHEMA,
+    TASKS,
     GenerateParams,
     agreement,
     check_humaneval,
@@ -42,11 +45,12 @@ from moesub.generate import (
     read_humaneval,
     run_generate,
     scored_length,
+    task_named,
     truncate_at,
 )
 from moesub.generate.completion import _file_problems
 from moesub.generate.humaneval import score_humaneval
-from moesub.generate.run import TIMING_COLUMNS, stop_ids
+from moesub.generate.run import TIMING_COLUMNS
 from moesub.io import read_metadata, write_parquet
 from moesub.sandbox import SandboxResult
 from moesub.stats import run_analysis
@@ -259,7 +263,8 @@ def test_sandbox_failure_is_missing_not_wrong(tmp_path, monkeypatch):
         "moesub.sandbox.run_untrusted",
         lambda *a, **kw: SandboxResult("error", None, "", "", 0.0, "sandbox", error="boom"),
     )
-    score = score_humaneval(types.SimpleNamespace(problem=TOY), "    return a + b\n", 5.0)
+    item = types.SimpleNamespace(problem=TOY)
+    score = score_humaneval(item, "    return a + b\n", GenerateParams(timeout_s=5.0))
     assert score.correct is None and score.prediction == "error"
     assert "sandbox error: boom" in score.missing
 
@@ -395,14 +400,15 @@ def test_completion_prompts_are_held_out_and_aligned(stage):
     with pytest.raises(ValueError, match="line_cut"):
         _file_problems("colorsys.py", text, tok, None, 8, 200, "middle", 0)
 
-    items = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
-    again = completion_items(None, stage / "model", 30, 0, 64, 8, 40)
-    other = completion_items(None, stage / "model", 30, 1, 64, 8, 40)
+    opts = GenerateParams(n=30, seed=0, max_prompt_tokens=64, min_line_chars=8, max_line_tokens=40)
+    items = completion_items(None, stage / "model", opts)
+    again = completion_items(None, stage / "model", opts)
+    other = completion_items(None, stage / "model", dataclasses.replace(opts, seed=1))
     assert [i.problem_id for i in items] == [i.problem_id for i in again]
     assert [i.problem_id for i in items] != [i.problem_id for i in other]
     assert {i.problem_id.rsplit(":", 1)[0] for i in items + other} <= set(EVAL_FILES)
     with pytest.raises(ValueError, match="held-out lines available"):
-        completion_items(None, stage / "model", 10**6, 0, 64, 8, 40)
+        completion_items(None, stage / "model", dataclasses.replace(opts, n=10**6))
 
 
 def test_heldout_files_refuse_a_training_file(tmp_path):
@@ -425,9 +431,9 @@ def test_stop_cut_is_shared_by_scoring_and_agreement(stage):
     assert tok.decode(a[: cut[0]]) == "He has 12 apples" and cut[0] == cut[1]
     assert agreement(a[: cut[0]], b[: cut[1]]) == (True, 1.0)
     assert not agreement(a, b)[0]
-    newline = stop_ids("code_completion", tok)
+    newline = TASKS["code_completion"].stop_ids(tok)
     assert tok.eos_token_id in newline and all("\n" in tok.decode([i]) for i in newline - {0})
-    assert stop_ids("gsm8k", tok) == {tok.eos_token_id}
+    assert TASKS["gsm8k"].stop_ids(tok) == TASKS["humaneval"].stop_ids(tok) == {tok.eos_token_id}
 
 
 @pytest.fixture(scope="module")
@@ -586,6 +592,17 @@ def test_run_generate_rejects_bad_input(stage):
         with pytest.raises(exc, match=match):
             run_generate(**{**good, **over})
     assert not (stage / "bad").exists()
+
+
+def test_task_records():
+    """Every task has its config section and a record under its own name; only HumanEval runs
+    generated code; each record cuts where its module says."""
+    assert sorted(TASKS) == sorted(schema_section("generate.tasks")["properties"])
+    assert all(task_named(name).name == name for name in TASKS)
+    assert [name for name, t in TASKS.items() if t.sandboxed] == ["humaneval"]
+    assert TASKS["gsm8k"].stops == GSM8K_STOP and TASKS["code_completion"].stops == ("\n",)
+    with pytest.raises(ValueError, match="task must be one of"):
+        task_named("mmlu")
 
 
 def test_params():

@@ -10,7 +10,9 @@ the first divergence). Substituted mass is per token-layer: the mean over the sc
 the gate mass substituted in the forward step that produced each token, divided by the number
 of MoE layers.
 
-Tasks, one module each:
+Tasks, one module each, each defining its `Task` record (how its problems are loaded and
+prompted, where decoding stops, how an output is scored, whether scoring runs in the sandbox);
+`moesub.generate.tasks.TASKS` lists them by name, and the stage knows a task only through it:
 
 - `gsm8k`: grade-school math, exact match of the final number (the test set ships in data/);
 - `humaneval`: pass@1 by running the problem's tests in `moesub.sandbox` (a sentinel proves
@@ -22,7 +24,15 @@ Missing data is not fatal for the pipeline: `run_generate` writes an empty artef
 metadata says what is missing and how to provide it, so the report can show the message.
 """
 
-from moesub.generate.base import Score, TaskItem, agreement, scored_length, subsample, truncate_at
+from moesub.generate.base import (
+    Score,
+    Task,
+    TaskItem,
+    agreement,
+    scored_length,
+    subsample,
+    truncate_at,
+)
 from moesub.generate.completion import (
     code_line_starts,
     completion_items,
@@ -50,7 +60,9 @@ from moesub.generate.humaneval import (
     load_humaneval,
     read_humaneval,
 )
-from moesub.generate.run import OUTPUT_SCHEMA, TASKS, GenerateParams, generate_rows, run_generate
+from moesub.generate.params import GenerateParams
+from moesub.generate.run import OUTPUT_SCHEMA, generate_rows, run_generate
+from moesub.generate.tasks import TASKS, task_named
 
 __all__ = [
     "GSM8K_SHOT_POOL",
@@ -60,6 +72,7 @@ __all__ = [
     "TASKS",
     "GenerateParams",
     "Score",
+    "Task",
     "TaskItem",
     "agreement",
     "build_humaneval_program",
@@ -84,5 +97,6 @@ __all__ = [
     "run_generate",
     "scored_length",
     "subsample",
+    "task_named",
     "truncate_at",
 ]

@@ -1,12 +1,16 @@
-"""What every generation task shares: problems, scores, subsampling, the stop cut, agreement."""
+"""What every generation task shares: the task record, problems, scores, subsampling, the stop
+cut, agreement."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from moesub.generate.params import GenerateParams
 
 
 @dataclass
@@ -30,6 +34,30 @@ class Score:
     correct: bool | None
     prediction: str
     missing: str = ""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One generation task as a record: the stage asks it for its problems, where decoding and
+    scoring stop, and how an output is scored; no other code knows a task by name. Each task's
+    module defines its record; `moesub.generate.tasks.TASKS` lists them."""
+
+    name: str  # the config's generate.tasks key and the artefacts' `task`
+    # (data_path, model_dir, options) -> the problems; FileNotFoundError with a how-to when the
+    # data is missing (the stage then writes an empty artefact that says so)
+    items: Callable[[str | os.PathLike | None, str | os.PathLike, GenerateParams], list[TaskItem]]
+    stops: tuple[str, ...]  # the decoded output is cut at the first of these before scoring
+    score: Callable[[TaskItem, str, GenerateParams], Score]  # one stop-cut output
+    # tokenizer -> tokens that end decoding besides end-of-text (None: end-of-text only)
+    stop_tokens: Callable[[Any], set[int]] | None = None
+    sandboxed: bool = False  # scoring runs generated code: the artefact records the isolation
+
+    def stop_ids(self, tokenizer) -> set[int]:
+        """The token ids that end decoding: end of text, and the task's own stop tokens."""
+        stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        if self.stop_tokens is not None:
+            stop |= self.stop_tokens(tokenizer)
+        return stop
 
 
 def subsample(items: list, n: int, seed: int, what: str) -> list:

@@ -37,8 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
 
-from moesub.generate.base import Score, TaskItem
+from moesub.corpus import read_document
+from moesub.generate.base import Score, Task, TaskItem
+from moesub.generate.params import GenerateParams
 
 COMPLETION_STOP = ("\n",)
 LINE_CUTS = ("random", "start")
@@ -131,8 +135,6 @@ def _hash(seed: int, path: str, row: int) -> int:
 def heldout_code_files(corpus_table: str | os.PathLike) -> list[str]:
     """The held-out (`eval` split) `.py` files of a corpus_files.parquet, sorted; refuses a
     table whose eval split would include a training file."""
-    import pyarrow.parquet as pq
-
     rows = pq.read_table(corpus_table, columns=["path", "split", "kind"]).to_pylist()
     train = {r["path"] for r in rows if r["split"] == "train"}
     files = sorted(r["path"] for r in rows if r["split"] == "eval" and r["kind"] == "code")
@@ -160,20 +162,10 @@ def corpus_table_path(data_path: str | os.PathLike | None, model_dir: str | os.P
 
 
 def completion_items(
-    data_path: str | os.PathLike | None,
-    model_dir: str | os.PathLike,
-    n: int,
-    seed: int,
-    context_tokens: int | None,
-    min_line_chars: int,
-    max_line_tokens: int,
-    line_cut: str = "random",
+    data_path: str | os.PathLike | None, model_dir: str | os.PathLike, opts: GenerateParams
 ) -> list[TaskItem]:
-    """`n` held-out lines to complete (FileNotFoundError when the corpus table is missing)."""
-    from transformers import AutoTokenizer
-
-    from moesub.corpus import read_document
-
+    """`opts.n` held-out lines to complete, cut by the model's own tokenizer (the context is
+    `opts.max_prompt_tokens`; FileNotFoundError when the corpus table is missing)."""
     files = heldout_code_files(corpus_table_path(data_path, model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     candidates: list[CompletionProblem] = []
@@ -182,15 +174,16 @@ def completion_items(
             path,
             read_document(path),
             tokenizer,
-            context_tokens,
-            min_line_chars,
-            max_line_tokens,
-            line_cut,
-            seed,
+            opts.max_prompt_tokens,
+            opts.min_line_chars,
+            opts.max_line_tokens,
+            opts.line_cut,
+            opts.seed,
         )
+    n = opts.n
     if n > len(candidates):
         raise ValueError(f"n={n} exceeds the {len(candidates)} held-out lines available")
-    pick = np.sort(np.random.default_rng(seed).choice(len(candidates), size=n, replace=False))
+    pick = np.sort(np.random.default_rng(opts.seed).choice(len(candidates), size=n, replace=False))
     return [
         TaskItem(p.problem_id, "", p.target, prompt_ids=p.prompt_ids)
         for p in (candidates[i] for i in pick)
@@ -202,6 +195,16 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
-def score_completion(item: TaskItem, output: str) -> Score:
+def score_completion(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+    """Exact match after whitespace normalization; the prediction is the normalized line."""
     got = normalize_line(output)
     return Score(bool(got) and got == normalize_line(item.target), got)
+
+
+CODE_COMPLETION = Task(
+    "code_completion",
+    items=completion_items,
+    stops=COMPLETION_STOP,
+    score=score_completion,
+    stop_tokens=newline_token_ids,
+)

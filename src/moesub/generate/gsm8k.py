@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from moesub.generate.base import Score, TaskItem, subsample
+from moesub.generate.base import Score, Task, TaskItem, subsample
+from moesub.generate.params import GenerateParams
 from moesub.io import atomic_path
 
 GSM8K_SHOT_POOL = 64  # the last lines of the GSM8K file are few-shot examples, never evaluated
@@ -146,7 +147,7 @@ def fetch_gsm8k(out_path: str | os.PathLike, split: str = "test") -> Path:
     """Download GSM8K (`openai/gsm8k`, config `main`) with `datasets` and write it as JSONL.
 
     Needs internet access; the pipeline never calls it (point config at the written file)."""
-    from datasets import load_dataset
+    from datasets import load_dataset  # here only: no job needs it, and it takes ~2 s to import
 
     ds = load_dataset("openai/gsm8k", "main", split=split)
     with atomic_path(out_path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
@@ -155,15 +156,22 @@ def fetch_gsm8k(out_path: str | os.PathLike, split: str = "test") -> Path:
     return Path(out_path)
 
 
-def gsm8k_items(path: str | os.PathLike | None, n: int, seed: int, shots: int) -> list[TaskItem]:
-    """The evaluation problems as prompts (FileNotFoundError with a how-to when data is missing)."""
-    examples = gsm8k_shots(path, shots)
+def gsm8k_items(
+    path: str | os.PathLike | None, model_dir: str | os.PathLike, opts: GenerateParams
+) -> list[TaskItem]:
+    """`opts.n` evaluation problems as `opts.shots`-shot prompts (FileNotFoundError with a
+    how-to when data is missing; the model is not needed)."""
+    examples = gsm8k_shots(path, opts.shots)
     return [
         TaskItem(p.problem_id, gsm8k_prompt(p.question, examples), p.answer)
-        for p in load_gsm8k(path, n, seed)
+        for p in load_gsm8k(path, opts.n, opts.seed)
     ]
 
 
-def score_gsm8k(item: TaskItem, output: str) -> Score:
+def score_gsm8k(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+    """Correct when the output's final number is the gold one; the prediction is that number."""
     pred = extract_answer(output)
     return Score(pred is not None and pred == item.target, pred or "")
+
+
+GSM8K = Task("gsm8k", items=gsm8k_items, stops=GSM8K_STOP, score=score_gsm8k)

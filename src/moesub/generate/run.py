@@ -15,22 +15,30 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from moesub.config import schema_defaults
-from moesub.generate.base import Score, TaskItem, agreement, scored_length, truncate_at
+from moesub.artefacts import initial_set_for
+from moesub.engine import EngineModel
+from moesub.engine.spec import resolve_engine
+from moesub.generate.base import Task, TaskItem, agreement, scored_length, truncate_at
+from moesub.generate.params import GenerateParams
+from moesub.generate.tasks import task_named
 from moesub.io import write_parquet
-from moesub.params import options_from, torch_device
+from moesub.models import check_checkpoint, load_model, load_tokenizer
+from moesub.params import torch_device
+from moesub.policy import CORE_BUILD_ID, check_capacity
+from moesub.replay import check_run, greedy_decode, policy_from_dict
+from moesub.sandbox import probe_isolation
 
 log = logging.getLogger(__name__)
 
-TASKS = ("gsm8k", "humaneval", "code_completion")
 EXACT_RULES = ("fetch_all", "host_compute")  # never substitute: the exact model's output
 
 OUTPUT_SCHEMA = pa.schema(
@@ -64,107 +72,6 @@ OUTPUT_SCHEMA = pa.schema(
 TIMING_COLUMNS = ("time_per_token_s", "fetch_wait_s", "prefetch_wait_s", "host_wait_s")
 
 
-# --------------------------------------------------------------------------- parameters
-# defaults: workflow/schemas/config.schema.yaml (the shared settings, then each task's own)
-_DEFAULTS = schema_defaults("generate")
-_GSM8K = schema_defaults("generate.tasks.gsm8k")
-_HUMANEVAL = schema_defaults("generate.tasks.humaneval")
-_COMPLETION = schema_defaults("generate.tasks.code_completion")
-# where the schema checks each option: the shared settings, then the tasks' own
-_SECTIONS = (
-    "generate",
-    *(f"generate.tasks.{t}" for t in ("gsm8k", "humaneval", "code_completion")),
-)
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """The generation settings a rule passes (config `generate:` + the task's own section)."""
-
-    n: int = _GSM8K["n"]  # problems (a seeded subsample)
-    seed: int = _DEFAULTS["seed"]
-    shots: int = _GSM8K["shots"]  # GSM8K few-shot examples
-    max_new_tokens: int = _DEFAULTS["max_new_tokens"]
-    # keep the last tokens of longer prompts (None: all)
-    max_prompt_tokens: int | None = _DEFAULTS["max_prompt_tokens"]
-    timeout_s: float = _HUMANEVAL["timeout_s"]  # HumanEval sandbox wall clock per problem
-    # code completion: shortest line (normalized characters)
-    min_line_chars: int = _COMPLETION["min_line_chars"]
-    max_line_tokens: int = _COMPLETION["max_line_tokens"]  # code completion: longest line (tokens)
-    # code completion: prompt ends inside the line | at its start
-    line_cut: str = _COMPLETION["line_cut"]
-    device: str = _DEFAULTS["device"]  # auto | cpu | cuda
-    backend: str = _DEFAULTS["backend"]  # engine (timed) | emulator
-    # the engine's admission timing: "delay" (the emulator's decisions, so its tokens) or
-    # "completion" (copies usable when they land)
-    admission: str = _DEFAULTS["admission"]
-    progress: bool = True
-    reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
-
-    @classmethod
-    def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:
-        return options_from(cls, params, "generate", section=_SECTIONS)
-
-
-# --------------------------------------------------------------------------- the tasks
-def task_items(task: str, data_path, model_dir, opts: GenerateParams) -> list[TaskItem]:
-    """The problems of a task (raises FileNotFoundError with a how-to when data is missing)."""
-    if task == "gsm8k":
-        from moesub.generate.gsm8k import gsm8k_items
-
-        return gsm8k_items(data_path, opts.n, opts.seed, opts.shots)
-    if task == "humaneval":
-        from moesub.generate.humaneval import humaneval_items
-
-        return humaneval_items(data_path, opts.n, opts.seed)
-    from moesub.generate.completion import completion_items
-
-    return completion_items(
-        data_path,
-        model_dir,
-        opts.n,
-        opts.seed,
-        opts.max_prompt_tokens,
-        opts.min_line_chars,
-        opts.max_line_tokens,
-        opts.line_cut,
-    )
-
-
-def stops(task: str) -> tuple[str, ...]:
-    """The task's stop sequences: the output is cut at the first one before it is scored."""
-    from moesub.generate.completion import COMPLETION_STOP
-    from moesub.generate.gsm8k import GSM8K_STOP
-    from moesub.generate.humaneval import HUMANEVAL_STOP
-
-    return {"gsm8k": GSM8K_STOP, "humaneval": HUMANEVAL_STOP}.get(task, COMPLETION_STOP)
-
-
-def score(task: str, item: TaskItem, output: str, opts: GenerateParams) -> Score:
-    """One stop-cut output scored by its task."""
-    if task == "gsm8k":
-        from moesub.generate.gsm8k import score_gsm8k
-
-        return score_gsm8k(item, output)
-    if task == "humaneval":
-        from moesub.generate.humaneval import score_humaneval
-
-        return score_humaneval(item, output, opts.timeout_s)
-    from moesub.generate.completion import score_completion
-
-    return score_completion(item, output)
-
-
-def stop_ids(task: str, tokenizer) -> set[int]:
-    """Tokens that end decoding: end of text, and for code completion any newline token."""
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    if task == "code_completion":
-        from moesub.generate.completion import newline_token_ids
-
-        stop |= newline_token_ids(tokenizer)
-    return stop
-
-
 # --------------------------------------------------------------------------- decoding
 def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> list[list[int]]:
     texts = [it.prompt for it in items if it.prompt_ids is None]
@@ -184,9 +91,6 @@ def decode_items(
     """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
     (its own policy; `EngineDecodeResult`s) or a Hugging Face model (the emulator under
     `policy`, None = the exact model; `moesub.replay.DecodeResult`s)."""
-    from moesub.engine import EngineModel
-    from moesub.replay import greedy_decode
-
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
     if isinstance(model, EngineModel):
         return model.generate(prompts, opts.max_new_tokens, stop, opts.progress)
@@ -206,8 +110,6 @@ def step_times(res) -> dict[str, float | None]:
 
 def _reference(path: str | os.PathLike, ids: list[str]) -> list[tuple[list[int], int]]:
     """(tokens, scored tokens) of every problem in a reference artefact."""
-    import pyarrow.parquet as pq
-
     if not Path(path).is_file():
         raise FileNotFoundError(f"params.reference_path: {path} does not exist")
     table = pq.read_table(path, columns=["problem_id", "tokens", "n_scored"]).to_pydict()
@@ -226,7 +128,7 @@ def _reference(path: str | os.PathLike, ids: list[str]) -> list[tuple[list[int],
 def generate_rows(
     model,
     tokenizer,
-    task: str,
+    task: Task,
     items: list[TaskItem],
     name: str,
     policy,
@@ -239,19 +141,21 @@ def generate_rows(
 ) -> pa.Table:
     """Decode, score and compare every item; one row per problem (OUTPUT_SCHEMA).
 
-    `policy` is a `moesub.policy.Policy`; `model` decodes under it (an `EngineModel` built for
-    it, or a Hugging Face model for the emulator). `exact_model`, a function returning a Hugging
-    Face model (called only when the exact reference is needed; default: `model`), decodes the
-    exact reference. Agreement and mass cover the *scored* tokens: those within the task's stop cut,
+    `task` is the task's record (`moesub.generate.tasks.TASKS`): its stop tokens end decoding,
+    its stop sequences cut the output, its `score` scores it. `policy` is a
+    `moesub.policy.Policy`; `model` decodes under it (an `EngineModel` built for it, or a
+    Hugging Face model for the emulator). `exact_model`, a function returning a Hugging Face
+    model (called only when the exact reference is needed; default: `model`), decodes the exact
+    reference. Agreement and mass cover the *scored* tokens: those within the task's stop cut,
     on both sides (the exact output is cut the same way)."""
-    stop = stop_ids(task, tokenizer)
+    stop = task.stop_ids(tokenizer)
 
     def decode_and_cut(policy, capacity, initial, model=model) -> tuple[list, list[str], list]:
         """Decoded results, their stop-cut outputs, and how many tokens each output spans."""
         results = decode_items(model, tokenizer, items, policy, capacity, initial, stop, opts)
         outputs, n_scored = [], []
         for res in results:
-            out = truncate_at(tokenizer.decode(res.tokens, skip_special_tokens=True), stops(task))
+            out = truncate_at(tokenizer.decode(res.tokens, skip_special_tokens=True), task.stops)
             outputs.append(out)
             n_scored.append(scored_length(tokenizer, res.tokens, len(out)))
         return results, outputs, n_scored
@@ -269,13 +173,13 @@ def generate_rows(
     for item, res, out, m, (ref, m_ref) in tqdm(
         zip(items, results, outputs, n_scored, reference, strict=True),
         total=len(items),
-        desc=f"score {task}",
+        desc=f"score {task.name}",
         unit="problem",
         disable=not opts.progress,
     ):
-        s = score(task, item, out, opts)
+        s = task.score(item, out, opts)
         exact, prefix = agreement(res.tokens[:m], ref[:m_ref])
-        rows["task"].append(task)
+        rows["task"].append(task.name)
         rows["problem_id"].append(item.problem_id)
         rows["policy"].append(name)
         rows["fraction"].append(float(fraction))
@@ -320,13 +224,7 @@ def run_generate(
     section: dtype, store_path, staging_buffers, ...) for `params.backend="engine"`; the
     admission timing comes from `params.admission`.
     """
-    from moesub.artefacts import initial_set_for
-    from moesub.models import check_checkpoint, load_model, load_tokenizer
-    from moesub.policy import CORE_BUILD_ID, check_capacity
-    from moesub.replay import check_run, policy_from_dict
-
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    record = task_named(task)
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"model_dir: {model_dir} does not exist")
     if not Path(initial_sets_path).is_file():
@@ -341,8 +239,6 @@ def run_generate(
     device = torch_device(opts.device)
     spec = None
     if opts.backend == "engine":  # every engine input checked before any work
-        from moesub.engine.spec import resolve_engine
-
         eng_params = {**(engine_params or {}), "admission": opts.admission}
         eng_params.setdefault("progress", opts.progress)
         spec = resolve_engine(
@@ -360,7 +256,7 @@ def run_generate(
         "backend": opts.backend,
     }
     try:
-        items = task_items(task, data_path, model_dir, opts)
+        items = record.items(data_path, model_dir, opts)
     except FileNotFoundError as exc:
         log.warning("generate %s/%s: %s", task, name, exc)
         meta["missing_data"] = str(exc)
@@ -370,12 +266,10 @@ def run_generate(
         initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
     )
     if spec is not None:
-        from moesub.engine import EngineModel
-
         tokenizer = load_tokenizer(model_dir)
         with EngineModel(model_dir, spec) as engine:
             table = generate_rows(
-                engine, tokenizer, task, items, name, pol, fraction, capacity, initial,
+                engine, tokenizer, record, items, name, pol, fraction, capacity, initial,
                 info.num_layers, opts,
                 exact_model=lambda: load_model(model_dir, device=device)[0],
             )  # fmt: skip
@@ -386,12 +280,10 @@ def run_generate(
         if tokenizer is None:
             raise ValueError(f"model_dir: {model_dir} has no tokenizer; generation needs one")
         table = generate_rows(
-            model, tokenizer, task, items, name, pol, fraction, capacity, initial,
+            model, tokenizer, record, items, name, pol, fraction, capacity, initial,
             info.num_layers, opts,
         )  # fmt: skip
-    if task == "humaneval":
-        from moesub.sandbox import probe_isolation
-
+    if record.sandboxed:
         meta["sandbox"] = probe_isolation()
     meta["capacity"] = capacity
     meta["num_moe_layers"] = info.num_layers
