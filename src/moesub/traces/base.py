@@ -284,3 +284,25 @@ def record_grid(
         record=record[keep],
         dropped_tokens=int(lacking.sum()),
     )
+
+
+def ids_trace(
+    path: Path,
+    fmt: str,
+    rows: np.ndarray,
+    grid: RecordGrid,
+    num_experts: int,
+    meta: dict[str, Any] | None = None,
+) -> RouterTrace:
+    """The RouterTrace of a format holding ids only: `rows` (n, k) per record, laid on `grid`."""
+    return RouterTrace(
+        ids=np.ascontiguousarray(rows[grid.record], dtype=np.int32),  # (T, L, k)
+        logits=None,
+        num_experts=num_experts,
+        format=fmt,
+        path=path,
+        layers=grid.layers,
+        streams=(len(grid.tokens),),
+        dropped_tokens=grid.dropped_tokens,
+        meta=meta or {},
+    )

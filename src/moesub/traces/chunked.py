@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import polars as pl
 
-from moesub.grid import COUNTER_NAMES, GridPoint
+from moesub.grid import COUNTER_NAMES, GridPoint, counter_row
 from moesub.policy import (
     OFFLINE_EVICTIONS,
     STATUS_NAMES,
@@ -139,22 +139,9 @@ def _table(
 ) -> pl.DataFrame:
     rows = []
     for gi, (g, C) in enumerate(zip(grid, capacities, strict=True)):
-        L = counters.shape[1]
-        for layer in [*range(L), -1]:
-            sel = counters[gi, layer] if layer >= 0 else counters[gi].sum(0)
-            c = dict(zip(COUNTER_NAMES, sel.tolist(), strict=True))
-            m = mass[gi, layer] if layer >= 0 else mass[gi].sum()
-            calls = c["tokens"] * k
-            rows.append(
-                {
-                    "policy": g.name,
-                    "fraction": g.fraction,
-                    "capacity": C,
-                    "layer": layer,
-                    **c,
-                    "hit_rate": c["hit"] / calls,
-                    "sub_rate": c["sub"] / calls,
-                    "mass_mean": float(m) / c["tokens"],
-                }
-            )
+        for layer in [*range(counters.shape[1]), -1]:
+            total = layer < 0
+            row = counter_row(g, C, layer, counters[gi].sum(0) if total else counters[gi, layer], k)
+            m = mass[gi].sum() if total else mass[gi, layer]
+            rows.append({**row, "mass_mean": float(m) / row["tokens"]})
     return pl.DataFrame(rows)

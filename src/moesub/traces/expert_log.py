@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moesub.traces.base import RouterTrace, TraceFormatError, check_id_rows, record_grid
+from moesub.traces.base import RouterTrace, TraceFormatError, check_id_rows, ids_trace, record_grid
 
 PREFIX = "EXPERT|"
 LINE = re.compile(r"EXPERT\|L(\d+)\|T(\d+):\s*\[([^\[\]]*)\]")
@@ -76,14 +76,4 @@ def read_expert_log(
     grid = record_grid(
         path, np.array(tokens, np.int64), np.array(layers, np.int64), where, incomplete
     )
-    return RouterTrace(
-        ids=ids[grid.record].astype(np.int32),
-        logits=None,
-        num_experts=E,
-        format="expert_log",
-        path=path,
-        layers=grid.layers,
-        streams=(len(grid.tokens),),
-        dropped_tokens=grid.dropped_tokens,
-        meta={"num_experts_inferred": inferred},
-    )
+    return ids_trace(path, "expert_log", ids, grid, E, {"num_experts_inferred": inferred})

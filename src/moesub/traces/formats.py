@@ -8,7 +8,6 @@ into a `RouterTrace`. `read_trace` always returns the `RouterTrace`. Writers go 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from moesub.artefacts import load_trace
-from moesub.io import atomic_path
+from moesub.io import AtomicWriter
 from moesub.traces import mblt, rtrace01
 from moesub.traces.base import RouterTrace, TraceFormatError, check_id_rows, ranked_topk
 from moesub.traces.expert_log import PREFIX, read_expert_log
@@ -123,7 +122,7 @@ def read_trace(
     ).load()
 
 
-class TraceWriter:
+class TraceWriter(AtomicWriter):
     """Writes a trace token chunk by token chunk; the file appears (atomically) on close.
 
     "rtrace01" takes logits (T, L, E) float32 and writes their softmax; "mblt" takes ids
@@ -137,11 +136,10 @@ class TraceWriter:
             raise ValueError(f"fmt: cannot write {fmt!r}; expected one of {WRITE_FORMATS}")
         if not 1 <= num_experts <= rtrace01.MAX_EXPERTS:
             raise ValueError(f"num_experts: {num_experts} is not in [1, {rtrace01.MAX_EXPERTS}]")
-        self.path, self.fmt, self.num_experts, self.top_k = Path(path), fmt, num_experts, top_k
+        self.fmt, self.num_experts, self.top_k = fmt, num_experts, top_k
         self.tokens, self.num_layers = 0, None
-        self._ctx = atomic_path(self.path)
-        self._tmp = self._ctx.__enter__()
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+        super().__init__(path)
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in _close_output)
         head = (
             rtrace01.header(num_experts)
             if fmt == "rtrace01"
@@ -195,27 +193,14 @@ class TraceWriter:
             raise ValueError(f"{L} layers, but earlier tokens have {self.num_layers}")
         self.num_layers = L
 
-    def close(self) -> Path:
+    def _close_output(self) -> None:
+        self._file.close()
+
+    def close(self) -> None:
         if self.tokens == 0:
             self.abort()
             raise ValueError(f"trace {str(self.path)!r}: no tokens written; nothing was written")
-        self._file.close()
-        self._ctx.__exit__(None, None, None)
-        return self.path
-
-    def abort(self) -> None:
-        self._file.close()
-        with contextlib.suppress(BaseException):
-            self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
-
-    def __enter__(self) -> TraceWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        super().close()
 
 
 def write_trace(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moesub.traces.base import RouterTrace, TraceFormatError, check_id_rows, record_grid
+from moesub.traces.base import RouterTrace, TraceFormatError, check_id_rows, ids_trace, record_grid
 
 MAGIC = 0x544C424D
 MAGIC_BYTES = MAGIC.to_bytes(4, "little")  # b"MBLT"
@@ -134,13 +134,4 @@ def read_mblt(
 
     check_id_rows(path, ids, E, where)
     grid = record_grid(path, token, layer[rec_of_row], where, incomplete)
-    return RouterTrace(
-        ids=np.ascontiguousarray(ids[grid.record], dtype=np.int32),
-        logits=None,
-        num_experts=E,
-        format="mblt",
-        path=path,
-        layers=grid.layers,
-        streams=(len(grid.tokens),),
-        dropped_tokens=grid.dropped_tokens,
-    )
+    return ids_trace(path, "mblt", ids, grid, E)
