@@ -2,9 +2,9 @@
 
 A *stage module* is one of STAGES (a module or a package with everything under it); every other
 module under `src/moesub` is shared (artefacts, replay, policy, grid, cost, metrics, params, io,
-models, corpus, config, logs, synthetic, sandbox, ...). A stage imports shared modules and its
-own submodules only; a helper two stages need lives in the shared layer. Shared modules import no
-stage at run time (an annotation-only import under `TYPE_CHECKING` is allowed).
+models, corpus, config, logs, synthetic, sandbox, traces, ...). A stage imports shared modules
+and its own submodules only; a helper two stages need lives in the shared layer. Shared modules
+import no stage at run time (an annotation-only import under `TYPE_CHECKING` is allowed).
 
 One stage uses another as what it is, not for a helper: generation decodes through the offload
 engine (its time per token is the point), so `generate -> engine` is the one allowed edge.
@@ -90,6 +90,13 @@ def violations() -> list[str]:
 
 def test_no_stage_imports_another_stage():
     assert violations() == []
+
+
+def test_traces_is_shared():
+    """Tools outside the repo and later stages both call moesub.traces: it is shared."""
+    modules = [module_name(p) for p in sorted((SRC / "traces").rglob("*.py"))]
+    assert "moesub.traces.formats" in modules
+    assert all(stage_of(m) is None for m in modules)
 
 
 def test_the_rule_sees_every_import_form(tmp_path, monkeypatch):

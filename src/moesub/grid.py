@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -38,6 +39,24 @@ class GridPoint:
     name: str
     policy: Policy
     fraction: float
+
+
+def counter_row(
+    point: GridPoint, capacity: int, layer: int, counts: np.ndarray, k: int
+) -> dict[str, Any]:
+    """A replay table row's leading columns: the grid point, the layer (-1: all layers), the
+    core's counters (`counts` in COUNTER_NAMES order) and the hit and substitution rates."""
+    c = dict(zip(COUNTER_NAMES, counts.tolist(), strict=True))
+    calls = c["tokens"] * k
+    return {
+        "policy": point.name,
+        "fraction": point.fraction,
+        "capacity": capacity,
+        "layer": layer,
+        **c,
+        "hit_rate": c["hit"] / calls,
+        "sub_rate": c["sub"] / calls,
+    }
 
 
 def simulate(
@@ -111,34 +130,27 @@ def simulate(
     for gi, (g, C) in enumerate(zip(grid, capacities, strict=True)):
         for layer in [*range(L), -1]:
             if layer >= 0:
-                c = dict(zip(COUNTER_NAMES, counters[gi, layer].tolist(), strict=True))
+                row = counter_row(g, C, layer, counters[gi, layer], k)
                 m = mass[gi][:, layer]
                 bel = belady_hits[gi, layer]
                 rho = rerouted[gi, layer]
             else:
-                c = dict(zip(COUNTER_NAMES, counters[gi].sum(0).tolist(), strict=True))
+                row = counter_row(g, C, layer, counters[gi].sum(0), k)
                 m = mass[gi].ravel()
                 bel = belady_hits[gi].sum()
                 rho = rerouted[gi].sum()
-            calls = c["tokens"] * k
             n_layers = L if layer < 0 else 1
             rows.append(
                 {
-                    "policy": g.name,
-                    "fraction": g.fraction,
-                    "capacity": C,
-                    "layer": layer,
-                    **c,
-                    "hit_rate": c["hit"] / calls,
-                    "sub_rate": c["sub"] / calls,
+                    **row,
                     "mass_mean": float(m.mean()),
                     "mass_p50": float(np.quantile(m, 0.5)),
                     "mass_p90": float(np.quantile(m, 0.9)),
                     "mass_p99": float(np.quantile(m, 0.99)),
                     "mass_per_token": float(mass[gi].sum(1).mean()) if layer < 0 else None,
-                    "rerouted_mean": float(rho) / c["tokens"],
-                    "est_time_per_token_s": cost.time_per_token(c, n_layers),
-                    "belady_hit_rate": bel / calls if use_belady[gi] else None,
+                    "rerouted_mean": float(rho) / row["tokens"],
+                    "est_time_per_token_s": cost.time_per_token(row, n_layers),
+                    "belady_hit_rate": bel / (row["tokens"] * k) if use_belady[gi] else None,
                 }
             )
     return pl.DataFrame(rows)

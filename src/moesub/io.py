@@ -90,7 +90,39 @@ def write_parquet(
     return Path(path)
 
 
-class ParquetStreamWriter:
+class AtomicWriter:
+    """Base of writers whose file appears (atomically) on close: `_tmp` is the temp path to
+    write; a subclass closes its own handle in `_close_output`. `abort` (or leaving a `with`
+    block by an exception) leaves nothing."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._ctx = atomic_path(self.path)
+        self._tmp = self._ctx.__enter__()
+
+    def _close_output(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._close_output()
+        self._ctx.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._close_output()
+        with contextlib.suppress(BaseException):
+            self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ParquetStreamWriter(AtomicWriter):
     """Writes a large table one row group at a time; the file appears (atomically) on close.
 
     `metadata` is JSON-encoded like `write_parquet`'s; `writer_options` go to
@@ -104,13 +136,11 @@ class ParquetStreamWriter:
         metadata: Mapping[str, Any] | None = None,
         **writer_options: Any,
     ):
-        self.path = Path(path)
         if metadata:
             meta = {k.encode(): json.dumps(v).encode() for k, v in metadata.items()}
             schema = schema.with_metadata(meta)
         self.schema = schema
-        self._ctx = atomic_path(self.path)
-        self._tmp = self._ctx.__enter__()
+        super().__init__(path)
         self._writer = pq.ParquetWriter(self._tmp, schema, **writer_options)
 
     def write_table(self, table: pa.Table) -> None:
@@ -119,23 +149,8 @@ class ParquetStreamWriter:
             table = table.cast(self.schema)
         self._writer.write_table(table)
 
-    def close(self) -> None:
+    def _close_output(self) -> None:
         self._writer.close()
-        self._ctx.__exit__(None, None, None)
-
-    def abort(self) -> None:
-        self._writer.close()
-        with contextlib.suppress(BaseException):
-            self._ctx.__exit__(RuntimeError, RuntimeError("aborted"), None)
-
-    def __enter__(self) -> ParquetStreamWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
