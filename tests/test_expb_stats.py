@@ -14,7 +14,8 @@ from scipy import stats as sps
 
 from moesub.io import write_parquet
 from moesub.stats import run_analysis
-from moesub.stats.expb import DesignRule, ExpBRule, decide, hodges_lehmann, signed_rank_cdf
+from moesub.stats.expb import decide, hodges_lehmann, signed_rank_cdf
+from moesub.stats.params import DesignRule, ExpBRule
 
 MATCHED = DesignRule("matched", primary=0.2, max_gap=0.05, min_realized_fraction=0.9)
 STUDY = DesignRule("study", primary=0.2, max_gap=0.10, min_heavy_fraction=0.5)

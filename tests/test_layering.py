@@ -8,6 +8,9 @@ import no stage at run time (an annotation-only import under `TYPE_CHECKING` is 
 
 One stage uses another as what it is, not for a helper: generation decodes through the offload
 engine (its time per token is the point), so `generate -> engine` is the one allowed edge.
+
+No module imports itself through others: the import graph has no cycle, annotation-only imports
+included (a cycle hidden under `TYPE_CHECKING` is still two modules that need each other).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ def _type_checking_blocks(tree: ast.AST) -> set[int]:
     return inside
 
 
-def imports(path: Path) -> list[tuple[int, str, bool]]:
-    """(line, imported module, annotation-only) for every import in the file, at any depth."""
+def imports(path: Path, members: bool = False) -> list[tuple[int, str, bool]]:
+    """(line, imported module, annotation-only) for every import in the file, at any depth;
+    with `members`, `from m import a` gives `m.a` (the module m.a or a name in m)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     typing_only = _type_checking_blocks(tree)
     package = module_name(path).split(".")
@@ -64,8 +68,8 @@ def imports(path: Path) -> list[tuple[int, str, bool]]:
             else:
                 names = [node.module or ""]
             # `from moesub import capture` imports the module moesub.capture
-            if names == ["moesub"]:
-                names = [f"moesub.{a.name}" for a in node.names]
+            if members or names == ["moesub"]:
+                names = [f"{names[0]}.{a.name}" for a in node.names]
         else:
             continue
         out += [(node.lineno, name, id(node) in typing_only) for name in names]
@@ -88,6 +92,46 @@ def violations() -> list[str]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """module -> the moesub modules it imports, annotation-only imports included. `from m import
+    a` is an edge to m.a when that is a module, else to m; the implicit import of a module's
+    parent packages is not an edge (a package's __init__ importing its own modules is fine)."""
+    modules = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _line, imported, _typing_only in imports(path, members=True):
+            if imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported in modules and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles, each once as `[m, ..., m]` (depth-first search; a module on the
+    current path reached again closes a cycle)."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycle = path[path.index(node) :]
+            start = cycle.index(min(cycle))  # one rotation per cycle
+            found.append([*cycle[start:], *cycle[:start], min(cycle)])
+            return
+        if node in done:
+            return
+        for target in sorted(graph[node]):
+            visit(target, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return sorted({tuple(c): c for c in found}.values())
+
+
 def test_no_stage_imports_another_stage():
     assert violations() == []
 
@@ -97,6 +141,10 @@ def test_traces_is_shared():
     modules = [module_name(p) for p in sorted((SRC / "traces").rglob("*.py"))]
     assert "moesub.traces.formats" in modules
     assert all(stage_of(m) is None for m in modules)
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
 
 
 def test_the_rule_sees_every_import_form(tmp_path, monkeypatch):
@@ -118,4 +166,21 @@ def test_the_rule_sees_every_import_form(tmp_path, monkeypatch):
         "moesub/expb/run.py:2: stage 'expb' imports stage module moesub.emulate",
         "moesub/expb/run.py:3: stage 'expb' imports stage module moesub.capture",
         "moesub/expb/run.py:4: stage 'expb' imports stage module moesub.regime",
+    ]
+
+
+def test_the_cycle_check_sees_annotation_only_imports(tmp_path, monkeypatch):
+    """The checker itself: a cycle through a `TYPE_CHECKING` import and a `from package import
+    module` edge, and no cycle from a package importing its own modules."""
+    pkg = tmp_path / "moesub"
+    (pkg / "stats").mkdir(parents=True)
+    (pkg / "stats" / "__init__.py").write_text("from moesub.stats.load import f\n")
+    (pkg / "stats" / "load.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moesub.stats import params\n"
+    )
+    (pkg / "stats" / "params.py").write_text("from moesub.stats.load import number\n")
+    (pkg / "corpus.py").write_text("import numpy\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", pkg)
+    assert cycles(import_graph()) == [
+        ["moesub.stats.load", "moesub.stats.params", "moesub.stats.load"]
     ]

@@ -23,13 +23,10 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
-
-if TYPE_CHECKING:
-    from moesub.embedded import EmbeddedConfig
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -47,6 +44,14 @@ GENERATED_MARKERS = ("with gencodec.py",)
 
 # --------------------------------------------------------------------------------------------
 # corpus
+
+
+class SplitFractions(Protocol):
+    """The document split's fractions (the rest is train); `moesub.embedded.EmbeddedConfig`
+    has them."""
+
+    calib_fraction: float
+    eval_fraction: float
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,7 @@ def read_document(path: str, root: Path | None = None) -> str:
 
 
 def collect_corpus(
-    cfg: EmbeddedConfig, root: Path | None = None
+    cfg: SplitFractions, root: Path | None = None
 ) -> tuple[list[CorpusDoc], list[str]]:
     """All corpus documents (sorted by path) and their texts, with their split."""
     root = stdlib_dir() if root is None else Path(root)

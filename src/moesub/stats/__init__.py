@@ -40,29 +40,49 @@ column and every scalar result in analysis.json a `model` key.
 
 Modules, one per part (each documents its decisions):
 
-- `load`: input checking, file metadata, the split by model, `Context` (DuckDB tables);
+- `load`: input checking, file metadata (`FileInfo`), the split by model, the models row and
+  provenance; `tokens`: one model's per-token tables in DuckDB (`Tokens`: `cap`, `emu`,
+  `emu_base`);
 - `intervals`: stream bootstrap (BCa / basic, bias), correlation, Wilson and median CIs;
 - `power`: smallest reachable p-value and minimum detectable effects;
 - `quality`: per-policy quality (Δppl and speedup themselves are `moesub.metrics`);
 - `mass`: the mass hypothesis and its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
-  `design`: the design space (policy v2 families, Belady gaps, fronts);
-- `params`: `AnalysisParams` (the config's `analysis:` plus policies and the expb rule);
-- `run`: `run_analysis`, the part order, the summary table, the output files.
+  `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
+  regime; `summary`: the per-(policy, fraction) summary;
+- `params`: `AnalysisParams` (the config's `analysis:` plus policies) and `ExpBRule`;
+- `run`: `run_analysis`, `analyse_model` (the data flow of one model), the output files.
 
-Part interface: a part is `def <name>_part(ctx: Context) -> None`, listed in `run.PARTS`. It
-reads the loaded DuckDB tables (`ctx.con`: `cap`, `emu`, `emu_base`), `ctx.inputs` (kind ->
-paths), `ctx.infos` (kind -> `FileInfo`), `ctx.p` (`AnalysisParams`) and the tables of earlier
-parts (`ctx.tables`), and fills `ctx.tables[name]` (a DataFrame without the `model` column:
-`run_analysis` adds it), `ctx.results[name]` (JSON-able dict or list of dicts, tagged with
-`model` by `run_analysis`) and `ctx.parts[name]` (`{"status": "ok"}` or `missing(reason)`).
-A table named in `run.OUTPUT_FILES` is written as `<name>.parquet`; the statistics themselves
-are pure functions of DataFrames / arrays inside the part's module.
+Part interface: a part is a function of the tables it needs and the params it uses, returning a
+NamedTuple of its tables (DataFrames without the `model` column: `run_analysis` adds it), its
+JSON-able results (tagged with `model` by `run_analysis`) and its `status` (`{"status": "ok"}`
+or `missing(reason)`, the entry of `analysis.json["parts"]`). Its inputs are the loaded token
+tables (`Tokens`), the `FileInfo`s of one artefact kind (with the DuckDB connection that reads
+them), or tables an earlier part returned; `run.analyse_model` calls the parts in data-flow
+order and maps their tables onto `OUTPUT_FILES`:
+
+    quality(tokens, p) -> Quality(streams, table, status)
+    mass_hypothesis(quality.streams, emulate_files, p) -> MassHypothesis(points, results, status)
+    per_input(quality.streams, tokens, p) -> PerInput(table, points, status)
+    expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, status)
+    admission(tokens, emulate_files, p) -> Admission(table, totals, status)
+    simulate(db, simulate_files) -> Simulate(total, layers, status)
+    engine(db, engine_files, p) -> Engine(table, status)
+    generation(db, generate_files, p) -> Generation(table, status)
+    design_space(simulate.total, simulate.layers, quality.table, p)
+        -> DesignSpace(table, families, status)
+    speed_quality(quality.table, engine.table, simulate.total, p) -> SpeedQuality(table, status)
+    sim_vs_engine(engine.table, simulate.total) -> SimVsEngine(table, result, status)
+    regime(regime_paths) -> Regime(table, result, status)
+    summary(quality.table, simulate.total, engine.table, generation.table, p)
+        -> Summary(table, status)
+    engine_bench(paths) -> EngineBench(table, status, provenance)  (shared, not per model)
+
+The statistics themselves are pure functions of DataFrames / arrays inside each part's module.
 """
 
 from moesub.stats.admission import find_twin
-from moesub.stats.expb import ExpBRule
 from moesub.stats.intervals import (
     Interval,
     boot_counts,
@@ -85,7 +105,7 @@ from moesub.stats.load import (
     model_of,
     split_by_model,
 )
-from moesub.stats.params import AnalysisParams
+from moesub.stats.params import AnalysisParams, ExpBRule
 from moesub.stats.power import paired_mde, proportion_mde, wilcoxon_min_p
 from moesub.stats.run import OUTPUT_FILES, run_analysis
 from moesub.stats.timing import pareto_front

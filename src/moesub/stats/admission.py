@@ -24,13 +24,13 @@ Wilcoxon signed-rank over streams of the per-stream mean ΔNLL (alternative: adm
 the NLL) at `alpha`, with the smallest p the design can reach and the minimum detectable
 ΔNLL (and Δppl reduction) at `power`.
 
-Entry point: `admission_part(ctx)`.
+Entry point: `admission(tokens, emulate, p) -> Admission`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -39,9 +39,11 @@ from scipy import stats as sps
 from moesub.config import is_exact_twin, missing_admission_twins, twin_spec
 from moesub.metrics import dppl_pct
 from moesub.stats.intervals import rng_for, stream_bootstrap
-from moesub.stats.load import Context, missing
+from moesub.stats.load import FileInfo, missing
+from moesub.stats.params import AnalysisParams
 from moesub.stats.power import paired_mde, wilcoxon_min_p
 from moesub.stats.quality import ratio_stat
+from moesub.stats.tokens import Tokens
 
 SEGMENTS = ("first_document", "after_change")
 BOUNDARY = "boundary"
@@ -81,14 +83,23 @@ def bin_of(since: np.ndarray, kept: np.ndarray) -> np.ndarray:
     return np.where(since == 0, 0, np.searchsorted(kept, since, side="right"))
 
 
-def admission_part(ctx: Context) -> None:
-    ctx.tables["admission"] = pd.DataFrame()
-    ctx.results["admission"] = []
-    if not ctx.inputs["emulate"]:
-        ctx.parts["admission"] = missing("no emulate artefacts")
-        return
-    info_by_name = {i.name: i for i in ctx.infos["emulate"]}
-    runs = ctx.con.execute(
+class Admission(NamedTuple):
+    """`table`: per (policy, fraction, segment, bin) ΔNLL vs the twin; `totals`: per (policy,
+    fraction, segment) Δppl vs the twin and, for segment `all`, the test
+    (`analysis.json["admission"]`); `status`."""
+
+    table: pd.DataFrame
+    totals: list[dict[str, Any]]
+    status: dict[str, Any]
+
+
+def admission(tokens: Tokens, emulate: list[FileInfo], p: AnalysisParams) -> Admission:
+    """Every admission policy emulated (`emu`) against its exact twin; `emulate`: the runs'
+    files (their metadata names a policy the config does not)."""
+    if not tokens.emulated:
+        return Admission(pd.DataFrame(), [], missing("no emulate artefacts"))
+    meta_by_name = {i.name: i.meta for i in emulate}
+    runs = tokens.db.execute(
         "SELECT DISTINCT name, fraction FROM emu ORDER BY name, fraction"
     ).fetchall()
     present: dict[float, list[str]] = {}
@@ -96,7 +107,7 @@ def admission_part(ctx: Context) -> None:
         present.setdefault(frac, []).append(name)
     rows, totals, skipped = [], [], []
     for frac, names in sorted(present.items()):
-        known = {n: ctx.policy(n, info_by_name.get(n)) for n in names}
+        known = {n: p.policy(n, meta_by_name.get(n)) for n in names}
         for name in names:
             pol = known[name]
             if pol is None or pol["beta"] <= 0:
@@ -115,28 +126,25 @@ def admission_part(ctx: Context) -> None:
                     }
                 )
                 continue
-            r, t = admission_pair(ctx, name, twin, float(frac))
+            r, t = admission_pair(tokens, name, twin, float(frac), p)
             rows.extend(r)
             totals.extend(t)
-    ctx.tables["admission"] = pd.DataFrame(rows)
-    ctx.results["admission"] = totals
-    config_notes = missing_admission_twins(ctx.p.policies) if ctx.p.policies else []
+    config_notes = missing_admission_twins(p.policies) if p.policies else []
     notes = "; ".join(skipped + [f"config: {m}" for m in config_notes])
     if rows:
-        ctx.parts["admission"] = {"status": "ok"}
-        if notes:
-            ctx.parts["admission"]["note"] = notes
+        status = {"status": "ok", "note": notes} if notes else {"status": "ok"}
     else:
-        ctx.parts["admission"] = missing(
+        status = missing(
             "no admission policy (beta > 0) with an exact no-admission twin among emulate runs"
             + (f" ({notes})" if notes else "")
         )
+    return Admission(pd.DataFrame(rows), totals, status)
 
 
-def pair_tokens(ctx: Context, name: str, twin: str, frac: float) -> dict[str, np.ndarray]:
-    """Per token with both NLLs: stream, segment (0 first document, 1 after a change), since,
-    dnll = nll(name) - nll(twin)."""
-    return ctx.con.execute(
+def pair_tokens(tokens: Tokens, name: str, twin: str, frac: float) -> dict[str, np.ndarray]:
+    """Per token with both NLLs (`emu`): stream, segment (0 first document, 1 after a change),
+    since, dnll = nll(name) - nll(twin)."""
+    return tokens.db.execute(
         """
         WITH a AS (
           SELECT stream, pos, nll, doc_start, min(pos) OVER (PARTITION BY stream) AS first_pos
@@ -158,11 +166,10 @@ def pair_tokens(ctx: Context, name: str, twin: str, frac: float) -> dict[str, np
 
 
 def admission_pair(
-    ctx: Context, name: str, twin: str, frac: float
+    tokens: Tokens, name: str, twin: str, frac: float, p: AnalysisParams
 ) -> tuple[list[dict], list[dict]]:
     """Rows per (segment, bin) and totals (all, per segment) of one policy vs its twin."""
-    p = ctx.p
-    tok = pair_tokens(ctx, name, twin, frac)
+    tok = pair_tokens(tokens, name, twin, frac)
     streams, s_idx = np.unique(tok["stream"], return_inverse=True)
     since = tok["since"].astype(np.int64)
     dnll = tok["dnll"].astype(float)

@@ -25,13 +25,14 @@ known Δppl (`least_dppl`), else the fastest (`fastest`, Δppl unknown).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from moesub.policy import OFFLINE_EVICTIONS, Policy
-from moesub.stats.load import Context, missing
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, Policy
+from moesub.stats.load import missing
+from moesub.stats.params import AnalysisParams
 from moesub.stats.timing import pareto_front
 
 FAMILIES = ("study", "host_compute", "prefetch", "cache_prior", "hybrid", "buddy")
@@ -42,7 +43,8 @@ MECHANISMS = (
     ("hybrid", lambda p: p.light_miss == "host"),
     ("buddy", lambda p: p.substitute_by == "coactivation"),
 )
-MISS_COLUMNS = ("fetch", "sub", "host", "forced")
+# an expert selected but not resident: every status but a hit
+MISS_COLUMNS = tuple(name for name in STATUS_NAMES if name != "hit")
 REFERENCES = ("quality", "speed")  # the study's policies each family is set beside
 
 
@@ -70,25 +72,35 @@ def bound_key(p: Policy) -> tuple[Any, ...]:
     return tuple(sorted(d.items()))
 
 
-def design_space_part(ctx: Context) -> None:
-    """`design_space` and `design_families` from the simulate totals and the quality table."""
-    ctx.tables["design_space"] = ctx.tables["design_families"] = pd.DataFrame()
-    sim, layers = ctx.tables["sim_total"], ctx.tables["layer_hit_rates"]
+class DesignSpace(NamedTuple):
+    """`table`: per simulated (policy, fraction) its family, figures, bound and fronts
+    (`design_space.parquet`); `families`: per (family, fraction) its best policy
+    (`design_families.parquet`); `status`."""
+
+    table: pd.DataFrame
+    families: pd.DataFrame
+    status: dict[str, Any]
+
+
+def design_space(
+    sim: pd.DataFrame, layers: pd.DataFrame, quality: pd.DataFrame, p: AnalysisParams
+) -> DesignSpace:
+    """The design space from the simulate totals `sim` and per-layer rows `layers`
+    (`Simulate`) and the Δppl of the emulated policies (`quality`, `Quality.table`)."""
     if sim.empty:
-        ctx.parts["design_space"] = missing("no simulate artefacts")
-        return
+        return DesignSpace(pd.DataFrame(), pd.DataFrame(), missing("no simulate artefacts"))
     rows, unknown = [], []
     for r in sim.to_dict("records"):
-        spec = ctx.policy(r["policy"])
+        spec = p.policy(r["policy"])
         if spec is None:
             unknown.append(r["policy"])
             continue
         rows.append(_row(r, Policy.from_dict(dict(spec)), layers))
     if not rows:
-        ctx.parts["design_space"] = missing(f"no known policy among the simulated {unknown}")
-        return
+        why = f"no known policy among the simulated {unknown}"
+        return DesignSpace(pd.DataFrame(), pd.DataFrame(), missing(why))
     ds = pd.DataFrame(rows)
-    ds = _with_quality(ds, ctx.tables["quality"])
+    ds = _with_quality(ds, quality)
     ds = _with_bounds(ds)
     ds["frontier"] = ds["frontier_mass"] = False
     for _, idx in ds.groupby("fraction").groups.items():
@@ -101,13 +113,12 @@ def design_space_part(ctx: Context) -> None:
             cand["est_time_per_token_s"], cand["moved_mass_per_token_layer"]
         )
     ds = ds.sort_values(["fraction", "family", "est_time_per_token_s", "policy"], ignore_index=True)
-    ctx.tables["design_space"] = ds.drop(columns=["bound_key"])
-    ctx.tables["design_families"] = _families(ds)
-    ctx.parts["design_space"] = (
+    status = (
         {"status": "ok"}
         if not unknown
         else {"status": "partial", "reason": f"policies without a definition: {unknown}"}
     )
+    return DesignSpace(ds.drop(columns=["bound_key"]), _families(ds), status)
 
 
 def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:

@@ -29,97 +29,32 @@ evaluation token-layers, and `calib_support` / `max_target` from the calibration
 table), the plan's share and the overlap of the substituted token-layers of the two conditions
 (the "same token-layers" check: token-layers substituted in both / in either).
 
-Entry point: `expb_part(ctx)` fills `ctx.tables["expb"]` (one row per design and target mass),
-`ctx.tables["expb_streams"]` (one row per design, target mass and stream), `ctx.results["expb"]`
-(one entry per design: its rule, the primary target's decision, every target) and
-`ctx.parts["expb"]`.
+Entry point: `expb(tokens, runs, feasibility, p) -> ExpB`: the table (one row per design and
+target mass), the per-stream table (one row per design, target mass and stream) and the results
+(one entry per design: its rule, the primary target's decision, every target). The decision
+rules themselves (`ExpBRule`, `DesignRule`) are config: `moesub.stats.params`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 import polars as pl
 from scipy import stats as sps
 
-from moesub.config import schema_defaults
-from moesub.stats.load import Context, missing, number
+from moesub.stats.load import FileInfo, missing
+from moesub.stats.params import AnalysisParams, DesignRule
 from moesub.stats.power import paired_mde, wilcoxon_min_p
+from moesub.stats.tokens import Tokens
 
 DESIGN_LABELS = {
     "study": "study design (the reference study's heavy/light rules)",
     "matched": "matched design (same token-layers, matched mass)",
 }
-
-
-# ---------------------------------------------------------------------------------- the rules
-@dataclass(frozen=True)
-class DesignRule:
-    """One design's pre-registered decision rule (config `expb.designs.<design>`)."""
-
-    design: str
-    primary: float  # m*: the primary target mass per token-layer
-    max_gap: float  # |m_h - m_l| <= max_gap * min(m_h, m_l)
-    min_heavy_fraction: float | None = None  # study: m_h >= this * m*
-    min_realized_fraction: float | None = None  # matched: min(m_h, m_l) >= this * m*
-    heavy_mass: float | None = None  # matched: the heavy expert's weight (for the labels)
-
-
-# each design's decision-rule keys and their defaults (workflow/schemas/config.schema.yaml)
-_RULE_KEYS = {"study": ("max_gap", "min_heavy_fraction"),
-              "matched": ("max_gap", "min_realized_fraction")}  # fmt: skip
-_DEFAULTS = {
-    design: {key: schema_defaults(f"expb.designs.{design}")[key] for key in keys}
-    for design, keys in _RULE_KEYS.items()
-}
-
-
-@dataclass(frozen=True)
-class ExpBRule:
-    """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests
-    and one `DesignRule` per configured design."""
-
-    alpha: float = schema_defaults("expb")["alpha"]
-    designs: dict[str, DesignRule] = field(default_factory=dict)
-
-    @classmethod
-    def from_mapping(cls, spec: Mapping[str, Any]) -> ExpBRule:
-        where = "params['expb']"
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
-        alpha = number(spec.get("alpha", cls.alpha), f"{where}['alpha']")
-        if not 0 < alpha < 1:
-            raise ValueError(f"{where}['alpha']={alpha} must be in (0, 1)")
-        designs = spec.get("designs")
-        if not isinstance(designs, Mapping) or not designs:
-            raise ValueError(f"{where}['designs'] must map design names (study, matched) to rules")
-        rules = {}
-        for name, d in designs.items():
-            w = f"{where}['designs'][{name!r}]"
-            if name not in _DEFAULTS:
-                raise ValueError(f"{w}: unknown design; expected one of {sorted(_DEFAULTS)}")
-            if not isinstance(d, Mapping) or "primary" not in d:
-                raise ValueError(f"{w}['primary'] (the primary target mass m*) is required")
-            known = {"primary", "heavy_mass", *_DEFAULTS[name]}
-            unknown = sorted(set(d) - known)
-            if unknown:
-                raise ValueError(f"{w}: unknown key(s) {unknown}; known {sorted(known)}")
-            values = {k: number(d.get(k, v), f"{w}[{k!r}]") for k, v in _DEFAULTS[name].items()}
-            primary = number(d["primary"], f"{w}['primary']")
-            if not 0 < primary < 1 or values["max_gap"] < 0:
-                raise ValueError(f"{w}: primary must be in (0, 1) and max_gap >= 0")
-            for k in ("min_heavy_fraction", "min_realized_fraction"):
-                if k in values and not 0 <= values[k] <= 1:
-                    raise ValueError(f"{w}[{k!r}]={values[k]} must be in [0, 1]")
-            hm = d.get("heavy_mass")
-            heavy_mass = None if hm is None else number(hm, f"{w}['heavy_mass']")
-            rules[name] = DesignRule(name, primary, heavy_mass=heavy_mass, **values)
-        return cls(alpha=alpha, designs=rules)
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -203,13 +138,15 @@ def decide(
 
 
 # ---------------------------------------------------------------------------------- loading
-def _token_runs(ctx: Context) -> dict[tuple[str, float, str], tuple[pl.DataFrame, dict]]:
+def _token_runs(
+    tokens: Tokens, files: list[FileInfo]
+) -> dict[tuple[str, float, str], tuple[pl.DataFrame, dict]]:
     """(design, target, condition) -> (the run's per-token rows with `dnll` = nll - the
-    captured exact nll, the file's metadata)."""
-    cap = pl.from_pandas(ctx.con.execute("SELECT stream, pos, nll AS nll_exact FROM cap").df())
+    captured exact nll (`cap`), the file's metadata)."""
+    cap = pl.from_pandas(tokens.db.execute("SELECT stream, pos, nll AS nll_exact FROM cap").df())
     cap = cap.with_columns(pl.col("stream").cast(pl.Int32), pl.col("pos").cast(pl.Int32))
     runs = {}
-    for info in ctx.infos["expb"]:
+    for info in files:
         df = pl.read_parquet(info.path)
         for col in ("rank_sum", "n_planned"):  # artefacts written before these were recorded
             if col not in df.columns:
@@ -221,10 +158,10 @@ def _token_runs(ctx: Context) -> dict[tuple[str, float, str], tuple[pl.DataFrame
     return runs
 
 
-def _feasibility(ctx: Context) -> dict[str, Any]:
+def _feasibility(paths: list[str]) -> dict[str, Any]:
     """The calibration feasibility of the configured heavy_mass (`calib_support`, the reachable
     `max_target`), when the feasibility table is among the inputs."""
-    for path in ctx.inputs.get("expb_feasibility", []):
+    for path in paths:
         row = pl.read_parquet(path).filter(pl.col("configured"))
         if row.height == 1:
             return {"calib_support": row["support"][0], "max_target": row["max_target"][0]}
@@ -333,29 +270,40 @@ def target_result(
     return row, stream_rows
 
 
-def expb_part(ctx: Context) -> None:
-    ctx.tables["expb"] = pd.DataFrame()
-    ctx.tables["expb_streams"] = pd.DataFrame()
-    ctx.results["expb"] = None
-    if not ctx.inputs["expb"]:
-        ctx.parts["expb"] = missing("no Experiment B artefacts")
-        return
-    if not ctx.inputs["capture_tokens"]:
-        ctx.parts["expb"] = missing("Experiment B needs the captured exact NLL (capture)")
-        return
-    if ctx.p.expb is None:
-        ctx.parts["expb"] = missing("no decision rule in params['expb']")
-        return
-    rules: ExpBRule = ctx.p.expb
-    level, power = ctx.p.ci_level, ctx.p.power
-    runs = _token_runs(ctx)
-    feasible = _feasibility(ctx)
+class ExpB(NamedTuple):
+    """`table`: one row per (design, target mass); `streams`: one row per (design, target mass,
+    stream); `results`: one entry per design (`analysis.json["expb"]`, None when the part is
+    missing); `status`."""
+
+    table: pd.DataFrame
+    streams: pd.DataFrame
+    results: list[dict[str, Any]] | None
+    status: dict[str, Any]
+
+
+def expb(tokens: Tokens, runs: list[FileInfo], feasibility: list[str], p: AnalysisParams) -> ExpB:
+    """Experiment B's decisions from its runs' files, the captured exact NLL (`cap`) and the
+    calibration feasibility tables `feasibility` (paths, maybe none), by `p.expb`'s rules."""
+
+    def not_run(why: str) -> ExpB:
+        return ExpB(pd.DataFrame(), pd.DataFrame(), None, missing(why))
+
+    if not runs:
+        return not_run("no Experiment B artefacts")
+    if not tokens.captured:
+        return not_run("Experiment B needs the captured exact NLL (capture)")
+    if p.expb is None:
+        return not_run("no decision rule in params['expb']")
+    rules = p.expb
+    level, power = p.ci_level, p.power
+    by_run = _token_runs(tokens, runs)
+    feasible = _feasibility(feasibility)
     rows, stream_rows, results = [], [], []
     for design, rule in rules.designs.items():
-        targets = sorted({t for (dz, t, _c) in runs if dz == design})
+        targets = sorted({t for (dz, t, _c) in by_run if dz == design})
         design_rows = []
         for target in targets:
-            conds = {c for (dz, t, c) in runs if dz == design and t == target}
+            conds = {c for (dz, t, c) in by_run if dz == design and t == target}
             if conds != {"heavy", "light"}:
                 design_rows.append(
                     {"design": design, "target_mass": target, "valid": False,
@@ -363,7 +311,7 @@ def expb_part(ctx: Context) -> None:
                      "outcome": "invalid", "outcome_text": f"invalid (only {sorted(conds)} ran)"}
                 )  # fmt: skip
                 continue
-            row, srows = target_result(design, target, runs, rule, rules.alpha, level, power)
+            row, srows = target_result(design, target, by_run, rule, rules.alpha, level, power)
             if design == "matched":
                 row.update(feasible)
             design_rows.append(row)
@@ -387,7 +335,4 @@ def expb_part(ctx: Context) -> None:
             }
         )
         rows.extend(design_rows)
-    ctx.tables["expb"] = pd.DataFrame(rows)
-    ctx.tables["expb_streams"] = pd.DataFrame(stream_rows)
-    ctx.results["expb"] = results
-    ctx.parts["expb"] = {"status": "ok"}
+    return ExpB(pd.DataFrame(rows), pd.DataFrame(stream_rows), results, {"status": "ok"})

@@ -20,19 +20,21 @@ Per group of problems (one generate artefact):
 A data file missing for a task (e.g. GSM8K) is reported once per task in the part's note, with
 the number of jobs it affected, not once per job.
 
-Entry point: `generation_part(ctx)` fills `ctx.tables["generation"]`, `ctx.parts["generation"]`.
+Entry point: `generation(db, runs, p) -> Generation`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import duckdb
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
 from moesub.stats.intervals import correlation, wilson_ci
-from moesub.stats.load import Context, missing, sql_list
+from moesub.stats.load import FileInfo, missing, sql_list
+from moesub.stats.params import AnalysisParams
 from moesub.stats.power import proportion_mde
 
 COLUMNS = (
@@ -117,26 +119,33 @@ def group_row(g: pd.DataFrame, base: pd.DataFrame | None, level: float, alpha: f
     return row
 
 
-def generation_part(ctx: Context) -> None:
-    ctx.tables["generation"] = pd.DataFrame()
-    if not ctx.inputs["generate"]:
-        ctx.parts["generation"] = missing("no generation artefacts")
-        return
-    gen = ctx.con.execute(
+class Generation(NamedTuple):
+    """`table`: one row per (task, policy, fraction) (module doc); `status`."""
+
+    table: pd.DataFrame
+    status: dict[str, Any]
+
+
+def generation(
+    db: duckdb.DuckDBPyConnection, runs: list[FileInfo], p: AnalysisParams
+) -> Generation:
+    """The generation runs' statistics, read through `db`."""
+    if not runs:
+        return Generation(pd.DataFrame(), missing("no generation artefacts"))
+    gen = db.execute(
         f"""
         SELECT {", ".join(COLUMNS)}
-        FROM read_parquet({sql_list(ctx.inputs["generate"])}, union_by_name=true)
+        FROM read_parquet({sql_list([i.path for i in runs])}, union_by_name=true)
         ORDER BY task, policy, fraction, problem_id
         """
     ).df()
-    notes = missing_data_notes([i.meta for i in ctx.infos["generate"]])
+    notes = missing_data_notes([i.meta for i in runs])
     if gen.empty:
         why = "; ".join(notes)
-        ctx.parts["generation"] = missing(
-            "generation artefacts hold no problems" + (f" ({why})" if why else "")
+        return Generation(
+            pd.DataFrame(),
+            missing("generation artefacts hold no problems" + (f" ({why})" if why else "")),
         )
-        return
-    p = ctx.p
     rows = []
     for (task, name, frac), g in gen.groupby(["task", "policy", "fraction"], sort=True):
         base = gen[
@@ -145,7 +154,7 @@ def generation_part(ctx: Context) -> None:
         row = {"task": task, "policy": name, "fraction": float(frac)}
         row |= group_row(g, base if len(base) else None, p.ci_level, p.alpha, p.power)
         rows.append(row)
-    ctx.tables["generation"] = pd.DataFrame(rows)
-    ctx.parts["generation"] = {"status": "ok"}
+    status = {"status": "ok"}
     if notes:
-        ctx.parts["generation"]["note"] = "missing data: " + "; ".join(notes)
+        status["note"] = "missing data: " + "; ".join(notes)
+    return Generation(pd.DataFrame(rows), status)

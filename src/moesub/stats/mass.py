@@ -11,46 +11,68 @@ BCa (basic where BCa is undefined) with the bootstrap bias beside r. No parametr
 Fisher-z interval: the policies are nested sweeps of one another (tau, beta), not independent
 samples, so only the stream resampling speaks to r's uncertainty.
 
-Per input (`per_input_part`): within one policy, r between per-stream (or per-document) mean
+Per input (`per_input`): within one policy, r between per-stream (or per-document) mean
 mass and mean ΔNLL; streams are independent units, so Pearson's p and the Fisher-z CI at
 `ci_level` stand there.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 import pandas as pd
 
 from moesub.metrics import dppl_pct
 from moesub.stats.intervals import correlation, rng_for, rowwise_pearson, stream_bootstrap
-from moesub.stats.load import Context, missing
+from moesub.stats.load import FileInfo, missing
+from moesub.stats.params import AnalysisParams
+from moesub.stats.tokens import Tokens
 
 FETCH_FIRST_RULES = ("threshold", "first_choice")
 SUBSTITUTE_FIRST_RULES = ("substitute_all",)
 NEVER_SUBSTITUTE_RULES = ("fetch_all", "host_compute")
 
 
-def mass_hypothesis_part(ctx: Context) -> None:
-    ps = ctx.tables["emu_streams"]
-    if ps.empty or not (ps["n_nll"] > 0).any():
-        ctx.parts["mass_hypothesis"] = missing(
-            "needs emulate artefacts and a baseline NLL (fetch_every_miss or capture)"
-        )
-        ctx.tables["mass_points"] = pd.DataFrame()
-        ctx.results["mass_hypothesis"] = []
-        return
+class MassHypothesis(NamedTuple):
+    """`points`: per (fraction, group, policy) the mass and Δppl behind r; `results`: per
+    (fraction, group) r with its interval (`analysis.json["mass_hypothesis"]`); `status`."""
+
+    points: pd.DataFrame
+    results: list[dict[str, Any]]
+    status: dict[str, Any]
+
+
+class PerInput(NamedTuple):
+    """`table`: per (policy, fraction, level) r between per-unit mass and ΔNLL; `points`: per
+    (policy, fraction, level, unit) the mean mass and ΔNLL; `status`."""
+
+    table: pd.DataFrame
+    points: pd.DataFrame
+    status: dict[str, Any]
+
+
+def mass_hypothesis(
+    per_stream: pd.DataFrame, emulate: list[FileInfo], p: AnalysisParams
+) -> MassHypothesis:
+    """r(mass, Δppl) across policies per fraction and group, from the per-stream sums
+    `per_stream` (`Quality.streams`); `emulate`: the runs' files (their metadata names a policy
+    the config does not)."""
+    if per_stream.empty or not (per_stream["n_nll"] > 0).any():
+        why = "needs emulate artefacts and a baseline NLL (fetch_every_miss or capture)"
+        return MassHypothesis(pd.DataFrame(), [], missing(why))
     groups = {
         "fetches first choice": FETCH_FIRST_RULES,
         "substitutes first choice": SUBSTITUTE_FIRST_RULES,
     }
-    info_by_name = {i.name: i for i in ctx.infos["emulate"]}
+    meta_by_name = {i.name: i.meta for i in emulate}
     points, results = [], []
-    for frac, gf in ps.groupby("fraction", sort=True):
+    for frac, gf in per_stream.groupby("fraction", sort=True):
         streams = np.sort(gf["stream"].unique())
         for group, rules in groups.items():
             names = []
             for name in sorted(gf["name"].unique()):
-                pol = ctx.policy(name, info_by_name.get(name))
+                pol = p.policy(name, meta_by_name.get(name))
                 if pol is not None and pol["rule"] in rules:
                     names.append(name)
             if not names:
@@ -63,12 +85,10 @@ def mass_hypothesis_part(ctx: Context) -> None:
                 .to_numpy(float)
                 for c in ("n_tok", "sum_mass", "n_nll", "sum_dnll")
             }
-            res, pts = mass_correlation(mats, names, len(streams), float(frac), group, ctx)
+            res, pts = mass_correlation(mats, names, len(streams), float(frac), group, p)
             results.append(res)
             points.extend(pts)
-    ctx.tables["mass_points"] = pd.DataFrame(points)
-    ctx.results["mass_hypothesis"] = results
-    ctx.parts["mass_hypothesis"] = {"status": "ok"}
+    return MassHypothesis(pd.DataFrame(points), results, {"status": "ok"})
 
 
 def mass_correlation(
@@ -77,7 +97,7 @@ def mass_correlation(
     n_streams: int,
     frac: float,
     group: str,
-    ctx: Context,
+    p: AnalysisParams,
 ) -> tuple[dict, list[dict]]:
     """r(mass, Δppl) across the policies `names` of one group, from their (P, S) per-stream
     sums `mats` (n_tok, sum_mass, n_nll, sum_dnll); returns the result and the points."""
@@ -91,15 +111,15 @@ def mass_correlation(
     mass, dppl = (a[0] for a in mass_dppl(np.ones((1, n_streams))))
     corr = correlation(mass, dppl, parametric=False)
     res = {"fraction": frac, "group": group, "policies": names, **corr, "n_streams": n_streams}
-    res.update(r_ci_lo=None, r_ci_hi=None, r_bias=None, r_ci_method="none", n_boot=ctx.p.n_boot)
+    res.update(r_ci_lo=None, r_ci_hi=None, r_bias=None, r_ci_method="none", n_boot=p.n_boot)
     res["n_boot_valid"] = 0
     if corr["r"] is not None:
         (iv,) = stream_bootstrap(
             lambda w: rowwise_pearson(*mass_dppl(w)),
             n_streams,
-            ctx.p.n_boot,
-            rng_for(ctx.p.seed, "mass", frac),
-            ctx.p.ci_level,
+            p.n_boot,
+            rng_for(p.seed, "mass", frac),
+            p.ci_level,
         )
         res.update(iv.columns("r_"), n_boot_valid=iv.n_valid)
     points = [
@@ -115,13 +135,13 @@ def mass_correlation(
     return res, points
 
 
-def per_input_part(ctx: Context) -> None:
-    ps = ctx.tables["emu_streams"]
-    if ps.empty or not (ps["n_nll"] > 0).any():
-        ctx.parts["per_input"] = missing("needs emulate artefacts and a baseline NLL")
-        ctx.tables["per_input"] = ctx.tables["per_input_points"] = pd.DataFrame()
-        return
-    docs = ctx.con.execute(
+def per_input(per_stream: pd.DataFrame, tokens: Tokens, p: AnalysisParams) -> PerInput:
+    """Within each policy, r between per-stream (from `per_stream`, `Quality.streams`) or
+    per-document (from `emu`, `emu_base`) mean mass and mean ΔNLL."""
+    if per_stream.empty or not (per_stream["n_nll"] > 0).any():
+        why = "needs emulate artefacts and a baseline NLL"
+        return PerInput(pd.DataFrame(), pd.DataFrame(), missing(why))
+    docs = tokens.db.execute(
         """
         SELECT e.name, e.fraction, e.doc_id AS unit,
                avg(e.mass) AS mass_per_token_layer, avg(e.nll - b.nll_b) AS dnll_mean,
@@ -132,10 +152,10 @@ def per_input_part(ctx: Context) -> None:
         """
     ).df()
     docs["level"] = "document"
-    streams = ps.assign(
-        unit=ps["stream"],
-        mass_per_token_layer=ps["sum_mass"] / ps["n_tok"],
-        dnll_mean=ps["sum_dnll"] / ps["n_nll"].where(ps["n_nll"] > 0),
+    streams = per_stream.assign(
+        unit=per_stream["stream"],
+        mass_per_token_layer=per_stream["sum_mass"] / per_stream["n_tok"],
+        dnll_mean=per_stream["sum_dnll"] / per_stream["n_nll"].where(per_stream["n_nll"] > 0),
         level="stream",
     )[["name", "fraction", "unit", "mass_per_token_layer", "dnll_mean", "n_nll", "level"]]
     pts = pd.concat([streams, docs[streams.columns]], ignore_index=True)
@@ -143,10 +163,8 @@ def per_input_part(ctx: Context) -> None:
     pts = pts.sort_values(["policy", "fraction", "level", "unit"], ignore_index=True)
     rows = []
     for (name, frac, level), g in pts.groupby(["policy", "fraction", "level"], sort=True):
-        if name == ctx.p.baseline:
+        if name == p.baseline:
             continue
-        corr = correlation(g["mass_per_token_layer"], g["dnll_mean"], ctx.p.ci_level)
+        corr = correlation(g["mass_per_token_layer"], g["dnll_mean"], p.ci_level)
         rows.append({"policy": name, "fraction": float(frac), "level": level, **corr})
-    ctx.tables["per_input_points"] = pts
-    ctx.tables["per_input"] = pd.DataFrame(rows)
-    ctx.parts["per_input"] = {"status": "ok"}
+    return PerInput(pd.DataFrame(rows), pts, {"status": "ok"})

@@ -1,4 +1,6 @@
-"""What the analysis needs from the config (`AnalysisParams`), checked before any work."""
+"""What the analysis needs from the config, checked before any work: `AnalysisParams` (the
+config's `analysis:` plus the policies) and `ExpBRule` (Experiment B's pre-registered decision
+rules, config `expb:`)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,81 @@ from itertools import pairwise
 from typing import Any
 
 from moesub.config import normalize_policy, schema_defaults
-from moesub.stats.expb import ExpBRule
-from moesub.stats.load import number
 
 _DEFAULTS = schema_defaults("analysis")  # workflow/schemas/config.schema.yaml
+
+
+def number(value: Any, where: str) -> float:
+    """A config number (bools refused), or a ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}={value!r} must be a number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DesignRule:
+    """One design's pre-registered decision rule (config `expb.designs.<design>`)."""
+
+    design: str
+    primary: float  # m*: the primary target mass per token-layer
+    max_gap: float  # |m_h - m_l| <= max_gap * min(m_h, m_l)
+    min_heavy_fraction: float | None = None  # study: m_h >= this * m*
+    min_realized_fraction: float | None = None  # matched: min(m_h, m_l) >= this * m*
+    heavy_mass: float | None = None  # matched: the heavy expert's weight (for the labels)
+
+
+# each design's decision-rule keys and their defaults (workflow/schemas/config.schema.yaml)
+_RULE_KEYS = {"study": ("max_gap", "min_heavy_fraction"),
+              "matched": ("max_gap", "min_realized_fraction")}  # fmt: skip
+_RULE_DEFAULTS = {
+    design: {key: schema_defaults(f"expb.designs.{design}")[key] for key in keys}
+    for design, keys in _RULE_KEYS.items()
+}
+
+
+@dataclass(frozen=True)
+class ExpBRule:
+    """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests
+    and one `DesignRule` per configured design."""
+
+    alpha: float = schema_defaults("expb")["alpha"]
+    designs: dict[str, DesignRule] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping[str, Any]) -> ExpBRule:
+        where = "params['expb']"
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
+        alpha = number(spec.get("alpha", cls.alpha), f"{where}['alpha']")
+        if not 0 < alpha < 1:
+            raise ValueError(f"{where}['alpha']={alpha} must be in (0, 1)")
+        designs = spec.get("designs")
+        if not isinstance(designs, Mapping) or not designs:
+            raise ValueError(f"{where}['designs'] must map design names (study, matched) to rules")
+        rules = {}
+        for name, d in designs.items():
+            w = f"{where}['designs'][{name!r}]"
+            if name not in _RULE_DEFAULTS:
+                raise ValueError(f"{w}: unknown design; expected one of {sorted(_RULE_DEFAULTS)}")
+            if not isinstance(d, Mapping) or "primary" not in d:
+                raise ValueError(f"{w}['primary'] (the primary target mass m*) is required")
+            known = {"primary", "heavy_mass", *_RULE_DEFAULTS[name]}
+            unknown = sorted(set(d) - known)
+            if unknown:
+                raise ValueError(f"{w}: unknown key(s) {unknown}; known {sorted(known)}")
+            values = {
+                k: number(d.get(k, v), f"{w}[{k!r}]") for k, v in _RULE_DEFAULTS[name].items()
+            }
+            primary = number(d["primary"], f"{w}['primary']")
+            if not 0 < primary < 1 or values["max_gap"] < 0:
+                raise ValueError(f"{w}: primary must be in (0, 1) and max_gap >= 0")
+            for k in ("min_heavy_fraction", "min_realized_fraction"):
+                if k in values and not 0 <= values[k] <= 1:
+                    raise ValueError(f"{w}[{k!r}]={values[k]} must be in [0, 1]")
+            hm = d.get("heavy_mass")
+            heavy_mass = None if hm is None else number(hm, f"{w}['heavy_mass']")
+            rules[name] = DesignRule(name, primary, heavy_mass=heavy_mass, **values)
+        return cls(alpha=alpha, designs=rules)
 
 
 @dataclass(frozen=True)
@@ -38,6 +111,16 @@ class AnalysisParams:
     alpha: float = _DEFAULTS["alpha"]
     power: float = _DEFAULTS["power"]
     admission_bins: tuple[int, ...] = tuple(_DEFAULTS["admission_bins"])
+
+    def policy(self, name: str, meta: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """The policy called `name`: the config's, else the one an artefact's metadata `meta`
+        records; None when neither knows it."""
+        if name in self.policies:
+            return self.policies[name]
+        recorded = meta.get("policy") if meta is not None else None
+        if isinstance(recorded, Mapping):
+            return normalize_policy(name, dict(recorded))
+        return None
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> AnalysisParams:

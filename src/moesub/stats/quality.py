@@ -4,7 +4,7 @@
 (params `baseline`) emulated at the same cache fraction, or, if that run is absent, the captured
 exact NLL (identical by construction).
 
-Per policy and fraction (`quality_part`): Δppl % and the mean substituted mass per token-layer
+Per policy and fraction (`quality`): Δppl % and the mean substituted mass per token-layer
 (emulate's `mass` is the sum over the L layers; `load` divides it by L), each with a stream
 bootstrap BCa interval and the bootstrap bias, and `dppl_mde_pct`: the smallest Δppl a
 one-sided paired test at `alpha` over the streams detects with probability `power`, from the
@@ -14,6 +14,7 @@ per-stream standard deviation of the mean ΔNLL (`moesub.stats.power.paired_mde`
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -21,8 +22,10 @@ import pandas as pd
 from moesub.metrics import dppl_pct
 from moesub.policy import STATUS_NAMES
 from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
-from moesub.stats.load import Context, missing
+from moesub.stats.load import missing
+from moesub.stats.params import AnalysisParams
 from moesub.stats.power import paired_mde
+from moesub.stats.tokens import Tokens
 
 
 def ratio_stat(num: np.ndarray, den: np.ndarray, transform=None):
@@ -37,49 +40,54 @@ def ratio_stat(num: np.ndarray, den: np.ndarray, transform=None):
     return stat
 
 
-def quality_part(ctx: Context) -> None:
-    """Per-stream aggregates of emulate vs the baseline, and per-policy totals with CIs."""
-    if not ctx.inputs["emulate"]:
-        ctx.parts["quality"] = missing("no emulate artefacts")
-        ctx.tables["emu_streams"] = pd.DataFrame()
-        ctx.tables["quality"] = pd.DataFrame()
-        return
-    ps = ctx.con.execute(
-        """
+class Quality(NamedTuple):
+    """`streams`: per (name, fraction, stream) sums of emulate against the baseline (n_tok,
+    sum_mass, n_nll, sum_dnll, ..., the status counts); `table`: one row per (policy,
+    fraction); `status`: the part's `analysis.json["parts"]` entry."""
+
+    streams: pd.DataFrame
+    table: pd.DataFrame
+    status: dict[str, Any]
+
+
+def quality(tokens: Tokens, p: AnalysisParams) -> Quality:
+    """Per-stream aggregates of emulate vs the baseline (`emu`, `emu_base`), and per-policy
+    totals with CIs."""
+    if not tokens.emulated:
+        return Quality(pd.DataFrame(), pd.DataFrame(), missing("no emulate artefacts"))
+    counts = ", ".join(f'sum(e."{n}") AS "{n}"' for n in STATUS_NAMES)
+    ps = tokens.db.execute(
+        f"""
         SELECT e.name, e.fraction, e.stream,
                count(*) AS n_tok, sum(e.mass) AS sum_mass,
                count(e.nll - b.nll_b) AS n_nll,
                coalesce(sum(e.nll - b.nll_b), 0) AS sum_dnll,
                coalesce(sum(CASE WHEN b.nll_b IS NOT NULL THEN e.nll END), 0) AS sum_nll,
                coalesce(sum(CASE WHEN e.nll IS NOT NULL THEN b.nll_b END), 0) AS sum_nll_b,
-               count(e.nll) AS n_nll_own, coalesce(sum(e.nll), 0) AS sum_nll_own,
-               sum(e.hit) AS hit, sum(e."fetch") AS "fetch", sum(e.sub) AS sub,
-               sum(e.host) AS host, sum(e.forced) AS forced
+               count(e.nll) AS n_nll_own, coalesce(sum(e.nll), 0) AS sum_nll_own, {counts}
         FROM emu e LEFT JOIN emu_base b
           ON e.fraction = b.fraction AND e.stream = b.stream AND e.pos = b.pos
         GROUP BY ALL ORDER BY e.name, e.fraction, e.stream
         """
     ).df()
-    ctx.tables["emu_streams"] = ps
     rows = []
     for (name, frac), g in ps.groupby(["name", "fraction"], sort=True):
-        rows.append(policy_quality(g, name, float(frac), ctx))
-    ctx.tables["quality"] = pd.DataFrame(rows)
-    no_base = [f for f, s in ctx.results["dppl_base"].items() if s == "none"]
-    ctx.parts["quality"] = (
+        rows.append(policy_quality(g, name, float(frac), p))
+    no_base = [f for f, s in tokens.dppl_base.items() if s == "none"]
+    status = (
         {"status": "ok"}
         if not no_base
         else {
             "status": "partial",
-            "reason": f"no {ctx.p.baseline} run and no capture tokens at fraction(s) "
+            "reason": f"no {p.baseline} run and no capture tokens at fraction(s) "
             f"{no_base}: Δppl undefined there",
         }
     )
+    return Quality(ps, pd.DataFrame(rows), status)
 
 
-def policy_quality(g: pd.DataFrame, name: str, frac: float, ctx: Context) -> dict:
-    """One quality row from a policy's per-stream sums `g` (columns of `emu_streams`)."""
-    p = ctx.p
+def policy_quality(g: pd.DataFrame, name: str, frac: float, p: AnalysisParams) -> dict:
+    """One quality row from a policy's per-stream sums `g` (rows of `Quality.streams`)."""
     n_s = len(g)
     n_tok, n_nll = g["n_tok"].to_numpy(float), g["n_nll"].to_numpy(float)
     sum_mass, sum_dnll = g["sum_mass"].to_numpy(float), g["sum_dnll"].to_numpy(float)

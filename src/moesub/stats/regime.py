@@ -4,15 +4,18 @@
 trace_study_reference) rows; `analysis.json` gets the headline figures and the one-line verdict.
 The reference figures are the ones the regime artefact's summary records.
 
-Entry point: `regime_part(ctx)`.
+Entry point: `regime(paths) -> Regime`.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import pandas as pd
 import polars as pl
 
 from moesub.io import read_metadata
-from moesub.stats.load import Context, missing
+from moesub.stats.load import missing
 
 HEADLINE_KEYS = (
     "fraction",
@@ -30,12 +33,20 @@ HEADLINE_KEYS = (
 )
 
 
-def regime_part(ctx: Context) -> None:
-    paths = ctx.inputs.get("regime", [])
+class Regime(NamedTuple):
+    """`table`: the per-layer figures as (layer, metric, value, reference,
+    trace_study_reference) rows; `result`: the headline figures and the verdict
+    (`analysis.json["regime"]`, None when missing); `status`."""
+
+    table: pd.DataFrame
+    result: dict[str, Any] | None
+    status: dict[str, Any]
+
+
+def regime(paths: list[str]) -> Regime:
+    """The model's regime table (`paths`: its one regime.parquet, or none)."""
     if not paths:
-        ctx.tables["regime"] = pl.DataFrame().to_pandas()
-        ctx.parts["regime"] = missing("no regime artefact")
-        return
+        return Regime(pl.DataFrame().to_pandas(), None, missing("no regime artefact"))
     if len(paths) > 1:
         raise ValueError(f"inputs['regime']: one regime table per model, got {paths}")
     summary = read_metadata(paths[0]).get("summary")
@@ -44,12 +55,9 @@ def regime_part(ctx: Context) -> None:
     references = summary.get("references")
     if not references:
         raise ValueError(f"inputs['regime']: {paths[0]!r}: the summary records no references")
-    ctx.tables["regime"] = long_table(pl.read_parquet(paths[0]), references).to_pandas()
-    ctx.results["regime"] = {
-        **{key: summary.get(key) for key in HEADLINE_KEYS},
-        "references": references,
-    }
-    ctx.parts["regime"] = {"status": "ok"}
+    table = long_table(pl.read_parquet(paths[0]), references).to_pandas()
+    result = {**{key: summary.get(key) for key in HEADLINE_KEYS}, "references": references}
+    return Regime(table, result, {"status": "ok"})
 
 
 def long_table(layers: pl.DataFrame, references: dict[str, dict]) -> pl.DataFrame:

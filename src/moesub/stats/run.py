@@ -1,40 +1,47 @@
 """`run_analysis`: every part, per model, then the output files.
 
-The parts run in `PARTS` order on one `Context` per model; each reads what the earlier ones
-left in `ctx.tables` (e.g. `emu_streams` from quality) and fills its own outputs.
+`analyse_model` is the data flow of one model written out: each part is a function of the
+tables it needs (the loaded token tables, the files of one kind, or earlier parts' returned
+tables) and the params, and returns its own typed result; nothing is shared between parts
+but what one call hands the next.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pandas as pd
 from tqdm.auto import tqdm
 
 from moesub.io import write_json
-from moesub.stats.admission import admission_part
-from moesub.stats.design import design_space_part
-from moesub.stats.expb import expb_part
-from moesub.stats.generation import generation_part
+from moesub.stats.admission import admission
+from moesub.stats.design import design_space
+from moesub.stats.expb import expb
+from moesub.stats.generation import generation
 from moesub.stats.intervals import level_label
 from moesub.stats.load import (
-    Context,
     check_inputs,
     missing,
+    model_row,
     none_if_nan,
+    provenance,
+    read_infos,
     split_by_model,
     write_table,
 )
-from moesub.stats.mass import mass_hypothesis_part, per_input_part
+from moesub.stats.mass import mass_hypothesis, per_input
 from moesub.stats.params import AnalysisParams
-from moesub.stats.quality import quality_part
-from moesub.stats.regime import regime_part
-from moesub.stats.timing import engine_bench, engine_part, simulate_part
+from moesub.stats.quality import quality
+from moesub.stats.regime import regime
+from moesub.stats.summary import summary
+from moesub.stats.timing import engine, engine_bench, sim_vs_engine, simulate, speed_quality
+from moesub.stats.tokens import load_tokens
 
 OUTPUT_FILES = (
     "models",
@@ -54,96 +61,87 @@ OUTPUT_FILES = (
     "design_space",
     "design_families",
 )
+# the analysis.json keys of the per-model results (each entry tagged with its model)
+RESULTS = ("mass_hypothesis", "expb", "admission", "sim_vs_engine", "regime")
 
 
-def summary_part(ctx: Context) -> None:
-    keys = []
-    for t in ("quality", "sim_total", "engine"):
-        df = ctx.tables[t]
-        if not df.empty:
-            keys.append(df[["policy", "fraction"]])
-    gen = ctx.tables["generation"]
-    if not gen.empty:
-        keys.append(gen[["policy", "fraction"]])
-    if not keys:
-        ctx.tables["summary"] = pd.DataFrame()
-        ctx.parts["summary"] = missing("no per-policy artefacts at all")
-        return
-    s = pd.concat(keys).drop_duplicates().sort_values(["fraction", "policy"])
-    s = s.reset_index(drop=True)
-    pols = [ctx.policy(n) or {} for n in s["policy"]]
-    for key in ("rule", "tau", "eviction", "beta"):
-        s[key] = [p.get(key) for p in pols]
-    if not ctx.tables["quality"].empty:
-        s = s.merge(ctx.tables["quality"], on=["policy", "fraction"], how="left")
-    sim = ctx.tables["sim_total"]
-    if not sim.empty:
-        s = s.merge(
-            sim[["policy", "fraction", "hit_rate", "sub_rate", "est_time_per_token_s"]].rename(
-                columns={
-                    "hit_rate": "sim_hit_rate",
-                    "sub_rate": "sim_sub_rate",
-                    "est_time_per_token_s": "sim_time_per_token_s",
-                }
-            ),
-            on=["policy", "fraction"],
-            how="left",
-        )
-    eng = ctx.tables["engine"]
-    if not eng.empty:
-        # one device per summary row: a CUDA device if one ran, else the first by name
-        order = eng.assign(_cuda=~eng["device"].astype(str).str.startswith("cuda"))
-        first = order.sort_values(["_cuda", "device"]).drop_duplicates(["policy", "fraction"])
-        s = s.merge(
-            first[
-                [
-                    "policy",
-                    "fraction",
-                    "device",
-                    "time_per_token_s",
-                    "speedup_vs_fetch_every_miss",
-                    "speedup_vs_host_compute",
-                ]
-            ].rename(columns={"device": "engine_device"}),
-            on=["policy", "fraction"],
-            how="left",
-        )
-    if not gen.empty:
-        for task in sorted(gen["task"].unique()):
-            cols = ("accuracy", "ci_low", "ci_high", "n", "agreement")
-            g = gen[gen["task"] == task][["policy", "fraction", *cols]].rename(
-                columns={c: f"{task}_{c}" for c in cols}
-            )
-            s = s.merge(g, on=["policy", "fraction"], how="left")
-    ctx.tables["summary"] = s
-    ctx.parts["summary"] = {"status": "ok"}
+@dataclass(frozen=True)
+class ModelAnalysis:
+    """One model's outputs: `tables` (output file name -> table, without the model column; the
+    engine benchmark and the models table are not per model), `results` (`RESULTS` key ->
+    JSON-able dict, list of dicts or None), `parts` (part -> status), `dppl_base`, its row of
+    `models.parquet` and its provenance."""
+
+    tables: dict[str, pd.DataFrame]
+    results: dict[str, Any]
+    parts: dict[str, dict[str, Any]]
+    dppl_base: dict[str, str]
+    model_row: dict[str, Any]
+    provenance: list[dict[str, Any]]
 
 
-# ---- output --------------------------------------------------------------------------------
-
-
-PARTS: tuple[Callable[[Context], None], ...] = (
-    quality_part,
-    mass_hypothesis_part,
-    per_input_part,
-    expb_part,
-    admission_part,
-    simulate_part,
-    design_space_part,
-    engine_part,
-    generation_part,
-    regime_part,
-    summary_part,
-)
-
-
-def analyse_model(inputs: dict[str, list[str]], params: AnalysisParams) -> Context:
-    """Every part on one model's artefacts."""
-    ctx = Context(inputs, params)
-    ctx.load_tables()
-    for part in PARTS:
-        part(ctx)
-    return ctx
+def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) -> ModelAnalysis:
+    """Every part on one model's artefacts (`paths`: kind -> paths), in data-flow order."""
+    infos = read_infos(paths)
+    with duckdb.connect() as db:  # the parts that read tokens or files query it while open
+        db.execute("SET threads TO 2").fetchall()
+        tokens = load_tokens(db, paths["capture_tokens"], infos["emulate"], p.baseline)
+        qual = quality(tokens, p)
+        mass = mass_hypothesis(qual.streams, infos["emulate"], p)
+        units = per_input(qual.streams, tokens, p)
+        exp = expb(tokens, infos["expb"], paths["expb_feasibility"], p)
+        adm = admission(tokens, infos["emulate"], p)
+        sim = simulate(db, infos["simulate"])
+        eng = engine(db, infos["engine"], p)
+        gen = generation(db, infos["generate"], p)
+    space = design_space(sim.total, sim.layers, qual.table, p)
+    speed = speed_quality(qual.table, eng.table, sim.total, p)
+    sve = sim_vs_engine(eng.table, sim.total)
+    reg = regime(paths["regime"])
+    summ = summary(qual.table, sim.total, eng.table, gen.table, p)
+    return ModelAnalysis(
+        tables={
+            "summary": summ.table,
+            "mass_points": mass.points,
+            "per_input": units.table,
+            "per_input_points": units.points,
+            "expb": exp.table,
+            "expb_streams": exp.streams,
+            "admission": adm.table,
+            "speed_quality": speed.table,
+            "sim_vs_engine": sve.table,
+            "layer_hit_rates": sim.layers,
+            "generation": gen.table,
+            "regime": reg.table,
+            "design_space": space.table,
+            "design_families": space.families,
+        },
+        results={
+            "mass_hypothesis": mass.results,
+            "expb": exp.results,
+            "admission": adm.totals,
+            "sim_vs_engine": sve.result,
+            "regime": reg.result,
+        },
+        parts={
+            "quality": qual.status,
+            "mass_hypothesis": mass.status,
+            "per_input": units.status,
+            "expb": exp.status,
+            "admission": adm.status,
+            "simulate": sim.status,
+            "design_space": space.status,
+            "engine": eng.status,
+            "speed_quality": speed.status,
+            "sim_vs_engine": sve.status,
+            "generation": gen.status,
+            "regime": reg.status,
+            "summary": summ.status,
+        },
+        dppl_base=tokens.dppl_base,
+        model_row=model_row(model, paths["model_summary"], infos),
+        provenance=provenance(paths, infos),
+    )
 
 
 def merge_parts(per_model: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -189,12 +187,12 @@ def run_analysis(
     groups = split_by_model(files)
     analyses = {}
     for model, group in tqdm(groups.items(), desc="analysis", unit="model", disable=None):
-        analyses[model] = analyse_model(group, p)
+        analyses[model] = analyse_model(model, group, p)
 
-    bench, bench_part, bench_prov = engine_bench(files["engine_bench"])
+    bench = engine_bench(files["engine_bench"])
     tables: dict[str, pd.DataFrame] = {
-        "engine_bench": bench,
-        "models": pd.DataFrame([a.model_row(m) for m, a in analyses.items()]),
+        "engine_bench": bench.table,
+        "models": pd.DataFrame([a.model_row for a in analyses.values()]),
     }
     for name in OUTPUT_FILES:
         if name in tables:
@@ -202,7 +200,7 @@ def run_analysis(
         frames = [
             a.tables[name].assign(model=m)[["model", *a.tables[name].columns]]
             for m, a in analyses.items()
-            if not a.tables.get(name, pd.DataFrame()).empty
+            if not a.tables[name].empty
         ]
         tables[name] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +210,7 @@ def run_analysis(
     def tagged(key: str) -> list[dict[str, Any]]:
         res = []
         for m, a in analyses.items():
-            value = a.results.get(key)
+            value = a.results[key]
             if isinstance(value, list):
                 res.extend({"model": m, **v} for v in value)
             elif value is not None:
@@ -220,7 +218,7 @@ def run_analysis(
         return res
 
     parts = merge_parts({m: a.parts for m, a in analyses.items()})
-    parts["engine_bench"] = bench_part
+    parts["engine_bench"] = bench.status
     doc = none_if_nan(
         {
             "params": asdict(p),
@@ -228,14 +226,10 @@ def run_analysis(
             "units": {"mass": "substituted gate mass per token-layer"},
             "models": list(analyses),
             "parts": parts,
-            "dppl_base": {m: a.results.get("dppl_base", {}) for m, a in analyses.items()},
-            "mass_hypothesis": tagged("mass_hypothesis"),
-            "expb": tagged("expb"),
-            "admission": tagged("admission"),
-            "sim_vs_engine": tagged("sim_vs_engine"),
-            "regime": tagged("regime"),
-            "provenance": [{**r, "model": m} for m, a in analyses.items() for r in a.provenance()]
-            + bench_prov,
+            "dppl_base": {m: a.dppl_base for m, a in analyses.items()},
+            **{key: tagged(key) for key in RESULTS},
+            "provenance": [{**r, "model": m} for m, a in analyses.items() for r in a.provenance]
+            + bench.provenance,
             "files": {name: f"{name}.parquet" for name in OUTPUT_FILES},
         }
     )

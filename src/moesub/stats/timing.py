@@ -4,7 +4,7 @@ Engine time per token is the median of per-token `wall_s` (CI: distribution-free
 statistics); speedups are ratios of medians on the same device and fraction. The simulator's
 estimate is compared with the engine's mean (an expected time per token).
 
-Entry points: `simulate_part(ctx)`, `engine_part(ctx)` (engine, speed_quality, sim_vs_engine),
+Entry points: `simulate`, `engine`, `speed_quality`, `sim_vs_engine` (per model) and
 `engine_bench(paths)` (the shared benchmark, not per model).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
@@ -20,7 +20,9 @@ import pandas as pd
 
 from moesub.metrics import speedup
 from moesub.stats.intervals import correlation, median_ci
-from moesub.stats.load import PROVENANCE_KEYS, Context, file_info, missing, sql_list
+from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
+from moesub.stats.params import AnalysisParams
+from moesub.stats.tokens import register_files
 
 
 def pareto_front(cost: Sequence[float], loss: Sequence[float]) -> np.ndarray:
@@ -35,57 +37,84 @@ def pareto_front(cost: Sequence[float], loss: Sequence[float]) -> np.ndarray:
     return front
 
 
-def simulate_part(ctx: Context) -> None:
-    ctx.tables["sim_total"] = ctx.tables["layer_hit_rates"] = pd.DataFrame()
-    if not ctx.inputs["simulate"]:
-        ctx.parts["simulate"] = missing("no simulate artefacts")
-        return
-    files = ctx.register_files("simulate")
-    sim = ctx.con.execute(
+class Simulate(NamedTuple):
+    """`total`: the simulator's all-layer row per (policy, fraction) (every simulate column);
+    `layers`: per (policy, fraction, layer) hit and substitution rates, mass per token-layer
+    (`layer_hit_rates.parquet`); `status`."""
+
+    total: pd.DataFrame
+    layers: pd.DataFrame
+    status: dict[str, Any]
+
+
+class Engine(NamedTuple):
+    """`table`: per (policy, fraction, device) the engine's time per token with its interval and
+    speedups; `status`."""
+
+    table: pd.DataFrame
+    status: dict[str, Any]
+
+
+class SpeedQuality(NamedTuple):
+    """`table`: per (policy, fraction, time source) time per token, Δppl % and the frontier."""
+
+    table: pd.DataFrame
+    status: dict[str, Any]
+
+
+class SimVsEngine(NamedTuple):
+    """`table`: per (policy, fraction, device) the simulator's estimate vs the engine's mean;
+    `result`: the error summary (`analysis.json["sim_vs_engine"]`, None when missing)."""
+
+    table: pd.DataFrame
+    result: dict[str, Any] | None
+    status: dict[str, Any]
+
+
+def simulate(db: duckdb.DuckDBPyConnection, runs: list[FileInfo]) -> Simulate:
+    """The simulate runs' tables, read through `db`."""
+    if not runs:
+        return Simulate(pd.DataFrame(), pd.DataFrame(), missing("no simulate artefacts"))
+    files = register_files(db, "simulate", runs)
+    sim = db.execute(
         f"""
         SELECT f.name AS policy, f.fraction, t.* EXCLUDE (policy, fraction)
-        FROM read_parquet({sql_list(ctx.inputs["simulate"])}, filename=true,
+        FROM read_parquet({sql_list([i.path for i in runs])}, filename=true,
                           union_by_name=true) t
         JOIN {files} f USING (filename) ORDER BY policy, fraction, layer
         """
     ).df()
-    ctx.tables["sim_total"] = sim[sim["layer"] == -1].reset_index(drop=True)
+    total = sim[sim["layer"] == -1].reset_index(drop=True)
     # simulate's per-layer mass_mean is already a mean over that layer's token-layers
-    ctx.tables["layer_hit_rates"] = (
+    layers = (
         sim[sim["layer"] >= 0][
             ["policy", "fraction", "layer", "tokens", "hit_rate", "sub_rate", "mass_mean"]
         ]
         .rename(columns={"mass_mean": "mass_per_token_layer"})
         .reset_index(drop=True)
     )
-    ctx.parts["simulate"] = {"status": "ok"}
+    return Simulate(total, layers, {"status": "ok"})
 
 
-def engine_part(ctx: Context) -> None:
-    ctx.tables["engine"] = ctx.tables["sim_vs_engine"] = pd.DataFrame()
-    if not ctx.inputs["engine"]:
-        ctx.parts["engine"] = missing("no engine artefacts")
-    else:
-        _engine_per_run(ctx)
-    _speed_quality(ctx)
-    _sim_vs_engine(ctx)
-
-
-def _engine_per_run(ctx: Context) -> None:
-    files = ctx.register_files("engine")
-    tok = ctx.con.execute(
+def engine(db: duckdb.DuckDBPyConnection, runs: list[FileInfo], p: AnalysisParams) -> Engine:
+    """Per engine run (policy, fraction, device): the median time per token with its interval,
+    the speedups vs the baselines on the same device and fraction; read through `db`."""
+    if not runs:
+        return Engine(pd.DataFrame(), missing("no engine artefacts"))
+    files = register_files(db, "engine", runs)
+    tok = db.execute(
         f"""
         SELECT f.name, f.fraction, f.device, t.wall_s, t.fetch_wait_s, t.nll
-        FROM read_parquet({sql_list(ctx.inputs["engine"])}, filename=true,
+        FROM read_parquet({sql_list([i.path for i in runs])}, filename=true,
                           union_by_name=true) t
         JOIN {files} f USING (filename) ORDER BY f.name, f.fraction, f.device
         """
     ).df()
-    tiers = {(i.name, i.fraction, i.device): i.meta.get("tier") for i in ctx.infos["engine"]}
+    tiers = {(i.name, i.fraction, i.device): i.meta.get("tier") for i in runs}
     rows = []
     for (name, frac, dev), g in tok.groupby(["name", "fraction", "device"], sort=True):
         wall = g["wall_s"].to_numpy(float)
-        lo, hi = median_ci(wall, ctx.p.ci_level)
+        lo, hi = median_ci(wall, p.ci_level)
         nll = g["nll"].dropna().to_numpy(float)
         rows.append(
             {
@@ -105,19 +134,20 @@ def _engine_per_run(ctx: Context) -> None:
         )
     eng = pd.DataFrame(rows)
     for ref, col in (
-        (ctx.p.baseline, "speedup_vs_fetch_every_miss"),
-        (ctx.p.host_baseline, "speedup_vs_host_compute"),
+        (p.baseline, "speedup_vs_fetch_every_miss"),
+        (p.host_baseline, "speedup_vs_host_compute"),
     ):
         base = eng[eng["policy"] == ref].set_index(["fraction", "device"])["time_per_token_s"]
         keys = list(zip(eng["fraction"], eng["device"], strict=True))
         eng[col] = speedup([base.get(k, np.nan) for k in keys], eng["time_per_token_s"])
-    ctx.tables["engine"] = eng
-    ctx.parts["engine"] = {"status": "ok"}
+    return Engine(eng, {"status": "ok"})
 
 
-def _speed_quality(ctx: Context) -> None:
-    q = ctx.tables["quality"]
-    eng, sim = ctx.tables["engine"], ctx.tables["sim_total"]
+def speed_quality(
+    quality: pd.DataFrame, eng: pd.DataFrame, sim: pd.DataFrame, p: AnalysisParams
+) -> SpeedQuality:
+    """Time per token (engine table `eng`, simulate totals `sim`) beside Δppl (`quality`,
+    `Quality.table`), with the Pareto front per (fraction, device)."""
     frames = []
     if not eng.empty:
         frames.append(
@@ -140,8 +170,8 @@ def _speed_quality(ctx: Context) -> None:
             device="simulated", source="simulate", time_per_token_s=sim["est_time_per_token_s"]
         )
         for ref, col in (
-            (ctx.p.baseline, "speedup_vs_fetch_every_miss"),
-            (ctx.p.host_baseline, "speedup_vs_host_compute"),
+            (p.baseline, "speedup_vs_fetch_every_miss"),
+            (p.host_baseline, "speedup_vs_host_compute"),
         ):
             base = s[s["policy"] == ref].set_index("fraction")["time_per_token_s"]
             s[col] = speedup(s["fraction"].map(base), s["time_per_token_s"])
@@ -158,14 +188,11 @@ def _speed_quality(ctx: Context) -> None:
                 ]
             ]
         )
-    if not frames or q.empty:
-        ctx.tables["speed_quality"] = pd.DataFrame()
-        ctx.parts["speed_quality"] = missing(
-            "needs emulate (Δppl) and engine or simulate (time per token)"
-        )
-        return
+    if not frames or quality.empty:
+        why = "needs emulate (Δppl) and engine or simulate (time per token)"
+        return SpeedQuality(pd.DataFrame(), missing(why))
     sq = pd.concat(frames, ignore_index=True).merge(
-        q[["policy", "fraction", "dppl_pct", "dppl_ci_lo", "dppl_ci_hi", "dppl_bias"]],
+        quality[["policy", "fraction", "dppl_pct", "dppl_ci_lo", "dppl_ci_hi", "dppl_bias"]],
         on=["policy", "fraction"],
         how="inner",
     )
@@ -174,39 +201,44 @@ def _speed_quality(ctx: Context) -> None:
         sq.loc[idx, "frontier"] = pareto_front(
             sq.loc[idx, "time_per_token_s"], sq.loc[idx, "dppl_pct"]
         )
-    ctx.tables["speed_quality"] = sq.sort_values(
-        ["source", "device", "fraction", "time_per_token_s"], ignore_index=True
-    )
-    ctx.parts["speed_quality"] = {"status": "ok"}
+    sq = sq.sort_values(["source", "device", "fraction", "time_per_token_s"], ignore_index=True)
+    return SpeedQuality(sq, {"status": "ok"})
 
 
-def _sim_vs_engine(ctx: Context) -> None:
-    eng, sim = ctx.tables["engine"], ctx.tables["sim_total"]
-    ctx.results["sim_vs_engine"] = None
+def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame) -> SimVsEngine:
+    """The simulator's estimated time per token (totals `sim`) against the engine's mean
+    (`eng`, `Engine.table`) per run in both."""
     if eng.empty or sim.empty:
-        ctx.tables["sim_vs_engine"] = pd.DataFrame()
-        ctx.parts["sim_vs_engine"] = missing("needs both simulate and engine artefacts")
-        return
+        return SimVsEngine(
+            pd.DataFrame(), None, missing("needs both simulate and engine artefacts")
+        )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
     j = j.merge(sim[["policy", "fraction", "est_time_per_token_s"]], on=["policy", "fraction"])
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
-    ctx.tables["sim_vs_engine"] = j
     if j.empty:
-        ctx.parts["sim_vs_engine"] = missing("no policy/fraction run in both simulate and engine")
-        return
+        return SimVsEngine(j, None, missing("no policy/fraction run in both simulate and engine"))
     err = j["rel_error"].abs().to_numpy()
-    ctx.results["sim_vs_engine"] = {
+    result = {
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
         "max_abs_rel_error": float(err.max()),
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
     }
-    ctx.parts["sim_vs_engine"] = {"status": "ok"}
+    return SimVsEngine(j, result, {"status": "ok"})
 
 
-def engine_bench(paths: list[str]) -> tuple[pd.DataFrame, dict[str, Any], list[dict]]:
+class EngineBench(NamedTuple):
+    """`table`: the engine benchmark's rows as measured; `status`; `provenance`: its files."""
+
+    table: pd.DataFrame
+    status: dict[str, Any]
+    provenance: list[dict[str, Any]]
+
+
+def engine_bench(paths: list[str]) -> EngineBench:
+    """The shared engine benchmark (every model's rows in its own files), read as is."""
     if not paths:
-        return pd.DataFrame(), missing("no engine benchmark artefacts"), []
+        return EngineBench(pd.DataFrame(), missing("no engine benchmark artefacts"), [])
     con = duckdb.connect()
     try:
         df = con.execute(
@@ -214,9 +246,5 @@ def engine_bench(paths: list[str]) -> tuple[pd.DataFrame, dict[str, Any], list[d
         ).df()
     finally:
         con.close()
-    prov = []
-    for path in paths:
-        info = file_info(path, "engine_bench")
-        meta = {k: info.meta[k] for k in PROVENANCE_KEYS if k in info.meta}
-        prov.append({"kind": "engine_bench", "path": path, "rows": info.rows, "metadata": meta})
-    return df, {"status": "ok"}, prov
+    prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
+    return EngineBench(df, {"status": "ok"}, prov)
