@@ -343,7 +343,7 @@ def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
     def load_and_watch(*args, **kwargs):
         model, tok = real_load(*args, **kwargs)
         for block in moesub.models.moe_blocks(model):
-            gate_up, down = moesub.models.expert_weights(block)
+            gate_up, down = moesub.models.moe_family(model).expert_weights(block)
             loaded.extend([weakref.ref(gate_up), weakref.ref(down)])
         return model, tok
 

@@ -130,7 +130,7 @@ class EngineModel:
             raise
         for m in self.setup.experts:
             m.engine = self.engine
-        self._router = EngineRouter(self.engine, self.setup.model, self.setup.experts)
+        self._router = EngineRouter(self.engine, self.setup)
         if spec.policy.prefetch > 0:  # lookahead computed one MoE layer early, copies issued
             self._hook = PrefetchHook(
                 self.setup.model, self._router, self.engine, self.setup.device
