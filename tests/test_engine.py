@@ -403,7 +403,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
     CostModel(**meta["cost_model"])
-    with pytest.raises(ValueError, match="too small for k"):
+    with pytest.raises(ValueError, match=r"params\.fraction: .*C=5, outside \[k=10"):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
         BenchParams.from_dict({"layer": 2})

@@ -343,7 +343,7 @@ def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
     def load_and_watch(*args, **kwargs):
         model, tok = real_load(*args, **kwargs)
         for block in moesub.models.moe_blocks(model):
-            gate_up, down = moesub.models.expert_weights(block)
+            gate_up, down = moesub.models.moe_family(model).expert_weights(block)
             loaded.extend([weakref.ref(gate_up), weakref.ref(down)])
         return model, tok
 
@@ -363,3 +363,19 @@ def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
         assert (tmp_path / "experts.bin").is_file()
     finally:
         setup.tier.close()
+
+
+def test_build_checks_the_capacity_before_the_store(tmp_path):
+    """k <= C <= E (`check_capacity`), checked before the expert store is written."""
+    from test_engine import tiny_model
+
+    from moesub.engine.adapter import build_engine_model
+    from moesub.engine.spec import EngineParams
+
+    tiny_model().save_pretrained(tmp_path / "model")
+    opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
+    with pytest.raises(ValueError, match=r"cache capacity 3 \(E=16, k=4\): .*C=3, outside \[k=4"):
+        build_engine_model(tmp_path / "model", "cpu", opts, capacity=3)
+    with pytest.raises(ValueError, match=r"cache capacity 17 \(E=16, k=4\)"):
+        build_engine_model(tmp_path / "model", "cpu", opts, capacity=17)
+    assert not (tmp_path / "experts.bin").exists()

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
+from torch import nn
 
 from moesub.models import (
+    MoEFamily,
     MoEInfo,
     RouterHook,
     align_ids,
     check_checkpoint,
-    expert_weights,
+    families,
     load_model,
     load_tokenizer,
     moe_blocks,
+    moe_family,
     moe_info,
     stream_nll,
 )
@@ -100,7 +105,7 @@ def test_moe_info_matches_structure(family_model):
     assert len(blocks) == L
     for i, b in zip(idx, blocks, strict=True):
         assert model.model.layers[i].mlp is b
-        gate_up, down = expert_weights(b)
+        gate_up, down = moe_family(model).expert_weights(b)
         assert gate_up.shape == (E, 2 * width, 32) and down.shape == (E, 32, width)
         assert gate_up is b.experts.gate_up_proj  # a view of the real parameter, not a copy
 
@@ -156,7 +161,7 @@ def test_hook_replacement_routes_computation():
     perm = torch.randperm(E, generator=torch.Generator().manual_seed(3))
     permuted = tiny_model("qwen3_moe")
     for b in moe_blocks(permuted):
-        gate_up, down = expert_weights(b)
+        gate_up, down = moe_family(permuted).expert_weights(b)
         with torch.no_grad():
             gate_up[perm] = gate_up.clone()
             down[perm] = down.clone()
@@ -174,6 +179,115 @@ def test_hook_bad_shape_raises():
     with pytest.raises(ValueError, match="shape"):
         _logits(model, ids, lambda layer, z, w, sel: sel[:, :1])
     assert all(not b.gate._forward_hooks for b in moe_blocks(model))
+
+
+class SplitExperts(nn.Module):
+    """Experts as separate gate / up / down tensors (a layout outside today's table)."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__()
+        width = fused.down_proj.shape[-1]
+        self.gate_proj = nn.Parameter(fused.gate_up_proj[:, :width].detach().clone())
+        self.up_proj = nn.Parameter(fused.gate_up_proj[:, width:].detach().clone())
+        self.down_proj = nn.Parameter(fused.down_proj.detach().clone())
+        self.act = fused.act_fn
+
+    def forward(self, hidden, ids, weights):  # [N, H], [N, k], [N, k] -> [N, H]
+        out = torch.zeros_like(hidden)
+        for n, j in np.ndindex(*ids.shape):
+            e, x = int(ids[n, j]), hidden[n]
+            y = self.act(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e])
+            out[n] += weights[n, j] * F.linear(y, self.down_proj[e])
+        return out
+
+
+class IdsFirstRouter(nn.Module):
+    """A TopKRouter whose output is (ids, weights, logits)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        logits, weights, ids = self.inner(x)
+        return ids, weights, logits
+
+
+class OtherBlock(nn.Module):
+    """A sparse block of another layout: the router at `router`, split experts."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.router, self.experts = IdsFirstRouter(block.gate), SplitExperts(block.experts)
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, hidden.shape[-1])
+        ids, weights, _ = self.router(x)
+        return self.experts(x, ids, weights).reshape(hidden.shape)
+
+
+class OtherFamily(MoEFamily):
+    """The one adapter class the other layout needs."""
+
+    def is_sparse(self, block):
+        return isinstance(getattr(block, "router", None), IdsFirstRouter)
+
+    def router(self, block):
+        return block.router
+
+    def top_k(self, block):
+        return int(block.router.inner.top_k)
+
+    def split_route(self, output):
+        ids, weights, logits = output
+        return logits, weights, ids
+
+    def join_route(self, output, weights, ids):
+        return ids, weights, output[2]
+
+    def expert_weights(self, block):
+        e = block.experts
+        return torch.cat([e.gate_proj, e.up_proj], dim=1), e.down_proj
+
+    def expert_act(self, block):
+        return block.experts.act
+
+
+def test_a_family_of_another_layout_is_one_adapter(monkeypatch):
+    """A family whose router sits elsewhere and returns its values in another order, and whose
+    experts are split tensors, is read by one `MoEFamily` subclass: its geometry, its experts in
+    the engine's layout, and the router hook (observe, keep, reroute) work as for the stock one."""
+    model = tiny_model("qwen3_moe")
+    other = tiny_model("qwen3_moe")
+    for layer in other.model.layers:
+        if isinstance(layer.mlp, tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock):
+            layer.mlp = OtherBlock(layer.mlp)
+    other.config.model_type = "other_moe"
+    monkeypatch.setitem(families.FAMILIES, "other_moe", OtherFamily("other_moe"))
+    info = moe_info(model)
+    assert moe_info(other) == dataclasses.replace(info, family="other_moe")
+    for b, b_other in zip(moe_blocks(model), moe_blocks(other), strict=True):
+        ref, got = moe_family(model).expert_weights(b), moe_family(other).expert_weights(b_other)
+        assert all(torch.equal(r, g) for r, g in zip(ref, got, strict=True))
+    ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(4))
+    out = _logits(other, ids)
+    torch.testing.assert_close(out, _logits(model, ids), rtol=1e-5, atol=1e-6)
+    seen = []
+
+    def keep(layer, logits, weights, sel):
+        seen.append((layer, logits.shape, weights.shape, sel.shape))
+        return sel.clone()
+
+    assert torch.equal(_logits(other, ids, keep), out)
+    assert seen == [(0, (11, info.num_experts), (11, info.top_k), (11, info.top_k))]
+    perm = torch.randperm(info.num_experts, generator=torch.Generator().manual_seed(3))
+    for b in moe_blocks(other):
+        with torch.no_grad():
+            for t in (b.experts.gate_proj, b.experts.up_proj, b.experts.down_proj):
+                t[perm] = t.clone()
+    rerouted = _logits(other, ids, lambda layer, z, w, sel: perm[sel])
+    torch.testing.assert_close(rerouted, out, rtol=1e-5, atol=1e-6)
+    assert all(not b.router._forward_hooks for b in moe_blocks(other))
 
 
 def test_align_ids_maps_ranks_to_slots():

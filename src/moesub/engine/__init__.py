@@ -9,6 +9,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM).
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
   side stream).
+- `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
+  the slots awaiting them, waiting on them, the bytes installed), whatever they are for.
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
 - `spec`: the `engine:` options (`EngineParams`) and an engine's checked inputs (`EngineSpec`).
 - `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
@@ -18,6 +20,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `calibrate`: `calibrate`, the simulator's cost-model figures measured on this machine.
 - `bench_inputs`: the benchmark's router logits (a captured trace mapped onto its shape, or
   synthetic), its initial set, random experts and resource checks.
+- `bench_runs`: one timed run of the engine over router logits (`run_policy`, `BenchRun`) and
+  its counts by status name.
 - `bench`: `run_benchmark`, real expert sizes driven by a router trace, the cost model fitted
   and validated in the same run.
 """

@@ -2,12 +2,16 @@
 
 `build_engine_model` loads the model, moves its experts to the slow tier (the expert store on
 disk; for the CUDA engine pinned host memory filled from it), allocates the slots and swaps
-every block's experts module for `EngineExperts`. Per token and MoE layer the router hook
-(`EngineRouter`, installed with `moesub.models.RouterHook`) brings the router's values to the
-host once, hands the logits to the engine (`OffloadEngine.route`: the policy core decides, the
-tier copies) and gives the block's `EngineExperts` the *cache slot* of every computed expert in
-the model's slot order (`models.align_ids`, on the host); `EngineExperts` then computes from the
-slot tensors, plus the host's experts on the host.
+every block's experts module for `EngineExperts`. What it knows of the model's layout comes from
+the family's adapter (`moesub.models.moe_family`): the router module, the experts in the
+engine's expert layout and their activation, how the block's experts are swapped.
+
+Per token and MoE layer the router hook (`EngineRouter`, installed with
+`moesub.models.RouterHook`) brings the router's values to the host once, hands the logits to the
+engine (`OffloadEngine.route`: the policy core decides, the tier copies) and gives the block's
+`EngineExperts` the *cache slot* of every computed expert in the model's slot order
+(`models.align_ids`, on the host); `EngineExperts` then computes from the slot tensors, plus the
+host's experts on the host.
 With `policy.prefetch > 0` the hook is a `PrefetchHook`: layer l's lookahead logits are computed
 as soon as their source is seen (the residual stream entering MoE layer l-1's MoE sub-block) and
 handed to `OffloadEngine.prefetch` at once, so the copies run while layer l-1's experts and layer
@@ -41,8 +45,8 @@ from moesub.engine.store import (
     tensor_fingerprint,
 )
 from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, expert_runs, require_cuda
-from moesub.models import RouterHook
-from moesub.policy import HOST
+from moesub.models import RouterHook, moe_family
+from moesub.policy import HOST, check_capacity
 from moesub.replay import place_ranked, rerouted_rows, rerouted_weights
 
 
@@ -73,16 +77,13 @@ class EngineExperts(nn.Module):
     the token's plan on the host: the cache slot of every computed expert in the model's slot
     order (`slot_ids`, -1 = not on the fast tier) and the host_compute misses (`host`); for a
     prompt's rows (prefill) the computed experts themselves (`prefill_ids`). Without
-    an engine attached (dense-time calibration) it returns zeros. `gate_up_proj` / `down_proj`
-    are the layer's slot tensors (plain attributes, not parameters: `model.to` leaves them where
-    the tier put them), so the block still reads as a sparse MoE block.
+    an engine attached (dense-time calibration) it returns zeros. It holds no weights: the
+    engine computes from the tier's slots.
     """
 
-    def __init__(self, layer: int, slots) -> None:
+    def __init__(self, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.gate_up_proj = slots.gate_up  # (C, 2I, H)
-        self.down_proj = slots.down  # (C, H, I)
         self.engine: OffloadEngine | None = None
         self.slot_ids: np.ndarray | None = None  # (N, k) set by the router for one call
         self.host: HostInputs | None = None
@@ -114,15 +115,18 @@ class EngineRouter:
     the computed experts) so that the block hands them to `EngineExperts`.
     `close()` removes the pre-hooks."""
 
-    def __init__(self, engine: OffloadEngine, model: nn.Module, experts: list[EngineExperts]):
-        from moesub.models import moe_blocks, moe_info
+    def __init__(self, engine: OffloadEngine, setup: EngineSetup):
+        from moesub.models import moe_blocks
 
-        self.engine, self.experts = engine, experts
-        self.norm_topk_prob = moe_info(model).norm_topk_prob  # the gate of rerouted rows
-        self._hidden: list[torch.Tensor | None] = [None] * len(experts)
+        self.engine, self.experts = engine, setup.experts
+        self.norm_topk_prob = setup.info.norm_topk_prob  # the gate of rerouted rows
+        self._hidden: list[torch.Tensor | None] = [None] * len(setup.experts)
+        family = moe_family(setup.model)
         self._handles = [
-            block.gate.register_forward_pre_hook(self._keep_input(layer), with_kwargs=True)
-            for layer, block in enumerate(moe_blocks(model))
+            family.router(block).register_forward_pre_hook(
+                self._keep_input(layer), with_kwargs=True
+            )
+            for layer, block in enumerate(moe_blocks(setup.model))
         ]
 
     def _keep_input(self, layer: int):
@@ -267,7 +271,7 @@ def build_engine_model(
 
     Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
     released before the tier allocates anything, so the host never holds two copies of them."""
-    from moesub.models import expert_weights, load_model, moe_blocks, moe_info
+    from moesub.models import load_model, moe_blocks, moe_info
 
     dev = require_cuda(device)
     staging = staging_for(opts, dev, prefetch)
@@ -275,15 +279,15 @@ def build_engine_model(
         torch.set_num_threads(opts.threads)
     dtype_key = engine_dtype(opts, dev)
     model, _tok = load_model(model_dir, dtype=DTYPES[dtype_key], device="cpu")
-    info = moe_info(model)
-    C = info.top_k if capacity is None else capacity
-    if not info.top_k <= C <= info.num_experts:
-        raise ValueError(
-            f"cache capacity {C} is too small for k={info.top_k} (or exceeds E={info.num_experts})"
-        )
+    info, family = moe_info(model), moe_family(model)
+    E, k = info.num_experts, info.top_k
+    try:  # C as a fraction of E: capacity_for(C / E, E) is C
+        C = k if capacity is None else check_capacity(capacity / E, E, k)
+    except ValueError as e:
+        raise ValueError(f"cache capacity {capacity} (E={E}, k={k}): {e}") from e
     blocks = moe_blocks(model)
-    act = blocks[0].experts.act_fn
-    weights = [expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
+    act = family.expert_act(blocks[0])
+    weights = [family.expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
     layout = StoreLayout(
         num_layers=info.num_layers,
         num_experts=info.num_experts,
@@ -295,7 +299,7 @@ def build_engine_model(
     path = Path(opts.store_path) if opts.store_path else default_store_path(model_dir, dtype_key)
     store = open_or_write_store(path, layout, model_experts(weights), progress=opts.progress)
     for block in blocks:  # the model's own experts go before the tier allocates anything
-        block.experts = None
+        family.set_experts(block, None)
     del weights
     gc.collect()
     try:
@@ -313,7 +317,7 @@ def build_engine_model(
         bandwidth = {"read_bandwidth_Bps": bw.bytes_per_s, "read_latency_s": bw.latency_s}
     experts = []
     for layer, block in enumerate(blocks):
-        block.experts = EngineExperts(layer, tier.slots[layer])
-        experts.append(block.experts)
+        experts.append(EngineExperts(layer))
+        family.set_experts(block, experts[-1])
     model.to(dev)
     return EngineSetup(model, info, tier, experts, act, layout.expert_bytes, dev, bandwidth)

@@ -3,7 +3,7 @@
 Experts of a real model's shapes (default Qwen3-Next-80B-A3B: H=2048, expert width 512, E=512,
 top-10, bf16 = 6 MiB per expert) with random weights, for a configurable number of layers, are
 driven by a captured router trace mapped onto the benchmark's layers and experts, or by
-synthetic router decisions (`moesub.engine.bench_routing`) through the same engine as the model
+synthetic router decisions (`moesub.engine.bench_inputs`) through the same engine as the model
 decode loop (`OffloadEngine`: policy core, real synchronous copies, background admissions,
 grouped compute from the slots). Per layer a real-size router matmul runs on the fast device and
 its result is brought back to the host (the synchronization a real router imposes) before the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,10 +33,24 @@ from typing import Any
 import numpy as np
 import polars as pl
 import torch
-from tqdm.auto import tqdm
 
 from moesub.config import check_options, schema_defaults
-from moesub.engine.bench_inputs import bench_logits, check_resources, frequency_initial, random_fill
+from moesub.engine.bench_inputs import (
+    BenchLogits,
+    bench_logits,
+    check_resources,
+    frequency_initial,
+    random_fill,
+)
+from moesub.engine.bench_runs import (
+    BenchRun,
+    by_status,
+    concat_runs,
+    hits_only,
+    rms_norm,
+    run_policy,
+    token_counts,
+)
 from moesub.engine.calibrate import (
     TokenCounts,
     cost_from_fit,
@@ -50,8 +63,9 @@ from moesub.engine.calibrate import (
 )
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
-from moesub.engine.runtime import HostInputs, OffloadEngine
+from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import (
+    ExpertStore,
     StoreLayout,
     measure_read_bandwidth,
     open_or_write_store,
@@ -60,7 +74,7 @@ from moesub.engine.store import (
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import write_parquet
 from moesub.params import options_from
-from moesub.policy import ALL_RESIDENT, STUDY_POLICIES, Policy, capacity_for
+from moesub.policy import ALL_RESIDENT, STUDY_POLICIES, Policy, check_capacity
 
 # the benchmark's default policies: five of the study's, and the all-resident floor
 _FROM_STUDY = ("fetch_every_miss", "host_compute", "rule_015", "quality", "speed")
@@ -75,6 +89,7 @@ CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
 }
 CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
+ACT = torch.nn.functional.silu  # the benchmark's experts' activation (Qwen's)
 
 
 _DEFAULTS = schema_defaults("engine.bench")  # workflow/schemas/config.schema.yaml
@@ -118,11 +133,10 @@ class BenchParams:
         v = p.threads  # a library-only option (not a config key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"params.threads={v!r} must be a positive integer")
-        if p.capacity < p.top_k:
-            raise ValueError(
-                f"params.fraction={p.fraction} gives C={p.capacity} < top_k={p.top_k}: the cache "
-                "is too small for k"
-            )
+        try:
+            check_capacity(p.fraction, p.num_experts, p.top_k)
+        except ValueError as e:
+            raise ValueError(f"params.fraction: {e}") from e
         if not p.policies:
             raise ValueError("params.policies: at least one policy is required")
         for name, spec in p.policies.items():
@@ -139,7 +153,7 @@ class BenchParams:
 
     @property
     def capacity(self) -> int:
-        return capacity_for(self.fraction, self.num_experts)
+        return check_capacity(self.fraction, self.num_experts, self.top_k)
 
     def layout(self) -> StoreLayout:
         return StoreLayout(
@@ -150,108 +164,6 @@ class BenchParams:
             dtype=self.dtype,
             fingerprint=f"random-seed{self.seed}",
         )
-
-
-def _rms_norm(x: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
-@dataclass
-class _Run:
-    wall_s: np.ndarray
-    fetch_wait_s: np.ndarray
-    bytes_sync: np.ndarray
-    bytes_bg: np.ndarray
-    counts: np.ndarray  # (T, 5)
-    admissions: np.ndarray  # (T,) admission requests per token
-    syncs: np.ndarray  # (T,) host waits for the device per token
-    admitted: int  # background copies installed
-    admit_latency: int  # tokens from request to install, summed over those installed
-
-
-@torch.inference_mode()
-def _run_policy(
-    engine: OffloadEngine,
-    trace: np.ndarray,
-    router_w: list[torch.Tensor],
-    h0: torch.Tensor,
-    warmup: int,
-    desc: str,
-    progress: bool,
-    layers: int | None = None,
-) -> _Run:
-    """Drive the engine over `trace` (T, L, E) (its first `layers` layers, default all); the
-    first `warmup` tokens are not recorded."""
-    engine.reset()
-    T, L, _E = trace.shape
-    L = layers or L
-    n = T - warmup
-    wall, wait = np.zeros(n), np.zeros(n)
-    bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    counts = np.zeros((n, 5), np.int64)
-    syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    admitted = admit_latency = 0
-    for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
-        t0 = time.perf_counter()
-        engine.begin_token()
-        hidden = h0  # (1, H) every token enters with the same hidden state
-        for layer in range(L):
-            x = _rms_norm(hidden)
-            # the router on the fast device; its logits (and the input, for host_compute)
-            # reach the host once before the core decides, as in the model adapter
-            _z, x_host = engine.to_host(layer, (x @ router_w[layer].T).float(), x)
-            s = engine.route(layer, trace[t, layer][None])
-            slot, host_ids = engine.step_ids(s)
-            w = engine.tier.upload(layer, s.weights, "weights").to(hidden.dtype)
-            host = None
-            if host_ids is not None:
-                host = HostInputs(host_ids, x_host, torch.from_numpy(s.weights).to(x_host.dtype))
-            y = engine.compute(layer, x, slot, w, host)
-            hidden = hidden + y
-        st = engine.end_token()  # waits for the compute stream
-        dt = time.perf_counter() - t0
-        if t >= warmup:
-            i = t - warmup
-            wall[i], wait[i] = dt, st.fetch_wait_s
-            bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
-            counts[i], syncs[i] = st.counts, st.syncs
-            admissions[i] = st.admissions
-            admitted += st.admitted
-            admit_latency += st.admit_latency
-    if not torch.isfinite(hidden.float()).all():
-        raise RuntimeError("benchmark hidden state became non-finite")
-    return _Run(wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency)
-
-
-def _concat_runs(runs: list[_Run]) -> _Run:
-    return _Run(
-        wall_s=np.concatenate([r.wall_s for r in runs]),
-        fetch_wait_s=np.concatenate([r.fetch_wait_s for r in runs]),
-        bytes_sync=np.concatenate([r.bytes_sync for r in runs]),
-        bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
-        counts=np.concatenate([r.counts for r in runs]),
-        admissions=np.concatenate([r.admissions for r in runs]),
-        syncs=np.concatenate([r.syncs for r in runs]),
-        admitted=sum(r.admitted for r in runs),
-        admit_latency=sum(r.admit_latency for r in runs),
-    )
-
-
-def _hits_only(logits: np.ndarray, initial: np.ndarray) -> np.ndarray:
-    """`logits` (T, L, E) with every expert outside the layer's resident set `initial` (L, C)
-    pushed down so far that it is never selected: a fetch_all run is then all hits."""
-    out = logits.copy()
-    for layer in range(out.shape[1]):
-        mask = np.ones(out.shape[2], bool)
-        mask[initial[layer]] = False
-        out[:, layer, mask] -= 1e4
-    return out
-
-
-def _token_counts(r: _Run) -> TokenCounts:
-    c = r.counts  # hit, fetch, sub, host, forced
-    return TokenCounts(r.wall_s, c[:, 1] + c[:, 4], c[:, 3], r.admissions)
 
 
 def _microbenchmarks(tier, store, router_w, h0, p: BenchParams, info: dict) -> dict[str, float]:
@@ -275,9 +187,9 @@ def _microbenchmarks(tier, store, router_w, h0, p: BenchParams, info: dict) -> d
     return micro
 
 
-def _fit_cost(cal: dict[str, list[_Run]], micro: dict, p: BenchParams, info: dict) -> dict:
+def _fit_cost(cal: dict[str, list[BenchRun]], micro: dict, p: BenchParams, info: dict) -> dict:
     """The cost model fitted to the calibration runs (`fit_token_costs`, `cost_from_fit`)."""
-    runs = [_token_counts(r) for name in (CAL_HITS, *CALIBRATION_POLICIES) for r in cal[name]]
+    runs = [token_counts(r) for name in (CAL_HITS, *CALIBRATION_POLICIES) for r in cal[name]]
     fit = fit_token_costs(TokenCounts.concat(runs))
     one = cal[CAL_HITS_ONE_LAYER]
     one_layer_s = float(np.median([np.median(r.wall_s) for r in one])) if one else None
@@ -292,7 +204,7 @@ def _fit_cost(cal: dict[str, list[_Run]], micro: dict, p: BenchParams, info: dic
 
 def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 20) -> float:
     def one() -> None:
-        x = _rms_norm(h0)
+        x = rms_norm(h0)
         (x @ router_w.T).float().cpu()
         _ = h0 + x
 
@@ -307,6 +219,176 @@ def _round_order(names: list[str], rounds: int) -> list[str]:
         rot = names[r % len(names) :] + names[: r % len(names)]
         order += rot if r % 2 == 0 else rot[::-1]
     return order
+
+
+@dataclass
+class _Plan:
+    """Everything the runs are made from, ready before the first (`_plan`)."""
+
+    p: BenchParams
+    dev: torch.device
+    logits: BenchLogits
+    initial: np.ndarray  # (L, C) int32 frequency-initial resident set
+    hits: np.ndarray  # (T, L, E) the calibration logits, every selection resident
+    router_w: list[torch.Tensor]  # per layer [E, H] on the device
+    h0: torch.Tensor  # [1, H] on the device: every token's hidden state entering layer 0
+    store: ExpertStore | None  # the disk tier's expert file
+    host: HostExperts | None  # the CUDA tier's experts in pinned host memory
+    order: list[str]  # the runs' names in run order (`_round_order`)
+
+    def capacity(self, name: str) -> int:
+        """Slots per layer of run `name`: E for all_resident, else C."""
+        return self.p.num_experts if name == ALL_RESIDENT else self.p.capacity
+
+    def make_tier(self, capacity: int) -> DiskTier | CudaTier:
+        p = self.p
+        if self.dev.type == "cpu":
+            return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers)
+        return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
+
+    def engine(self, name: str, tier) -> tuple[OffloadEngine, np.ndarray, int | None]:
+        """The engine of run `name` on its tier, with its logits (T, L, E) and the layers it
+        drives (None: all)."""
+        p, E, L = self.p, self.p.num_experts, self.p.layers
+        trace, initial, layers = self.logits.validation, self.initial, None
+        if name == ALL_RESIDENT:
+            pol, initial = Policy(rule="fetch_all"), np.tile(np.arange(E, dtype=np.int32), (L, 1))
+        elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
+            pol, trace = Policy(rule="fetch_all"), self.hits
+            layers = 1 if name == CAL_HITS_ONE_LAYER else None
+        elif name in CALIBRATION_POLICIES:
+            pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), self.logits.calibration
+        else:
+            pol = Policy.from_dict(dict(p.policies[name]))
+        engine = OffloadEngine(tier, E, p.top_k, self.capacity(name), pol, initial, ACT)
+        return engine, trace, layers
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
+    """Resources checked, router logits made (or mapped from the trace), the expert store
+    opened (written once) or the pinned experts filled, the real-size routers made."""
+    lay, C, k, E, L = p.layout(), p.capacity, p.top_k, p.num_experts, p.layers
+    store_path = check_resources(p, dev, out_path)
+    logits = bench_logits(
+        p.routing, L, E, p.calib_tokens, p.warmup + p.tokens, p.warmup + p.calibration_tokens,
+        p.seed, p.trace_dir,
+    )  # fmt: skip
+    store = None
+    if dev.type == "cpu":
+        store = open_or_write_store(
+            store_path, lay, random_experts(lay, p.seed), progress=p.progress
+        )
+    g = torch.Generator().manual_seed(p.seed + 1)
+    dt = lay.torch_dtype
+    router_w = [
+        (torch.randn(E, p.hidden, generator=g) * p.hidden**-0.5).to(device=dev, dtype=dt)
+        for _ in range(L)
+    ]
+    h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
+    initial = frequency_initial(logits.initial, k, C)
+    host = None
+    if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
+        host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
+    cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
+    order = _round_order(list(p.policies) + cal_names, p.rounds)
+    hits = hits_only(logits.calibration, initial)
+    return _Plan(p, dev, logits, initial, hits, router_w, h0, store, host, order)
+
+
+@dataclass
+class _Rounds:
+    """What the rounds measured."""
+
+    runs: dict[str, list[BenchRun]]  # per run name, one per round
+    micro: dict[str, float]  # the terms timed in isolation (`_microbenchmarks`)
+    tier: str  # the tier's description
+
+
+def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
+    """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
+    slots per layer, or E for all_resident): a run inherits no thread state from the one
+    before. Measured on the disk tier with one tier per capacity: once a host_compute run had
+    used the tier's host worker (which then keeps an OpenMP team of its own, more OpenMP
+    threads than cores, so libgomp throttles the spin-waits of the decode's worker: its CPU
+    time per token fell ~3x), every later run on that tier was ~2-3 ms per token slower, and
+    the cost model fitted to such runs overpredicted all_resident (a tier of its own) by 15%."""
+    p, C = plan.p, plan.p.capacity
+    names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
+    runs: dict[str, list[BenchRun]] = {n: [] for n in names}
+    tier, description, micro = None, "", None
+    try:
+        for name in plan.order:
+            tier = plan.make_tier(plan.capacity(name))
+            description = description or tier.description
+            if micro is None and plan.capacity(name) == C:
+                micro = _microbenchmarks(tier, plan.store, plan.router_w, plan.h0, p, info)
+            engine, trace, layers = plan.engine(name, tier)
+            show = p.progress and not name.startswith("cal_")
+            run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name, show, layers)
+            all_hits = by_status(run.counts)["hit"].sum() == run.counts.sum()
+            if (layers is not None or trace is plan.hits) and not all_hits:
+                raise RuntimeError(f"calibration run {name}: expected only hits")
+            runs[name].append(run)
+            tier.close()
+            tier = engine = None  # frees the slot buffers before the next run allocates its own
+            gc.collect()
+        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
+            tier = plan.make_tier(C)
+            micro = _microbenchmarks(tier, plan.store, plan.router_w, plan.h0, p, info)
+    finally:
+        if tier is not None:
+            tier.close()
+    return _Rounds(runs, micro, description)
+
+
+def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], cost: dict) -> pl.DataFrame:
+    """One row per policy over its rounds, the cost model's estimate beside, and the speedups."""
+    from moesub.metrics import speedup  # the project's one speedup
+
+    L = plan.p.layers
+    rows = []
+    for name in plan.p.policies:
+        r = concat_runs(runs[name])
+        slots = max(int(r.counts.sum()), 1)
+        c = by_status(r.counts.sum(axis=0))
+        counts = {"tokens": len(r.wall_s) * L, **c, "admissions": int(r.admissions.sum())}
+        est = predicted_time_per_token(cost, counts, L)
+        run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
+        rows.append(
+            {
+                "policy": name,
+                "device": plan.dev.type,
+                "tier": tier_kind(plan.dev),
+                "layers": L,
+                "tokens": len(r.wall_s),
+                "time_per_token_median_s": float(np.median(r.wall_s)),
+                "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
+                "time_per_token_mean_s": float(r.wall_s.mean()),
+                "time_per_token_run_median_s": run_median,
+                "fetch_wait_s": float(r.fetch_wait_s.mean()),
+                "bytes_sync": float(r.bytes_sync.mean()),
+                "bytes_bg": float(r.bytes_bg.mean()),
+                "hit_rate": float(c["hit"] / slots),
+                "sub_rate": float(c["sub"] / slots),
+                "syncs_per_token": float(r.syncs.mean()),
+                "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
+                "est_time_per_token_s": float(est),
+                "sim_rel_error": float((est - run_median) / run_median),
+            }
+        )
+    out = pl.DataFrame(rows)
+    med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))
+    for col, base in (("speedup_vs_fetch_every_miss", "fetch_every_miss"),
+                      ("speedup_vs_host_compute", "host_compute")):  # fmt: skip
+        times = out["time_per_token_median_s"].to_numpy()
+        out = out.with_columns(
+            pl.Series(col, speedup(med.get(base, np.nan), times), dtype=pl.Float64)
+        )
+    return out
 
 
 def run_benchmark(
@@ -329,140 +411,21 @@ def run_benchmark(
     dev = require_cuda(device)
     if p.threads:
         torch.set_num_threads(p.threads)
-    lay = p.layout()
-    C, k, E, L = p.capacity, p.top_k, p.num_experts, p.layers
-    out_path = Path(out_path)
-    store_path = check_resources(p, dev, out_path)
-    logits = bench_logits(
-        p.routing, L, E, p.calib_tokens, p.warmup + p.tokens, p.warmup + p.calibration_tokens,
-        p.seed, p.trace_dir,
-    )  # fmt: skip
-    store = None
-    if dev.type == "cpu":
-        store = open_or_write_store(
-            store_path, lay, random_experts(lay, p.seed), progress=p.progress
-        )
-
-    g = torch.Generator().manual_seed(p.seed + 1)
-    dt = lay.torch_dtype
-    router_w = [
-        (torch.randn(E, p.hidden, generator=g) * p.hidden**-0.5).to(device=dev, dtype=dt)
-        for _ in range(L)
-    ]
-    h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
-    initial = frequency_initial(logits.initial, k, C)
-    hits = _hits_only(logits.calibration, initial)
-    act = torch.nn.functional.silu
-    host = None
-    if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
-        host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
-
-    def make_tier(capacity: int):
-        if dev.type == "cpu":
-            return DiskTier(store, capacity, k, act, p.staging_buffers)
-        return CudaTier(host, capacity, dev, act, p.staging_buffers)
-
-    # the policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
-    # slots per layer, or E for all_resident): a run inherits no thread state from the one
-    # before. Measured on the disk tier with one tier per capacity: once a host_compute run had
-    # used the tier's host worker (which then keeps an OpenMP team of its own, more OpenMP
-    # threads than cores, so libgomp throttles the spin-waits of the decode's worker: its CPU
-    # time per token fell ~3x), every later run on that tier was ~2-3 ms per token slower, and
-    # the cost model fitted to such runs overpredicted all_resident (a tier of its own) by 15%.
-    cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
-    order = _round_order(list(p.policies) + cal_names, p.rounds)
-    info: dict[str, Any] = {"routing": logits.source, "load_avg_start": os.getloadavg()}
-    parts: dict[str, list[_Run]] = {n: [] for n in [*p.policies, *cal_names, CAL_HITS_ONE_LAYER]}
-    tier, description, engine, micro = None, "", None, None
+    plan = _plan(p, dev, Path(out_path))
+    info: dict[str, Any] = {"routing": plan.logits.source, "load_avg_start": os.getloadavg()}
     try:
-        for name in order:
-            cap = E if name == ALL_RESIDENT else C
-            tier = make_tier(cap)
-            description = description or tier.description
-            if micro is None and cap == C:
-                micro = _microbenchmarks(tier, store, router_w, h0, p, info)
-            trace, init, layers, warmup = logits.validation, initial, None, p.warmup
-            if name == ALL_RESIDENT:
-                pol, init = Policy(rule="fetch_all"), np.tile(np.arange(E, dtype=np.int32), (L, 1))
-            elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
-                pol, trace = Policy(rule="fetch_all"), hits
-                layers = 1 if name == CAL_HITS_ONE_LAYER else None
-            elif name in CALIBRATION_POLICIES:
-                pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), logits.calibration
-            else:
-                pol = Policy.from_dict(dict(p.policies[name]))
-            engine = OffloadEngine(tier, E, k, cap, pol, init, act)
-            show = p.progress and not name.startswith("cal_")
-            run = _run_policy(engine, trace, router_w, h0, warmup, name, show, layers)
-            all_hits = run.counts[:, 0].sum() == run.counts.sum()
-            if (layers is not None or trace is hits) and not all_hits:
-                raise RuntimeError(f"calibration run {name}: expected only hits")
-            parts[name].append(run)
-            tier.close()
-            tier = engine = None  # frees the slot buffers before the next run allocates its own
-            gc.collect()
-        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
-            tier = make_tier(C)
-            micro = _microbenchmarks(tier, store, router_w, h0, p, info)
+        rounds = _run_rounds(plan, info)
     finally:
-        if tier is not None:
-            tier.close()
-        if store is not None:
-            store.close()
+        plan.close()
     info["load_avg_end"] = os.getloadavg()
-    cost = _fit_cost(parts, micro, p, info)
-    runs = {n: _concat_runs(parts[n]) for n in p.policies}
-
-    rows = []
-    for name, r in runs.items():
-        slots = max(int(r.counts.sum()), 1)
-        c = r.counts.sum(axis=0)
-        counts = {
-            "tokens": len(r.wall_s) * L,
-            "hit": c[0], "fetch": c[1], "sub": c[2], "host": c[3], "forced": c[4],
-            "admissions": int(r.admissions.sum()),
-        }  # fmt: skip
-        est = predicted_time_per_token(cost, counts, L)
-        mean = float(r.wall_s.mean())
-        run_median = float(np.median([run.wall_s.mean() for run in parts[name]]))
-        rows.append(
-            {
-                "policy": name,
-                "device": dev.type,
-                "tier": tier_kind(dev),
-                "layers": L,
-                "tokens": len(r.wall_s),
-                "time_per_token_median_s": float(np.median(r.wall_s)),
-                "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
-                "time_per_token_mean_s": mean,
-                "time_per_token_run_median_s": run_median,
-                "fetch_wait_s": float(r.fetch_wait_s.mean()),
-                "bytes_sync": float(r.bytes_sync.mean()),
-                "bytes_bg": float(r.bytes_bg.mean()),
-                "hit_rate": float(c[0] / slots),
-                "sub_rate": float(c[2] / slots),
-                "syncs_per_token": float(r.syncs.mean()),
-                "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
-                "est_time_per_token_s": float(est),
-                "sim_rel_error": float((est - run_median) / run_median),
-            }
-        )
-    from moesub.metrics import speedup  # the project's one speedup
-
-    out = pl.DataFrame(rows)
-    med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))
-    for col, base in (("speedup_vs_fetch_every_miss", "fetch_every_miss"),
-                      ("speedup_vs_host_compute", "host_compute")):  # fmt: skip
-        times = out["time_per_token_median_s"].to_numpy()
-        out = out.with_columns(
-            pl.Series(col, speedup(med.get(base, np.nan), times), dtype=pl.Float64)
-        )
+    cost = _fit_cost(rounds.runs, rounds.micro, p, info)
+    out = _policy_rows(plan, rounds.runs, cost)
     meta = {
         "device": str(dev),
-        "tier": description,
+        "tier": rounds.tier,
         "params": asdict(p),
-        "capacity": C,
-        "expert_bytes": lay.expert_bytes,
+        "capacity": p.capacity,
+        "expert_bytes": p.layout().expert_bytes,
         "cost_model": cost,
         "threads": torch.get_num_threads(),
         "note": "routed experts + real-size router only (no attention / shared expert); "
@@ -470,7 +433,7 @@ def run_benchmark(
         "tokens), sim_rel_error = (est - time_per_token_run_median_s) / the same",
         **info,
     }
-    write_parquet(out, out_path, metadata=meta)
+    write_parquet(out, Path(out_path), metadata=meta)
     return out
 
 

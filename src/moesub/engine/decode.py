@@ -17,6 +17,7 @@ from torch import nn
 
 from moesub.engine.adapter import EngineSetup
 from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
+from moesub.policy import STATUS_NAMES
 
 
 def step(model: nn.Module, token: int, cache: Any, device: torch.device):
@@ -46,8 +47,8 @@ def decode_tokens(
     Returns per-step arrays over the S steps run (`wall_s` and every scalar of
     `runtime.TokenStats`: `fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync,
     bytes_bg, bytes_prefetch, bytes_host, mass, admissions, admitted, admit_latency, prefetches,
-    prefetch_in_time, syncs` (S,), `counts` (S, 5), `nll` (S,) NaN where no input followed),
-    plus `generated` (tokens), `stopped` and `admissions` (the total). Generated
+    prefetch_in_time, syncs` (S,), `counts` (S, len(STATUS_NAMES)), `nll` (S,) NaN where no
+    input followed), plus `generated` (tokens), `stopped` and `admissions` (the total). Generated
     token i came from step P-1+i; the last generated token is never fed (S = P + n - 1, or
     P + n when a stop token ended it). A step's wall time runs from its start (admissions
     installed) to the end of its compute on the device (`OffloadEngine.end_token`: the compute
@@ -61,7 +62,7 @@ def decode_tokens(
     blank = TokenStats()
     cols = {"wall_s": np.zeros(S, np.float64)}
     cols.update({c: np.zeros(S, type(getattr(blank, c))) for c in SCALAR_STATS})
-    counts = np.zeros((S, 5), np.int64)
+    counts = np.zeros((S, len(STATUS_NAMES)), np.int64)
     nll = np.full(S, np.nan)
     generated: list[int] = []
     stopped = False

@@ -21,7 +21,7 @@ from moesub.engine.decode import decode_tokens
 from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
 from moesub.engine.spec import EngineSpec, resolve_engine
 from moesub.models import RouterHook
-from moesub.policy import Policy
+from moesub.policy import STATUS_NAMES, Policy
 
 STEP_COLUMNS = tuple(c for c in SCALAR_STATS if c not in ("mass", "admissions"))
 
@@ -36,7 +36,7 @@ class EngineDecodeResult:
     mass: list[float]  # substituted gate mass, summed over layers
     stopped: bool  # a stop token ended it (before max_new_tokens)
     wall_s: np.ndarray  # float64 (n,) synchronized wall time of the step
-    counts: np.ndarray  # int64 (n, 5) slots per status code, summed over layers
+    counts: np.ndarray  # int64 (n, S) slots per status code (`STATUS_NAMES` order), all layers
     prompt_tokens: int  # P
     prompt_wall_s: float  # wall time of the P - 1 prompt steps that produced no token
     admissions: int  # admission requests over the whole decode
@@ -67,8 +67,8 @@ class EngineDecodeResult:
         """Nothing generated and no step run (max_new_tokens = 0)."""
         blank = TokenStats()
         r = {c: np.zeros(0, type(getattr(blank, c))) for c in SCALAR_STATS}
-        r.update(wall_s=np.zeros(0), counts=np.zeros((0, 5), np.int64), generated=[])
-        r.update(stopped=False, admissions=0)
+        r.update(wall_s=np.zeros(0), counts=np.zeros((0, len(STATUS_NAMES)), np.int64))
+        r.update(generated=[], stopped=False, admissions=0)
         return cls.from_steps(r, prompt_tokens)
 
 
@@ -130,7 +130,7 @@ class EngineModel:
             raise
         for m in self.setup.experts:
             m.engine = self.engine
-        self._router = EngineRouter(self.engine, self.setup.model, self.setup.experts)
+        self._router = EngineRouter(self.engine, self.setup)
         if spec.policy.prefetch > 0:  # lookahead computed one MoE layer early, copies issued
             self._hook = PrefetchHook(
                 self.setup.model, self._router, self.engine, self.setup.device

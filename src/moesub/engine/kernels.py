@@ -1,10 +1,12 @@
 """Expert compute from slot buffers, planned on the host: no device->host round trip inside.
 
 `expert_forward` computes, for every (token n, rank j) whose `ids[n, j] >= 0`, the gated expert
-held in group `ids[n, j]` of the weight tensors (`gate_up [G, 2I, H]`, `down [G, H, I]`; the
-groups are cache slots on the fast tier, or experts of a host tensor), weighted by
-`weights[n, j]` and summed over j in slot order as transformers' experts implementations do,
-so that with every expert resident the result matches the stock model.
+held in group `ids[n, j]` of the weight tensors (`gate_up [G, 2I, H]`, `down [G, H, I]`: the
+engine's expert layout, into which each family's adapter puts its experts,
+`moesub.models.MoEFamily.expert_weights`; the groups are cache slots on the fast tier, or
+experts of a host tensor), weighted by `weights[n, j]` and summed over j in slot order as
+transformers' experts implementations do, so that with every expert resident the result matches
+the stock model.
 
 `ids` is a host array (the engine decides on the host, so it knows them without asking the
 device): which entries are computed, and with which weights, is planned there, so the kernel

@@ -11,10 +11,11 @@ the slot ids of the computed experts stay on the host, where the expert kernel p
 (`moesub.policy.LayerCache`, external admission mode): the engine only carries decisions out
 and tells the core when a background copy has really completed (`LayerCache.admit`).
 
-Background copies (the tier's `request` / `completed` / `install` / `discard`) serve the core's
-admissions and speculative prefetches. A slot the core has given an expert whose copy has not
-landed yet is *stale*: no kernel reads it (the engine waits for the copy first); a copy that
-lands for an expert no longer in its slot is discarded.
+Background copies (`moesub.engine.copies.BackgroundCopies`, the ledger of the tier's
+`request` / `completed` / `install` / `discard`) serve the core's admissions and speculative
+prefetches; the engine decides what each landed copy does. A slot the core has given an expert
+whose copy has not landed yet *awaits* it: no kernel reads it (the engine waits for the copy
+first); a copy that lands for an expert no longer in its slot is discarded.
 
 Admission timing (`admission=`):
 - `"completion"` (default): at the start of every token, every admission copy that has
@@ -47,7 +48,6 @@ the slots from the core's residency and requests the admissions still pending.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -55,13 +55,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from moesub.engine.copies import BackgroundCopies, Landed
 from moesub.engine.kernels import expert_forward
-from moesub.policy import FETCH, FORCED, HOST, LayerCache, LayerStep, Policy
+from moesub.policy import FETCH, FORCED, HOST, STATUS_NAMES, LayerCache, LayerStep, Policy
 
-NUM_STATUS = 5
 ADMISSION_TIMINGS = ("completion", "delay")
-ADMIT_TIMEOUT_S = 60.0  # longest wait for a background copy before giving up
-POLL_S = 5e-5  # between polls of the tier while blocked on a background copy
 ADMISSION, PREFETCH = "admission", "prefetch"  # what a background copy is for
 
 
@@ -78,7 +76,8 @@ class TokenStats:
     bytes_bg: int = 0  # background admissions installed during this token
     bytes_prefetch: int = 0  # prefetch copies installed during this token
     bytes_host: int = 0  # read from disk for the host's experts
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(NUM_STATUS, np.int64))
+    # slots per status code (`STATUS_NAMES` order), summed over layers
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(len(STATUS_NAMES), np.int64))
     mass: float = 0.0  # substituted gate mass, summed over layers
     admissions: int = 0  # admission requests made during this token
     admitted: int = 0  # background copies installed during this token
@@ -141,6 +140,7 @@ class OffloadEngine:
                 f"(L={self.num_layers}, C={capacity})"
             )
         self.initial = initial
+        self.copies = BackgroundCopies(tier, self._on_landed)
         self.caches: list[LayerCache] = []
         self.stats = TokenStats()
         self.token = 0  # tokens begun since the last reset
@@ -151,18 +151,14 @@ class OffloadEngine:
     def reset(self, load: bool = True) -> None:
         """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed
         (`load=False`: not yet, a prefill follows and `end_prefill` loads them)."""
-        self.tier.drain()
+        self.copies.reset()
         self.prefilling = False
         L = self.num_layers
-        # per layer: background copies requested, in request order: [expert, purpose, token]
-        self._flight: list[collections.deque] = [collections.deque() for _ in range(L)]
-        # landed admission copies not applied yet: (handle, request token)
-        self._held: list[list[tuple[tuple, int]]] = [[] for _ in range(L)]
+        self._held: list[list[Landed]] = [[] for _ in range(L)]  # admissions landed, not applied
         self._due: list[list[tuple[int, int]]] = [[] for _ in range(L)]  # (ready token, expert)
         self._assigned: list[list[int]] = [[] for _ in range(L)]  # delay: admitted, not landed
-        self._stale: list[dict[int, int]] = [{} for _ in range(L)]  # slot -> expert to come
         self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched for the next step
-        self._pf_landed: list[dict[int, tuple]] = [{} for _ in range(L)]  # landed before it
+        self._pf_landed: list[dict[int, Landed]] = [{} for _ in range(L)]  # landed before it
         self._lookahead: list[np.ndarray | None] = [None] * L
         self.caches = [
             LayerCache(
@@ -191,7 +187,7 @@ class OffloadEngine:
         self._syncs_at_begin = self.tier.syncs.count
         self.tier.begin_token()
         for layer in range(self.num_layers):
-            self._poll(layer)
+            self.copies.poll(layer)
             if self.admission == "completion":
                 self._admit_held(layer)
 
@@ -200,6 +196,9 @@ class OffloadEngine:
         return the token's stats."""
         self.tier.token_sync()
         self.stats.fetch_wait_s += self.tier.take_wait_s()
+        moved = self.copies.take_bytes()
+        self.stats.bytes_bg += moved[ADMISSION]
+        self.stats.bytes_prefetch += moved[PREFETCH]
         self.stats.syncs = self.tier.syncs.count - self._syncs_at_begin
         return self.stats
 
@@ -226,8 +225,7 @@ class OffloadEngine:
         resident = set(self.caches[layer].resident().tolist())
         issued = [int(e) for e in top_n(y[0], self.policy.prefetch) if int(e) not in resident]
         for e in issued:
-            self.tier.request(layer, e)
-            self._flight[layer].append((e, PREFETCH, self.token))
+            self.copies.request(layer, e, PREFETCH, self.token)
         self._issued[layer] = issued
         self.stats.prefetches += len(issued)
 
@@ -258,7 +256,7 @@ class OffloadEngine:
                 self._assign_due(layer)
             self._wait(layer, lambda: self._assigned[layer], "admit_wait_s")
         # 1b. prefetch copies: timeliness, and (delay) every one landed before the step
-        self._poll(layer)
+        self.copies.poll(layer)
         issued, landed = self._issued[layer], self._pf_landed[layer]
         st.prefetch_in_time += sum(e in landed for e in issued)
         if self.admission == "delay":
@@ -276,87 +274,63 @@ class OffloadEngine:
         if miss.any():
             pairs = list(zip(s.selected[miss].tolist(), s.slot[miss].tolist(), strict=True))
             for _e, slot in pairs:
-                self._stale[layer].pop(slot, None)
+                self.copies.filled(layer, slot)
             st.bytes_sync += tier.fetch(layer, pairs)
         # 4. prefetched experts: installed if landed, else their slots wait for the copies; a
         # computed one must be there before the kernels run (late: waited for)
         self._settle_prefetches(layer)
-        stale = self._stale[layer]
         computed = set(s.slot[s.slot >= 0].tolist())
-        self._wait(layer, lambda: not computed.isdisjoint(stale), "prefetch_wait_s")
+        self._wait(layer, lambda: self.copies.any_awaiting(layer, computed), "prefetch_wait_s")
         # 5. admissions requested by this step run in the background
         for tok, expert in s.admissions.tolist():
-            tier.request(layer, int(expert))
-            self._flight[layer].append((int(expert), ADMISSION, self.token))
+            self.copies.request(layer, int(expert), ADMISSION, self.token)
             st.admissions += 1
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
-        st.counts += np.bincount(s.status.reshape(-1), minlength=NUM_STATUS)
+        st.counts += np.bincount(s.status.reshape(-1), minlength=len(STATUS_NAMES))
         st.mass += float(s.mass.sum())
         return s
 
     def _settle_prefetches(self, layer: int) -> None:
         """After the step: each prefetched expert still resident is installed (landed) or its
-        slot marked stale; a landed copy of one evicted meanwhile is dropped."""
+        slot awaits the copy; a landed copy of one evicted meanwhile is dropped."""
         resident = self.caches[layer].resident()
         landed = self._pf_landed[layer]
         for e in self._issued[layer]:
             where = np.flatnonzero(resident == e)
-            handle = landed.pop(e, None)
+            copy = landed.pop(e, None)
             if len(where) == 0:
-                if handle is not None:
-                    self.tier.discard(handle)
+                if copy is not None:
+                    self.copies.discard(copy)
                 continue
             slot = int(where[0])
-            self._stale[layer][slot] = e
-            if handle is not None:
-                self._install_stale(layer, handle, PREFETCH)
+            self.copies.await_copy(layer, slot, e)
+            if copy is not None:
+                self.copies.install(copy, slot)
         self._issued[layer] = []
 
     # ------------------------------------------------------------------------- copies landing
-    def _poll(self, layer: int) -> None:
-        for handle in self.tier.completed(layer):
-            self._landed(layer, handle)
-
-    def _landed(self, layer: int, handle: tuple) -> None:
-        """A background copy of `layer` has completed: hold it, install it, or drop it."""
-        e, flight = handle[0], self._flight[layer]
-        for i, entry in enumerate(flight):
-            if entry[0] == e:
-                del flight[i]
-                break
-        else:
-            raise RuntimeError(
-                f"layer {layer}: a copy of expert {e} landed that was never asked for"
-            )
-        _e, purpose, token = entry
-        if purpose == PREFETCH:
-            if token == self.token and e in self._issued[layer]:
-                self._pf_landed[layer][e] = handle  # its step has not run yet
+    def _on_landed(self, landed: Landed) -> None:
+        """A background copy has completed: hold it, install it, or drop it."""
+        c = landed.copy
+        layer, e = c.layer, c.expert
+        if c.purpose == PREFETCH:
+            if c.token == self.token and e in self._issued[layer]:
+                self._pf_landed[layer][e] = landed  # its step has not run yet
             else:
-                self._install_stale(layer, handle, PREFETCH)
+                self._install(landed)
         elif self.admission == "delay" and e in self._assigned[layer]:
             self._assigned[layer].remove(e)  # due already: the core gave it a slot
-            if self._install_stale(layer, handle, ADMISSION):
-                self._count_admitted(token)
+            if self._install(landed):
+                self._count_admitted(c.token)
         else:  # admitted at the next token (completion) or when due (delay)
-            self._held[layer].append((handle, token))
+            self._held[layer].append(landed)
 
-    def _install_stale(self, layer: int, handle: tuple, purpose: str) -> bool:
+    def _install(self, landed: Landed) -> bool:
         """Install a landed copy into its expert's slot if that slot awaits it; else drop it."""
-        e = handle[0]
-        where = np.flatnonzero(self.caches[layer].resident() == e)
-        slot = int(where[0]) if len(where) else -1
-        if self._stale[layer].get(slot) != e:
-            self.tier.discard(handle)
-            return False
-        del self._stale[layer][slot]
-        n = self.tier.install(layer, handle, slot)
-        if purpose == PREFETCH:
-            self.stats.bytes_prefetch += n
-        else:
-            self.stats.bytes_bg += n
-        return True
+        c = landed.copy
+        where = np.flatnonzero(self.caches[c.layer].resident() == c.expert)
+        return self.copies.install(landed, int(where[0]) if len(where) else -1)
 
     def _count_admitted(self, request_token: int) -> None:
         self.stats.admitted += 1
@@ -365,14 +339,14 @@ class OffloadEngine:
     def _admit_held(self, layer: int) -> None:
         """admission="completion": every landed admission copy of this layer, in that order."""
         cache, held, self._held[layer] = self.caches[layer], self._held[layer], []
-        for handle, token in held:
-            e = handle[0]
+        for landed in held:
+            e = landed.copy.expert
             was_resident = e in cache.resident()  # fetched or prefetched meanwhile
             slot, _evicted = cache.admit(e)
             if not was_resident:
-                self._stale[layer][slot] = e
-            if self._install_stale(layer, handle, ADMISSION) and not was_resident:
-                self._count_admitted(token)
+                self.copies.await_copy(layer, slot, e)
+            if self._install(landed) and not was_resident:
+                self._count_admitted(landed.copy.token)
 
     def _assign_due(self, layer: int) -> None:
         """admission="delay": the requests due at this token get their slots from the core, in
@@ -388,37 +362,25 @@ class OffloadEngine:
             was_resident = e in cache.resident()
             slot, _evicted = cache.admit(e)
             if not was_resident:
-                self._stale[layer][slot] = e
+                self.copies.await_copy(layer, slot, e)
             self._assigned[layer].append(e)
         held, self._held[layer] = self._held[layer], []
-        for handle, token in held:
-            e = handle[0]
+        for landed in held:
+            e = landed.copy.expert
             if e in self._assigned[layer]:
                 self._assigned[layer].remove(e)
-                if self._install_stale(layer, handle, ADMISSION):
-                    self._count_admitted(token)
+                if self._install(landed):
+                    self._count_admitted(landed.copy.token)
             else:
-                self._held[layer].append((handle, token))
+                self._held[layer].append(landed)
 
     def _wait(self, layer: int, pending: Callable[[], object], what: str) -> None:
-        """Block until `pending()` is falsy, polling every layer's landed copies (which frees
-        their staging buffers for the copies still to come); the time goes to stats.`what`."""
-        if not pending():
-            return
-        t0 = time.perf_counter()
-        while True:
-            for m in range(self.num_layers):
-                self._poll(m)
-            if not pending():
-                break
-            if time.perf_counter() - t0 > ADMIT_TIMEOUT_S:
-                raise RuntimeError(
-                    f"{what}: layer {layer}'s background copies requested for token "
-                    f"{self.token} did not land within {ADMIT_TIMEOUT_S} s (a copy that never "
-                    "completes, or too few staging buffers for the copies in flight)"
-                )
-            time.sleep(POLL_S)
-        setattr(self.stats, what, getattr(self.stats, what) + time.perf_counter() - t0)
+        """Block until `pending()` is falsy (`BackgroundCopies.wait`); the time goes to
+        stats.`what`."""
+        if pending():
+            name = f"{what}: layer {layer}'s background copies requested for token {self.token}"
+            waited = self.copies.wait(pending, name)
+            setattr(self.stats, what, getattr(self.stats, what) + waited)
 
     # ------------------------------------------------------------------------- prompt prefill
     def route_prefill(
@@ -449,8 +411,7 @@ class OffloadEngine:
         self.tier.synchronize()
         for layer in range(self.num_layers):
             for _ready, e in self._due[layer]:
-                self.tier.request(layer, e)
-                self._flight[layer].append((e, ADMISSION, self.token))
+                self.copies.request(layer, e, ADMISSION, self.token)
             if self.admission == "completion":
                 self._due[layer] = []
         self.prefilling = False

@@ -3,7 +3,8 @@
 Layout (little-endian, written once, atomically): a 4096-byte header (magic + JSON layout), then
 for MoE layer `l` and expert `e` in (l, e) order one record at
 `HEADER_BYTES + (l * E + e) * expert_stride`: the expert's fused `gate_up [2I, H]` bytes, then
-its `down [H, I]` bytes, zero-padded to a multiple of `ALIGN` (4096) bytes.
+its `down [H, I]` bytes (the engine's expert layout, `moesub.models.MoEFamily.expert_weights`),
+zero-padded to a multiple of `ALIGN` (4096) bytes.
 
 Reads must cost what a device read costs, so the page cache is kept out of the way: with
 `O_DIRECT` (when both halves of an expert are multiples of 4096 bytes and the destination is

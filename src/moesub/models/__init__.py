@@ -3,8 +3,9 @@
 `moesub.models` is the public API; its parts, each one concept:
 
 - `families`: the supported families (Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo,
-  Mixtral) and where their sparse blocks, routers and fused experts sit (`moe_blocks`,
-  `expert_weights`, `moe_info` -> `MoEInfo`);
+  Mixtral), one adapter each (`MoEFamily`, `moe_family(model)`: where its sparse blocks,
+  routers, experts and shared expert sit, its router's output, its experts in the engine's
+  layout), and what they measure (`moe_blocks`, `moe_info` -> `MoEInfo`);
 - `loading`: checkpoint and tokenizer checks, `load_model` whole on one device or placed by
   Accelerate (`ModelLoading`: layers over CUDA devices, the CPU and the disk), `input_device`;
 - `routing`: `RouterHook` (observe or replace every MoE layer's routing during a forward, with
@@ -15,7 +16,14 @@
 The router hook and `stream_nll` work the same on a model loaded whole and on a placed one.
 """
 
-from moesub.models.families import SUPPORTED_FAMILIES, MoEInfo, expert_weights, moe_blocks, moe_info
+from moesub.models.families import (
+    SUPPORTED_FAMILIES,
+    MoEFamily,
+    MoEInfo,
+    moe_blocks,
+    moe_family,
+    moe_info,
+)
 from moesub.models.loading import (
     DEVICE_MAP_STRATEGIES,
     ModelLoading,
@@ -31,18 +39,19 @@ from moesub.models.routing import RouteFn, RouterHook, align_ids, router_weights
 __all__ = [
     "DEVICE_MAP_STRATEGIES",
     "SUPPORTED_FAMILIES",
+    "MoEFamily",
     "MoEInfo",
     "ModelLoading",
     "RouteFn",
     "RouterHook",
     "align_ids",
     "check_checkpoint",
-    "expert_weights",
     "has_tokenizer",
     "input_device",
     "load_model",
     "load_tokenizer",
     "moe_blocks",
+    "moe_family",
     "moe_info",
     "router_weights",
     "stream_batches",

@@ -1,8 +1,9 @@
 """The router seam: observe or replace each MoE layer's routing during a forward.
 
-A forward hook on `block.gate` that returns `(logits, weights, new_ids)` makes the sparse block
-compute expert `new_ids[n, j]` with slot weight `weights[n, j]`: this is how substitution and
-cache-aware routing are emulated (`RouterHook`, optionally with each layer's lookahead logits).
+A forward hook on each MoE layer's router (the family adapter's `router(block)`) that returns its
+output with new ids (`join_route`) makes the sparse block compute expert `new_ids[n, j]` with
+slot weight `weights[n, j]`: this is how substitution and cache-aware routing are emulated
+(`RouterHook`, optionally with each layer's lookahead logits).
 `align_ids` maps the policy core's per-rank decisions onto the model's slot order, and
 `router_weights` gives the slot weights the router would give any k experts.
 """
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moesub.models.families import moe_blocks, moe_taps
+from moesub.models.families import moe_blocks, moe_family, moe_taps
 from moesub.models.loading import execution_device
 
 RouteFn = Callable[..., Any]  # (layer, logits, weights, ids[, lookahead]) -> see RouterHook
@@ -56,17 +57,14 @@ class RouterHook:
     """
 
     def __init__(self, model: nn.Module, on_route: RouteFn, lookahead: bool = False):
+        self.family = moe_family(model)
+        self.blocks = moe_blocks(model)
         if lookahead:
-            for block in moe_blocks(model):
-                if not type(block.gate).__name__.endswith("TopKRouter"):
-                    raise ValueError(
-                        f"RouterHook lookahead: router {type(block.gate).__name__} is not a "
-                        "transformers TopKRouter (logits = F.linear(hidden, weight))"
-                    )
+            for block in self.blocks:
+                self.family.check_lookahead(block)
         self.model = model
         self.on_route = on_route
         self.lookahead = bool(lookahead)
-        self.blocks = moe_blocks(model)
         self._taps = moe_taps(model) if self.lookahead else []
         self._handles: list[Any] = []
         self._streams: list[torch.Tensor | None] = []  # [entering MoE layer 0's decoder layer,
@@ -77,7 +75,7 @@ class RouterHook:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self._inner:
                 return None
-            logits, weights, ids = output  # [N, E], [N, k], [N, k]
+            logits, weights, ids = self.family.split_route(output)  # [N, E], [N, k], [N, k]
             if self.lookahead:
                 y = self._lookahead_logits(layer, logits.device)
                 new = self.on_route(layer, logits.float(), weights, ids, y)
@@ -102,7 +100,7 @@ class RouterHook:
                     f"on_route for layer {layer} returned ids of shape {tuple(new.shape)}, "
                     f"expected {tuple(ids.shape)}"
                 )
-            return logits, new_weights, new
+            return self.family.join_route(output, new_weights, new)
 
         return hook
 
@@ -132,13 +130,9 @@ class RouterHook:
             x = source
             if norm is not None:
                 x = norm(x.to(execution_device(norm, x.device)))
-            x = x.to(execution_device(block.gate, x.device)).reshape(-1, x.shape[-1])
-            gate = block.gate
-            if gate.weight.device.type != "meta" and not hasattr(gate, "_hf_hook"):
-                # a TopKRouter's logits are F.linear(hidden, weight): skip its softmax and top-k
-                y = nn.functional.linear(x, gate.weight)
-            else:  # Accelerate loads an offloaded weight for the module's own forward
-                y = gate(x)[0]
+            router = self.family.router(block)
+            x = x.to(execution_device(router, x.device)).reshape(-1, x.shape[-1])
+            y = self.family.router_logits(block, x)
         finally:
             self._inner = False
         return y.float().to(device)
@@ -147,7 +141,8 @@ class RouterHook:
         if self._handles:
             raise RuntimeError("RouterHook is already installed")
         for layer, block in enumerate(self.blocks):
-            self._handles.append(block.gate.register_forward_hook(self._make_hook(layer)))
+            router = self.family.router(block)
+            self._handles.append(router.register_forward_hook(self._make_hook(layer)))
         if self.lookahead:
             L = len(self._taps)
             self._streams = [None] * L
