@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from moesub.report.degeneration import fig_degeneration  # noqa: E402
 from moesub.report.design import fig_design  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide, unique  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
@@ -433,6 +434,17 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "generation",
         "Accuracy per task and policy with Wilson CIs; dots: agreement with fetch_every_miss.",
         fig_generation,
+    ),
+    (
+        "degeneration",
+        "Degeneration of free continuations",
+        "degeneration",
+        "degeneration",
+        "Share of free continuations that end in a loop (Wilson interval) and share of repeated "
+        "4-grams (bootstrap over prompts) against Δppl % (bootstrap over streams), one point "
+        "per emulated policy: a point high up at the left is text that loops where perplexity "
+        "barely moves.",
+        fig_degeneration,
     ),
     (
         "per_input",

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from moesub.io import write_json
 from moesub.stats.admission import admission
+from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
 from moesub.stats.generation import generation
@@ -57,12 +58,13 @@ OUTPUT_FILES = (
     "layer_hit_rates",
     "engine_bench",
     "generation",
+    "degeneration",
     "regime",
     "design_space",
     "design_families",
 )
 # the analysis.json keys of the per-model results (each entry tagged with its model)
-RESULTS = ("mass_hypothesis", "expb", "admission", "sim_vs_engine", "regime")
+RESULTS = ("mass_hypothesis", "expb", "admission", "sim_vs_engine", "regime", "degeneration")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
         gen = generation(db, infos["generate"], p)
+        degen = degeneration(db, infos["generate"], qual.table, p)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total)
@@ -112,6 +115,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "sim_vs_engine": sve.table,
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
+            "degeneration": degen.table,
             "regime": reg.table,
             "design_space": space.table,
             "design_families": space.families,
@@ -122,6 +126,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
+            "degeneration": degen.tests,
         },
         parts={
             "quality": qual.status,
@@ -135,6 +140,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "speed_quality": speed.status,
             "sim_vs_engine": sve.status,
             "generation": gen.status,
+            "degeneration": degen.status,
             "regime": reg.status,
             "summary": summ.status,
         },
