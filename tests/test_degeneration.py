@@ -211,7 +211,8 @@ def test_report_section(study):
     body = re.findall(r"<tr>(.*?)</tr>", table.split("</thead>")[1], re.S)
     assert len(body) == len(POLICIES)
     assert "fetch_every_miss" in body[0]  # the baseline first, then by Δppl
-    assert "+7.20" in table and "30%" in table and "sign p 0.125" in table
+    assert "+7.20" in table and "30%" in table and "+20 pt (sign p 0.125)" in table
+    assert "continuation accuracy" not in html and "gsm8k accuracy" in html  # not graded
     lines = re.findall(r'<p class="outcome degeneration-line">(.*?)</p>', section, re.S)
     # every policy with mass > 0 loops more at raw p < 0.05 on rep4 and the longest span;
     # a line per such policy, lowest Δppl first, then the note on raw p values

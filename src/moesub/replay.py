@@ -501,8 +501,8 @@ def greedy_decode_batched(
     a forward over B prompts hands each prompt's rows to its own `PolicyRouter`
     (`BatchRouter`), so every cache decision is the one that prompt gets alone. Equal lengths
     and no stop keep the batch rectangular (no padding, no row that steps a cache for
-    nothing). Only the forward's floating-point rounding depends on the batch's shape (~1e-7
-    of a logit here), so a prompt decoded alone can differ where two logits nearly tie: compare
+    nothing). Only the forward's floating-point rounding depends on the batch's shape (the last
+    bits of a logit), so a prompt decoded alone can differ where two logits nearly tie: compare
     policies decoded with the same batches.
     """
     if max_new_tokens < 0:

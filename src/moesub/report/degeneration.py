@@ -17,12 +17,13 @@ from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
 from moesub.report.plotting import FigureData, finish, panels  # noqa: E402
 from moesub.report.tables import Col, Row, Table, interval, make_table, num, text  # noqa: E402
 
-# measure -> (label, cell format of a value, of a difference)
+# measure -> (label, cell format of a value, of a difference; shares differ in points)
 MEASURES = {
-    "ends_in_loop": ("ends in a loop", "{:.0%}", "{:+.0%}"),
-    "rep4": ("repeated 4-grams", "{:.1%}", "{:+.1%}"),
+    "ends_in_loop": ("ends in a loop", "{:.0%}", "{:+.0f} pt"),
+    "rep4": ("repeated 4-grams", "{:.1%}", "{:+.1f} pt"),
     "longest_repeat": ("longest repeated span, tokens", "{:.1f}", "{:+.1f}"),
 }
+SHARES = ("ends_in_loop", "rep4")
 KEYS = ["model", "task", "policy", "fraction"]
 
 
@@ -63,8 +64,8 @@ def versus(r: Row, m: str) -> str:
     diff = r.get(f"{m}.diff")
     if not finite(diff):
         return "—"
-    fmt = MEASURES[m][2]
-    return f"{fmt.format(float(diff))} ({r.get(f'{m}.test')} p {num(r.get(f'{m}.p_raw'))})"
+    value = float(diff) * (100 if m in SHARES else 1)
+    return f"{MEASURES[m][2].format(value)} ({r.get(f'{m}.test')} p {num(r.get(f'{m}.p_raw'))})"
 
 
 def degeneration_table(out: AnalysisOutputs) -> Table:
@@ -146,6 +147,8 @@ def fig_degeneration(fd: FigureData) -> plt.Figure:
                 np.vstack([g["dppl_pct"] - g["dppl_ci_lo"], g["dppl_ci_hi"] - g["dppl_pct"]])
             ).astype(float)
             ax.errorbar(g["dppl_pct"], y, xerr=xerr, yerr=yerr, fmt="o", ms=4, lw=0.8)
+            if g["dppl_ci_hi"].max() > 50:  # substitute_all far right: keep the rest apart
+                ax.set_xscale("symlog", linthresh=1.0)
             ax.set_xlabel(f"Δppl % vs {fd.out.baseline} ({fd.ci})")
             ax.set_ylabel(f"{MEASURES[m][0]} ({fd.ci})")
             where = " ".join(str(k) for k in np.atleast_1d(key) if k)

@@ -306,7 +306,10 @@ def fig_generation(fd: FigureData) -> plt.Figure:
     gen = fd.out.table("generation")
     lo, hi = column(gen, "ci_low", "acc_ci_lo"), column(gen, "ci_high", "acc_ci_hi")
     agree = column(gen, "agreement", "agree_exact")
-    tasks = sorted(gen["task"].unique())
+    # the graded tasks (a free continuation has no accuracy: the degeneration figure shows it)
+    tasks = sorted(gen.loc[gen["accuracy"].notna(), "task"].unique()) or sorted(
+        gen["task"].unique()
+    )
     models = models_of(gen)
     fig, axes = panels(len(models), len(tasks), sharex=True)
     for row, model in zip(axes, models, strict=True):
