@@ -203,6 +203,16 @@ def test_degeneration_missing_without_measures(tmp_path):
     assert "Degeneration of free continuations: not available" in html
 
 
+def test_report_with_the_continuation_only(tmp_path):
+    """No graded task: the generation figure says so, the degeneration section has it all."""
+    inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
+    inputs["generate"] = [p for p in inputs["generate"] if "continuation" in p]
+    run_analysis(inputs, params, tmp_path / "a")
+    html = render_report(tmp_path / "a", {}, tmp_path / "report.html").read_text()
+    assert '<table id="degeneration-table">' in html and 'id="fig-generation"' in html
+    assert "accuracy [" not in html  # no accuracy column in the policy table
+
+
 def test_report_section(study):
     root, _, _, _, _ = study
     html = render_report(root / "analysis", {}, root / "report.html").read_text()

@@ -307,11 +307,12 @@ def fig_generation(fd: FigureData) -> plt.Figure:
     lo, hi = column(gen, "ci_low", "acc_ci_lo"), column(gen, "ci_high", "acc_ci_hi")
     agree = column(gen, "agreement", "agree_exact")
     # the graded tasks (a free continuation has no accuracy: the degeneration figure shows it)
-    tasks = sorted(gen.loc[gen["accuracy"].notna(), "task"].unique()) or sorted(
-        gen["task"].unique()
-    )
+    tasks = sorted(gen.loc[gen["accuracy"].notna(), "task"].unique())
     models = models_of(gen)
-    fig, axes = panels(len(models), len(tasks), sharex=True)
+    fig, axes = panels(len(models), max(len(tasks), 1), sharex=True)
+    if not tasks:
+        axes[0, 0].set_title("no graded task ran (the continuation: see its degeneration)")
+        return fig
     for row, model in zip(axes, models, strict=True):
         for ax, task in zip(row, tasks, strict=True):
             g = rows_of(gen, model)
