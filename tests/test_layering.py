@@ -8,11 +8,15 @@ stage at run time (an annotation-only import under `TYPE_CHECKING` is allowed).
 
 One stage uses another as what it is, not for a helper: generation decodes through the offload
 engine (its time per token is the point), so `generate -> engine` is the one allowed edge.
+
+The config (what the Snakefile runs at parse time) loads the policy vocabulary
+(`moesub.vocabulary`), never the C++ policy core or torch.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,3 +116,10 @@ def test_the_rule_sees_every_import_form(tmp_path, monkeypatch):
         "moesub/expb/run.py:3: stage 'expb' imports stage module moesub.capture",
         "moesub/expb/run.py:4: stage 'expb' imports stage module moesub.regime",
     ]
+
+
+def test_config_parses_without_the_policy_core():
+    code = "import moesub.config, sys; assert 'moesub._core' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    heavy = "import moesub.config, sys; assert not {'torch', 'numpy'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", heavy], check=True)
