@@ -60,7 +60,8 @@ def test_default_config_names_every_family_and_keeps_v1_params():
     # emulate: the listed study and named v2 policies, never a bound
     assert not [n for n in stages["emulate"] if pols[n]["eviction"] == "belady"]
     new = set(stages["emulate"]) - set(mcfg.expand_policies({**cfg, "policies": {
-        n: s for n, s in cfg["policies"].items() if set(s) <= set(mcfg.POLICY_KEYS)
+        n: s for n, s in cfg["policies"].items()
+        if all(s[k] == mcfg.POLICY_DEFAULTS[k] for k in mcfg.V2_POLICY_KEYS)  # v1 (all filled)
     }, "sweeps": {k: v for k, v in cfg["sweeps"].items() if k in ("tau", "beta")}}))  # fmt: skip
     assert len(new) <= 6, new
     # the emulated admission policies all have their exact twins (no parse-time warning)
@@ -87,11 +88,11 @@ def test_sweep_and_belady_expansion():
     with pytest.raises(ValueError, match=r"sweeps.belady: 'zz' is not a policy"):
         mcfg.expand_policies({**base, "sweeps": {"belady": ["zz"]}})
     # belady needs the future selections, which route_bias makes depend on the cache
-    with pytest.raises(ValueError, match=r"policies.b_belady: .*route_bias"):
+    with pytest.raises(ValueError, match=r"policies.b_belady.eviction: .*route_bias"):
         mcfg.expand_policies({**base, "sweeps": {"belady": ["b"]}})
-    with pytest.raises(ValueError, match=r"policies.c.prefetch=1.5 must be an integer"):
+    with pytest.raises(ValueError, match=r"policies.c.prefetch: must be an integer >= 0, got 1.5"):
         mcfg.normalize_policy("c", {"rule": "fetch_all", "prefetch": 1.5})
-    with pytest.raises(ValueError, match=r"policies.c: .*light_miss='host'.*beta must be 0"):
+    with pytest.raises(ValueError, match=r"policies.c.beta: .*light_miss='host'.*beta must be 0"):
         mcfg.normalize_policy("c", {"rule": "threshold", "tau": 0.1, "beta": 0.5,
                                     "light_miss": "host"})  # fmt: skip
 

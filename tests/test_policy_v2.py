@@ -43,7 +43,7 @@ def policies(draw, capacity: int, online: bool = False) -> Policy:
     route_bias = 0.0 if eviction == "belady" else draw(st.sampled_from([0.0, 0.02, 0.1, 0.5, 3.0]))
     return Policy(
         rule=rule,
-        tau=draw(st.sampled_from([0.0, 0.15, 0.3, 0.9])),
+        tau=draw(st.sampled_from([0.15, 0.3, 0.9] + ([] if rule == "threshold" else [0.0]))),
         eviction=eviction,
         beta=0.0 if no_admission else draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
         delay=draw(st.integers(1, 3)),
@@ -352,10 +352,10 @@ def test_simulator_counts_v2_policies_like_scan():
     streams, ys = [x[:100], x[100:]], [y[:100], y[100:]]
     A = coactivation(tie_prone(rng, (100, 3, 48), 1.0), 4)
     policies = {
-        "prefetch": Policy(rule="threshold", prefetch=4, eviction="lfu", beta=0.3),
+        "prefetch": Policy(rule="threshold", tau=0.15, prefetch=4, eviction="lfu", beta=0.3),
         "bias": Policy(rule="first_choice", route_bias=0.05),
-        "both": Policy(rule="threshold", prefetch=4, route_bias=0.05),
-        "hybrid": Policy(rule="threshold", light_miss="host"),
+        "both": Policy(rule="threshold", tau=0.15, prefetch=4, route_bias=0.05),
+        "hybrid": Policy(rule="threshold", tau=0.15, light_miss="host"),
         "buddy": Policy(rule="substitute_all", substitute_by="coactivation"),
         "belady": Policy(rule="first_choice", eviction="belady", prefetch=2),
     }
@@ -384,16 +384,16 @@ def test_simulator_counts_v2_policies_like_scan():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(route_bias=-0.1), "policy route_bias: lambda must be"),
+        (dict(route_bias=-0.1), "policy route_bias: must be a finite number >= 0"),
         (dict(route_bias=float("nan")), "policy route_bias"),
-        (dict(prefetch=-1), "policy prefetch: must be >= 0"),
+        (dict(prefetch=-1), "policy prefetch: must be an integer >= 0, got -1"),
         (dict(prefetch=1.5), "policy prefetch: must be an integer"),
         (dict(prefetch=True), "policy prefetch: must be an integer"),
         (dict(light_miss="cpu"), "policy light_miss: unknown value 'cpu'"),
         (dict(substitute_by="buddy"), "policy substitute_by: unknown value 'buddy'"),
         (dict(eviction="belady", route_bias=0.1), "policy eviction: 'belady' needs the future"),
-        (dict(eviction="optimal"), "policy eviction: unknown eviction"),
-        (dict(light_miss="host", rule="threshold", beta=0.5), "policy beta: with light_miss"),
+        (dict(eviction="optimal"), "policy eviction: unknown value 'optimal'"),
+        (dict(light_miss="host", rule="threshold", tau=0.1, beta=0.5), "policy beta: with light"),
     ],
 )
 def test_bad_v2_policy(kwargs, match):

@@ -18,6 +18,7 @@ import polars as pl
 from moesub import _core
 from moesub.cost import CostModel
 from moesub.policy import (
+    STATUS_NAMES,
     Policy,
     capacity_for,
     check_coactivation,
@@ -26,9 +27,10 @@ from moesub.policy import (
     check_sizes,
 )
 
+# The core's counters in its order (csrc/policy.hpp `Counters`): one per status code between the
+# token count and the cache's own events.
 COUNTER_NAMES = (
-    "tokens", "hit", "fetch", "sub", "host", "forced", "admission_requests", "admissions",
-    "evictions", "prefetches",
+    "tokens", *STATUS_NAMES, "admission_requests", "admissions", "evictions", "prefetches"
 )  # fmt: skip
 
 

@@ -1,148 +1,74 @@
 """The policy API: one C++ core (`moesub._core`) behind `scan` and `LayerCache`.
 
-Semantics are docs/policy-semantics.md. `moesub.policy_reference.reference_scan` is a plain
-Python transcription of that text, kept only to test the core against.
+Semantics are docs/policy-semantics.md. The vocabulary (`Policy`, status codes, rules,
+`capacity_for`, ...) lives in `moesub.vocabulary`, which does not load the core, and is
+re-exported here: `from moesub.policy import Policy, STATUS_NAMES` is the stable API.
+`moesub.policy_reference.reference_scan` is a plain Python transcription of the semantics, kept
+only to test the core against.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from moesub import _core
+from moesub.vocabulary import (
+    ALL_RESIDENT,
+    ALL_RESIDENT_POLICY,
+    EVICTIONS,
+    FETCH,
+    FORCED,
+    HIT,
+    HOST,
+    LIGHT_MISSES,
+    OFFLINE_EVICTIONS,
+    RULES,
+    STATUS_NAMES,
+    STUDY_POLICIES,
+    SUB,
+    SUBSTITUTE_BY,
+    Policy,
+    capacity_for,
+    check_capacity,
+)
 
-HIT, FETCH, SUB, HOST, FORCED = 0, 1, 2, 3, 4
-STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")
-RULES = ("fetch_all", "substitute_all", "first_choice", "threshold", "host_compute")
-EVICTIONS = ("lru", "lfu")  # online evictions: every stage, the streaming form included
-OFFLINE_EVICTIONS = ("belady",)  # needs the whole future: scan and the simulator only
-LIGHT_MISSES = ("substitute", "host")  # what the light misses a rule would substitute do
-SUBSTITUTE_BY = ("logit", "coactivation")  # step 5's candidate ranking
+__all__ = [
+    "ALL_RESIDENT",
+    "ALL_RESIDENT_POLICY",
+    "CORE_BUILD_ID",
+    "EVICTIONS",
+    "FETCH",
+    "FORCED",
+    "HIT",
+    "HOST",
+    "LIGHT_MISSES",
+    "OFFLINE_EVICTIONS",
+    "RULES",
+    "STATUS_NAMES",
+    "STUDY_POLICIES",
+    "SUB",
+    "SUBSTITUTE_BY",
+    "LayerCache",
+    "LayerStep",
+    "Policy",
+    "ScanResult",
+    "capacity_for",
+    "check_capacity",
+    "check_coactivation",
+    "check_initial",
+    "check_lookahead",
+    "check_scan_args",
+    "check_sizes",
+    "coactivation",
+    "forced_substitution",
+    "scan",
+]
+
 CORE_BUILD_ID: str = _core.BUILD_ID
-# Reserved policy name: every expert resident (the engine's floor on time per token).
-ALL_RESIDENT = "all_resident"
-# The study's named policies, for code that runs without a config (the engine benchmark's
-# default set, the regime measurement); config.yaml `policies:` defines the same (a test holds
-# them equal).
-STUDY_POLICIES: dict[str, dict[str, Any]] = {
-    "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
-    "substitute_all": {"rule": "substitute_all", "eviction": "lru"},
-    "rule_015": {"rule": "threshold", "tau": 0.15, "eviction": "lru"},
-    "first_choice": {"rule": "first_choice", "eviction": "lru"},
-    "quality": {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5},
-    "speed": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
-    "host_compute": {"rule": "host_compute", "eviction": "lru"},
-}
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A miss rule, an eviction order and (beta > 0) background admission; v2 adds prefetch,
-    cache-aware routing, host-computed light misses and co-activation substitutes (defaults: v1).
-    """
-
-    rule: str = "fetch_all"
-    tau: float = 0.0  # threshold rule only: fetch a miss whose gate weight is >= tau
-    eviction: str = "lru"
-    beta: float = 0.0  # admit an expert once its substituted mass reaches beta; 0 = never
-    delay: int = 1  # tokens between an admission request and the expert becoming resident
-    prefetch: int = 0  # experts prefetched per token from the lookahead logits (step 1b)
-    route_bias: float = 0.0  # lambda: residents' logits + lambda * (max - min) in selection
-    light_miss: str = "substitute"  # "host": what the rule would substitute runs on the host
-    substitute_by: str = "logit"  # "coactivation": the resident most co-selected with the miss
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"policy rule: unknown rule {self.rule!r}; expected one of {RULES}")
-        if self.eviction not in EVICTIONS + OFFLINE_EVICTIONS:
-            raise ValueError(
-                f"policy eviction: unknown eviction {self.eviction!r}; expected one of "
-                f"{EVICTIONS + OFFLINE_EVICTIONS}"
-            )
-        if not (math.isfinite(self.tau) and self.tau >= 0):
-            raise ValueError(f"policy tau: must be a finite number >= 0, got {self.tau!r}")
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ValueError(f"policy beta: must be a finite number >= 0, got {self.beta!r}")
-        if isinstance(self.delay, bool) or int(self.delay) != self.delay or self.delay < 1:
-            raise ValueError(f"policy delay: must be an integer >= 1, got {self.delay!r}")
-        if self.rule == "host_compute" and self.beta > 0:
-            raise ValueError("policy beta: host_compute never changes the cache; beta must be 0")
-        if isinstance(self.prefetch, bool) or int(self.prefetch) != self.prefetch:
-            raise ValueError(f"policy prefetch: must be an integer >= 0, got {self.prefetch!r}")
-        if self.prefetch < 0:
-            raise ValueError(f"policy prefetch: must be >= 0, got {self.prefetch!r}")
-        if not (math.isfinite(self.route_bias) and self.route_bias >= 0):
-            raise ValueError(
-                f"policy route_bias: lambda must be a finite number >= 0, got {self.route_bias!r}"
-            )
-        if self.light_miss not in LIGHT_MISSES:
-            raise ValueError(
-                f"policy light_miss: unknown value {self.light_miss!r}; expected one of "
-                f"{LIGHT_MISSES}"
-            )
-        if self.substitute_by not in SUBSTITUTE_BY:
-            raise ValueError(
-                f"policy substitute_by: unknown value {self.substitute_by!r}; expected one of "
-                f"{SUBSTITUTE_BY}"
-            )
-        if self.eviction == "belady" and self.route_bias > 0:
-            raise ValueError(
-                "policy eviction: 'belady' needs the future selections, which route_bias > 0 "
-                "makes depend on the cache; use route_bias=0 or an online eviction"
-            )
-        if self.light_miss == "host" and self.beta > 0:
-            raise ValueError(
-                "policy beta: with light_miss='host' nothing is substituted, so nothing is ever "
-                "admitted; beta must be 0"
-            )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Policy:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"policy: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def _core_args(self) -> tuple[int, float, int, float, int, int, float, int, int]:
-        return (
-            RULES.index(self.rule),
-            float(self.tau),
-            (EVICTIONS + OFFLINE_EVICTIONS).index(self.eviction),
-            float(self.beta),
-            int(self.delay),
-            int(self.prefetch),
-            float(self.route_bias),
-            LIGHT_MISSES.index(self.light_miss),
-            SUBSTITUTE_BY.index(self.substitute_by),
-        )
-
-
-def capacity_for(fraction: float, num_experts: int) -> int:
-    """Resident experts per layer for a cache fraction: C = floor(fraction * E + 0.5) (the
-    project's one capacity formula)."""
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-        raise ValueError(f"fraction: must be a number in (0, 1], got {fraction!r}")
-    if not (0 < fraction <= 1):
-        raise ValueError(f"fraction: must be in (0, 1], got {fraction!r}")
-    return int(math.floor(fraction * num_experts + 0.5))
-
-
-def check_capacity(fraction: float, num_experts: int, k: int) -> int:
-    """`capacity_for(fraction, E)`, checked to hold k <= C <= E (the core needs k slots)."""
-    capacity = capacity_for(fraction, num_experts)
-    if not k <= capacity <= num_experts:
-        raise ValueError(
-            f"fraction {fraction} gives capacity C={capacity}, outside [k={k}, E={num_experts}]"
-        )
-    return capacity
 
 
 # ---------------------------------------------------------------------------------------------
