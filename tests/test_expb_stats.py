@@ -43,13 +43,13 @@ def test_study_rule_is_the_studys():
     assert not decide(STUDY, 0.2, 0.2, 0.002, d, 0.05)["valid"]
 
 
-def test_no_evidence_and_the_floor_of_p():
+def test_heavy_not_worse_and_the_floor_of_p():
     d = np.array([0.3, -0.1, 0.2, 0.1])
     out = decide(MATCHED, 0.2, 0.2, 0.2, d, alpha=0.05)
-    assert out["outcome"] == "no evidence" and out["p_value"] >= 1 / 16
+    assert out["outcome"] == "heavy not worse" and out["p_value"] >= 1 / 16
     assert "p cannot go below 0.0625 with 4 non-zero differences" in out["outcome_text"]
     zeros = decide(MATCHED, 0.2, 0.2, 0.2, np.zeros(5), alpha=0.05)
-    assert zeros["outcome"] == "no evidence" and zeros["p_value"] == 1.0
+    assert zeros["outcome"] == "heavy not worse" and zeros["p_value"] == 1.0
     assert decide(MATCHED, 0.2, 0.2, 0.2, np.zeros(0), 0.05)["outcome"] == "invalid"
 
 
@@ -108,7 +108,7 @@ def test_hodges_lehmann_too_few_streams():
     ("case", "outcome"),
     [
         ("heavy_worse", "heavy worse"),
-        ("no_evidence", "no evidence"),
+        ("no_evidence", "heavy not worse"),
         ("invalid_mass", "invalid"),
         ("invalid_gap", "invalid"),
     ],
@@ -131,7 +131,7 @@ def test_experiment_b_outcomes(tmp_path, case, outcome):
     if outcome == "heavy worse":
         assert dec["p_value"] == pytest.approx(0.5**8)  # every one of 8 streams has d > 0
         assert dec["effect"] > 0 and dec["effect_ci_lo"] > 0 and dec["valid"]
-    elif outcome == "no evidence":
+    elif outcome == "heavy not worse":
         assert dec["p_value"] == pytest.approx(1.0) and dec["valid"] and dec["effect"] < 0
     else:
         assert not dec["valid"] and dec["p_value"] is None
