@@ -35,6 +35,12 @@ def test_matched_validity_boundaries():
     assert decide(MATCHED, 0.2, 0.18, 0.18, d, alpha=0.05)["valid"]  # exactly 90%: valid
 
 
+def test_a_condition_without_mass_is_said_so():
+    out = decide(MATCHED, 0.2, 0.19, 0.0, np.ones(6), alpha=0.05)
+    assert not out["valid"] and "a condition realized no mass" in out["outcome_text"]
+    assert "inf" not in out["outcome_text"]
+
+
 def test_study_rule_is_the_studys():
     d = np.ones(6)
     # light realizing far less than heavy is invalid under both rules; heavy at 50% of m* passes

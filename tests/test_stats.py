@@ -134,6 +134,25 @@ def test_mass_hypothesis_matches_scipy_on_other_data(tmp_path):
     assert doc["dppl_base"] == {tmp_path.name: {"0.25": "captured exact NLL"}}
 
 
+def test_mass_hypothesis_without_enough_substituting_policies(tmp_path):
+    """Mostly lossless policies: they are not points of r, and one policy that substitutes is
+    no correlation (a run once printed r = -1 over 5 policies, 4 of them lossless)."""
+    names = ["fetch_every_miss", "host_compute", "rule_015", "substitute_all"]
+    inputs, params = make_study(tmp_path / "r", names=names)
+    doc = run_analysis(inputs, params, tmp_path / "an")
+    (res,) = doc["mass_hypothesis"]
+    assert res["policies"] == ["rule_015"] and res["r"] is None
+    assert res["reason"].startswith("not reported: 1 policy substitutes here")
+    assert {e["policy"] for e in res["excluded"]} == {
+        "fetch_every_miss",
+        "host_compute",
+        "substitute_all",
+    }
+    claims = {c["claim"]: c for c in doc["claims"]}
+    assert claims["mass"]["verdict"] == "cannot decide"
+    assert "not reported" in claims["mass"]["details"]
+
+
 def test_summary_known_values(study):
     s = study["tables"]["summary"].set_index("policy")
     assert sorted(s.index) == sorted(POLICIES)
@@ -223,7 +242,7 @@ def test_admission_bins_boundary_and_first_document(tmp_path):
     assert totals[("quality", "all")]["twin"] == "rule_015_lfu"
     assert ("speed", "all") not in totals
     note = doc["parts"]["admission"]["note"]
-    assert note.count("speed") == 1 and note.startswith("speed: no exact no-admission twin")
+    assert note.count("speed") == 1 and note.startswith("speed has no exact no-admission twin")
     assert "(first_choice differs in eviction or tau, not an admission effect)" in note
     assert set(adm["policy"]) == {"quality"}
     tests = {t["name"]: t for t in doc_tests(tmp_path / "an")}
@@ -304,8 +323,9 @@ def test_missing_twins_warned_at_parse_time():
     pols = {n: normalize_policy(n, POLICIES[n]) for n in ("rule_015", "quality", "speed")}
     assert missing_admission_twins(pols) == [
         "quality has no exact no-admission twin (add a policy "
-        "{rule: threshold, tau: 0.15, eviction: lfu})",
-        "speed has no exact no-admission twin (add a policy {rule: first_choice, eviction: lfu})",
+        "{rule: threshold, tau: 0.15, eviction: lfu}): its admission effect will not be measured",
+        "speed has no exact no-admission twin (add a policy {rule: first_choice, eviction: lfu}): "
+        "its admission effect will not be measured",
     ]
     full = {n: normalize_policy(n, p) for n, p in POLICIES.items()}
     assert missing_admission_twins(full) == []

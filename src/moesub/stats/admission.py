@@ -75,7 +75,7 @@ def find_twin(
         for n, c in candidates.items()
         if c is not None and c["beta"] == 0 and c["rule"] == policy["rule"]
     )
-    why = f"no exact no-admission twin {twin_spec(policy)} was emulated"
+    why = f"no exact no-admission twin ({twin_spec(policy)}) among the emulated runs"
     if near:
         verb = "differs" if len(near) == 1 else "differ"
         why += f" ({', '.join(near)} {verb} in eviction or tau, not an admission effect)"
@@ -139,7 +139,7 @@ def admission(tokens: Tokens, emulate: list[FileInfo], p: AnalysisParams) -> Adm
     notes = []
     for name, (why, fracs) in no_twin.items():
         where = "" if len(fracs) == len(present) else f" at fraction(s) {fracs}"
-        notes.append(f"{name}: {why}{where}, so its admission effect is not measured")
+        notes.append(f"{name} has {why}{where}, so its admission effect is not measured")
         if name in STUDY_ADMISSION:
             tests.append(
                 StatTest(

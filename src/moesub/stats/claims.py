@@ -146,8 +146,9 @@ def verdict_of_test(
     frac = t.get("fraction")
     head = t["name"] + (f" (f {frac:g})" if frac is not None and not pd.isna(frac) else "")
     if t.get("p_value") is None or pd.isna(t["p_value"]):
-        verdict = UNDECIDED if t.get("measured", True) else NOT_MEASURED
-        return Part(verdict, f"{head}: {t.get('reason')}")
+        if not t.get("measured", True):  # its section says why, once
+            return Part(NOT_MEASURED, f"{head}: {NOT_MEASURED}")
+        return Part(UNDECIDED, f"{head}: {t.get('reason')}")
     lo, hi = t.get("ci_lo"), t.get("ci_hi")
     has_iv = lo is not None and hi is not None and not (pd.isna(lo) or pd.isna(hi))
     iv = f"[{show(lo)}, {show(hi)}] ({ci})" if has_iv else "(no interval)"
@@ -163,7 +164,11 @@ def verdict_of_test(
         verdict = CONTRADICTS
     elif claimed is not None and has_iv and outside(lo, hi, claimed):
         verdict = CONTRADICTS
-        text += f"; the interval lies outside the study's {show(claimed[0])} to {show(claimed[1])}"
+        size = "larger" if abs(lo + hi) / 2 > max(abs(c) for c in claimed) else "smaller"
+        text += (
+            f"; the interval lies outside the study's {show(claimed[0])} to {show(claimed[1])} "
+            f"(a {size} effect)"
+        )
     elif t["direction"] == SUPPORTS:
         verdict = REPRODUCES
     return Part(verdict, text)

@@ -191,11 +191,11 @@ def correlation_result(
     }
     corr = correlation(used["mass_per_token_layer"], used["dppl_pct"], parametric=False)
     res.update(corr, n=n)
-    if corr["r"] is not None and n < p.mass_min_points:
+    if n < p.mass_min_points:
         res.update(r=None, rho=None)
         corr["reason"] = (
-            f"not reported: {n} polic{'y' if n == 1 else 'ies'} substitute here, r needs at "
-            f"least {p.mass_min_points} (over fewer, one or two points decide it)"
+            f"not reported: {n} {'policy substitutes' if n == 1 else 'policies substitute'} "
+            f"here, r needs at least {p.mass_min_points} (over fewer, one or two points decide it)"
         )
     res["reason"] = corr["reason"]
     within_reason = None

@@ -172,6 +172,11 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     )
 
 
+def each(model: str, text: str) -> str:
+    """`text`'s '; '-separated items, each prefixed with `model: `."""
+    return "; ".join(f"{model}: {item}" for item in text.split("; "))
+
+
 def merge_parts(per_model: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     if len(per_model) == 1:
         return next(iter(per_model.values()))
@@ -181,8 +186,10 @@ def merge_parts(per_model: dict[str, dict[str, dict[str, Any]]]) -> dict[str, di
         entries = {m: parts.get(name, missing("not run")) for m, parts in per_model.items()}
         statuses = {e["status"] for e in entries.values()}
         status = statuses.pop() if len(statuses) == 1 else "partial"
-        why = [f"{m}: {e['reason']}" for m, e in entries.items() if e.get("reason")]
-        notes = [f"{m}: {e['note']}" for m, e in entries.items() if e.get("note")]
+        # every item of a '; '-joined list named with its model, so that the report can
+        # say a reason once for all the models it holds for
+        why = [each(m, e["reason"]) for m, e in entries.items() if e.get("reason")]
+        notes = [each(m, e["note"]) for m, e in entries.items() if e.get("note")]
         out[name] = {"status": status}
         if why:
             out[name]["reason"] = "; ".join(why)
