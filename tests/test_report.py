@@ -780,3 +780,19 @@ def test_figures_leave_out_policies_the_config_does_not_define(tmp_path):
     assert shown == set(FIXTURE_POLICIES)  # all configured (all_resident is the engine's)
     out.doc["params"]["policies"].pop("rule_tau0.3")
     assert "rule_tau0.3" not in set(FigureData(out, {}).table("summary")["policy"])
+
+
+def test_smallest_reachable_p_only_where_it_matters():
+    from moesub.report.claims import floor_text, statement
+
+    base = {"direction": "no detectable effect", "mde": 0.0004, "min_p": 1 / 2000}
+    # 1/2000 x 6 tests < 0.05: any test of the family can pass its first step: not shown
+    assert floor_text({**base, "family_size": 6}, 0.05) == ""
+    shown = floor_text({**base, "min_p": 1 / 200, "family_size": 56}, 0.05)
+    assert shown == "smallest reachable p 0.005 ≥ alpha / 56, its family's first step"
+    assert statement({**base, "family_size": 6}, 0.05) == (
+        "no detectable effect (MDE 0.0004, a normal-approximation sensitivity figure)"
+    )
+    assert statement({"direction": "not tested", "measured": False}, 0.05) == (
+        "not measured by this run"
+    )

@@ -71,7 +71,7 @@ def p_text(t: Row) -> str:
 def mde_text(t: Row, fmt: str = "{:.3g}") -> str:
     if not finite(t.get("mde")):
         return ""
-    return f"MDE {fmt.format(abs(float(t['mde'])))} (normal approximation, sensitivity)"
+    return f"MDE {fmt.format(abs(float(t['mde'])))}, a normal-approximation sensitivity figure"
 
 
 def floor_text(t: Row, alpha: float) -> str:
@@ -79,10 +79,7 @@ def floor_text(t: Row, alpha: float) -> str:
     min_p, m = t.get("min_p"), t.get("family_size")
     if not finite(min_p) or not finite(m) or float(min_p) * max(int(m), 1) < alpha:
         return ""
-    return (
-        f"its smallest reachable p ({float(min_p):.2g}) cannot pass the family's first step "
-        f"(alpha / {int(m)} = {alpha / max(int(m), 1):.2g})"
-    )
+    return f"smallest reachable p {float(min_p):.2g} ≥ alpha / {int(m)}, its family's first step"
 
 
 def statement(t: Row, alpha: float, fmt: str = "{:.3g}") -> str:

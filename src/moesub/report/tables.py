@@ -210,14 +210,12 @@ def mass_table(out: AnalysisOutputs) -> Table:
     def left_out(r: Row) -> str:
         return "; ".join(f"{e['policy']}: {e['why']}" for e in r.get("excluded") or []) or "—"
 
+    def span(c: Row) -> str:
+        lo, hi = f"{c['mass_lo']:.3g}", f"{c['mass_hi']:.3g}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
     def clusters(r: Row) -> str:
-        return (
-            "; ".join(
-                f"{c['n']} at {c['mass_lo']:.3g}-{c['mass_hi']:.3g}"
-                for c in r.get("clusters") or []
-            )
-            or "—"
-        )
+        return "; ".join(f"{c['n']} at {span(c)}" for c in r.get("clusters") or []) or "—"
 
     def within(r: Row) -> str:
         if r.get("within_r") is None:
