@@ -15,6 +15,7 @@ import seaborn as sns  # noqa: E402
 
 from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
+    FRONT_MARKERS,
     STUDY_POLICIES,
     FigureData,
     finish,
@@ -183,6 +184,7 @@ def fig_design(fd: FigureData) -> plt.Figure:
                 y=y,
                 hue="family",
                 style="front",
+                markers=FRONT_MARKERS,
                 palette=palette,
                 s=40,
                 ax=ax,

@@ -23,6 +23,7 @@ from moesub.report.design import fig_design  # noqa: E402
 from moesub.report.finding_figures import fig_admission, fig_expb, fig_mass  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
+    FRONT_MARKERS,
     Figure,
     FigureData,
     finish,
@@ -53,6 +54,7 @@ def fig_speed(fd: FigureData) -> plt.Figure:
             y="dppl_pct",
             hue="device",
             style="front",
+            markers=FRONT_MARKERS,
             s=40,
             ax=ax,
         )

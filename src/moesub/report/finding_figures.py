@@ -222,6 +222,7 @@ def fig_admission(fd: FigureData) -> plt.Figure:
         ax.set_title(
             f"{where}admission gain ({fd.ci} over streams; below 0: admission helps)", fontsize=8
         )
+    fig.tight_layout()  # before the legends: outside the axes, they must not shrink them
+    for ax in axes[:, 0]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
     return fig

@@ -132,8 +132,13 @@ def front_or_study(df: pd.DataFrame, front: str) -> pd.Series:
     return df[front].astype(bool) | df["policy"].isin(STUDY_POLICIES)
 
 
+# the markers of a Pareto front's style column in words (the same in every figure)
+FRONT_MARKERS = {"on the Pareto front": "X", "off the front": "o"}
+
+
 def front_words(df: pd.DataFrame, front: str) -> pd.Series:
-    """A Pareto-front column in words, for a legend (not True / False)."""
+    """A Pareto-front column in words, for a legend (not True / False); draw it with
+    `markers=FRONT_MARKERS`."""
     return df[front].astype(bool).map({True: "on the Pareto front", False: "off the front"})
 
 
