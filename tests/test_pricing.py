@@ -58,7 +58,7 @@ def test_two_tokens_with_a_concurrent_host(price):
         decision at 25: the fetch waits behind the prefetch: link 325-625 (link_wait 300);
         the 2 admission requests queue behind it: link 625-1225.
         fast path: 325 + 300 (copy) + 8 experts x 10 = 705; host path: 25 + 2 x 50 = 125,
-        hidden (100 s hidden). Layer ends at 705.
+        hidden behind the fast path (100 hidden). Layer ends at 705.
       layer 1: dense -> 725; the prefetch landed at 325 (no wait); install -> 727;
         9 experts -> 817. Token 0 = 817.
     token 1 (starts at 817): overhead -> 822
