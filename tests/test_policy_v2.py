@@ -307,7 +307,7 @@ def test_belady_eviction_of_fetch_all_is_the_v1_bound():
     rng = np.random.default_rng(5)
     initial = np.stack([rng.permutation(64)[:16] for _ in range(3)]).astype(np.int32)
     r = scan(x, 4, 16, Policy(eviction="belady"), initial)
-    df = simulate([x], 4, [GridPoint("f", Policy(), 0.25)], initial_sets={16: initial})
+    df = simulate([x], 4, [GridPoint("f", Policy(), 16, initial)])
     for row in df.filter(pl.col("layer") >= 0).to_dicts():
         assert (r.status[:, row["layer"]] == HIT).sum() == round(row["belady_hit_rate"] * 300 * 4)
     lru = scan(x, 4, 16, Policy(), initial)
@@ -359,7 +359,7 @@ def test_simulator_counts_v2_policies_like_scan():
         "buddy": Policy(rule="substitute_all", substitute_by="coactivation"),
         "belady": Policy(rule="first_choice", eviction="belady", prefetch=2),
     }
-    grid = [GridPoint(n, p, 0.25) for n, p in policies.items()]
+    grid = [GridPoint(n, p, 12) for n, p in policies.items()]
     df = simulate(streams, 4, grid, lookahead=ys, coactivation=A, n_threads=2)
     for name, p in policies.items():
         rs = [
@@ -431,9 +431,9 @@ def test_bad_v2_arrays():
     with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
         LayerCache(8, 2, 4, Policy(prefetch=1)).step(x[:, 0].copy())
     with pytest.raises(ValueError, match="lookahead: need one array per stream"):
-        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)], lookahead=[x, x])
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 4)], lookahead=[x, x])
     with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
-        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)])
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 4)])
     with pytest.raises(ValueError, match="coactivation: need at least one"):
         coactivation([], 2)
     with pytest.raises(ValueError, match=r"logits: contain NaN or inf.*\(2, 1, 5\)"):
