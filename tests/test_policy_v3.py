@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from policy_cases import EXACT, FLOATS, assert_same, cases, run_both, tie_prone
 
 from moesub.grid import COUNTER_NAMES, GridPoint, replay, simulate
 from moesub.policy import (
-    EVICTIONS,
     HIT,
     HOST,
-    LIGHT_MISSES,
-    OFFLINE_EVICTIONS,
-    RULES,
-    SUBSTITUTE_BY,
     TOKEN_LAYER_FIELDS,
     LayerCache,
     Policy,
@@ -30,96 +26,15 @@ from moesub.policy import (
 from moesub.policy_reference import reference_scan
 from moesub.synthetic import synthetic_logits
 
-OUTPUTS = ("ids", "status", "selected", "prefetched", "requested", "admitted")
-FLOATS = ("weights", "mass", "rerouted")
-
-
-def tie_prone(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
-    """float16 rounding and a small range make exact ties common."""
-    return (rng.normal(size=shape) * scale).astype(np.float16).astype(np.float32)
-
-
-SMALL_E = st.integers(2, 16)
-
-
-@st.composite
-def v3_cases(draw, num_experts=SMALL_E, max_k=5, max_tokens=25, online=False):
-    """(logits, k, capacity, policy, initial, coactivation table, lookahead): every v1/v2 field
-    beside per-layer capacities (as an int, or a tuple), pins (an int, or a tuple) and
-    host_admit; initial sets as None, an (L, C) array or a list of L arrays."""
-    E = draw(num_experts)
-    k = draw(st.integers(1, min(E, max_k)))
-    L = draw(st.integers(1, 3))
-    T = draw(st.integers(1, max_tokens))
-    uniform = draw(st.booleans())
-    caps = [draw(st.integers(k, E))] * L if uniform else [draw(st.integers(k, E)) for _ in range(L)]
-    prefetch = draw(st.one_of(st.integers(0, min(min(caps), 3)), st.just(min(caps))))
-    room = [C - max(k, prefetch) for C in caps]  # the most each layer can pin
-    if draw(st.booleans()):
-        pin = draw(st.integers(0, min(room)))
-    else:
-        pin = tuple(draw(st.integers(0, r)) for r in room)
-    rule = draw(st.sampled_from(RULES))
-    light_miss = draw(st.sampled_from(LIGHT_MISSES))
-    on_host = rule == "host_compute" or light_miss == "host"
-    eviction = draw(st.sampled_from(EVICTIONS if online else EVICTIONS + OFFLINE_EVICTIONS))
-    route_bias = 0.0 if eviction == "belady" else draw(st.sampled_from([0.0, 0.02, 0.1, 3.0]))
-    policy = Policy(
-        rule=rule,
-        tau=draw(st.sampled_from([0.15, 0.3, 0.9] + ([] if rule == "threshold" else [0.0]))),
-        eviction=eviction,
-        beta=0.0 if on_host else draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
-        delay=draw(st.integers(1, 3)),
-        prefetch=prefetch,
-        route_bias=route_bias,
-        light_miss=light_miss,
-        substitute_by=draw(st.sampled_from(SUBSTITUTE_BY)),
-        pin=pin,
-        host_admit=draw(st.integers(0, 3)) if on_host else 0,
-    )
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    logits = tie_prone(rng, (T, L, E), draw(st.sampled_from([0.3, 1.0, 4.0])))
-    initial = draw(st.sampled_from(["none", "array", "list"]))
-    if initial == "none":
-        initial = None
-    elif initial == "array" and uniform:
-        initial = np.stack([rng.permutation(E)[: caps[0]] for _ in range(L)]).astype(np.int32)
-    else:
-        initial = [rng.permutation(E)[:C] for C in caps]
-    capacity = caps[0] if uniform and draw(st.booleans()) else tuple(caps)
-    A = None
-    if policy.substitute_by == "coactivation":
-        A = coactivation(tie_prone(rng, (30, L, E), 1.0), k)
-    y = None
-    if policy.prefetch > 0:
-        y = (logits + tie_prone(rng, logits.shape, draw(st.sampled_from([0.0, 0.5, 3.0])))).astype(
-            np.float32
-        )
-    return logits, k, capacity, policy, initial, A, y
-
-
-def assert_same(a, b):
-    for f in OUTPUTS:
-        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
-    for f in FLOATS:
-        np.testing.assert_allclose(getattr(a, f), getattr(b, f), rtol=0, atol=1e-12, err_msg=f)
-
-
-def run_both(case):
-    logits, k, C, policy, initial, A, y = case
-    got = scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
-    want = reference_scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
-    return got, want
-
 
 @settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v3_cases())
+@given(cases(v3=True))
 def test_scan_matches_reference(case):
     assert_same(*run_both(case))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v3_cases(num_experts=st.sampled_from([32, 45, 70]), max_k=10, max_tokens=15))
+@given(cases(num_experts=st.sampled_from([32, 45, 70]), max_k=10, max_tokens=15, v3=True))
 def test_scan_matches_reference_wide_rows(case):
     """E >= 32: the core's lane-filtered top-k."""
     assert_same(*run_both(case))
@@ -127,7 +42,7 @@ def test_scan_matches_reference_wide_rows(case):
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    v3_cases(online=True, max_tokens=30),
+    cases(online=True, max_tokens=30, v3=True),
     st.lists(st.integers(1, 9), min_size=1, max_size=4),
     st.booleans(),
 )
@@ -239,7 +154,7 @@ def test_v2_policies_reproduce_the_v2_core_bit_for_bit(fixed_trace):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v3_cases())
+@given(cases(v3=True))
 def test_neutral_v3_spellings_are_v2(case):
     """pin 0 (an int or a tuple of zeros), host_admit 0, a capacity tuple of one value and the
     initial set as a list give the v2 call's outputs bit for bit."""
@@ -256,7 +171,7 @@ def test_neutral_v3_spellings_are_v2(case):
              None if array is None else list(array), coactivation=A, lookahead=y),
         scan(logits, k, [C] * L, v2, array, coactivation=A, lookahead=y),
     ):  # fmt: skip
-        for f in OUTPUTS + FLOATS:
+        for f in EXACT + FLOATS:
             np.testing.assert_array_equal(getattr(spelled, f), getattr(base, f), err_msg=f)
 
 
@@ -340,7 +255,7 @@ def test_per_layer_capacities():
     r = scan(x, 6, caps, p)
     for layer, C in enumerate(caps):
         alone = scan(np.ascontiguousarray(x[:, layer : layer + 1]), 6, C, p)
-        for f in OUTPUTS + FLOATS:
+        for f in EXACT + FLOATS:
             np.testing.assert_array_equal(getattr(r, f)[:, layer], getattr(alone, f)[:, 0])
     hits = [(r.status[:, layer] == HIT).mean() for layer in range(3)]
     assert hits[0] < hits[1] < hits[2]
@@ -351,7 +266,7 @@ def test_per_layer_capacities():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v3_cases(max_tokens=20), st.integers(1, 3))
+@given(cases(max_tokens=20, v3=True), st.integers(1, 3))
 def test_grid_token_counts_equal_scans(case, n_streams):
     """The grid's token-layer counts are `token_layer_counts` of each stream's scan, streams in
     order; they sum to the grid's counters."""
