@@ -832,7 +832,7 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   if (out.admitted) out.admitted[i * out.mass_stride] = n_admitted;
   if (out.counts) {
     int16_t* c = out.counts + i * out.counts_stride;
-    for (int f = 0; f < 5; ++f) c[f] = static_cast<int16_t>(per_status[f]);
+    for (int f = kCountHit; f <= kCountForced; ++f) c[f] = static_cast<int16_t>(per_status[f]);
     c[kCountPrefetched] = static_cast<int16_t>(n_prefetched);
     c[kCountRequests] = static_cast<int16_t>(n_requested);
     c[kCountAdmissions] = static_cast<int16_t>(n_admitted);

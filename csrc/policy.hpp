@@ -58,6 +58,7 @@ enum TokenLayerField : int {
   kCountAdmissions,         // admissions landed (inserted) in step 1
   kTokenLayerFields
 };
+static_assert(kCountHit == HIT && kCountForced == FORCED, "status counts come first, by code");
 
 // Where one step's per-token outputs go. Strides are in elements between consecutive tokens, so
 // a (T, L, k) array can be filled one layer at a time. Any pointer may be null (not wanted).

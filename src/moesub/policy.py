@@ -59,6 +59,7 @@ __all__ = [
     "TOKEN_LAYER_FIELDS",
     "LayerCache",
     "LayerStep",
+    "Layers",
     "Policy",
     "ScanResult",
     "capacity_for",
@@ -160,7 +161,7 @@ def check_layers(
     (`Policy.check_fit`). Errors name the layer.
     """
     L, E = num_layers, num_experts
-    if isinstance(capacity, Sequence | np.ndarray):
+    if isinstance(capacity, Sequence) or getattr(capacity, "ndim", 0) == 1:
         capacities = tuple(capacity)
         if len(capacities) != L:
             raise ValueError(f"capacity: {len(capacities)} per-layer capacities for {L} layers")
