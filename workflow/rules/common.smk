@@ -1,8 +1,8 @@
 # Helpers shared by the stage files (functions and constants only, no rules).
 #
 # Everything below runs at parse time, after the schema validation in the Snakefile, so a bad
-# config (unknown policy name in a stage's list, C < k, a checkpoint without config.json) fails
-# here, naming the key, before any job is scheduled or any file written.
+# config (unknown policy name in a stage's list, C < k, a checkpoint without config.json or
+# tokenizer files) fails here, naming the key, before any job is scheduled or any file written.
 #
 # Invalidation: each rule's params carry only the settings that rule uses (one policy's dict,
 # one config section), so editing a policy reruns only that policy's jobs plus analysis/report.
@@ -20,6 +20,7 @@ from moesub.config import (
     input_paths,
     canonical,
     number_label,
+    policy_spec,
     stage_policies,
 )
 
@@ -117,7 +118,9 @@ def streams_source(wildcards):
 
 
 def policy_dict(name):
-    return canonical(ALL_RESIDENT_POLICY if name == ALL_RESIDENT else POLICIES[name])
+    return canonical(
+        policy_spec(ALL_RESIDENT_POLICY) if name == ALL_RESIDENT else POLICIES[name]
+    )
 
 
 def policy_params(wildcards):
