@@ -4,7 +4,6 @@ synthetic artefacts with known answers (`moesub.stats.degeneration`, `moesub.rep
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
@@ -23,6 +22,7 @@ from moesub.generate.degeneration import (
     tail_loop,
 )
 from moesub.report import render_report
+from moesub.report.load import disabled_parts
 from moesub.stats import run_analysis, wilson_ci
 from moesub.stats.degeneration import MEASURES
 
@@ -173,15 +173,33 @@ def test_degeneration_known_values(study):
     assert (same["diff"], same["n_nonzero"], same["p_raw"]) == (0.0, 0, 1.0)
 
 
-def test_raw_p_values_listed_for_a_multiplicity_procedure(study):
-    _, _, _, doc, table = study
-    tests = doc["degeneration"]
-    assert len(tests) == 3 * (len(POLICIES) - 1)
-    assert set(tests[0]) == {"model", "task", "policy", "fraction", "measure", "test", "n_pairs",
-                             "p_raw", "min_p"}  # fmt: skip
-    by_key = {(t["policy"], t["measure"]): t["p_raw"] for t in tests}
-    assert by_key[("first_choice", "ends_in_loop")] == pytest.approx(0.125)
-    assert len(by_key) == len(tests)
+def test_paired_tests_in_the_exploratory_family(study):
+    """Every paired test is a row of tests.parquet in the exploratory family, its raw p the
+    table's and its adjusted p Benjamini-Hochberg's over the whole family (scipy's)."""
+    root, _, _, doc, table = study
+    tests = pd.read_parquet(root / "analysis" / "tests.parquet")
+    degen = tests[tests["kind"] == "degeneration"]
+    assert len(degen) == 3 * (len(POLICIES) - 1) and "degeneration" not in doc
+    assert set(degen["family"]) == {"exploratory"}
+    assert set(degen["adjustment"]) == {"Benjamini-Hochberg"}
+    paired = table[table["test"].notna()].set_index("test_name")
+    assert sorted(paired.index) == sorted(degen["name"])  # one test per row, names unique
+    raw = degen.set_index("name")["p_value"]
+    assert np.allclose(raw[paired.index], paired["p_raw"], rtol=0, atol=0)
+    family = tests[(tests["family"] == "exploratory") & tests["p_value"].notna()]
+    bh = sps.false_discovery_control(family["p_value"].to_numpy(), method="bh")
+    assert np.allclose(family["p_adjusted"], bh, rtol=1e-12)
+    assert (degen["family_size"] == len(family)).all()
+    loop = degen[degen["name"] == "continuation: first_choice share of continuations ending in a "
+                                  "loop vs the baseline"].iloc[0]  # fmt: skip
+    assert loop["p_value"] == pytest.approx(0.125) and loop["p_adjusted"] >= 0.125
+    assert loop["estimate"] == pytest.approx(0.2) and loop["unit"] == "prompts"
+    assert loop["n_units"] == 20 and loop["min_p"] == pytest.approx(2 / 16)
+    assert pd.isna(loop["ci_lo"]) and "prompt bootstrap" in loop["sensitivity"]
+    # the MDE of the loop share's mean difference: 4 differences of +1 in 20 prompts
+    d = np.r_[np.ones(4), np.zeros(16)]
+    mde = (sps.norm.ppf(0.975) + sps.norm.ppf(0.8)) * d.std(ddof=1) / math.sqrt(20)
+    assert loop["mde"] == pytest.approx(mde)
 
 
 def test_continuation_is_not_graded_in_the_generation_table(study):
@@ -203,6 +221,11 @@ def test_degeneration_missing_without_measures(tmp_path):
     assert "Degeneration of free continuations: not available" in html
 
 
+def test_no_generate_tasks_disables_the_degeneration_too():
+    off = disabled_parts({"generate": {"tasks": {}}})
+    assert off["degeneration"] == off["generation"] == "disabled in the config (generate.tasks: {})"
+
+
 def test_report_with_the_continuation_only(tmp_path):
     """No graded task: the generation figure says so, the degeneration section has it all."""
     inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
@@ -214,20 +237,28 @@ def test_report_with_the_continuation_only(tmp_path):
 
 
 def test_report_section(study):
-    root, _, _, _, _ = study
+    root, _, _, _, table = study
     html = render_report(root / "analysis", {}, root / "report.html").read_text()
     section = html[html.index('id="degeneration-section"') :]
-    table = re.search(r'<table id="degeneration-table">(.*?)</table>', section, re.S).group(1)
-    body = re.findall(r"<tr>(.*?)</tr>", table.split("</thead>")[1], re.S)
+    cells = re.search(r'<table id="degeneration-table">(.*?)</table>', section, re.S).group(1)
+    body = re.findall(r"<tr>(.*?)</tr>", cells.split("</thead>")[1], re.S)
     assert len(body) == len(POLICIES)
     assert "fetch_every_miss" in body[0]  # the baseline first, then by Δppl
-    assert "+7.20" in table and "30%" in table and "+20 pt (sign p 0.125)" in table
+    tests = pd.read_parquet(root / "analysis" / "tests.parquet").set_index("name")
+    loop = tests.loc[row(table, "first_choice", "ends_in_loop")["test_name"], "p_adjusted"]
+    assert f"+20 pt (sign p 0.12; adjusted {loop:.2g})" in cells
+    assert "+7.20" in cells and "30%" in cells
     assert "continuation accuracy" not in html and "gsm8k accuracy" in html  # not graded
     lines = re.findall(r'<p class="outcome degeneration-line">(.*?)</p>', section, re.S)
-    # every policy with mass > 0 loops more at raw p < 0.05 on rep4 and the longest span;
-    # a line per such policy, lowest Δppl first, then the note on raw p values
+    # every policy with mass > 0 repeats more (rep4, the longest span) at BH-adjusted p < 0.05;
+    # a line per such policy, lowest Δppl first, quoting adjusted p, then the family's note
     flagged = [n for n in POLICIES if MASS[n] > 0]
-    assert len(lines) == len(flagged) + 1 and "not corrected for the 27" in lines[-1]
+    assert len(lines) == len(flagged) + 1
     assert lines[0].startswith("rule_tau0.08") and "substitute_all" in lines[-2]
+    assert "Benjamini-Hochberg p = " in lines[0] and "(raw " in lines[0]
+    family = int(tests["family_size"][tests["family"] == "exploratory"].iloc[0])
+    assert lines[-1] == (
+        f"p adjusted by Benjamini-Hochberg over the exploratory family ({family} tests), the "
+        f"{3 * (len(POLICIES) - 1)} paired tests among them."
+    )
     assert 'id="fig-degeneration"' in section and "data:image/png" in section
-    assert json.loads(json.dumps(study[3]["degeneration"]))  # JSON-able

@@ -1,7 +1,8 @@
 """The degeneration section (`moesub.stats.degeneration`): per policy, how its free
-continuations repeat and loop, beside its Δppl, each with an interval over prompts and a raw
-paired p against the baseline; the figure (loop share and repeated 4-grams against Δppl); and
-the sentences that say whether a policy makes text loop where perplexity barely moves.
+continuations repeat and loop, beside its Δppl, each with an interval over prompts and a paired
+test against the baseline (its raw p and the p adjusted in the exploratory family,
+`tests.parquet`); the figure (loop share and repeated 4-grams against Δppl); and the sentences
+that say whether a policy makes text loop where perplexity barely moves.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from moesub.report.claims import p_text, test_of  # noqa: E402
 from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
-from moesub.report.plotting import FigureData, finish, panels  # noqa: E402
+from moesub.report.plotting import FigureData, finish, panels, rows_of  # noqa: E402
 from moesub.report.tables import Col, Row, Table, interval, make_table, num, text  # noqa: E402
 
 # measure -> (label, cell format of a value, of a difference; shares differ in points)
@@ -59,18 +61,29 @@ def dppl_text(r: Row) -> str:
     return f"{float(r['dppl_pct']):+.2f}" + (f" {iv}" if iv != "—" else "")
 
 
-def versus(r: Row, m: str) -> str:
-    """The paired difference against the baseline, its test and raw p."""
+def test_for(out: AnalysisOutputs, r: Row, m: str) -> Row:
+    """The row of `tests.parquet` of measure `m`'s paired test (empty when there is none)."""
+    name = r.get(f"{m}.test_name")
+    if not name or not isinstance(name, str):
+        return {}
+    return test_of(out, r.get("model"), kind="degeneration", name=name, fraction=r["fraction"])
+
+
+def versus(out: AnalysisOutputs, r: Row, m: str) -> str:
+    """The paired difference against the baseline, its test, raw and adjusted p."""
     diff = r.get(f"{m}.diff")
     if not finite(diff):
         return "—"
     value = float(diff) * (100 if m in SHARES else 1)
-    return f"{MEASURES[m][2].format(value)} ({r.get(f'{m}.test')} p {num(r.get(f'{m}.p_raw'))})"
+    t = test_for(out, r, m)
+    adjusted = f"; adjusted {num(t['p_adjusted'], '{:.2g}')}" if finite(t.get("p_adjusted")) else ""
+    raw = num(r.get(f"{m}.p_raw"), "{:.2g}")
+    return f"{MEASURES[m][2].format(value)} ({r.get(f'{m}.test')} p {raw}{adjusted})"
 
 
 def degeneration_table(out: AnalysisOutputs) -> Table:
     """Per policy: Δppl %, then each measure's mean with its interval and the paired
-    difference against the baseline (test, raw p)."""
+    difference against the baseline (test, raw and adjusted p)."""
     df = out.table("degeneration")
     if df.empty:
         return make_table("degeneration-table", [], [])
@@ -90,31 +103,32 @@ def degeneration_table(out: AnalysisOutputs) -> Table:
                 f"{ci} ({'Wilson' if m == 'ends_in_loop' else 'bootstrap'})",
                 lambda r, m=m, fmt=fmt: interval(r.get(f"{m}.ci_lo"), r.get(f"{m}.ci_hi"), fmt),
             ),
-            Col(f"vs {out.baseline} (raw p)", lambda r, m=m: versus(r, m)),
+            Col(f"vs {out.baseline} (p raw; adjusted)", lambda r, m=m: versus(out, r, m)),
         ]
     return make_table("degeneration-table", per_policy(df), cols)
 
 
 def degeneration_lines(out: AnalysisOutputs) -> list[str]:
-    """Which policies' continuations loop or repeat more than the baseline's (raw p < alpha),
-    each with its Δppl, lowest Δppl first: text that loops where perplexity barely moves."""
+    """Which policies' continuations loop or repeat more than the baseline's (adjusted p <
+    alpha in the exploratory family), each with its Δppl, lowest Δppl first: text that loops
+    where perplexity barely moves."""
     df = out.table("degeneration")
     if df.empty or "p_raw" not in df.columns:
         return []
     alpha = float(out.params.get("alpha", 0.05))
-    n_tests = int(df["p_raw"].notna().sum())
     many = "model" in df.columns and df["model"].nunique() > 1
-    lines = []
+    lines, tested = [], []
     for r in per_policy(df):
-        worse = [
-            f"{MEASURES[m][0]} {num(r.get(f'{m}.mean'), MEASURES[m][1])} vs "
-            f"{num(r.get(f'{m}.baseline_mean'), MEASURES[m][1])} ({r.get(f'{m}.test')} p "
-            f"{num(r.get(f'{m}.p_raw'))})"
-            for m in MEASURES
-            if finite(r.get(f"{m}.p_raw"))
-            and float(r[f"{m}.p_raw"]) < alpha
-            and float(r.get(f"{m}.diff") or 0) > 0
-        ]
+        worse = []
+        for m, (label, fmt, _) in MEASURES.items():
+            t = test_for(out, r, m)
+            tested += [t] if finite(t.get("p_value")) else []
+            if finite(t.get("p_adjusted")) and t["p_adjusted"] < alpha and t["estimate"] > 0:
+                worse.append(
+                    f"{label} {num(r.get(f'{m}.mean'), fmt)} vs "
+                    f"{num(r.get(f'{m}.baseline_mean'), fmt)} ({r.get(f'{m}.test')} test, "
+                    f"{p_text(t)})"
+                )
         if worse:
             flat = finite(r.get("dppl_ci_lo")) and float(r["dppl_ci_lo"]) <= 0
             where = f"{r['model']} " if many else ""
@@ -122,21 +136,31 @@ def degeneration_lines(out: AnalysisOutputs) -> list[str]:
                 f"{where}{r['policy']} (f={float(r['fraction']):g}): {'; '.join(worse)}, at Δppl "
                 f"{dppl_text(r)}%{' (its interval includes 0)' if flat else ''}."
             )
+    if not tested:
+        return ["No paired degeneration test (tests.parquet has none): no adjusted p to quote."]
+    sizes = "/".join(str(n) for n in sorted({int(t["family_size"]) for t in tested}))
+    family = f"the exploratory family ({sizes} tests{' per model' if many else ''})"
     if not lines:
         return [
-            f"No policy's continuations loop or repeat more than {out.baseline}'s at raw p < "
-            f"{alpha:g} ({n_tests} paired tests)."
+            f"No policy's continuations loop or repeat more than {out.baseline}'s at adjusted "
+            f"p < {alpha:g} ({len(tested)} paired tests, adjusted in {family})."
         ]
-    return lines + [f"p values are raw: not corrected for the {n_tests} paired tests."]
+    adjustment = tested[0]["adjustment"]
+    return lines + [
+        f"p adjusted by {adjustment} over {family}, the {len(tested)} paired tests among them."
+    ]
 
 
 def fig_degeneration(fd: FigureData) -> plt.Figure:
     """Per model and task: the share ending in a loop and the repeated 4-gram share (with
     their intervals) against Δppl %, one numbered point per emulated policy."""
-    df = fd.out.table("degeneration")
-    recs = pd.DataFrame(per_policy(df))
+    recs = pd.DataFrame(per_policy(fd.table("degeneration")))
     recs = recs[recs["dppl_pct"].map(finite)]
-    groups = list(recs.groupby([k for k in ("model", "task") if k in recs.columns], sort=True))
+    groups = [
+        (f"{model} {task}".strip(), g)
+        for model in fd.models(recs)
+        for task, g in rows_of(recs, model).groupby("task", sort=True)
+    ]
     fig, axes = panels(max(len(groups), 1), 2)
     labelled = []
     for row, (key, g) in zip(axes, groups, strict=False):
@@ -151,7 +175,6 @@ def fig_degeneration(fd: FigureData) -> plt.Figure:
                 ax.set_xscale("symlog", linthresh=1.0)
             ax.set_xlabel(f"Δppl % vs {fd.out.baseline} ({fd.ci})")
             ax.set_ylabel(f"{MEASURES[m][0]} ({fd.ci})")
-            where = " ".join(str(k) for k in np.atleast_1d(key) if k)
-            ax.set_title(f"{where}: {int(g[f'{m}.n'].max())} prompts", fontsize=8)
+            ax.set_title(f"{key}: {int(g[f'{m}.n'].max())} prompts", fontsize=8)
             labelled.append((ax, g.assign(**{m: y}), "dppl_pct", m))
     return finish(fig, fd, labelled)

@@ -134,7 +134,7 @@ def disabled_parts(config: Mapping[str, Any]) -> dict[str, str]:
         ("engine", "policies"): ([], ("engine", "sim_vs_engine")),
         ("emulate", "policies"): ([], ("quality", "mass_hypothesis", "per_input", "admission")),
         ("simulate", "policies"): ([], ("simulate", "design_space")),
-        ("generate", "tasks"): ({}, ("generation",)),
+        ("generate", "tasks"): ({}, ("generation", "degeneration")),
         ("expb", "designs"): ({}, ("expb",)),
     }
     out = {}

@@ -12,12 +12,18 @@ Reads the generation artefacts that carry measures (the free continuation task,
   mean paired difference `diff` with a bootstrap interval over prompts, and a two-sided paired
   test over prompts: the Wilcoxon signed-rank test (zero differences dropped, `n_nonzero`) for
   the continuous measures, the exact sign test over the discordant prompts (McNemar) for the
-  loop share. `p_raw` is the test's p-value as computed, with no correction for the many
-  (policy, measure) tests: a multiplicity procedure takes them from here (every test is also
-  listed in `analysis.json["degeneration"]`); `min_p` is the smallest p the test could reach
-  over these prompts (`moesub.stats.power.wilcoxon_min_p`);
+  loop share. `p_raw` is the test's p-value as computed; `min_p` the smallest p the test could
+  reach over these prompts (`moesub.stats.power.wilcoxon_min_p`); `mde` the smallest mean
+  difference a two-sided level-`alpha` test over the pairs detects with probability `power`
+  (`moesub.stats.power.paired_mde`, a normal-approximation sensitivity figure);
 - beside it, the policy's Δppl % with its interval (`moesub.stats.quality`), so that a policy
   whose text loops while its perplexity barely moves is read off one row.
+
+Tests (kind `degeneration`, exploratory: `moesub.stats.multiplicity` adjusts their p with the
+family's): per (task, policy, fraction) and measure, the paired test against the baseline, its
+name in the row's `test_name`. Its p does not invert the bootstrap interval of `diff` (a rank or
+sign test is not a test of the mean), so the record carries no interval: the interval is its
+`sensitivity` line.
 
 Entry point: `degeneration(db, runs, quality_table, p) -> Degeneration`.
 """
@@ -32,22 +38,36 @@ import pandas as pd
 import pyarrow.parquet as pq
 from scipy import stats as sps
 
-from moesub.stats.intervals import Interval, rng_for, stream_bootstrap, wilson_ci
+from moesub.stats.intervals import Interval, level_label, rng_for, stream_bootstrap, wilson_ci
 from moesub.stats.load import FileInfo, missing, sql_list
+from moesub.stats.multiplicity import StatTest
 from moesub.stats.params import AnalysisParams
-from moesub.stats.power import wilcoxon_min_p
+from moesub.stats.power import paired_mde, wilcoxon_min_p
 
-# the measures tested, in the report's order: name -> is it a 0/1 outcome
-MEASURES = {"rep4": False, "longest_repeat": False, "ends_in_loop": True}
-TEST_KEYS = ("task", "policy", "fraction", "measure", "test", "n_pairs", "p_raw", "min_p")
+
+class Measure(NamedTuple):
+    binary: bool  # a 0/1 outcome per prompt
+    what: str  # in words, for the test's name, hypothesis and estimand
+
+
+# the measures tested, in the report's order
+MEASURES = {
+    "rep4": Measure(False, "share of repeated 4-grams"),
+    "longest_repeat": Measure(False, "longest repeated span (tokens)"),
+    "ends_in_loop": Measure(True, "share of continuations ending in a loop"),
+}
+P_METHODS = {
+    "wilcoxon": "Wilcoxon signed-rank over prompts, zero differences dropped, two-sided",
+    "sign": "exact sign test over the discordant prompts (McNemar), two-sided",
+}
 
 
 class Degeneration(NamedTuple):
     """`table`: one row per (task, policy, fraction, measure) (module doc); `tests`: the paired
-    tests (`TEST_KEYS`), for analysis.json; `status`."""
+    tests against the baseline; `status`."""
 
     table: pd.DataFrame
-    tests: list[dict[str, Any]]
+    tests: list[StatTest]
     status: dict[str, Any]
 
 
@@ -83,13 +103,14 @@ def measure_row(
 ) -> dict[str, Any]:
     """The statistics of one measure of one (task, policy, fraction) group; `x` and `base`
     are per-prompt values indexed by problem id."""
-    binary = MEASURES[measure]
+    binary = MEASURES[measure].binary
     vals = x.dropna().to_numpy(float)
     row: dict[str, Any] = {"measure": measure, "n": len(vals), "mean": None}
     if len(vals):
         mean = mean_interval(vals, binary, rng_for(p.seed, "degeneration", *key, measure), p)
         row |= {"mean": mean.estimate, **mean.columns()}
     row |= {"baseline_mean": None, "n_pairs": 0, "diff": None, "test": None, "p_raw": None}
+    row |= {"mde": None, "test_name": None}
     if base is None:
         return row
     pair = pd.concat([x, base], axis=1, join="inner").dropna()
@@ -99,7 +120,41 @@ def measure_row(
         return row
     rng = rng_for(p.seed, "degeneration", "diff", *key, measure)
     (diff,) = stream_bootstrap(mean_stat(d), len(d), p.n_boot, rng, p.ci_level)
-    return row | {"diff": diff.estimate, **diff.columns("diff_")} | paired_test(d, binary)
+    task, policy, _ = key
+    row |= {"diff": diff.estimate, **diff.columns("diff_"), **paired_test(d, binary)}
+    sd = float(d.std(ddof=1)) if len(d) > 1 else None
+    mde = paired_mde(sd, len(d), p.alpha, p.power, "two-sided")
+    what = MEASURES[measure].what
+    return row | {"mde": mde, "test_name": f"{task}: {policy} {what} vs the baseline"}
+
+
+def row_test(row: dict[str, Any], p: AnalysisParams) -> StatTest:
+    """The paired test of one measure row against the baseline (module doc)."""
+    what = MEASURES[row["measure"]].what
+    iv = (
+        f"[{row['diff_ci_lo']:+.3g}, {row['diff_ci_hi']:+.3g}]"
+        if row["diff_ci_lo"] is not None
+        else "undefined"
+    )
+    return StatTest(
+        kind="degeneration",
+        name=row["test_name"],
+        hypothesis=f"substitution raises the {what} of free continuations",
+        expected=1,
+        estimand=f"mean difference of the {what} (policy − baseline), same prompts",
+        fraction=row["fraction"],
+        estimate=row["diff"],
+        p_value=row["p_raw"],
+        p_method=P_METHODS[row["test"]],
+        mde=row["mde"],
+        min_p=row["min_p"],
+        n_units=row["n_pairs"],
+        unit="prompts",
+        sensitivity=(
+            f"mean difference, {level_label(p.ci_level)} prompt bootstrap "
+            f"({row['diff_ci_method']}): {iv}"
+        ),
+    )
 
 
 def degeneration(
@@ -145,7 +200,7 @@ def degeneration(
             theirs = base[measure] if name != p.baseline and len(base) else None
             rows.append(own | measure_row(g[measure], theirs, measure, (task, name, frac), p))
     table = pd.DataFrame(rows)
-    tests = table[table["test"].notna()][list(TEST_KEYS)].to_dict("records")
+    tests = [row_test(r, p) for r in rows if r["test"] is not None]
     status = {"status": "ok"}
     if not (table["policy"] == p.baseline).any():
         status["note"] = f"no {p.baseline} continuation: no paired test"

@@ -76,7 +76,6 @@ RESULTS = (
     "admission",
     "sim_vs_engine",
     "regime",
-    "degeneration",
 )
 
 
@@ -123,6 +122,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *adm.tests,
             *units.tests,
             *gen.tests,
+            *degen.tests,
         ],
         p.alpha,
     )
@@ -154,7 +154,6 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
-            "degeneration": degen.tests,
         },
         parts={
             "quality": qual.status,
