@@ -32,7 +32,7 @@ WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "d
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
-    "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
+    "model_embedded", "streams", "capture", "expert_ranking", "simulate", "cost_model",
     "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
     "regime", "analysis", "recommend", "report",
 }  # fmt: skip
@@ -238,12 +238,25 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     buddies = any(
         p.get("substitute_by") == "coactivation" for p in mcfg.expand_policies(cfg).values()
     )
-    assert rules == STAGES | {"all"} | ({"coactivation"} if buddies else set())
+    policies = mcfg.expand_policies(cfg)
+    planned = [name for name, spec in policies.items() if mcfg.is_planned(spec)]
+    extra = ({"coactivation"} if buddies else set()) | ({"allocation"} if planned else set())
+    assert rules == STAGES | {"all"} | extra
     outputs = {out for _, out in jobs}
     assert "results/report.html" in outputs
-    # one job per (policy, fraction) and stage; the sweeps expand into named policies
-    n_policies = len(mcfg.expand_policies(cfg))
-    assert sum(rule == "simulate" for rule, _ in jobs) == n_policies * len(cfg["fractions"])
+    # one job per (policy, size) and stage, at the stage's sizes (simulate: every size); the
+    # sweeps expand into named policies; one allocation per planned policy and size
+    sizes, stage = mcfg.stage_sizes(cfg), mcfg.stage_policies(cfg, policies)
+    assert sizes["simulate"] == mcfg.size_labels(cfg)
+    count = {rule: sum(r == rule for r, _ in jobs) for rule in rules}
+    assert count["simulate"] == len(policies) * len(sizes["simulate"])
+    assert count["emulate"] == len(stage["emulate"]) * len(sizes["emulate"])
+    assert count.get("allocation", 0) == len(planned) * len(sizes["simulate"])
+    assert {out for rule, out in jobs if rule == "simulate"} == {
+        f"results/embedded/simulate/{name}/{size}.parquet"
+        for name in policies
+        for size in sizes["simulate"]
+    }
     assert not (wf / "results").exists()
 
 
@@ -392,6 +405,7 @@ def test_checkpoint_without_tokenizer_rejected_at_parse_time(tmp_path):
     wf = copy_workflow(tmp_path / "wf")
     cfg = load_test_config()
     cfg["models"]["real"] = {"path": str(ckpt)}
+    cfg["budgets"] = []  # a budget would need the checkpoint's expert shapes too
     (wf / "ckpt.yaml").write_text(yaml.safe_dump(cfg))
     message = (
         f"models.real.path: {str(ckpt)!r} has no tokenizer (none of tokenizer.json, "
@@ -463,7 +477,7 @@ def test_touching_capture_script_reruns_capture_not_model(full_run):
     finally:
         os.utime(script, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert "capture" in rules
-    assert {"initial_sets", "simulate", "emulate", "engine", "analysis", "report"} <= rules
+    assert {"expert_ranking", "simulate", "emulate", "engine", "analysis", "report"} <= rules
     # the real-size benchmark replays the captured trace (engine.bench.routing: trace)
     assert "engine_bench" in rules
     assert not rules & {"model_embedded", "streams", "calibrate"}

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, Policy
+from moesub.slots import policy_fields
 from moesub.stats.load import missing
 from moesub.stats.params import AnalysisParams
 from moesub.stats.timing import pareto_front
@@ -95,7 +96,7 @@ def design_space(
         if spec is None:
             unknown.append(r["policy"])
             continue
-        rows.append(_row(r, Policy.from_dict(dict(spec)), layers))
+        rows.append(_row(r, Policy.from_dict(policy_fields(spec)), layers))
     if not rows:
         why = f"no known policy among the simulated {unknown}"
         return DesignSpace(pd.DataFrame(), pd.DataFrame(), missing(why))
