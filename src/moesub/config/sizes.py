@@ -151,18 +151,26 @@ def regime_size(config: Mapping[str, Any], name: str) -> CacheSize:
 
 def check_pins(config: Mapping[str, Any], policies: Mapping[str, Mapping[str, Any]]) -> None:
     """Every policy's pin spec at every size of every model (uniform slots: a planned
-    allocation keeps each layer at or above the smallest C_l its pins allow) leaves a token's
-    experts their slots: pin + max(k, prefetch) <= C."""
+    allocation keeps each layer at or above the smallest C_l its pins allow), and every engine
+    benchmark policy's at the benchmark's C, leaves a token's experts their slots:
+    pin + max(k, prefetch) <= C."""
+    checks = []  # (where, capacity, k, policy names)
     for name in config["models"]:
         _, top_k = model_geometry(config, name)
         for size in model_sizes(config, name).values():
-            for policy, spec in policies.items():
-                try:
-                    layer_pin(spec.get("pin", 0), size.capacity, top_k, spec.get("prefetch", 0))
-                except ValueError as e:
-                    raise ValueError(
-                        f"policies.{policy}.pin at size {size.label} of model {name!r}: {e}"
-                    ) from None
+            checks.append((f"size {size.label} of model {name!r}", size.capacity, top_k, policies))
+    bench = {**schema_defaults("engine.bench"), **((config.get("engine") or {}).get("bench") or {})}
+    if bench["enabled"] and bench.get("policies"):
+        capacity = capacity_for(bench["fraction"], bench["num_experts"])
+        named = [n for n in bench["policies"] if n in policies]
+        checks.append((f"the engine benchmark's C={capacity}", capacity, bench["top_k"], named))
+    for where, capacity, top_k, names in checks:
+        for policy in names:
+            spec = policies[policy]
+            try:
+                layer_pin(spec.get("pin", 0), capacity, top_k, spec.get("prefetch", 0))
+            except ValueError as e:
+                raise ValueError(f"policies.{policy}.pin at {where}: {e}") from None
 
 
 def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
