@@ -444,8 +444,10 @@ BAD_CONFIGS = {
         "sweeps.allocation: 'nope' is not a policy",
     ),
     "planned_on_the_engine": (
-        lambda c: c.update(sweeps={"allocation": ["rule_015"]})
-        or c["engine"]["policies"].append("rule_015_planned"),
+        lambda c: (
+            c.update(sweeps={"allocation": ["rule_015"]})
+            or c["engine"]["policies"].append("rule_015_planned")
+        ),
         "engine.policies: ['rule_015_planned'] have planned per-layer slot counts",
     ),
 }
