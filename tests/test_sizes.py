@@ -245,3 +245,23 @@ def test_run_allocation_plans_on_the_calibration_capture(tmp_path):
     with pytest.raises(ValueError, match="must be 'planned'"):
         run_allocation(tmp_path / "calib.parquet", tmp_path / "ranking.parquet", "p",
                        {"rule": "fetch_all"}, 0.375, out)  # fmt: skip
+
+
+def test_models_table_says_how_each_budget_was_priced():
+    """The analysis' models table (shown in the report) lists each size's label and how a
+    budget became slots: bits, bytes per expert and the pricing geometry (here the reference)."""
+    from moesub.stats.load import DATA_KINDS, FileInfo, model_row
+
+    budget = resolve_size("10GiB", 512, REFERENCE_GEOMETRY, 4.5)
+    infos = {kind: [] for kind in DATA_KINDS}
+    infos["simulate"] = [
+        FileInfo("a", "simulate", 1, {"capacity": 126, "size": budget.to_dict()}, "p", 126 / 512),
+        FileInfo("b", "simulate", 1, {"capacity": 128}, "p", 0.25),  # written before sizes
+    ]
+    row = model_row("m", [], infos)
+    assert row["sizes"] == ["b10GiB", "f0.25"] and row["capacities"] == [126, 128]
+    assert row["pricing"] == (
+        "b10GiB: 10GiB at 4.5 bits per weight = 1769472 B per expert -> C = 126 per layer, "
+        "priced at the reference geometry Qwen3-Next-80B-A3B (48 MoE layers, 512 experts, "
+        "hidden 2048, expert width 512)"
+    )
