@@ -1,5 +1,5 @@
 # Stage 3 (simulate): replay the captured router logits through the C++ policy core, one
-# (policy, fraction) per job, priced by the cost model calibrated on the engine; the
+# (policy, cache size) per job, priced by the cost model calibrated on the engine; the
 # co-activation table (calibration split) for policies with substitute_by: coactivation.
 
 
