@@ -416,6 +416,18 @@ def test_benchmark_table(tmp_path, monkeypatch):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
         BenchParams.from_dict({"layer": 2})
+    # the config's pin specs resolve at the benchmark's C = 128 (k = 10): "C-k" leaves k slots,
+    # "C-5" too few; a planned allocation has no artefact here
+    pinned = {"rule": "first_choice", "eviction": "lru", "pin": "C-k"}
+    synthetic = {"routing": "synthetic"}
+    assert BenchParams.from_dict({**synthetic, "policies": {"keep": pinned}}).policies == {
+        "keep": pinned
+    }
+    with pytest.raises(ValueError, match=r"params.policies.keep: pin 'C-5' pins 123 of C_l=128"):
+        BenchParams.from_dict({**synthetic, "policies": {"keep": {**pinned, "pin": "C-5"}}})
+    with pytest.raises(ValueError, match="params.policies.p: a planned allocation"):
+        planned = {"p": {"rule": "fetch_all", "allocation": "planned"}}
+        BenchParams.from_dict({**synthetic, "policies": planned})
 
 
 # ----------------------------------------------------------------------------------- CUDA
