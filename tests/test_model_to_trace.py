@@ -87,6 +87,6 @@ def test_expert_ranking_and_simulation_on_the_captured_trace(captured):
     init = read_expert_ranking(root / "ranking.parquet", 2, 64)[:, : capacity_for(0.25, 64)]
     assert init.shape == (2, 16)
     trace = load_trace(root / "eval_router.parquet")
-    df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 0.25)], {16: init})
+    df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 16, init)])
     total = df.filter(df["layer"] == -1).row(0, named=True)
     assert 0 < total["hit_rate"] <= total["belady_hit_rate"] <= 1

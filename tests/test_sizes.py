@@ -15,7 +15,7 @@ from moesub import config as mcfg
 from moesub.allocation import best_split, capacity_range, is_concave, run_allocation
 from moesub.artefacts import router_rows, router_writer
 from moesub.layout import build_layout, read_allocation
-from moesub.policy import Policy
+from moesub.policy import Policy, scan
 from moesub.slots import (
     REFERENCE_GEOMETRY,
     CacheSize,
@@ -212,10 +212,11 @@ def _write_calibration(path, logits, k):
         w.write_table(router_rows(0, logits))
 
 
-def test_run_allocation_plans_on_the_calibration_capture(tmp_path):
+@pytest.mark.parametrize("pin", [0, "C-k"])
+def test_run_allocation_plans_on_the_calibration_capture(tmp_path, pin):
     """Layer 0 routes over 4 experts, layer 1 over 12: the plan moves slots to layer 1, keeps
     the total, maximizes the calibration hits (the curves' best split, brute-forced here) and
-    never does worse than uniform there."""
+    never does worse than uniform there; pins resolve at each layer's planned C_l."""
     rng = np.random.default_rng(3)
     T, E, k = 400, 16, 2
     z = rng.normal(size=(T, 2, E)).astype(np.float32)
@@ -223,7 +224,7 @@ def test_run_allocation_plans_on_the_calibration_capture(tmp_path):
     z[:, 1, 12:] -= 8.0  # layer 1: experts 0..11
     _write_calibration(tmp_path / "calib.parquet", z, k)
     write_ranking(tmp_path / "ranking.parquet", np.tile(np.arange(E), (2, 1)), E)
-    policy = {"rule": "fetch_all", "eviction": "lru", "allocation": "planned"}
+    policy = {"rule": "fetch_all", "eviction": "lru", "pin": pin, "allocation": "planned"}
     out = tmp_path / "alloc.json"
     run_allocation(tmp_path / "calib.parquet", tmp_path / "ranking.parquet", "p", policy, 0.375,
                    out)  # fmt: skip
@@ -238,13 +239,18 @@ def test_run_allocation_plans_on_the_calibration_capture(tmp_path):
     assert tuple(doc["capacities"]) == want and doc["planned_hits"] == want_hits
     assert doc["capacities"][1] > doc["capacities"][0]
     assert doc["planned_hits"] >= doc["uniform_hits"] == hits[C - 2].sum()
-    assert doc["pins"] == [0, 0]
+    assert doc["pins"] == [pin_count(pin, c, k) for c in doc["capacities"]]
     assert read_allocation(out, 2, C) == tuple(doc["capacities"])
     with pytest.raises(ValueError, match="planned for C=6"):
         read_allocation(out, 2, 7)
     with pytest.raises(ValueError, match="must be 'planned'"):
         run_allocation(tmp_path / "calib.parquet", tmp_path / "ranking.parquet", "p",
                        {"rule": "fetch_all"}, 0.375, out)  # fmt: skip
+    # each curve point is the grid's pinned policy at c slots: layer 1 at c = 10 with "C-k"
+    # pins its 8 hottest (experts 0..7) and keeps 2 LRU slots
+    if pin == "C-k":
+        one = scan(z[:, [1]], k, 10, Policy(pin=8), initial=np.arange(10)[None])
+        assert hits[10 - 2, 1] == (one.status == 0).sum()
 
 
 def test_models_table_says_how_each_budget_was_priced():

@@ -37,7 +37,7 @@ import numpy as np
 
 from moesub.artefacts import load_trace, read_expert_ranking
 from moesub.coactivation import read_coactivation
-from moesub.grid import GridPoint, simulate
+from moesub.grid import COUNTER_NAMES, GridPoint, replay
 from moesub.io import write_json
 from moesub.layout import build_layout
 from moesub.policy import CORE_BUILD_ID
@@ -76,20 +76,18 @@ def hit_curves(
     ranking's first c experts of each layer, the pin spec resolved at c."""
     L, E = ranking.shape
     uniform = {**policy, "allocation": "uniform"}
-    points, initial = [], {}
+    points = []
     for c in capacities:
         layout = build_layout(ranking, CacheSize(f"c{c}", c, c / E), uniform, top_k)
-        points.append(GridPoint(f"c{c}", layout.policy(uniform), c / E))
-        initial[c] = layout.initial_array()
+        points.append(GridPoint(f"c{c}", layout.policy(uniform), c, layout.initial_array()))
+    hit = COUNTER_NAMES.index("hit")
     hits = np.zeros((len(points), L), np.int64)
     for start in range(0, len(points), _BATCH):
         batch = points[start : start + _BATCH]
-        df = simulate(
-            streams, top_k, batch, initial, belady=False, lookahead=lookahead,
-            coactivation=coactivation,
-        )  # fmt: skip
-        layers = df.filter(df["layer"] >= 0).sort("capacity", "layer")
-        hits[start : start + len(batch)] = layers["hit"].to_numpy().reshape(len(batch), L)
+        counts = replay(
+            streams, top_k, batch, belady=False, lookahead=lookahead, coactivation=coactivation
+        ).counters  # (G, L, counters)
+        hits[start : start + len(batch)] = counts[:, :, hit]
     return hits
 
 

@@ -39,7 +39,7 @@ from moesub.models import (
     router_weights,
 )
 from moesub.params import check_dtype, torch_dtype
-from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_initial
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_layers
 from moesub.slots import CacheSize
 
 
@@ -347,23 +347,6 @@ class BatchRouter:
         return torch.cat(out_w), torch.cat(out_ids)
 
 
-def per_layer(
-    capacity: int | Sequence[int], initial: Any, num_layers: int, num_experts: int
-) -> tuple[list[int], list[np.ndarray | None]]:
-    """Per-layer capacities and initial sets from the forms `scan` takes: `capacity` an int (every
-    layer) or L ints; `initial` None (experts 0..C_l-1), an (L, C) array or L 1-D arrays of
-    lengths C_l (a `CacheLayout`'s `capacities` and `initial`)."""
-    caps = [int(capacity)] * num_layers if np.ndim(capacity) == 0 else [int(c) for c in capacity]
-    if len(caps) != num_layers:
-        raise ValueError(f"capacity: expected an int or {num_layers} per-layer ints, got {caps}")
-    if initial is None:
-        return caps, [None] * num_layers
-    if len(initial) != num_layers:
-        raise ValueError(f"initial: expected {num_layers} per-layer sets, got {len(initial)}")
-    rows = [check_initial(row, (c,), num_experts) for row, c in zip(initial, caps, strict=True)]
-    return caps, rows
-
-
 def make_caches(
     model,
     policy,
@@ -371,14 +354,15 @@ def make_caches(
     initial: Any,
     coactivation: np.ndarray | None = None,
 ) -> list:
-    """One fresh `LayerCache` per MoE layer: layer l's capacity, initial set and policy
-    (`per_layer`: an int or L capacities; None, an (L, C) array or L initial sets; its pins
-    `Policy.for_layer`); `coactivation` (L, E, E): the table substitute_by='coactivation' ranks
-    candidates by (`moesub.coactivation.read_coactivation`), required by such a policy."""
+    """One fresh `LayerCache` per MoE layer: layer l's capacity, initial set and policy (its
+    pins: `Policy.for_layer`), from the forms `scan` takes (`moesub.policy.check_layers`: an int
+    or L capacities; None, an (L, C) array or L initial sets); `coactivation` (L, E, E): the
+    table substitute_by='coactivation' ranks candidates by
+    (`moesub.coactivation.read_coactivation`), required by such a policy."""
     info = moe_info(model)
     policy = replay_policy(policy)
     L, E = info.num_layers, info.num_experts
-    caps, initial = per_layer(capacity, initial, L, E)
+    layers = check_layers(policy, info.top_k, capacity, initial, L, E)
     if policy.substitute_by == "coactivation":
         if coactivation is None:
             raise ValueError(
@@ -397,9 +381,9 @@ def make_caches(
         LayerCache(
             num_experts=E,
             k=info.top_k,
-            capacity=caps[layer],
-            policy=policy,
-            initial=initial[layer],
+            capacity=layers.capacities[layer],
+            policy=policy.for_layer(layer),
+            initial=layers.initials[layer],
             coactivation=None if coactivation is None else coactivation[layer],
         )
         for layer in range(L)

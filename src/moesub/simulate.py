@@ -61,8 +61,9 @@ def run_simulate(
         read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
     )
     df = simulate(
-        trace.logits, k, [GridPoint(name, pol, layout.size.fraction)],
-        {C: layout.initial_array()}, cost, lookahead=trace.lookahead, coactivation=table,
+        trace.logits, k,
+        [GridPoint(name, pol, layout.capacities, layout.initial, layout.size.fraction)],
+        cost, lookahead=trace.lookahead, coactivation=table,
     )  # fmt: skip
     write_parquet(
         df,

@@ -19,9 +19,10 @@ from moesub.slots import LAYOUT_KEYS, check_pin_spec
 from moesub.vocabulary import ALL_RESIDENT, OFFLINE_EVICTIONS, Policy
 
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
-# v2's fields (docs/policy-semantics.md): a normalized policy carries one only where it differs
-# from the default, so every v1 policy keeps its exact params (and its jobs are not rerun)
-V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by")
+# v2's fields and v3's host_admit (docs/policy-semantics.md): a normalized policy carries one only
+# where it differs from the default, so every v1 policy keeps its exact params (and its jobs are
+# not rerun); v3's pin is a layout key (`moesub.slots.LAYOUT_KEYS`), resolved per layer
+V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by", "host_admit")
 POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
 # Stages that run a model online (stage -> its config keys): an offline eviction (belady)
 # cannot run there.
@@ -105,7 +106,10 @@ def missing_admission_twins(
     for name in names:
         pol = policies[name]
         if pol["beta"] > 0 and not any(is_exact_twin(pol, policies[n]) for n in names if n != name):
-            out.append(f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)})")
+            out.append(
+                f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)}): "
+                "its admission effect will not be measured"
+            )
     return out
 
 
