@@ -27,6 +27,7 @@ from moesub.models import stream_batches, stream_nll
 from moesub.policy import FETCH, STATUS_NAMES, SUB, Policy, scan
 from moesub.replay import computed_ids, greedy_decode
 from moesub.simulate import run_simulate
+from moesub.slots import pin_count
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
 SUBSTITUTING = Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5)
@@ -246,15 +247,23 @@ def test_fetch_every_miss_reproduces_run_capture_nll(stage_inputs):
     )
 
 
-def test_per_layer_capacities_reproduce_the_capture(stage_inputs, tmp_path):
-    """A planned layout (per-layer capacities 4, 9, 5, 6; sum L x C = 24) under fetch_every_miss
-    still computes the captured model bit for bit, and each layer's cache holds its own
-    capacity and ranking prefix: the per-token counts are those of one scan per layer at C_l
-    over the captured router logits."""
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"rule": "fetch_all", "eviction": "lru"},
+        {"rule": "fetch_all", "eviction": "lru", "pin": "25%"},  # pins 1, 2, 1, 1
+        {"rule": "host_compute", "eviction": "lru", "host_admit": 2, "pin": 1},
+    ],
+)
+def test_per_layer_capacities_reproduce_the_capture(stage_inputs, tmp_path, policy):
+    """A planned layout (per-layer capacities 5, 8, 5, 6; sum L x C = 24) under a lossless
+    policy, with pins and host uploads, still computes the captured model bit for bit, and each
+    layer's cache holds its own capacity, ranking prefix and pins: the per-token counts are
+    those of one scan per layer at C_l over the captured router logits."""
     root = stage_inputs
-    caps = [4, 9, 5, 6]
+    caps = [5, 8, 5, 6]
     (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": caps}))
-    planned = {"rule": "fetch_all", "eviction": "lru", "allocation": "planned"}
+    planned = {**policy, "allocation": "planned"}
     out = _run(
         root, policy=planned, out_path=tmp_path / "planned.parquet",
         allocation_path=tmp_path / "alloc.json",
@@ -263,18 +272,23 @@ def test_per_layer_capacities_reproduce_the_capture(stage_inputs, tmp_path):
     captured = pl.read_parquet(root / "tokens.parquet")
     a, b = (df["nll"].fill_null(np.nan).to_numpy() for df in (got, captured))
     assert np.array_equal(a, b, equal_nan=True)
-    assert read_metadata(out)["layout"]["capacities"] == caps
+    layout = read_metadata(out)["layout"]
+    pins = [pin_count(policy.get("pin", 0), c, K) for c in caps]
+    assert layout["capacities"] == caps and layout["pins"] == pins
     trace = load_trace(root / "router.parquet")
     ranking = read_expert_ranking(root / "ranking.parquet", L, E)
+    fields = {k: v for k, v in policy.items() if k != "pin"}
     hits = []
     for z in trace.logits:  # streams in id order, as the token table
         per_layer = [
-            scan(z[:, [layer]], K, c, Policy(), initial=ranking[None, layer, :c]).status
-            for layer, c in enumerate(caps)
+            scan(
+                z[:, [layer]], K, c, Policy(**fields, pin=pin), initial=ranking[None, layer, :c]
+            ).status
+            for layer, (c, pin) in enumerate(zip(caps, pins, strict=True))
         ]
         hits.append((np.concatenate(per_layer, axis=1) == 0).sum(axis=(1, 2)))
     np.testing.assert_array_equal(got["hit"].to_numpy(), np.concatenate(hits))
-    uniform = pl.read_parquet(_run(root, out_path=tmp_path / "uniform.parquet"))
+    uniform = pl.read_parquet(_run(root, policy=policy, out_path=tmp_path / "uniform.parquet"))
     assert not got["hit"].equals(uniform["hit"])  # the capacities differ from uniform C = 6
     with pytest.raises(ValueError, match="planned per-layer capacities"):
         _run(root, policy=planned, out_path=tmp_path / "x.parquet")

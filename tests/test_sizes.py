@@ -8,14 +8,17 @@ import itertools
 import json
 
 import numpy as np
+import polars as pl
 import pytest
 from fixtures_artefacts import write_ranking
 
 from moesub import config as mcfg
 from moesub.allocation import best_split, capacity_range, is_concave, run_allocation
 from moesub.artefacts import router_rows, router_writer
+from moesub.io import read_metadata
 from moesub.layout import build_layout, read_allocation
 from moesub.policy import Policy, scan
+from moesub.simulate import run_simulate
 from moesub.slots import (
     REFERENCE_GEOMETRY,
     CacheSize,
@@ -271,3 +274,29 @@ def test_models_table_says_how_each_budget_was_priced():
         "priced at the reference geometry Qwen3-Next-80B-A3B (48 MoE layers, 512 experts, "
         "hidden 2048, expert width 512)"
     )
+
+
+def test_simulate_stage_runs_the_planned_pinned_layout(tmp_path):
+    """The simulate stage replays a planned, pinned layout: each layer's row is one scan of
+    that layer at its C_l from its ranking prefix with its pins, and the metadata records the
+    size and the layout; a budget size reaches it resolved (label, C, pricing)."""
+    rng = np.random.default_rng(5)
+    T, E, k = 300, 16, 2
+    z = rng.normal(size=(T, 3, E)).astype(np.float32)
+    _write_calibration(tmp_path / "eval.parquet", z, k)
+    ranking = np.stack([rng.permutation(E) for _ in range(3)])
+    write_ranking(tmp_path / "ranking.parquet", ranking, E)
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": 6, "capacities": [4, 9, 5]}))
+    policy = {"rule": "fetch_all", "eviction": "lru", "pin": "C-k", "allocation": "planned"}
+    size = CacheSize("b1MiB", 6, 6 / E, {"budget": "1MiB"}).to_dict()  # as the workflow passes
+    out = tmp_path / "sim.parquet"
+    run_simulate(str(tmp_path / "eval.parquet"), str(tmp_path / "ranking.parquet"), "p", policy,
+                 size, None, str(out), allocation_path=str(tmp_path / "alloc.json"))  # fmt: skip
+    df = pl.read_parquet(out).sort("layer")
+    for layer, c in enumerate([4, 9, 5]):
+        one = scan(z[:, [layer]], k, c, Policy(pin=c - k), initial=ranking[None, layer, :c])
+        row = df.filter(pl.col("layer") == layer).row(0, named=True)
+        assert row["capacity"] == c and row["hit"] == (one.status == 0).sum()
+    meta = read_metadata(out)
+    assert meta["size"]["label"] == "b1MiB" and meta["layout"]["pins"] == [2, 7, 3]
+    assert meta["fraction"] == 6 / E and meta["capacity"] == 6
