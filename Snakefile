@@ -45,6 +45,7 @@ wildcard_constraints:
 include: "workflow/rules/model.smk"
 include: "workflow/rules/streams.smk"
 include: "workflow/rules/capture.smk"
+include: "workflow/rules/traces.smk"
 include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"

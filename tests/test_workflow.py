@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -241,6 +242,10 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     policies = mcfg.expand_policies(cfg)
     planned = [name for name, spec in policies.items() if mcfg.is_planned(spec)]
     extra = ({"coactivation"} if buddies else set()) | ({"allocation"} if planned else set())
+    # a model given as a trace exported from a captured one (the test config's embedded_trace)
+    models = list(cfg["models"])
+    traced = [m for m in models if cfg["models"][m].get("trace")]
+    extra |= {"export_trace", "import_trace"} if traced else set()
     assert rules == STAGES | {"all"} | extra
     outputs = {out for _, out in jobs}
     assert "results/report.html" in outputs
@@ -249,14 +254,19 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     sizes, stage = mcfg.stage_sizes(cfg), mcfg.stage_policies(cfg, policies)
     assert sizes["simulate"] == mcfg.size_labels(cfg)
     count = {rule: sum(r == rule for r, _ in jobs) for rule in rules}
-    assert count["simulate"] == len(policies) * len(sizes["simulate"])
+    assert count["simulate"] == len(policies) * len(sizes["simulate"]) * len(models)
     assert count["emulate"] == len(stage["emulate"]) * len(sizes["emulate"])
-    assert count.get("allocation", 0) == len(planned) * len(sizes["simulate"])
+    assert count.get("allocation", 0) == len(planned) * len(sizes["simulate"]) * len(models)
     assert {out for rule, out in jobs if rule == "simulate"} == {
-        f"results/embedded/simulate/{name}/{size}.parquet"
+        f"results/{model}/simulate/{name}/{size}.parquet"
+        for model in models
         for name in policies
         for size in sizes["simulate"]
     }
+    # a trace model: no emulate, engine, Experiment B or generation jobs
+    for rule, out in jobs:
+        if rule in ("emulate", "engine", "expb", "expb_feasibility", "generate", "calibrate"):
+            assert out.split("/")[1] not in traced, (rule, out)
     assert not (wf / "results").exists()
 
 
@@ -555,9 +565,64 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     expected |= {("generate", "quality")}  # both tasks: same (rule, policy) key
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
-    expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
+    # the recommendations read the analysis; the trace model simulates quality too
+    expected |= {("recommend", "embedded"), ("recommend", "embedded_trace")}
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
+
+
+@pytest.mark.slow
+def test_trace_model_simulates_as_the_embedded_model(full_run):
+    """The embedded model's capture exported as RTRACE01 (both splits) and imported back as
+    embedded_trace: the same streams, the same expert ranking, so every simulate run (every
+    policy, the planned allocation too, every size) has the same counts. The logits are
+    log(float32 softmax): equal selections, gate weights within float32 rounding, so the
+    threshold rules' counts agree too (they could differ only where a gate weight sits
+    within rounding of tau)."""
+    import pandas as pd
+
+    res = full_run / "results"
+    runs = sorted((res / "embedded" / "simulate").rglob("*.parquet"))
+    assert runs
+    counters = ["layer", "tokens", "hit", "fetch", "sub", "host", "hit_rate", "sub_rate"]
+    for path in runs:
+        twin = res / "embedded_trace" / path.relative_to(res / "embedded")
+        a, b = pd.read_parquet(path), pd.read_parquet(twin)
+        pd.testing.assert_frame_equal(a[counters], b[counters], check_exact=True, obj=str(twin))
+        assert (a["mass_mean"] - b["mass_mean"]).abs().max() < 1e-5, twin
+    for name in ("expert_ranking.parquet",):
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(res / "embedded" / name), pd.read_parquet(res / "embedded_trace" / name)
+        )
+    summary = json.loads((res / "embedded_trace" / "trace.json").read_text())
+    assert summary["format"] == "rtrace01" and summary["eval_streams"] == 2
+    assert "Experiment B" in summary["skipped_stages"]
+    rec = json.loads((res / "embedded_trace" / "recommendation.json").read_text())
+    assert rec["source"] == "trace"
+    for entry in rec["fractions"]:
+        assert entry["quality_proxy"]["label"].startswith("quality proxy")
+        assert entry["fastest"] is not None and entry["lossless"]["substituted_mass"] == 0
+    html = (res / "report.html").read_text()
+    assert "embedded_trace (router trace, simulated only)" in html
+    assert "a trace model has its routing only" in html
+
+
+@pytest.mark.slow
+def test_export_on_request(full_run):
+    """eval.rtrace01 / eval.mblt are not in the default target; asking for them runs the export
+    alone, and they read back to the captured trace's selections."""
+    from moesub.artefacts import load_trace
+    from moesub.traces import ranked_topk, read_trace
+
+    targets = ["results/embedded/capture/eval.mblt", "results/embedded/capture/eval.rtrace01"]
+    run = snakemake(full_run, "--cores", "1", "--configfile", TEST_CONFIG, *targets)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert "rule export_trace" in run.stdout and "rule capture" not in run.stdout
+    captured = load_trace(full_run / "results/embedded/capture/eval_router.parquet")
+    ids = ranked_topk(np.concatenate(captured.logits), captured.top_k)
+    for target in targets:
+        tr = read_trace(full_run / target, top_k=captured.top_k)
+        np.testing.assert_array_equal(tr.ids, ids)
 
 
 @pytest.mark.slow

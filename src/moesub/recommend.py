@@ -231,6 +231,8 @@ def recommend(
 
     summary, sq, pip = (of_model(t[k]) for k in ("summary", "speed_quality", "per_input_points"))
     fractions = sorted({float(f) for f in m["fractions"]} | set(summary.get("fraction", [])))
+    if m.get("source") == "trace":
+        return trace_recommendation(model, geometry, summary, sq, fractions, t["analysis"], p)
     entries = []
     for f in fractions:
         cands = candidates(summary, sq, pip, f, geometry["top_k"] * geometry["num_layers"])
@@ -248,6 +250,106 @@ def recommend(
         **geometry,
         "baseline": doc_params.get("baseline", "fetch_every_miss"),
         "ci_level": doc_params.get("ci_level"),
+        "dppl_budget_pct": p.dppl_budget_pct,
+        "fractions": entries,
+    }
+    jsonschema.validate(doc, RECOMMENDATION_SCHEMA)
+    return doc
+
+
+# ---- a trace model: no Δppl, the substituted mass as its proxy ------------------------------
+
+
+def mass_proxy(analysis: Mapping[str, Any], model: str, fraction: float) -> dict[str, Any]:
+    """How well substituted mass stood for Δppl where Δppl was measured: the mass hypothesis'
+    r of the other models (`analysis.json["mass_hypothesis"]`), the one at the nearest fraction
+    with an r first."""
+    entries = [e for e in analysis.get("mass_hypothesis") or [] if e.get("model", model) != model]
+    entries.sort(key=lambda e: (e.get("r") is None, abs(float(e["fraction"]) - fraction)))
+    out: dict[str, Any] = {
+        "measure": "mean substituted gate mass per token-layer (simulated)",
+        "label": "quality proxy: substituted mass, not a measured Δppl",
+    }
+    if not entries:
+        return {**out, "r": None, "reason": "no model with measured Δppl in this analysis"}
+    e = entries[0]
+    return {
+        **out,
+        "r": e.get("r"),
+        "from_model": e.get("model"),
+        "from_fraction": float(e["fraction"]),
+        "n_policies": e.get("n"),
+        "reason": e.get("reason"),
+    }
+
+
+def trace_candidates(
+    summary: pd.DataFrame, sq: pd.DataFrame, fraction: float, calls_per_token: int
+) -> pd.DataFrame:
+    """A trace model's policies at `fraction`: simulated hit rate, substituted mass and time."""
+    cols = ["policy", "sim_hit_rate", "sim_sub_rate", "sim_mass_mean"]
+    s = summary.reindex(columns=list(dict.fromkeys([*cols, "fraction", *summary.columns])))
+    s = s[np.isclose(s["fraction"].astype(float), fraction)]
+    c = s[cols].merge(timing_rows(s, sq, fraction), on="policy", how="left")
+    c = c.rename(columns={"sim_hit_rate": "hit_rate", "sim_mass_mean": "substituted_mass"})
+    c["misses_per_token"] = (1.0 - c["hit_rate"].astype(float)) * calls_per_token
+    # no substitution: every selected expert computed exactly, lossless without measuring Δppl
+    c["lossless"] = c["sim_sub_rate"].astype(float) == 0
+    c["excluded"] = [
+        "no time per token vs the baseline (simulator)"
+        if not _finite(r["speedup_vs_fetch_every_miss"])
+        else None
+        for r in c.to_dict("records")
+    ]
+    return c.drop(columns="sim_sub_rate").sort_values("policy", ignore_index=True)
+
+
+TRACE_FIGURES = (
+    "policy", "time_source", "time_per_token_s", "speedup_vs_fetch_every_miss", "hit_rate",
+    "substituted_mass", "misses_per_token", "lossless",
+)  # fmt: skip
+
+
+def trace_recommendation(
+    model: str,
+    geometry: dict[str, int],
+    summary: pd.DataFrame,
+    sq: pd.DataFrame,
+    fractions: list[float],
+    analysis: Mapping[str, Any],
+    p: RecommendParams,
+) -> dict[str, Any]:
+    """A trace model's recommendation: per fraction the fastest policy (its substituted mass as
+    the quality proxy, labelled so) and the fastest lossless one (no substitution)."""
+    entries = []
+    for f in fractions:
+        cands = trace_candidates(summary, sq, f, geometry["top_k"] * geometry["num_layers"])
+        ok = cands[cands["excluded"].isna()].sort_values(
+            ["speedup_vs_fetch_every_miss", "substituted_mass", "policy"],
+            ascending=[False, True, True],
+        )
+        lossless = ok[ok["lossless"]]
+        entry: dict[str, Any] = {
+            "fraction": f,
+            "capacity": capacity_for(f, geometry["num_experts"]),
+            "within_budget": None,
+            "within_budget_reason": "a trace model has no measured Δppl (no weights); see "
+            "fastest and its substituted mass, the quality proxy",
+            "fastest": _plain(ok.iloc[0], TRACE_FIGURES) if len(ok) else None,
+            "lossless": _plain(lossless.iloc[0], TRACE_FIGURES) if len(lossless) else None,
+            "lossless_reason": None if len(lossless) else "no simulated policy substitutes nothing",
+            "quality_proxy": mass_proxy(analysis, model, f),
+            "candidates": [
+                _plain(r, (*TRACE_FIGURES, "excluded")) for r in cands.to_dict("records")
+            ],
+        }
+        entries.append(entry)
+    doc = {
+        "model": model,
+        "source": "trace",
+        **geometry,
+        "baseline": (analysis.get("params") or {}).get("baseline", "fetch_every_miss"),
+        "ci_level": (analysis.get("params") or {}).get("ci_level"),
         "dppl_budget_pct": p.dppl_budget_pct,
         "fractions": entries,
     }

@@ -14,6 +14,8 @@ rule capture:
         "logs/{model}/capture_{split}.log",
     benchmark:
         "results/benchmarks/{model}/capture_{split}.tsv"
+    wildcard_constraints:
+        model=alternation(CAPTURED_MODELS),
     conda:
         "../../envs/cpu.yaml"
     threads: 1

@@ -39,7 +39,11 @@ GEOMETRY = check_capacities(config)  # model -> (E, k)
 check_input_paths(config)
 MODELS = list(config["models"])
 EMBEDDED_MODELS = [m for m in MODELS if config["models"][m].get("embedded")]
-CHECKPOINT_MODELS = [m for m in MODELS if not config["models"][m].get("embedded")]
+# Models given as a router trace (moesub.traces.models): imported, then simulate, regime and the
+# recommendation only; every other model is captured from its weights.
+TRACE_MODELS = [m for m in MODELS if config["models"][m].get("trace")]
+CAPTURED_MODELS = [m for m in MODELS if m not in TRACE_MODELS]
+CHECKPOINT_MODELS = [m for m in CAPTURED_MODELS if m not in EMBEDDED_MODELS]
 # Cache sizes: labels f<fraction> and b<budget> (the {size} wildcard), each resolved per model
 # to C slots per layer (a budget through the model's pricing geometry and expert_bits).
 SIZES = size_labels(config)
@@ -52,6 +56,22 @@ check_pins(config, POLICIES)
 
 STAGE_POLICIES = stage_policies(config, POLICIES)
 SIMULATE_POLICIES = STAGE_POLICIES["simulate"]
+# model -> the policies it simulates; a trace model's skipped ones -> why (the report says so)
+MODEL_POLICIES = {m: SIMULATE_POLICIES for m in CAPTURED_MODELS}
+TRACE_SKIPPED = {}
+TRACE_SKIPPED_STAGES = (
+    "emulate, the engine, Experiment B and generation run the model's weights; a trace "
+    "model has its routing only"
+)
+if TRACE_MODELS:
+    from moesub.traces.models import trace_geometry, trace_policies
+    from moesub.config import model_geometry
+
+    for m in TRACE_MODELS:
+        has_logits = trace_geometry(config, m, model_geometry).has_logits
+        MODEL_POLICIES[m], TRACE_SKIPPED[m] = trace_policies(
+            config, m, SIMULATE_POLICIES, POLICIES, has_logits
+        )
 EMULATE_POLICIES = STAGE_POLICIES["emulate"]
 ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
@@ -100,7 +120,10 @@ def stage_params(name, exclude=()):
 
 
 def model_artefact(name):
-    """What a model-consuming job waits for: the built model's summary or the checkpoint check."""
+    """What a model-consuming job waits for: the built model's summary, the checkpoint check or
+    a trace model's import summary."""
+    if name in TRACE_MODELS:
+        return f"results/{name}/trace.json"
     if config["models"][name].get("embedded"):
         return f"results/{name}/model/train_summary.json"
     return f"results/{name}/checkpoint.json"
@@ -170,8 +193,34 @@ def coactivation_input(wildcards):
 
 
 def cost_calibration(wildcards):
-    """The calibration the simulator's cost model starts from: the first engine device's."""
-    return f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
+    """The calibration the simulator's cost model starts from: the first engine device's; a
+    trace model has no engine (the cost model's defaults, with the `cost:` overrides)."""
+    if wildcards.model in TRACE_MODELS:
+        return {}
+    return {
+        "calibration": f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
+    }
+
+
+def trace_files(wildcards):
+    """A trace model's trace file(s): an exported one is the export rule's output."""
+    spec = config["models"][wildcards.model]
+    return {k: spec[k] for k in ("trace", "calib_trace") if spec.get(k)}
+
+
+def trace_params(wildcards):
+    """A trace model's settings, its top-k resolved (an exported RTRACE01 takes its source
+    model's), and the stages and policies it skips with the reasons."""
+    m = wildcards.model
+    spec = {k: v for k, v in config["models"][m].items() if k != "loading"}
+    spec["top_k"] = spec.get("top_k") or GEOMETRY[m][1]
+    return canonical(
+        {
+            "spec": spec,
+            "skipped_policies": TRACE_SKIPPED[m],
+            "skipped_stages": TRACE_SKIPPED_STAGES,
+        }
+    )
 
 
 def engine_env(wildcards):
@@ -293,18 +342,18 @@ def report_params():
 
 
 def simulate_outputs():
-    return expand(
-        "results/{model}/simulate/{policy}/{size}.parquet",
-        model=MODELS,
-        policy=SIMULATE_POLICIES,
-        size=STAGE_SIZES["simulate"],
-    )
+    return [
+        f"results/{model}/simulate/{policy}/{size}.parquet"
+        for model in MODELS
+        for policy in MODEL_POLICIES[model]
+        for size in STAGE_SIZES["simulate"]
+    ]
 
 
 def emulate_outputs():
     return expand(
         "results/{model}/emulate/{policy}/{size}.parquet",
-        model=MODELS,
+        model=CAPTURED_MODELS,
         policy=EMULATE_POLICIES,
         size=STAGE_SIZES["emulate"],
     )
@@ -313,7 +362,7 @@ def emulate_outputs():
 def expb_outputs():
     return [
         f"results/{model}/expb/{design}/{condition}/m{number_label(mass)}.parquet"
-        for model in MODELS
+        for model in CAPTURED_MODELS
         for design, spec in EXPB_DESIGNS.items()
         for mass in spec["masses"]
         for condition in ("heavy", "light")
@@ -321,7 +370,7 @@ def expb_outputs():
 
 
 def expb_feasibility_outputs():
-    return expand("results/{model}/expb/feasibility.parquet", model=MODELS)
+    return expand("results/{model}/expb/feasibility.parquet", model=CAPTURED_MODELS)
 
 
 def expb_inputs(wildcards):
@@ -352,7 +401,7 @@ def expb_params(wildcards):
 def engine_outputs():
     return expand(
         "results/{model}/engine/{device}/{policy}/{size}.parquet",
-        model=MODELS,
+        model=CAPTURED_MODELS,
         device=ENGINE_DEVICES,
         policy=ENGINE_POLICIES,
         size=STAGE_SIZES["engine"],
@@ -362,7 +411,7 @@ def engine_outputs():
 def calibration_outputs():
     return expand(
         "results/{model}/engine/{device}/calibration.json",
-        model=MODELS,
+        model=CAPTURED_MODELS,
         device=ENGINE_DEVICES,
     )
 
@@ -376,7 +425,7 @@ def bench_outputs():
 def generate_outputs():
     return expand(
         "results/{model}/generate/{task}/{policy}/{size}.parquet",
-        model=MODELS,
+        model=CAPTURED_MODELS,
         task=TASKS,
         policy=GENERATE_POLICIES,
         size=STAGE_SIZES["generate"],
@@ -388,7 +437,7 @@ def analysis_inputs():
     return {
         "model_summary": [model_artefact(m) for m in MODELS],
         "capture_tokens": expand(
-            "results/{model}/capture/eval_tokens.parquet", model=MODELS
+            "results/{model}/capture/eval_tokens.parquet", model=CAPTURED_MODELS
         ),
         "regime": expand("results/{model}/regime.parquet", model=MODELS),
         "simulate": simulate_outputs(),

@@ -5,7 +5,7 @@
 
 rule cost_model:
     input:
-        calibration=cost_calibration,
+        unpack(cost_calibration),
     output:
         "results/{model}/cost.json",
     log:

@@ -10,6 +10,8 @@ rule streams:
         calib="results/{model}/streams/calib.parquet",
     log:
         "logs/{model}/streams.log",
+    wildcard_constraints:
+        model=alternation(CAPTURED_MODELS),
     conda:
         "../../envs/cpu.yaml"
     params:

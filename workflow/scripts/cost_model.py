@@ -6,4 +6,6 @@ from moesub.simulate import write_cost_model
 
 job_setup(snakemake.log[0])
 
-write_cost_model(snakemake.input.calibration, snakemake.params.overrides, snakemake.output[0])
+write_cost_model(
+    snakemake.input.get("calibration"), snakemake.params.overrides, snakemake.output[0]
+)

@@ -19,6 +19,11 @@ from moesub.slots import REFERENCE_GEOMETRY, PricingGeometry
 _E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
 _WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")
+# Model keys only a trace model takes (moesub.traces.models.TRACE_KEYS less `trace`).
+TRACE_ONLY_KEYS = (
+    "format", "top_k", "num_experts", "incomplete", "calib_trace", "stream_len", "calib_streams",
+    "policies",
+)  # fmt: skip
 
 
 def _checkpoint_config(path: str | Path, where: str) -> tuple[Path, dict[str, Any]]:
@@ -71,17 +76,24 @@ def read_pricing_geometry(path: str | Path, where: str) -> PricingGeometry:
 
 
 def pricing_geometry(config: Mapping[str, Any], name: str) -> PricingGeometry:
-    """Model `name`'s pricing geometry: a checkpoint's own config.json; the embedded model at
-    the reference geometry (`moesub.layout.REFERENCE_GEOMETRY`), whose routing it copies."""
+    """Model `name`'s pricing geometry: a checkpoint's own config.json; the embedded model and
+    trace models at the reference geometry (`moesub.layout.REFERENCE_GEOMETRY`)."""
     spec = config["models"][name]
-    if spec.get("embedded"):
+    if spec.get("embedded") or spec.get("trace"):
         return REFERENCE_GEOMETRY
     return read_pricing_geometry(spec["path"], f"models.{name}.path")
 
 
 def model_geometry(config: Mapping[str, Any], name: str) -> tuple[int, int]:
-    """(E, k) of model `name`: from the `embedded:` section or from the checkpoint's config.json."""
+    """(E, k) of model `name`: from the `embedded:` section, the checkpoint's config.json or the
+    trace file (checked whole, `moesub.traces.models.trace_geometry`)."""
     spec = config["models"][name]
+    check_model_keys(name, spec)
+    if spec.get("trace"):
+        from moesub.traces.models import trace_geometry  # the policy core: trace models only
+
+        g = trace_geometry(config, name, model_geometry)
+        return g.num_experts, g.top_k
     if spec.get("embedded"):
         emb = {**schema_defaults("embedded"), **(config.get("embedded") or {})}
         return int(emb["num_experts"]), int(emb["num_experts_per_tok"])
@@ -92,3 +104,16 @@ def expb_min_capacity(top_k: int) -> int:
     """The smallest resident set Experiment B can draw substitutes from: a token may have k - 1
     substituted ranks, each needing a resident not among its k computed experts (C >= 2k - 1)."""
     return 2 * top_k - 1
+
+
+def check_model_keys(name: str, spec: Mapping[str, Any]) -> None:
+    """The trace settings belong to trace models only."""
+    if spec.get("trace"):
+        if any(v is not None for v in (spec.get("loading") or {}).values()):
+            raise ValueError(f"models.{name}.loading: a trace model loads no weights")
+        return
+    extra = [k for k in TRACE_ONLY_KEYS if spec.get(k) is not None]
+    if extra:
+        raise ValueError(
+            f"models.{name}: {', '.join(extra)} only apply to a trace model (models.{name}.trace)"
+        )

@@ -189,7 +189,7 @@ def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
             raise ValueError(f"model {name!r}: top-k {top_k} must be in [1, E={num_experts}]")
         model_sizes(config, name)
         regime_size(config, name)
-        if expb:
+        if expb and not config["models"][name].get("trace"):  # no Experiment B on a trace
             _check_expb(expb, config, name, num_experts, top_k)
         geometry[name] = (num_experts, top_k)
     b = {**schema_defaults("engine.bench"), **((config.get("engine") or {}).get("bench") or {})}

@@ -34,6 +34,9 @@ def recommendation_lines(
     lines = []
     for d in sorted(docs, key=lambda d: rank.get(str(d.get("model")), len(rank))):
         base, budget = d.get("baseline", "fetch_every_miss"), d.get("dppl_budget_pct")
+        if d.get("source") == "trace":
+            lines += trace_lines(d, lambda c, base=base: speed(c, base))
+            continue
         for e in d["fractions"]:
             at = f"{d['model']}: at {100 * e['fraction']:g}% resident (C = {e['capacity']}) "
             c = e.get("within_budget")
@@ -52,6 +55,35 @@ def recommendation_lines(
             else:
                 text += f"; lossless: none ({e.get('lossless_reason')})."
             lines.append(at + text)
+    return lines
+
+
+def trace_lines(d: dict[str, Any], speed: Any) -> list[str]:
+    """A trace model's recommendation sentences: the fastest policy with its hit rate and
+    substituted mass (the quality proxy, with the mass hypothesis' r where Δppl was measured)
+    and the fastest lossless one."""
+
+    def figures(c: dict[str, Any]) -> str:
+        return (
+            f"{speed(c)}, hit rate {num(c.get('hit_rate'), '{:.3f}')}, substituted mass "
+            f"{num(c.get('substituted_mass'), '{:.3g}')} per token-layer"
+        )
+
+    lines = []
+    for e in d["fractions"]:
+        at = f"{d['model']} (router trace, simulated only): at {100 * e['fraction']:g}% resident "
+        at += f"(C = {e['capacity']}) "
+        proxy = e.get("quality_proxy") or {}
+        r = proxy.get("r")
+        if r is not None:
+            how = f"r = {float(r):.2f} with Δppl % on {proxy.get('from_model')}"
+        else:
+            how = f"no r: {proxy.get('reason')}"
+        c, ll = e.get("fastest"), e.get("lossless")
+        text = f"fastest: {figures(c)}" if c else "no simulated policy has a time"
+        text += f" (quality proxy: substituted mass, not a measured Δppl; {how})"
+        text += f"; lossless (substitutes nothing): {figures(ll)}." if ll else "; lossless: none."
+        lines.append(at + text)
     return lines
 
 

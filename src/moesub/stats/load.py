@@ -245,6 +245,13 @@ def read_infos(paths: Mapping[str, list[str]]) -> dict[str, list[FileInfo]]:
     return infos
 
 
+def not_run(summary: Mapping[str, Any]) -> str | None:
+    """What the pipeline skipped for a trace model and why (its trace.json), as one line."""
+    why = [summary["skipped_stages"]] if summary.get("skipped_stages") else []
+    why += [f"policy {p}: {r}" for p, r in (summary.get("skipped_policies") or {}).items()]
+    return "; ".join(why) or None
+
+
 def model_row(
     model: str, summaries: list[str], infos: Mapping[str, list[FileInfo]]
 ) -> dict[str, Any]:
@@ -255,8 +262,10 @@ def model_row(
     source = None
     for path in summaries:  # one per model (split_by_model)
         summary = json.loads(Path(path).read_text())
-        # results/{model}/model/train_summary.json or results/{model}/checkpoint.json
-        source = "checkpoint" if Path(path).name == "checkpoint.json" else "embedded"
+        # results/{model}/model/train_summary.json, results/{model}/checkpoint.json or a
+        # trace model's results/{model}/trace.json
+        name = Path(path).name
+        source = {"checkpoint.json": "checkpoint", "trace.json": "trace"}.get(name, "embedded")
     config = summary.get("config") or {}
     meta = infos["capture_tokens"][0].meta if infos["capture_tokens"] else {}
 
@@ -278,6 +287,7 @@ def model_row(
         "final_train_loss": summary.get("final_train_loss"),
         "train_tokens": summary.get("tokens_seen"),
         "train_time_s": summary.get("train_time_s"),
+        "not_run": not_run(summary),
     }
     caps: dict[float, int | None] = {}
     labels: dict[float, str] = {}

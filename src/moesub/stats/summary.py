@@ -30,6 +30,7 @@ SIM_COLUMNS = {  # simulate total column -> summary column
     "hit_rate": "sim_hit_rate",
     "sub_rate": "sim_sub_rate",
     "est_time_per_token_s": "sim_time_per_token_s",
+    "mass_mean": "sim_mass_mean",  # substituted gate mass per token-layer
 }
 GENERATION_COLUMNS = ("accuracy", "ci_low", "ci_high", "n", "agreement")
 
