@@ -232,7 +232,7 @@ def recommend(
     summary, sq, pip = (of_model(t[k]) for k in ("summary", "speed_quality", "per_input_points"))
     fractions = sorted({float(f) for f in m["fractions"]} | set(summary.get("fraction", [])))
     if m.get("source") == "trace":
-        return trace_recommendation(model, geometry, summary, sq, fractions, t["analysis"], p)
+        return trace_recommendation(model, geometry, summary, fractions, t["analysis"], p)
     entries = []
     for f in fractions:
         cands = candidates(summary, sq, pip, f, geometry["top_k"] * geometry["num_layers"])
@@ -284,14 +284,24 @@ def mass_proxy(analysis: Mapping[str, Any], model: str, fraction: float) -> dict
 
 
 def trace_candidates(
-    summary: pd.DataFrame, sq: pd.DataFrame, fraction: float, calls_per_token: int
+    summary: pd.DataFrame, fraction: float, baseline: str, calls_per_token: int
 ) -> pd.DataFrame:
-    """A trace model's policies at `fraction`: simulated hit rate, substituted mass and time."""
-    cols = ["policy", "sim_hit_rate", "sim_sub_rate", "sim_mass_mean"]
+    """A trace model's policies at `fraction` (the summary's simulate columns): hit rate,
+    substituted mass, the simulator's time and its speedup vs `baseline`'s."""
+    cols = ["policy", "sim_hit_rate", "sim_sub_rate", "sim_mass_mean", "sim_time_per_token_s"]
     s = summary.reindex(columns=list(dict.fromkeys([*cols, "fraction", *summary.columns])))
-    s = s[np.isclose(s["fraction"].astype(float), fraction)]
-    c = s[cols].merge(timing_rows(s, sq, fraction), on="policy", how="left")
-    c = c.rename(columns={"sim_hit_rate": "hit_rate", "sim_mass_mean": "substituted_mass"})
+    c = s[np.isclose(s["fraction"].astype(float), fraction)][cols].rename(
+        columns={
+            "sim_hit_rate": "hit_rate",
+            "sim_mass_mean": "substituted_mass",
+            "sim_time_per_token_s": "time_per_token_s",
+        }
+    )
+    base = c.loc[c["policy"] == baseline, "time_per_token_s"].astype(float)
+    c["speedup_vs_fetch_every_miss"] = (
+        float(base.iloc[0]) / c["time_per_token_s"].astype(float) if len(base) else math.nan
+    )
+    c["time_source"], c["device"] = "simulator", None
     c["misses_per_token"] = (1.0 - c["hit_rate"].astype(float)) * calls_per_token
     # no substitution: every selected expert computed exactly, lossless without measuring Δppl
     c["lossless"] = c["sim_sub_rate"].astype(float) == 0
@@ -304,26 +314,24 @@ def trace_candidates(
     return c.drop(columns="sim_sub_rate").sort_values("policy", ignore_index=True)
 
 
-TRACE_FIGURES = (
-    "policy", "time_source", "time_per_token_s", "speedup_vs_fetch_every_miss", "hit_rate",
-    "substituted_mass", "misses_per_token", "lossless",
-)  # fmt: skip
+# a choice's figures (Δppl null: none measured) and the substituted mass, the quality proxy
+TRACE_FIGURES = (*FIGURES, "substituted_mass")
 
 
 def trace_recommendation(
     model: str,
     geometry: dict[str, int],
     summary: pd.DataFrame,
-    sq: pd.DataFrame,
     fractions: list[float],
     analysis: Mapping[str, Any],
     p: RecommendParams,
 ) -> dict[str, Any]:
     """A trace model's recommendation: per fraction the fastest policy (its substituted mass as
     the quality proxy, labelled so) and the fastest lossless one (no substitution)."""
+    baseline = (analysis.get("params") or {}).get("baseline", "fetch_every_miss")
     entries = []
     for f in fractions:
-        cands = trace_candidates(summary, sq, f, geometry["top_k"] * geometry["num_layers"])
+        cands = trace_candidates(summary, f, baseline, geometry["top_k"] * geometry["num_layers"])
         ok = cands[cands["excluded"].isna()].sort_values(
             ["speedup_vs_fetch_every_miss", "substituted_mass", "policy"],
             ascending=[False, True, True],
@@ -348,7 +356,7 @@ def trace_recommendation(
         "model": model,
         "source": "trace",
         **geometry,
-        "baseline": (analysis.get("params") or {}).get("baseline", "fetch_every_miss"),
+        "baseline": baseline,
         "ci_level": (analysis.get("params") or {}).get("ci_level"),
         "dppl_budget_pct": p.dppl_budget_pct,
         "fractions": entries,
@@ -385,6 +393,7 @@ _FIGURES_SCHEMA = {
         "lossless": {"type": ["boolean", "null"]},
         "hit_rate": _NUM,
         "misses_per_token": _NUM,
+        "substituted_mass": _NUM,
         "excluded": {"type": ["string", "null"]},
     },
 }

@@ -304,7 +304,7 @@ def import_trace(
         "num_experts": tr.num_experts,
         "top_k": tr.top_k,
         "num_layers": tr.num_layers,
-        "norm_topk_prob": True,
+        "norm_topk_prob": None,  # not recorded by a trace; only the emulator reads it
         "model": name,
         "family": f"trace:{tr.format}",
         "layer_indices": list(tr.layers),
