@@ -272,3 +272,42 @@ def test_report_opens_with_the_recommendation(study, tmp_path):
         f"{MODEL}: at 25% resident (C = {CAPACITY}) no policy is within the 3.5% perplexity "
         "budget: no candidate: x; lossless: fetch_every_miss itself"
     )
+
+
+def test_trace_model_recommendation_uses_simulate_and_the_mass_proxy():
+    """A trace model (no Δppl): the fastest simulated policy with its substituted mass, the
+    fastest that substitutes nothing as lossless, r taken from another model's mass hypothesis
+    (the one with an r, then the nearest fraction)."""
+    from moesub.recommend import trace_recommendation
+
+    rows = [  # policy, simulated time, sub rate, mass
+        ("fetch_every_miss", 0.010, 0.0, 0.0),
+        ("host_compute", 0.008, 0.0, 0.0),
+        ("rule_015", 0.005, 0.2, 0.03),
+    ]
+    summary = pd.DataFrame(
+        [
+            {"policy": p, "fraction": F, "sim_hit_rate": 0.5, "sim_time_per_token_s": t,
+             "sim_sub_rate": sub, "sim_mass_mean": m}
+            for p, t, sub, m in rows
+        ]
+    )  # fmt: skip
+    analysis = {
+        "params": {"baseline": "fetch_every_miss"},
+        "mass_hypothesis": [
+            {"model": "other", "fraction": 0.5, "r": 0.9, "n": 6},
+            {"model": "other", "fraction": 0.25, "r": None, "n": 2, "reason": "too few"},
+            {"model": "traced", "fraction": 0.25, "r": 0.1, "n": 6},
+        ],
+    }
+    geometry = {"num_experts": 64, "top_k": 4, "num_layers": 10}
+    doc = trace_recommendation("traced", geometry, summary, [F], analysis, RecommendParams())
+    (e,) = doc["fractions"]
+    assert doc["source"] == "trace" and e["within_budget"] is None
+    assert e["fastest"]["policy"] == "rule_015" and e["fastest"]["speedup_vs_fetch_every_miss"] == 2
+    assert e["fastest"]["substituted_mass"] == 0.03 and e["fastest"]["dppl_pct"] is None
+    assert e["lossless"]["policy"] == "host_compute"
+    proxy = e["quality_proxy"]
+    assert (proxy["r"], proxy["from_model"], proxy["from_fraction"]) == (0.9, "other", 0.5)
+    assert proxy["label"].startswith("quality proxy")
+    jsonschema.validate(doc, RECOMMENDATION_SCHEMA)

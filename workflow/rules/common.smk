@@ -194,7 +194,8 @@ def coactivation_input(wildcards):
 
 def cost_calibration(wildcards):
     """The calibration the simulator's cost model starts from: the first engine device's; a
-    trace model has no engine (the cost model's defaults, with the `cost:` overrides)."""
+    trace model has no engine (the cost model's defaults, with the `cost:` overrides).
+    """
     if wildcards.model in TRACE_MODELS:
         return {}
     return {
