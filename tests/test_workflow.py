@@ -301,6 +301,7 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
     input of that policy's jobs only; budgets are sizes of every stage that lists them."""
     wf = copy_workflow(tmp_path / "wf")
     cfg = load_test_config()
+    cfg["models"] = {"embedded": {"embedded": True}}  # the trace model's jobs mirror these
     cfg["sweeps"] = {"allocation": ["rule_015"]}
     cfg["emulate"]["sizes"] = [0.25, "3GiB"]
     (wf / "planned.yaml").write_text(yaml.safe_dump(cfg))
