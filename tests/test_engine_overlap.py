@@ -35,8 +35,8 @@ def lookahead_of(trace: np.ndarray, seed: int = 1, noise: float = 0.7) -> np.nda
 def drive_overlap(engine, trace, lookahead, experts, hidden_dim, early=True, seed=0):
     """The model's order of calls: layer l+1's prefetch is issued before layer l's step (the
     tap on layer l's pre-MoE norm), layer 0's at the start of the token; `early=False` hands
-    the lookahead to `route` instead. Outputs checked against the full weights; returns the
-    statuses, computed ids (T, L, k) and the per-token stats."""
+    the lookahead to `route` instead. Outputs (on the tier's device) checked against the full
+    weights; returns the statuses, computed ids (T, L, k) and the per-token stats."""
     g = torch.Generator().manual_seed(seed)
     T, L, _ = trace.shape
     status, ids, stats = np.zeros((T, L, K), np.int8), np.zeros((T, L, K), np.int32), []
@@ -53,9 +53,10 @@ def drive_overlap(engine, trace, lookahead, experts, hidden_dim, early=True, see
             slot, host_ids = engine.step_ids(s)
             w = torch.from_numpy(s.weights).float()
             host = None if host_ids is None else HostInputs(host_ids, x, w)
-            out = engine.compute(layer, x, slot, w, host)
+            dev = engine.tier.slots[layer].gate_up.device  # the host's inputs stay on the host
+            out = engine.compute(layer, x.to(dev), slot, w.to(dev), host)
             ref = reference(x, s.ids, s.weights, experts, layer, E)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
             status[t, layer], ids[t, layer] = s.status[0], s.ids[0]
         stats.append(engine.end_token())
     return status, ids, stats

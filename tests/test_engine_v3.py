@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_engine import ACT, small_layout, write_random
+from test_engine import ACT, CUDA_DEVICES, small_layout, write_random
 from test_engine_memory import FakeCuda, FakeEvent
 from test_engine_overlap import drive_overlap, lookahead_of
 
@@ -139,6 +139,25 @@ def test_cuda_tier_runs_v3_policies_on_a_fake_device(tmp_path, monkeypatch, name
     check_run(engine, experts, pol, admission, trace, y, lay)
     assert not tier._queued and all(not q for q in tier._inflight)
     assert sorted(tier._free) == list(range(8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_DEVICES)
+@pytest.mark.parametrize("pinned_layers", [2, 0], ids=["pinned", "disk-behind"])
+@pytest.mark.parametrize("name", list(V3))
+def test_cuda_engine_runs_v3_policies(tmp_path, name, pinned_layers, device):
+    """The CUDA tier on a GPU: per-layer slot arrays, pins, uploads on the side stream (from
+    pinned memory, or read by the I/O thread into pinned memory first)."""
+    pol = V3[name]
+    lay = small_layout(E=E)
+    experts = write_random(tmp_path / "x.bin", lay)
+    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay),
+                       pinned_layers * E * lay.expert_bytes)  # fmt: skip
+    tier = CudaTier(host, CAPS, torch.device(device), ACT)
+    engine = OffloadEngine(tier, E, K, CAPS, pol, initial_sets(), ACT, admission="delay")
+    trace = synthetic_logits(50, lay.num_layers, E, seed=6)
+    check_run(engine, experts, pol, "delay", trace, lookahead_of(trace) if pol.prefetch else None,
+              lay)  # fmt: skip
 
 
 def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
