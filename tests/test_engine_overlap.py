@@ -70,6 +70,18 @@ def disk_engine(tmp_path, policy, admission, staging=None):
     return OffloadEngine(tier, E, K, C, policy, None, ACT, admission=admission), experts, lay
 
 
+def fake_cuda_tier(tmp_path, capacity, pinned_layers: int | None):
+    """The CUDA tier on the CPU stand-in (8 staging buffers) over a random store of E experts:
+    `pinned_layers` layers in (counted) pinned memory, the others on disk (None: all pinned).
+    Returns (tier, experts, layout)."""
+    lay = small_layout(E=E)
+    experts = write_random(tmp_path / "x.bin", lay)
+    budget = None if pinned_layers is None else pinned_layers * E * lay.expert_bytes
+    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), budget, CountingAllocator())
+    cuda = FakeCuda()
+    return CudaTier(host, capacity, "cpu", ACT, 8, alloc=host.alloc, cuda=cuda), experts, lay
+
+
 POLICIES = {
     "fetch_prefetch2": Policy(rule="fetch_all", prefetch=2),
     "threshold_prefetch3": Policy(rule="threshold", tau=0.2, prefetch=3),
@@ -138,12 +150,8 @@ def test_cuda_prefetch_on_a_fake_device(tmp_path, monkeypatch, name, admission, 
     decisions are the core's, the outputs the reference's."""
     monkeypatch.setattr(FakeEvent, "lag", lag)
     pol = POLICIES[name]
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    store = ExpertStore(tmp_path / "x.bin", expected=lay)
-    host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
-    cuda = FakeCuda()
-    tier = CudaTier(host, C, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=cuda)
+    tier, experts, lay = fake_cuda_tier(tmp_path, C, pinned_layers)
+    cuda = tier.cuda
     engine = OffloadEngine(tier, E, K, C, pol, None, ACT, admission=admission)
     trace = synthetic_logits(40, lay.num_layers, E, seed=6)
     y = lookahead_of(trace, seed=2)
@@ -171,10 +179,7 @@ def test_late_prefetch_is_waited_for_only_when_computed(tmp_path, monkeypatch):
     reference) and is filled once the copy lands (the next token, or when computed)."""
     monkeypatch.setattr(FakeEvent, "lag", 50)  # far later than the step
     pol = Policy(rule="fetch_all", prefetch=3)
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), None, CountingAllocator())
-    tier = CudaTier(host, C, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=FakeCuda())
+    tier, experts, lay = fake_cuda_tier(tmp_path, C, None)
     engine = OffloadEngine(tier, E, K, C, pol, None, ACT, admission="completion")
     trace = synthetic_logits(20, lay.num_layers, E, seed=7)
     try:

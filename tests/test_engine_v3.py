@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 from test_engine import ACT, CUDA_DEVICES, small_layout, write_random
-from test_engine_memory import FakeCuda, FakeEvent
-from test_engine_overlap import drive_overlap, lookahead_of
+from test_engine_memory import FakeEvent
+from test_engine_overlap import drive_overlap, fake_cuda_tier, lookahead_of
 
 from moesub.engine.copies import BackgroundCopies
 from moesub.engine.cuda_tier import CudaTier
-from moesub.engine.host_memory import CountingAllocator, HostExperts
+from moesub.engine.host_memory import HostExperts
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore
 from moesub.engine.tiers import DiskTier
@@ -128,11 +128,7 @@ def test_cuda_tier_runs_v3_policies_on_a_fake_device(tmp_path, monkeypatch, name
     stand-in whose copies land late."""
     monkeypatch.setattr(FakeEvent, "lag", lag)
     pol = V3[name]
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    store = ExpertStore(tmp_path / "x.bin", expected=lay)
-    host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
-    tier = CudaTier(host, CAPS, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=FakeCuda())
+    tier, experts, lay = fake_cuda_tier(tmp_path, CAPS, pinned_layers)
     engine = OffloadEngine(tier, E, K, CAPS, pol, initial_sets(), ACT, admission=admission)
     trace = synthetic_logits(50, lay.num_layers, E, seed=6)
     y = lookahead_of(trace, seed=2) if pol.prefetch else None
@@ -222,10 +218,7 @@ def test_a_new_stream_gives_held_copies_back(tmp_path, monkeypatch):
     each stream starts with every buffer free."""
     monkeypatch.setattr(FakeEvent, "lag", 3)
     pol = V3["hybrid_upload_prefetch"]
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), None, CountingAllocator())
-    tier = CudaTier(host, CAPS, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=FakeCuda())
+    tier, experts, lay = fake_cuda_tier(tmp_path, CAPS, None)
     engine = OffloadEngine(tier, E, K, CAPS, pol, initial_sets(), ACT, admission="completion")
     trace = synthetic_logits(30, lay.num_layers, E, seed=6)
     y = lookahead_of(trace, seed=2)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_emulate import VOCAB, E, K, L, tiny_model
-from test_engine_generate import NEW, PROMPTS, params
+from test_emulate import VOCAB, K
+from test_engine_generate import engine_equals_emulator, make_stage, params
 
 from moesub.emulate import emulate_stream
 from moesub.engine import open_engine
 from moesub.models import stream_nll
 from moesub.policy import HOST, Policy, scan, token_layer_counts
-from moesub.replay import greedy_decode
 
 FRACTION, C = 0.375, 6
 # the practitioners' designs at C = 6, k = 4 (the most slots a pin leaves a k-slot pool is
@@ -42,13 +41,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def stage(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_v3")
-    model = tiny_model()
-    model.save_pretrained(root / "model")
-    rng = np.random.default_rng(1)
-    initial = np.stack([rng.permutation(E)[:C] for _ in range(L)]).astype(np.int32)
-    seq = rng.integers(3, VOCAB, 24)
-    return root, model, initial, seq
+    root, model, initial, rng = make_stage(tmp_path_factory.mktemp("engine_v3"))
+    return root, model, initial, rng.integers(3, VOCAB, 24)
 
 
 def engine(stage, name, policy, **kw):
@@ -65,17 +59,9 @@ def test_v3_policy_on_the_engine_equals_the_emulator(stage, name):
     pol = Policy.from_dict(V3[name])
     trace = emulate_stream(model, seq, pol, C, initial, record=True)
     with engine(stage, name, V3[name]) as eng:
-        r = eng.decode(seq)
-        res = eng.generate(PROMPTS, NEW)
-    assert np.array_equal(r["counts"], trace.counts)
+        r, _res = engine_equals_emulator(eng, model, seq, trace, pol, initial)
     assert np.array_equal(r["layer_counts"], token_layer_counts(scan(trace.logits, K, C, pol,
                                                                     initial=initial)))  # fmt: skip
-    np.testing.assert_allclose(r["mass"], trace.mass.sum(axis=1), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(r["nll"][1:], trace.nll[1:], rtol=0, atol=1e-4)
-    emu = greedy_decode(model, PROMPTS, pol, C, initial, NEW)
-    for g, x in zip(res, emu, strict=True):
-        assert g.tokens == x.tokens
-        np.testing.assert_allclose(g.mass, x.mass, rtol=0, atol=1e-5)
     if pol.host_admit:  # uploads were requested, copied in the background and installed
         assert (r["counts"][:, HOST] > 0).any()
         assert r["admissions"] > 0 and r["bytes_bg"].sum() > 0
