@@ -84,10 +84,11 @@ from moesub.policy import (
 )
 
 ADMISSION_TIMINGS = ("completion", "delay")
-ADMISSION, PREFETCH = "admission", "prefetch"  # what a background copy is for (host uploads
+# what a background copy is for (host uploads are admissions: the core hands them over alike,
+# and a policy makes only one kind)
+ADMISSION, PREFETCH = "admission", "prefetch"
 
 
-# are admissions: the core hands them over alike, and a policy makes only one kind)
 @dataclass(frozen=True)
 class HostInputs:
     """One layer's host_compute misses, with their inputs on the host: ids (N, k) expert or -1 in
