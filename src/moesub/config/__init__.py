@@ -28,7 +28,7 @@ from moesub.config.geometry import (
     read_checkpoint_geometry,
 )
 from moesub.config.inputs import check_checkpoint_dir, check_input_paths, input_paths
-from moesub.config.names import canonical, check_name, number_label
+from moesub.config.names import FACTORIAL_CELLS, canonical, check_name, number_label
 from moesub.config.policies import (
     ALL_RESIDENT,
     ALL_RESIDENT_POLICY,
@@ -57,6 +57,7 @@ from moesub.config.schema import (
 __all__ = [
     "ALL_RESIDENT",
     "ALL_RESIDENT_POLICY",
+    "FACTORIAL_CELLS",
     "ONLINE_STAGES",
     "POLICY_DEFAULTS",
     "POLICY_KEYS",

@@ -58,8 +58,9 @@ def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
 
     C = `moesub.policy.capacity_for(fraction, E)`. Every cache fraction (`fractions`,
     `expb.fraction` and the regime's fixed 25%) must give k <= C <= E; Experiment B's substitute
-    pool (`expb.fraction`'s C, or E with `expb.resident: all`) must hold 2k - 1 experts; the
-    engine benchmark's own geometry (`engine.bench`) must give k <= C <= E.
+    pool (`expb.fraction`'s C, or E with `expb.resident: all`) must hold 2k - 1 experts and its
+    factorial design's ranks must be <= k; the engine benchmark's own geometry
+    (`engine.bench`) must give k <= C <= E.
     """
     geometry = {}
     fractions = [(f"fractions[{i}]", f) for i, f in enumerate(config["fractions"])]
@@ -99,6 +100,13 @@ def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
                     f"{model}; it needs C >= 2k - 1 = {need} (a token may have k - 1 substituted "
                     f"ranks, each replaced by a resident outside its k computed experts): raise "
                     f"expb.fraction to >= {need / num_experts:.3g}"
+                )
+            factorial = {**schema_defaults("expb.designs.factorial"),
+                         **((expb.get("designs") or {}).get("factorial") or {})}  # fmt: skip
+            if factorial["enabled"] and factorial["high_ranks"][1] > top_k:
+                raise ValueError(
+                    f"expb.designs.factorial.high_ranks={factorial['high_ranks']} reaches past "
+                    f"the router's top-k for {model}: ranks run 2..k (or set enabled: false)"
                 )
         geometry[name] = (num_experts, top_k)
     b = {**schema_defaults("engine.bench"), **((config.get("engine") or {}).get("bench") or {})}
