@@ -35,6 +35,7 @@ wildcard_constraints:
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
+    cell=alternation(FACTORIAL_CELLS),
     task=r"gsm8k|humaneval|code_completion",
 
 
