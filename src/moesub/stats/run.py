@@ -23,6 +23,7 @@ from moesub.io import write_json
 from moesub.stats.admission import admission
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
+from moesub.stats.expb_factorial import expb_factorial
 from moesub.stats.generation import generation
 from moesub.stats.intervals import level_label
 from moesub.stats.load import (
@@ -51,6 +52,9 @@ OUTPUT_FILES = (
     "per_input_points",
     "expb",
     "expb_streams",
+    "expb_factorial",
+    "expb_factorial_cells",
+    "expb_factorial_streams",
     "admission",
     "speed_quality",
     "sim_vs_engine",
@@ -62,7 +66,7 @@ OUTPUT_FILES = (
     "design_families",
 )
 # the analysis.json keys of the per-model results (each entry tagged with its model)
-RESULTS = ("mass_hypothesis", "expb", "admission", "sim_vs_engine", "regime")
+RESULTS = ("mass_hypothesis", "expb", "expb_factorial", "admission", "sim_vs_engine", "regime")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         mass = mass_hypothesis(qual.streams, infos["emulate"], p)
         units = per_input(qual.streams, tokens, p)
         exp = expb(tokens, infos["expb"], paths["expb_feasibility"], p)
+        fac = expb_factorial(
+            tokens, infos["expb_factorial"], paths["expb_factorial_feasibility"], p
+        )
         adm = admission(tokens, infos["emulate"], p)
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
@@ -107,6 +114,9 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "per_input_points": units.points,
             "expb": exp.table,
             "expb_streams": exp.streams,
+            "expb_factorial": fac.tests,
+            "expb_factorial_cells": fac.cells,
+            "expb_factorial_streams": fac.streams,
             "admission": adm.table,
             "speed_quality": speed.table,
             "sim_vs_engine": sve.table,
@@ -119,6 +129,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         results={
             "mass_hypothesis": mass.results,
             "expb": exp.results,
+            "expb_factorial": fac.results,
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
@@ -128,6 +139,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "mass_hypothesis": mass.status,
             "per_input": units.status,
             "expb": exp.status,
+            "expb_factorial": fac.status,
             "admission": adm.status,
             "simulate": sim.status,
             "design_space": space.status,
