@@ -20,6 +20,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moesub.report.design import fig_design  # noqa: E402
+from moesub.report.factorial import fig_factorial  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide, unique  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
     Figure,
@@ -399,6 +400,17 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Realized mass per design and condition against the target m*, and the effect "
         "(ΔNLL heavy − light) with its CI per design and target.",
         fig_expb,
+    ),
+    (
+        "expb_factorial",
+        "Experiment B: factorial design",
+        "expb_factorial_cells",
+        "expb_factorial",
+        "Left: each cell's ΔNLL per substituted token-layer against the realized gate weight of "
+        "the substituted expert, one line per rank bucket (the slope: weight at a fixed rank; "
+        "the gap between the lines: rank at a fixed weight). Right: every test's estimate with "
+        "its CI over streams; grey: ± the minimum detectable effect.",
+        fig_factorial,
     ),
     (
         "regime",
