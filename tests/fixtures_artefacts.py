@@ -553,19 +553,14 @@ def make_study(
         for task in ("gsm8k", "humaneval"):
             inputs["generate"].append(str(write_generate(root, task, name)))
     inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
-    # the factorial design: a heavier substitution costs more, the rank does not matter
+    # the factorial design: a heavier substitution costs more, the rank does not matter (the
+    # high rank's ΔNLL alternates around the low one's, mean difference 0 over an even count)
     level = 0.01 * (1.0 + 0.1 * np.arange(n_streams))
     weight = 0.004 * g  # heavy - light per stream
-    *runs, feasibility = write_expb_factorial(
-        root,
-        tok,
-        {
-            "low_light": level,
-            "low_heavy": level + weight,
-            "high_light": level,
-            "high_heavy": level + weight,
-        },  # fmt: skip
-    )
+    rank = 0.0005 * (-1.0) ** np.arange(n_streams)
+    cells = {"low_light": level, "low_heavy": level + weight, "high_light": level + rank,
+             "high_heavy": level + weight + rank}  # fmt: skip
+    *runs, feasibility = write_expb_factorial(root, tok, cells)
     inputs["expb_factorial"] = [str(p) for p in runs]
     inputs["expb_factorial_feasibility"] = [str(feasibility)]
     inputs["engine_bench"].append(str(write_engine_bench(root, names)))

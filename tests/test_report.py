@@ -116,6 +116,31 @@ def test_report_is_self_contained_and_complete(rendered):
         assert path in html
 
 
+def test_factorial_section(rendered):
+    html = unescape(Path(rendered["html"]).read_text())
+    section = html[html.index('<h3 id="expb-factorial">') : html.index('id="admission-section"')]
+    lines = re.findall(r"<li>(.*?)</li>", section, re.S)
+    assert lines[0].startswith("tiny: feasibility on the calibration capture: token-layers")
+    assert "supporting all four cells 0.00%" in lines[0] and "32 token-layers per cell" in lines[0]
+    # make_study: heavy costs 0.004 * g more at both ranks (g > 0); the rank alternates +-0.0005
+    weight, rank = lines[1], lines[2]
+    assert weight.startswith("tiny: heavy − light at a fixed rank (mean over the rank buckets): +")
+    assert weight.endswith(": supports.") and "(95% CI) ΔNLL per substituted token-layer" in weight
+    assert rank.startswith("tiny: high − low rank at a fixed weight")
+    assert re.search(r": no detectable effect \(MDE [0-9.e-]+\)\.$", rank)
+    tests = re.search(r'<table id="expb-factorial">(.*?)</table>', section, re.S).group(1)
+    names = re.findall(r"<td>(expb\.factorial\.\w+) \((pre-registered|exploratory)\)</td>", tests)
+    assert [n for n, _ in names] == [
+        f"expb.factorial.{t}"
+        for t in ("weight", "rank", "weight_at_low", "weight_at_high", "rank_at_light",
+                  "rank_at_heavy")
+    ]  # fmt: skip
+    assert [f for _, f in names] == ["pre-registered"] * 2 + ["exploratory"] * 4
+    cells = re.search(r'<table id="expb-factorial-cells">(.*?)</table>', section, re.S).group(1)
+    assert "low rank (3), light [0.07, 0.09)" in cells and "high rank (6), heavy" in cells
+    assert "expb_factorial" in embedded_figures(Path(rendered["html"]).read_text())
+
+
 def test_missing_parts_render_with_messages(tmp_path):
     inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
     partial = {"simulate": inputs["simulate"], "capture_tokens": inputs["capture_tokens"]}
@@ -595,9 +620,9 @@ def test_sections_for_designs_admission_generation_regime(two_models):
     assert "completion" in gen and "[23.0, 38.0]" in gen
     assert "a: fetch_every_miss hits 0.86 (a)" in html
     assert '<table id="regime-table">' in html
-    # per_input is missing; so is design_space (these outputs have no design tables: its
-    # section is rendered in tests/test_design_space.py)
-    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 2
+    # per_input is missing; so are design_space and expb_factorial (these outputs have no such
+    # tables: their sections are rendered in tests/test_design_space.py and from make_study)
+    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 3
 
 
 def test_wide_tables_scroll_inside_the_page(two_models):

@@ -329,7 +329,9 @@ def expb_factorial_outputs():
     if not EXPB_FACTORIAL["enabled"]:
         return []
     return expand(
-        "results/{model}/expb/factorial/{cell}.parquet", model=MODELS, cell=FACTORIAL_CELLS
+        "results/{model}/expb/factorial/{cell}.parquet",
+        model=MODELS,
+        cell=FACTORIAL_CELLS,
     )
 
 

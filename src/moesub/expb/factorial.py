@@ -83,6 +83,7 @@ class FactorialSpec:
         for name, kind in (("low_ranks", int), ("high_ranks", int), ("light", float),
                            ("heavy", float)):  # fmt: skip
             object.__setattr__(self, name, tuple(kind(v) for v in getattr(self, name)))
+        object.__setattr__(self, "share", float(self.share))
         (lo1, lo2), (hi1, hi2) = self.low_ranks, self.high_ranks
         if not 2 <= lo1 <= lo2 < hi1 <= hi2:
             raise ValueError(
