@@ -302,11 +302,18 @@ def test_contrast_matrix_and_verdicts():
     assert (d @ m).tolist() == [[3.5, 2.5, 2.0, 5.0, 1.0, 4.0]]  # TESTS order
     assert [t[0] for t in TESTS] == ["weight", "rank", "weight_at_low", "weight_at_high",
                                      "rank_at_light", "rank_at_heavy"]  # fmt: skip
-    assert verdict("weight", 0.1, 0.3, 0.2) == "supports"
-    assert verdict("weight", -0.3, -0.1, 0.2) == "evidence against the hypothesis"
-    assert verdict("weight_at_low", -0.1, 0.3, 0.2) == "no detectable effect (MDE 0.2)"
-    assert verdict("rank", 0.1, 0.3, 0.2).startswith("evidence against the hypothesis (the high")
+    assert verdict("weight", 0.1, 0.3, 0.2, p=0.01) == "supports"
+    assert verdict("weight", -0.3, -0.1, 0.2, p=0.01) == "evidence against the hypothesis"
+    assert verdict("weight_at_low", -0.1, 0.3, 0.2, p=0.5) == "no detectable effect (MDE 0.2)"
+    assert verdict("rank", 0.1, 0.3, 0.2, p=0.04).startswith(
+        "evidence against the hypothesis (the high rank costs more)"
+    )
     assert verdict("rank_at_heavy", -0.1, 0.3, None) == "no detectable effect"
+    # an interval that excludes 0 where the t-test does not reject (e.g. 2 streams)
+    assert verdict("weight", 0.1, 0.3, 0.2, p=0.3) == (
+        "no detectable effect (MDE 0.2); the interval excludes 0 but the t-test gives p = 0.3"
+    )
+    assert verdict("weight", 0.1, 0.3, 0.2, p=0.01) == "supports"
 
 
 def factorial_inputs(root, d_cells, n_streams=4):

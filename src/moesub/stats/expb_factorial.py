@@ -31,6 +31,8 @@ removes, whatever its rank) and verdicts:
   hypothesis" when below, else "no detectable effect (MDE ...)";
 - rank: predicted 0. "evidence against the hypothesis" when the interval excludes 0 (either
   way: the rank matters at the same weight), else "no detectable effect (MDE ...)";
+- an interval that excludes 0 counts only where the t-test agrees (p < alpha): with a few
+  streams the bootstrap has few distinct resamples and its interval is too narrow;
 - a rank contrast is "invalid" when its two cells' realized mean weights differ by more than
   `max_weight_gap` (relative to the smaller; the pooled `rank` when either does), and every
   test when the cells' runs do not share one plan (streams, counts per stream).
@@ -88,11 +90,23 @@ def contrast_matrix() -> np.ndarray:
     return out
 
 
-def verdict(test: str, lo: float | None, hi: float | None, mde: float | None) -> str:
-    """The test's direction in words (module docstring) from its interval."""
+def verdict(
+    test: str,
+    lo: float | None,
+    hi: float | None,
+    mde: float | None,
+    p: float | None = None,
+    alpha: float = 0.05,
+) -> str:
+    """The test's direction in words (module docstring) from its interval; an interval that
+    excludes 0 while the t-test gives p >= alpha (a few streams: the bootstrap has too few
+    distinct resamples) says so and decides nothing."""
     no_effect = "no detectable effect" + (f" (MDE {mde:.2g})" if mde is not None else "")
     if lo is None or hi is None:
         return no_effect
+    if (lo > 0 or hi < 0) and (p is None or p >= alpha):
+        p_text = "undefined" if p is None else f"{p:.2g}"
+        return f"{no_effect}; the interval excludes 0 but the t-test gives p = {p_text}"
     if test.startswith("weight"):
         if lo > 0:
             return "supports"
@@ -140,7 +154,7 @@ def factorial_tests(
                 "mde": mde,
                 "mde_method": "normal approximation, two-sided",
                 "unit": UNIT,
-                "verdict": verdict(test, iv.ci_lo, iv.ci_hi, mde),
+                "verdict": verdict(test, iv.ci_lo, iv.ci_hi, mde, p, alpha),
             }
         )
     return out
