@@ -7,7 +7,9 @@
 # workflow/schemas/); resources per rule: profiles/.
 
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
+
+from moesub.config import validate_config
 
 min_version("9.0")
 
@@ -19,7 +21,9 @@ if not workflow.overwrite_configfiles:
     configfile: "config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+# The schema's checks and defaults (workflow/schemas/config.schema.yaml); a bad key is one short
+# error naming its path and what is allowed there.
+validate_config(config)
 
 
 include: "workflow/rules/common.smk"
@@ -36,7 +40,7 @@ wildcard_constraints:
     condition=r"heavy|light",
     design=r"study|matched",
     cell=alternation(FACTORIAL_CELLS),
-    task=r"gsm8k|humaneval|code_completion",
+    task=alternation(TASKS),
 
 
 include: "workflow/rules/model.smk"

@@ -301,7 +301,7 @@ def test_initial_sets_file_round_trip(tmp_path):
     )
     with pytest.raises(ValueError, match="no set for fraction 0.3"):
         read_initial_set(out, 0.3)
-    with pytest.raises(ValueError, match="capacity 2 < top_k 3"):
+    with pytest.raises(ValueError, match=r"fraction 0.1 gives capacity C=2, outside \[k=3"):
         write_initial_sets(tmp_path / "calib.parquet", [0.1], tmp_path / "x.parquet")
     with pytest.raises(ValueError, match="fractions"):
         write_initial_sets(tmp_path / "calib.parquet", [1.5], tmp_path / "x.parquet")

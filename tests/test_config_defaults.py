@@ -8,13 +8,18 @@ here. Keys without a schema default are listed below with the reason.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import json
 from typing import Any
 
 import pytest
+import yaml
 
 from moesub import config as mcfg
+
+SHIPPED_CONFIGS = ("config.yaml", "tests/config/config.yaml")
 
 # (schema section, "module:Class", keys of the section that are not options of the class)
 SECTIONS = [
@@ -152,3 +157,30 @@ def test_load_config_fills_schema_defaults(tmp_path):
     assert cfg["engine"]["bench"]["fraction"] == mcfg.schema_defaults("engine.bench")["fraction"]
     assert cfg["embedded"]["num_experts"] == 512
     assert "store_path" not in cfg["engine"]
+
+
+def _configs() -> list[dict[str, Any]]:
+    """The shipped configs, plus one with what they leave out (a checkpoint model placed by
+    Accelerate, a text source, every sweep, optional dtypes)."""
+    repo = mcfg.SCHEMA_PATH.parents[2]
+    shipped = [yaml.safe_load((repo / p).read_text()) for p in SHIPPED_CONFIGS]
+    more = copy.deepcopy(shipped[1])
+    more["models"]["real"] = {"path": "/ckpt", "loading": {"device_map": "auto"}}
+    more["streams"]["source"] = {"kind": "text", "path": "eval.jsonl"}
+    more["sweeps"] = {"route_bias": {"base": "quality", "values": [0.1]}, "belady": ["quality"]}
+    more["emulate"] = {"dtype": "bfloat16"}
+    more["engine"] = {"bench": {}}
+    return [*shipped, more]
+
+
+@pytest.mark.parametrize("config", _configs(), ids=[*SHIPPED_CONFIGS, "more"])
+def test_validate_config_fills_defaults_as_snakemake_did(config):
+    """`validate_config` (the Snakefile's check) leaves the config exactly as Snakemake's
+    `validate` did before it, so every job's params are the same (no rerun)."""
+    from snakemake.utils import validate
+
+    ours, theirs = copy.deepcopy(config), copy.deepcopy(config)
+    validate(theirs, str(mcfg.SCHEMA_PATH))
+    assert mcfg.validate_config(ours) is ours
+    assert ours == theirs
+    assert json.dumps(ours) == json.dumps(theirs)  # key order and value types too

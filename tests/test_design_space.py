@@ -19,7 +19,7 @@ from moesub.coactivation import read_coactivation, write_coactivation
 from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
-from moesub.policy import Policy, coactivation
+from moesub.policy import Policy, capacity_for, coactivation
 from moesub.simulate import run_simulate
 from moesub.synthetic import synthetic_logits
 
@@ -60,7 +60,8 @@ def test_default_config_names_every_family_and_keeps_v1_params():
     # emulate: the listed study and named v2 policies, never a bound
     assert not [n for n in stages["emulate"] if pols[n]["eviction"] == "belady"]
     new = set(stages["emulate"]) - set(mcfg.expand_policies({**cfg, "policies": {
-        n: s for n, s in cfg["policies"].items() if set(s) <= set(mcfg.POLICY_KEYS)
+        n: s for n, s in cfg["policies"].items()
+        if all(s[k] == mcfg.POLICY_DEFAULTS[k] for k in mcfg.V2_POLICY_KEYS)  # v1 (all filled)
     }, "sweeps": {k: v for k, v in cfg["sweeps"].items() if k in ("tau", "beta")}}))  # fmt: skip
     assert len(new) <= 6, new
     # the emulated admission policies all have their exact twins (no parse-time warning)
@@ -87,11 +88,11 @@ def test_sweep_and_belady_expansion():
     with pytest.raises(ValueError, match=r"sweeps.belady: 'zz' is not a policy"):
         mcfg.expand_policies({**base, "sweeps": {"belady": ["zz"]}})
     # belady needs the future selections, which route_bias makes depend on the cache
-    with pytest.raises(ValueError, match=r"policies.b_belady: .*route_bias"):
+    with pytest.raises(ValueError, match=r"policies.b_belady.eviction: .*route_bias"):
         mcfg.expand_policies({**base, "sweeps": {"belady": ["b"]}})
-    with pytest.raises(ValueError, match=r"policies.c.prefetch=1.5 must be an integer"):
+    with pytest.raises(ValueError, match=r"policies.c.prefetch: must be an integer >= 0, got 1.5"):
         mcfg.normalize_policy("c", {"rule": "fetch_all", "prefetch": 1.5})
-    with pytest.raises(ValueError, match=r"policies.c: .*light_miss='host'.*beta must be 0"):
+    with pytest.raises(ValueError, match=r"policies.c.beta: .*light_miss='host'.*beta must be 0"):
         mcfg.normalize_policy("c", {"rule": "threshold", "tau": 0.1, "beta": 0.5,
                                     "light_miss": "host"})  # fmt: skip
 
@@ -175,7 +176,8 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
         out = tmp_path / f"{name}.parquet"
         run_simulate(str(traces["eval_path"]), None, name, pol.to_dict(), 0.25, None, str(out),
                      coactivation_path=str(table_path))  # fmt: skip
-        want = simulate(traces["eval"], K, [GridPoint(name, pol, 0.25)], None, cost,
+        point = GridPoint.at_fraction(name, pol, 0.25, traces["eval"][0].shape[2])
+        want = simulate(traces["eval"], K, [point], cost,
                         lookahead=traces["look"], coactivation=A)  # fmt: skip
         got = pl.read_parquet(out)
         assert got.equals(want), name
@@ -195,10 +197,11 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
 def test_builtin_bound_only_for_demand_paging_of_v1_selections(traces):
     """The simulator's built-in Belady bound (fetch_all) is not a bound with prefetch (not
     demand paging) or route_bias (selections follow the cache): those rows carry none."""
+    C = capacity_for(0.25, traces["eval"][0].shape[2])
     grid = [
-        GridPoint("plain", Policy(), 0.25),
-        GridPoint("pre", Policy(prefetch=2), 0.25),
-        GridPoint("prior", Policy(route_bias=0.3), 0.25),
+        GridPoint("plain", Policy(), C),
+        GridPoint("pre", Policy(prefetch=2), C),
+        GridPoint("prior", Policy(route_bias=0.3), C),
     ]
     df = simulate(traces["eval"], K, grid, lookahead=traces["look"]).filter(pl.col("layer") == -1)
     bound = dict(zip(df["policy"], df["belady_hit_rate"], strict=True))

@@ -180,7 +180,7 @@ def test_run_emulate_checks_the_v2_inputs_before_loading_the_model(tmp_path):
     with pytest.raises(ValueError, match="belady.*offline-only"):
         run_emulate(*args, {"eviction": "belady"}, 0.25, out)
     with pytest.raises(ValueError, match="coactivation_path"):
-        run_emulate(*args, {"rule": "threshold", "substitute_by": "coactivation"}, 0.25, out)
+        run_emulate(*args, {"rule": "substitute_all", "substitute_by": "coactivation"}, 0.25, out)
     with pytest.raises(FileNotFoundError, match="coactivation_path"):
         run_emulate(
             *args, {"substitute_by": "coactivation"}, 0.25, out, None, tmp_path / "none.npz"

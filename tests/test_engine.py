@@ -308,7 +308,7 @@ def test_substituting_policy_changes_nll(stage, tmp_path):
 
 def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     fem = {"rule": "fetch_all"}
-    with pytest.raises(ValueError, match="too small for top-k"):
+    with pytest.raises(ValueError, match=r"capacity C=\d+, outside \[k="):
         run_engine(
             stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x", fem, 0.1,
             "cpu", tmp_path / "o.parquet",

@@ -202,8 +202,8 @@ def test_bad_input(stage, quality_engine, monkeypatch):
     model_dir = root / "model"
     cases = [
         (dict(prompts=[[3, 500]]), "outside the model's vocabulary"),
-        (dict(fraction=0.1), "too small for top-k"),
-        (dict(policy={"rule": "nope"}), "unknown rule"),
+        (dict(fraction=0.1), r"capacity C=\d+, outside \[k="),
+        (dict(policy={"rule": "nope"}), "policy rule: unknown value 'nope'"),
         (dict(params=params(root, admission="soon")), "params.admission"),
         (dict(initial=initial[:, :5]), "initial: expected shape"),
         (dict(name=""), "non-empty policy name"),

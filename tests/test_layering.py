@@ -11,11 +11,15 @@ engine (its time per token is the point), so `generate -> engine` is the one all
 
 No module imports itself through others: the import graph has no cycle, annotation-only imports
 included (a cycle hidden under `TYPE_CHECKING` is still two modules that need each other).
+
+The config (what the Snakefile runs at parse time) loads the policy vocabulary
+(`moesub.vocabulary`), never the C++ policy core or torch.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -184,3 +188,10 @@ def test_the_cycle_check_sees_annotation_only_imports(tmp_path, monkeypatch):
     assert cycles(import_graph()) == [
         ["moesub.stats.load", "moesub.stats.params", "moesub.stats.load"]
     ]
+
+
+def test_config_parses_without_the_policy_core():
+    code = "import moesub.config, sys; assert 'moesub._core' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    heavy = "import moesub.config, sys; assert not {'torch', 'numpy'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", heavy], check=True)

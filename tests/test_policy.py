@@ -39,7 +39,7 @@ def cases(draw, num_experts=SMALL_E, max_k=6, max_tokens=40):
     beta = 0.0 if rule == "host_compute" else draw(st.sampled_from([0.0, 0.05, 0.3, 0.5, 1.0]))
     policy = Policy(
         rule=rule,
-        tau=draw(st.sampled_from([0.0, 0.1, 0.15, 0.3, 0.9])),
+        tau=draw(st.sampled_from([0.1, 0.15, 0.3, 0.9] + ([] if rule == "threshold" else [0.0]))),
         eviction=draw(st.sampled_from(EVICTIONS)),
         beta=beta,
         delay=draw(st.integers(1, 4)),
@@ -151,8 +151,7 @@ def test_belady_is_optimal_floor(case):
 
     logits, k, C, _, _ = case
     T, L, E = logits.shape
-    frac = C / E
-    grid = [GridPoint(ev, Policy(eviction=ev), frac) for ev in EVICTIONS]
+    grid = [GridPoint(ev, Policy(eviction=ev), C) for ev in EVICTIONS]
     df = simulate([logits], k, grid).to_dicts()
     for row in df:
         if row["layer"] < 0 or row["capacity"] != C:
@@ -230,7 +229,7 @@ def test_scan_releases_the_gil():
     done = threading.Event()
 
     def work():
-        scan(x, 10, 128, Policy(rule="threshold", eviction="lfu", beta=0.5))
+        scan(x, 10, 128, Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5))
         done.set()
 
     th = threading.Thread(target=work)
@@ -254,11 +253,25 @@ def test_scan_releases_the_gil():
         (dict(delay=0), "policy delay"),
         (dict(delay=1.5), "policy delay"),
         (dict(rule="host_compute", beta=0.5), "policy beta"),
+        # the config's rules are Policy's: the library accepts nothing the config rejects
+        (dict(rule="threshold"), "policy tau: rule 'threshold' needs tau > 0"),
+        (dict(tau=True), "policy tau: must be a finite number"),
+        (dict(delay=1.0), "policy delay: must be an integer >= 1, got 1.0"),
+        (dict(delay=True), "policy delay"),
+        (dict(tau="0.1"), "policy tau"),
     ],
 )
 def test_bad_policy(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Policy(**kwargs)
+
+
+def test_policy_stores_numbers_as_float_and_counts_as_int():
+    p = Policy(rule="threshold", tau=1, beta=np.float32(0.5), delay=np.int64(2), prefetch=3)
+    assert [type(v) for v in (p.tau, p.beta, p.route_bias, p.delay, p.prefetch)] == [
+        float, float, float, int, int
+    ]  # fmt: skip
+    assert p == Policy(rule="threshold", tau=1.0, beta=0.5, delay=2, prefetch=3)
 
 
 def test_policy_from_dict_unknown_key():

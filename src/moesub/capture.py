@@ -44,7 +44,7 @@ from moesub.config import schema_defaults
 from moesub.io import ParquetStreamWriter, write_parquet
 from moesub.models import ModelLoading
 from moesub.params import options_from, torch_device, torch_dtype
-from moesub.policy import capacity_for
+from moesub.vocabulary import check_capacity
 
 _DEFAULTS = schema_defaults("capture")  # workflow/schemas/config.schema.yaml
 
@@ -274,12 +274,7 @@ def write_initial_sets(
             raise ValueError(f"fractions: {f!r} is not in (0, 1]")
     trace = load_trace(calib_router_path)
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
-    caps = {f: capacity_for(f, E) for f in fractions}
-    for f, c in caps.items():
-        if c < k:
-            raise ValueError(
-                f"fractions: {f} gives capacity {c} < top_k {k} (E={E}); use a larger fraction"
-            )
+    caps = {f: check_capacity(f, E, k) for f in fractions}
     sets = frequency_initial_sets(trace, sorted(set(caps.values())))
     meta = {
         "num_experts": E,

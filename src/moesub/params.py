@@ -7,10 +7,13 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from moesub.config.schema import check_options, config_schema
+
 T = TypeVar("T")
 
-# The model / expert dtypes a stage may be asked for (config `dtype:`), by name.
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The model / expert dtypes a stage may be asked for (config `dtype:`), by name: the schema's
+# one list (`$defs/dtype`).
+DTYPE_NAMES: tuple[str, ...] = tuple(config_schema()["$defs"]["dtype"]["enum"])
 
 
 def options_from(
@@ -28,8 +31,6 @@ def options_from(
     if unknown:
         raise ValueError(f"params: unknown {what} option(s) {unknown}; known: {sorted(known)}")
     if section is not None:
-        from moesub.config import check_options
-
         check_options(params, section, what)
     return cls(**params)
 

@@ -32,7 +32,7 @@ import pandas as pd
 
 from moesub.config import ALL_RESIDENT, schema_defaults
 from moesub.io import write_json
-from moesub.policy import capacity_for
+from moesub.vocabulary import capacity_for
 
 _DEFAULTS = schema_defaults("recommend")  # workflow/schemas/config.schema.yaml
 # the analysis outputs read (the analysis rule's named outputs; `analysis` is analysis.json)

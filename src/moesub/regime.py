@@ -48,7 +48,7 @@ from moesub.artefacts import has_lookahead, load_trace, read_initial_set, topk_m
 from moesub.config import REGIME_FRACTION
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
-from moesub.policy import STUDY_POLICIES, Policy, capacity_for
+from moesub.policy import STUDY_POLICIES, Policy, check_capacity, check_sizes
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
 REFERENCES: dict[str, tuple[float, str]] = {
@@ -195,14 +195,12 @@ def measure_regime(
     if not streams:
         raise ValueError("streams: need at least one router-logit stream")
     L, E = streams[0].shape[1:]
-    if not k <= capacity <= E:
-        raise ValueError(f"capacity: C={capacity} must be in [k={k}, E={E}]")
+    check_sizes(E, k, capacity)
     grid = [
-        GridPoint(name, Policy.from_dict(STUDY_POLICIES[name]), capacity / E)
+        GridPoint(name, Policy.from_dict(STUDY_POLICIES[name]), capacity, initial)
         for name in ("fetch_every_miss", "rule_015")
     ]
-    initial_sets = None if initial is None else {capacity: initial}
-    sim = simulate(streams, k, grid, initial_sets, n_threads=1)
+    sim = simulate(streams, k, grid, n_threads=1)
     fem = sim.filter(pl.col("policy") == "fetch_every_miss")
     r015 = sim.filter(pl.col("policy") == "rule_015")
     stats = _routing_stats(streams, k)
@@ -319,9 +317,7 @@ def regime_from_files(
     """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
     trace = load_trace(router_path, lookahead=has_lookahead(router_path))
     E, k = trace.num_experts, trace.top_k
-    capacity = capacity_for(fraction, E)
-    if capacity < k:
-        raise ValueError(f"fraction: {fraction} gives C={capacity} < k={k} (E={E})")
+    capacity = check_capacity(fraction, E, k)
     initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
     regime = measure_regime(trace.logits, k, capacity, initial, trace.lookahead)
     regime.summary["fraction"] = fraction

@@ -1,8 +1,8 @@
 # Helpers shared by the stage files (functions and constants only, no rules).
 #
 # Everything below runs at parse time, after the schema validation in the Snakefile, so a bad
-# config (unknown policy name in a stage's list, C < k, a checkpoint without config.json) fails
-# here, naming the key, before any job is scheduled or any file written.
+# config (unknown policy name in a stage's list, C < k, a checkpoint without config.json or
+# tokenizer files) fails here, naming the key, before any job is scheduled or any file written.
 #
 # Invalidation: each rule's params carry only the settings that rule uses (one policy's dict,
 # one config section), so editing a policy reruns only that policy's jobs plus analysis/report.
@@ -21,6 +21,7 @@ from moesub.config import (
     input_paths,
     canonical,
     number_label,
+    policy_spec,
     stage_policies,
 )
 
@@ -122,7 +123,9 @@ def streams_source(wildcards):
 
 
 def policy_dict(name):
-    return canonical(ALL_RESIDENT_POLICY if name == ALL_RESIDENT else POLICIES[name])
+    return canonical(
+        policy_spec(ALL_RESIDENT_POLICY) if name == ALL_RESIDENT else POLICIES[name]
+    )
 
 
 def policy_params(wildcards):
@@ -237,7 +240,8 @@ def generate_params(wildcards):
         if k != "path"
     }
     shared = section("generate", exclude=["tasks", "policies"])
-    params = {**shared, **task}
+    # the evaluation text (a task reading held-out text, the continuation, takes it from here)
+    params = {**shared, **task, "source": config["streams"]["source"]}
     reference = generate_reference(wildcards)
     if reference:
         params["reference_path"] = reference[0]

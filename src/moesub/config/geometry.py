@@ -1,6 +1,6 @@
 """Each model's routing geometry (E, k) and every capacity rule the config must satisfy.
 
-C = `moesub.policy.capacity_for(fraction, E)`; `check_capacities` checks every cache fraction
+C = `moesub.vocabulary.capacity_for(fraction, E)`; `check_capacities` checks every cache fraction
 of the config against every model at parse time, naming the key.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from moesub.config.inputs import check_checkpoint_dir
 from moesub.config.names import check_name
 from moesub.config.schema import schema_defaults
-from moesub.policy import capacity_for
+from moesub.vocabulary import capacity_for
 
 # The cache fraction at which the study gives its regime figures (moesub.regime): 25% resident.
 REGIME_FRACTION = 0.25
@@ -56,7 +56,7 @@ def expb_min_capacity(top_k: int) -> int:
 def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     """Every capacity rule of the pipeline, per model, naming the key; returns model -> (E, k).
 
-    C = `moesub.policy.capacity_for(fraction, E)`. Every cache fraction (`fractions`,
+    C = `moesub.vocabulary.capacity_for(fraction, E)`. Every cache fraction (`fractions`,
     `expb.fraction` and the regime's fixed 25%) must give k <= C <= E; Experiment B's substitute
     pool (`expb.fraction`'s C, or E with `expb.resident: all`) must hold 2k - 1 experts and its
     factorial design's ranks must be <= k; the engine benchmark's own geometry

@@ -10,6 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# Any of these makes a checkpoint directory hold a tokenizer (what `moesub.models.load_tokenizer`
+# then loads with transformers' AutoTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def check_checkpoint_dir(path: str | Path, where: str) -> Path:
     """`path` is a checkpoint directory holding config.json; errors say what it is instead."""
@@ -26,6 +30,23 @@ def check_checkpoint_dir(path: str | Path, where: str) -> Path:
             f"{where}: {str(path / 'config.json')!r} not found (not a Hugging Face checkpoint)"
         )
     return path
+
+
+def has_tokenizer(path: str | Path, required: bool = False, where: str | None = None) -> bool:
+    """Whether checkpoint `path` holds tokenizer files (`required`: raise if it does not,
+    naming `where`, the config key, when given).
+
+    Without them transformers may still build a tokenizer from config.json alone, with an empty
+    vocabulary, and every document then tokenizes to nothing."""
+    path = Path(path)
+    found = any((path / f).is_file() for f in TOKENIZER_FILES)
+    if required and not found:
+        raise FileNotFoundError(
+            f"{where + ': ' if where else ''}{str(path)!r} has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer files of the model it was trained "
+            "from into the checkpoint directory"
+        )
+    return found
 
 
 def input_paths(config: Mapping[str, Any]) -> list[tuple[str, str, str]]:
@@ -59,11 +80,12 @@ def _local_name(name: str) -> bool:
 
 
 def check_input_paths(config: Mapping[str, Any]) -> None:
-    """Every input path of the config exists and is of its kind; errors name the key."""
+    """Every input path of the config exists and is of its kind (a checkpoint holds config.json
+    and tokenizer files); errors name the key."""
     for key, path, kind in input_paths(config):
         p = Path(path).expanduser()
-        if kind == "checkpoint":
-            check_checkpoint_dir(p, key)
+        if kind == "checkpoint":  # the pipeline tokenizes its streams with its tokenizer
+            has_tokenizer(check_checkpoint_dir(p, key), required=True, where=key)
         elif not p.exists():
             raise FileNotFoundError(
                 f"{key}: {path!r} does not exist (relative paths are relative to the directory "

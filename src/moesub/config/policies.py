@@ -1,9 +1,9 @@
 """The study's policies: normalized from config, expanded by sweeps, selected per stage.
 
 `expand_policies` turns `policies:` and `sweeps:` into name -> full policy dict (defaults from
-the schema, every field checked, the cross-field rules by `moesub.policy.Policy`);
-`stage_policies` checks each stage's `policies:` list against them; the admission twins
-(`is_exact_twin`) pair each admission policy with the run that isolates its effect.
+the schema; every field's rule is `moesub.vocabulary.Policy`'s); `stage_policies` checks each
+stage's `policies:` list against them; the admission twins (`is_exact_twin`) pair each admission
+policy with the run that isolates its effect.
 """
 
 from __future__ import annotations
@@ -14,21 +14,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from moesub.config.names import check_name, number_label
-from moesub.config.schema import schema_defaults
-from moesub.policy import EVICTIONS, OFFLINE_EVICTIONS, RULES, Policy
+from moesub.config.schema import schema_defaults, schema_section
+from moesub.vocabulary import ALL_RESIDENT, OFFLINE_EVICTIONS, Policy
 
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
 # v2's fields (docs/policy-semantics.md): a normalized policy carries one only where it differs
 # from the default, so every v1 policy keeps its exact params (and its jobs are not rerun)
 V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by")
 POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
-# The engine's reserved policy name: every expert in fast memory (the floor on time per token).
-# It may be listed in engine.policies / engine.bench.policies but not defined under policies:.
-ALL_RESIDENT = "all_resident"
-ALL_RESIDENT_POLICY: dict[str, Any] = {
-    "rule": "fetch_all",
-    **{key: POLICY_DEFAULTS[key] for key in POLICY_KEYS if key != "rule"},
-}
 # Stages that run a model online (stage -> its config keys): an offline eviction (belady)
 # cannot run there.
 ONLINE_STAGES = {
@@ -39,48 +32,29 @@ ONLINE_STAGES = {
 }
 
 
+def policy_spec(policy: Policy) -> dict[str, Any]:
+    """A policy as the config holds it after `normalize_policy`: every v1 key
+    (`POLICY_KEYS`), plus each v2 key (`V2_POLICY_KEYS`) whose value is not its default.
+    These dicts are the Snakemake params of the policy's jobs."""
+    fields = policy.to_dict()
+    out = {key: fields[key] for key in POLICY_KEYS}
+    return out | {key: fields[key] for key in V2_POLICY_KEYS if fields[key] != POLICY_DEFAULTS[key]}
+
+
 def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A full `{rule, tau, eviction, beta, delay}` dict (defaults filled), checked, plus each v2
-    key (`V2_POLICY_KEYS`) whose value is not its default."""
+    """`policy_spec` of the `Policy` that `spec` (the schema's defaults filled) makes; the
+    Policy's errors are raised naming `policies.<name>.<key>`."""
     where = f"policies.{name}"
-    unknown = sorted(set(spec) - set(POLICY_KEYS) - set(V2_POLICY_KEYS))
-    if unknown:
-        allowed = [*POLICY_KEYS, *V2_POLICY_KEYS]
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {allowed}")
-    if "rule" not in spec:
-        raise ValueError(f"{where}.rule is required (one of {list(RULES)})")
-    policy = {**POLICY_DEFAULTS, **spec}
-    if policy["rule"] not in RULES:
-        raise ValueError(f"{where}.rule={policy['rule']!r} is not one of {list(RULES)}")
-    if policy["eviction"] not in EVICTIONS + OFFLINE_EVICTIONS:
-        raise ValueError(
-            f"{where}.eviction={policy['eviction']!r} is not one of "
-            f"{list(EVICTIONS + OFFLINE_EVICTIONS)}"
-        )
-    for key in ("tau", "beta"):
-        value = policy[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{where}.{key}={value!r} must be a number >= 0")
-        policy[key] = float(value)
-    delay = policy["delay"]
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
-        raise ValueError(f"{where}.delay={delay!r} must be an integer >= 1")
-    if policy["rule"] == "threshold" and policy["tau"] <= 0:
-        raise ValueError(f"{where}.tau must be > 0 for rule 'threshold'")
-    prefetch = policy["prefetch"]
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"{where}.prefetch={prefetch!r} must be an integer >= 0")
-    bias = policy["route_bias"]
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)) or bias < 0:
-        raise ValueError(f"{where}.route_bias={bias!r} must be a number >= 0")
-    policy["route_bias"] = float(bias)
-    out = {key: policy[key] for key in POLICY_KEYS}
-    out |= {key: policy[key] for key in V2_POLICY_KEYS if policy[key] != POLICY_DEFAULTS[key]}
-    try:  # the cross-field rules (belady with route_bias, ...) have one home: Policy
-        Policy.from_dict(out)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return out
+    missing = [key for key in schema_section("policies.*")["required"] if key not in spec]
+    if missing:
+        raise ValueError(f"{where}: missing required key(s) {missing}")
+    try:
+        policy = Policy.from_dict({**POLICY_DEFAULTS, **spec})
+    except ValueError as e:  # "policy <field>: <problem>" -> "policies.<name>.<field>: ..."
+        field, _, problem = str(e).partition(": ")
+        key = field.removeprefix("policy").strip()
+        raise ValueError(f"{where}{'.' + key if key else ''}: {problem}") from None
+    return policy_spec(policy)
 
 
 def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
@@ -116,7 +90,10 @@ def missing_admission_twins(
     for name in names:
         pol = policies[name]
         if pol["beta"] > 0 and not any(is_exact_twin(pol, policies[n]) for n in names if n != name):
-            out.append(f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)})")
+            out.append(
+                f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)}): "
+                "its admission effect will not be measured"
+            )
     return out
 
 

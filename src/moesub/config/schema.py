@@ -2,8 +2,8 @@
 
 The schema (workflow/schemas/config.schema.yaml) owns every default: `schema_defaults(section)`
 reads them, and tests/test_config_defaults.py holds every options dataclass's defaults equal to
-the schema's. `check_options` checks a stage's params against the same schema, and
-`fill_defaults` fills a validated config as Snakemake's `validate` does.
+the schema's. `check_options` checks a stage's params against the same schema
+(`moesub.config.validation` checks a whole config and fills its defaults).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def config_schema() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
-def _resolve(node: Mapping[str, Any]) -> dict[str, Any]:
+def resolve(node: Mapping[str, Any]) -> dict[str, Any]:
     """A schema node with its `$ref` (to `#/$defs/...`) merged in; the node's own keys win."""
     node = dict(node)
     while "$ref" in node:
@@ -46,9 +46,9 @@ def _resolve(node: Mapping[str, Any]) -> dict[str, Any]:
 
 def schema_section(section: str) -> dict[str, Any]:
     """The schema node of a config section (dotted keys, `*` = any name; see schema_defaults)."""
-    node = _resolve(config_schema())
+    node = resolve(config_schema())
     for key in section.split("."):
-        node = _resolve(node["additionalProperties"] if key == "*" else node["properties"][key])
+        node = resolve(node["additionalProperties"] if key == "*" else node["properties"][key])
     return node
 
 
@@ -80,19 +80,7 @@ def schema_defaults(section: str) -> dict[str, Any]:
     """
     out = {}
     for key, prop in schema_section(section).get("properties", {}).items():
-        prop = _resolve(prop)
+        prop = resolve(prop)
         if "default" in prop:
             out[key] = copy.deepcopy(prop["default"])
     return out
-
-
-def fill_defaults(config: dict[str, Any], node: Mapping[str, Any] | None = None) -> None:
-    """Fill the schema's defaults into a validated `config` in place, as Snakemake's `validate`
-    does: absent keys with a default get it; present objects are filled recursively."""
-    node = _resolve(config_schema() if node is None else node)
-    for key, prop in node.get("properties", {}).items():
-        prop = _resolve(prop)
-        if key not in config and "default" in prop:
-            config[key] = copy.deepcopy(prop["default"])
-        if isinstance(config.get(key), dict):
-            fill_defaults(config[key], prop)

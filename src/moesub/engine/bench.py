@@ -74,13 +74,19 @@ from moesub.engine.store import (
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import write_parquet
 from moesub.params import options_from
-from moesub.policy import ALL_RESIDENT, STUDY_POLICIES, Policy, check_capacity
+from moesub.policy import (
+    ALL_RESIDENT,
+    ALL_RESIDENT_POLICY,
+    STUDY_POLICIES,
+    Policy,
+    check_capacity,
+)
 
 # the benchmark's default policies: five of the study's, and the all-resident floor
 _FROM_STUDY = ("fetch_every_miss", "host_compute", "rule_015", "quality", "speed")
 BENCH_POLICIES: dict[str, dict[str, Any]] = {
     **{name: STUDY_POLICIES[name] for name in _FROM_STUDY},
-    ALL_RESIDENT: {"rule": "fetch_all"},
+    ALL_RESIDENT: ALL_RESIDENT_POLICY.to_dict(),
 }
 # the cost model's calibration runs: one mechanism each (hits only are run separately)
 CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
@@ -252,9 +258,9 @@ class _Plan:
         p, E, L = self.p, self.p.num_experts, self.p.layers
         trace, initial, layers = self.logits.validation, self.initial, None
         if name == ALL_RESIDENT:
-            pol, initial = Policy(rule="fetch_all"), np.tile(np.arange(E, dtype=np.int32), (L, 1))
+            pol, initial = ALL_RESIDENT_POLICY, np.tile(np.arange(E, dtype=np.int32), (L, 1))
         elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
-            pol, trace = Policy(rule="fetch_all"), self.hits
+            pol, trace = ALL_RESIDENT_POLICY, self.hits
             layers = 1 if name == CAL_HITS_ONE_LAYER else None
         elif name in CALIBRATION_POLICIES:
             pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), self.logits.calibration

@@ -16,7 +16,7 @@ from moesub.engine.runtime import ADMISSION_TIMINGS
 from moesub.engine.tiers import require_cuda
 from moesub.io import require_file
 from moesub.params import options_from
-from moesub.policy import ALL_RESIDENT, Policy, capacity_for
+from moesub.policy import ALL_RESIDENT, ALL_RESIDENT_POLICY, Policy, check_capacity
 
 _DEFAULTS = schema_defaults("engine")  # workflow/schemas/config.schema.yaml
 
@@ -102,21 +102,16 @@ def resolve_engine(
     require_file(model_dir, "model_dir")
     check_run(name, fraction)
     all_resident = name == ALL_RESIDENT
-    pol = Policy(rule="fetch_all") if all_resident else policy_from_dict(policy)
+    pol = ALL_RESIDENT_POLICY if all_resident else policy_from_dict(policy)
     opts = EngineParams.from_dict(params)
     dev = require_cuda(device)
     opts = replace(opts, dtype=engine_dtype(opts, dev))
     info = check_checkpoint(model_dir)
     E, k, L = info.num_experts, info.top_k, info.num_layers
-    capacity = capacity_for(float(fraction), E)
     if all_resident:
         capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (L, 1))
     else:
-        if capacity < k:
-            raise ValueError(
-                f"fraction {fraction} gives a cache of C={capacity} experts per layer, too small "
-                f"for top-k={k} (E={E})"
-            )
+        capacity = check_capacity(float(fraction), E, k)
         if initial_sets_path is not None:
             from moesub.artefacts import read_initial_set
 

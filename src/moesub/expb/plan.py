@@ -37,7 +37,7 @@ import polars as pl
 
 from moesub.artefacts import Trace
 from moesub.expb.select import matched_masks
-from moesub.policy import Policy, scan
+from moesub.policy import ALL_RESIDENT_POLICY, scan
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -47,7 +47,7 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 def gate_weights(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The policy core's gate weights and selection of a (T, L, E) float32 trace:
     (weights (T, L, k) float64, selected (T, L, k) int32), in rank order."""
-    r = scan(logits, k, logits.shape[2], Policy(rule="fetch_all"))  # every expert resident
+    r = scan(logits, k, logits.shape[2], ALL_RESIDENT_POLICY)  # C = E
     return r.weights, r.selected
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moesub.config import check_checkpoint_dir, schema_defaults
+from moesub.config import check_checkpoint_dir, has_tokenizer, schema_defaults
 from moesub.models.families import SUPPORTED_FAMILIES, MoEInfo, moe_info
 from moesub.params import options_from
 
@@ -31,7 +31,6 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,21 +78,6 @@ def check_checkpoint(path: str | os.PathLike, tokenizer: bool = False) -> MoEInf
         return moe_info(model)
     except ValueError as e:
         raise ValueError(f"{str(p)!r}: {e}") from e
-
-
-def has_tokenizer(path: str | os.PathLike, required: bool = False) -> bool:
-    """Whether checkpoint `path` holds tokenizer files (`required`: raise if it does not).
-
-    Without them transformers may still build a tokenizer from config.json alone, with an empty
-    vocabulary, and every document then tokenizes to nothing."""
-    p = Path(path)
-    found = any((p / f).is_file() for f in _TOKENIZER_FILES)
-    if required and not found:
-        raise FileNotFoundError(
-            f"{str(p)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): copy the "
-            "tokenizer files of the model it was trained from into the checkpoint directory"
-        )
-    return found
 
 
 def load_tokenizer(path: str | os.PathLike):

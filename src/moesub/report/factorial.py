@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from moesub.config import FACTORIAL_CELLS as CELLS  # noqa: E402
 from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
-from moesub.report.plotting import FigureData, models_of, panels, rows_of  # noqa: E402
+from moesub.report.plotting import FigureData, panels, rows_of  # noqa: E402
 from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct, text  # noqa: E402
 
 RANKS = {"low": "low rank", "high": "high rank"}
@@ -132,7 +132,7 @@ def fig_factorial(fd: FigureData) -> plt.Figure:
     """Per model: each cell's ΔNLL per substituted token-layer against its realized weight (one
     line per rank bucket), and every test's estimate with its CI (shaded: ± its MDE)."""
     cells, tests = fd.out.table("expb_factorial_cells"), fd.out.table("expb_factorial")
-    models = models_of(cells)
+    models = fd.models(cells)
     fig, axes = panels(len(models), 2)
     for (a1, a2), model in zip(axes, models, strict=True):
         c = rows_of(cells, model).set_index("cell")
