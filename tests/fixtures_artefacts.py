@@ -559,11 +559,14 @@ def make_study(
     noise: float = 0.0,
     admission_gain: float = 0.0,
     expb_case: str = "heavy_worse",
+    factorial_rank: float = 0.0,
     primary: float = 0.2,
     seed: int = 0,
     model: str = MODEL,
 ) -> tuple[dict[str, list[str]], dict]:
-    """Write a whole synthetic study under `root/model`; returns (inputs, params)."""
+    """Write a whole synthetic study under `root/model`; returns (inputs, params).
+    `factorial_rank`: how much more the factorial's high rank costs at a fixed weight (mean over
+    the streams, in ΔNLL per substituted token-layer)."""
     root = Path(root) / model
     names = list(POLICIES) if names is None else names
     policies = {n: normalize_policy(n, POLICIES[n]) for n in names}
@@ -600,11 +603,11 @@ def make_study(
             inputs["generate"].append(str(write_generate(root, task, name)))
         inputs["generate"].append(str(write_continuation(root, name)))
     inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
-    # the factorial design: a heavier substitution costs more, the rank does not matter (the
-    # high rank's ΔNLL alternates around the low one's, mean difference 0 over an even count)
+    # the factorial design: a heavier substitution costs more, the rank `factorial_rank` more
+    # (the high rank's ΔNLL alternates around that, mean difference exact over an even count)
     level = 0.01 * (1.0 + 0.1 * np.arange(n_streams))
     weight = 0.004 * g  # heavy - light per stream
-    rank = 0.0005 * (-1.0) ** np.arange(n_streams)
+    rank = factorial_rank + 0.0005 * (-1.0) ** np.arange(n_streams)
     cells = {"low_light": level, "low_heavy": level + weight, "high_light": level + rank,
              "high_heavy": level + weight + rank}  # fmt: skip
     *runs, feasibility = write_expb_factorial(root, tok, cells)

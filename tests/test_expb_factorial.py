@@ -34,7 +34,8 @@ from moesub.expb import (
 )
 from moesub.io import read_metadata, write_parquet
 from moesub.stats import FactorialRule, run_analysis
-from moesub.stats.expb_factorial import TESTS, contrast_matrix, verdict
+from moesub.stats.expb_factorial import TESTS, contrast_matrix
+from moesub.stats.multiplicity import FAMILY, benjamini_hochberg, holm
 
 SPEC = FactorialSpec(low_ranks=(2, 3), high_ranks=(5, 6), light=(0.05, 0.1), heavy=(0.1, 0.2))
 
@@ -296,24 +297,16 @@ def test_run_factorial_substitutes_the_plan(stage):
 
 
 # --------------------------------------------------------------------------- the statistics
-def test_contrast_matrix_and_verdicts():
+def test_contrast_matrix_and_the_tests_families():
     m = contrast_matrix()
     d = np.array([[1.0, 3.0, 2.0, 7.0]])  # low_light, low_heavy, high_light, high_heavy
     assert (d @ m).tolist() == [[3.5, 2.5, 2.0, 5.0, 1.0, 4.0]]  # TESTS order
     assert [t[0] for t in TESTS] == ["weight", "rank", "weight_at_low", "weight_at_high",
                                      "rank_at_light", "rank_at_heavy"]  # fmt: skip
-    assert verdict("weight", 0.1, 0.3, 0.2, p=0.01) == "supports"
-    assert verdict("weight", -0.3, -0.1, 0.2, p=0.01) == "evidence against the hypothesis"
-    assert verdict("weight_at_low", -0.1, 0.3, 0.2, p=0.5) == "no detectable effect (MDE 0.2)"
-    assert verdict("rank", 0.1, 0.3, 0.2, p=0.04).startswith(
-        "evidence against the hypothesis (the high rank costs more)"
-    )
-    assert verdict("rank_at_heavy", -0.1, 0.3, None) == "no detectable effect"
-    # an interval that excludes 0 where the t-test does not reject (e.g. 2 streams)
-    assert verdict("weight", 0.1, 0.3, 0.2, p=0.3) == (
-        "no detectable effect (MDE 0.2); the interval excludes 0 but the t-test gives p = 0.3"
-    )
-    assert verdict("weight", 0.1, 0.3, 0.2, p=0.01) == "supports"
+    # the pooled contrasts pre-registered, the per-bucket ones exploratory; weight predicted
+    # > 0, rank predicted 0
+    assert [FAMILY[kind] for _, kind, _, _ in TESTS] == ["pre-registered"] * 2 + ["exploratory"] * 4
+    assert [expected for *_, expected, _ in TESTS] == [1, 0, 1, 1, 0, 0]
 
 
 def factorial_inputs(root, d_cells, n_streams=4):
@@ -335,8 +328,10 @@ def test_estimands_against_a_hand_computed_example(tmp_path):
          "low_heavy": np.array([2.0, 4.0, 5.0, 5.0]) * 1e-3,
          "high_light": np.array([1.0, 1.0, 2.0, 2.0]) * 1e-3,
          "high_heavy": np.array([3.0, 2.0, 4.0, 3.0]) * 1e-3}  # fmt: skip
-    run_analysis(factorial_inputs(tmp_path, d), params(), tmp_path / "an")
+    doc = run_analysis(factorial_inputs(tmp_path, d), params(), tmp_path / "an")
     tests = pd.read_parquet(tmp_path / "an" / "expb_factorial.parquet").set_index("test")
+    family = pd.read_parquet(tmp_path / "an" / "tests.parquet").set_index("name")
+    t_crit = sps.t.ppf(0.5 + doc["params"]["ci_level"] / 2, 3)
     # weight_at_low d = (1, 2, 2, 1)e-3: mean 1.5e-3, sd = sqrt(1/3)e-3
     # weight_at_high d = (2, 1, 2, 1)e-3; weight = their mean = (1.5, 1.5, 2, 1)e-3
     # rank_at_light d = (0, -1, -1, -2)e-3; rank_at_heavy = (1, -2, -1, -2)e-3
@@ -355,9 +350,25 @@ def test_estimands_against_a_hand_computed_example(tmp_path):
         assert row["mde"] == pytest.approx(z * sd / 2.0, rel=1e-9)
         assert row["estimate_ci_lo"] <= mean <= row["estimate_ci_hi"]
         assert row["n_streams"] == 4 and row["unit"] == "ΔNLL per substituted token-layer"
+        # tests.parquet: the t interval the t-test inverts, the raw p beside the adjusted one
+        f = family.loc[f"expb.factorial.{test}"]
+        assert f["estimate"] == row["estimate"] and f["p_value"] == row["p_value"]
+        assert f["ci_lo"] == pytest.approx(mean - t_crit * sd / 2.0, rel=1e-9)
+        assert f["ci_hi"] == pytest.approx(mean + t_crit * sd / 2.0, rel=1e-9)
+        assert f["ci_lo"] == row["estimate_t_ci_lo"] and f["ci_hi"] == row["estimate_t_ci_hi"]
+        assert f["family"] == row["family"] and f["n_units"] == 4
     assert tests.loc["weight_at_low", "sd"] == pytest.approx(math.sqrt(1 / 3) * 1e-3)
     assert tests.loc["weight", "family"] == "pre-registered"
     assert tests.loc["rank_at_light", "name"] == "expb.factorial.rank_at_light"
+    # the only tests of this run: Holm over the two pooled, Benjamini-Hochberg over the four
+    pre = family[family["family"] == "pre-registered"]
+    np.testing.assert_allclose(pre["p_adjusted"], holm(pre["p_value"]))
+    assert (pre["adjustment"] == "Holm").all() and (pre["family_size"] == 2).all()
+    bucket = family[family["family"] == "exploratory"]
+    np.testing.assert_allclose(bucket["p_adjusted"], benjamini_hochberg(bucket["p_value"]))
+    # the weight (p 0.0052 raw, 0.010 Holm) supports; the rank (p 0.16, 0.16) finds nothing
+    assert family.loc["expb.factorial.weight", "direction"] == "supports"
+    assert family.loc["expb.factorial.rank", "direction"] == "no detectable effect"
     # the realized weights of the fixture: light 0.082 / 0.079, heavy 0.102 / 0.098
     w = FACTORIAL_CELLS
     gap = abs(w["high_light"][0] - w["low_light"][0]) / w["high_light"][0]
@@ -376,9 +387,18 @@ def test_weight_gap_invalidates_the_rank_contrasts(tmp_path):
     by = {t["test"]: t for t in res["tests"]}
     # light: 0.082 vs 0.079 (3.8% > 3%); heavy: 0.102 vs 0.098 (4.1%)
     assert not by["rank_at_light"]["valid"] and not by["rank"]["valid"]
-    assert by["rank_at_light"]["verdict"].startswith("invalid (realized mean weights 0.082 vs")
-    assert by["rank"]["verdict"] == "invalid (rank_at_heavy and rank_at_light invalid)"
-    assert by["weight"]["valid"] and by["weight"]["verdict"].startswith("no detectable effect")
+    assert by["rank_at_light"]["invalid_reason"].startswith("realized mean weights 0.082 vs")
+    assert by["rank"]["invalid_reason"] == "rank_at_heavy and rank_at_light invalid"
+    assert by["weight"]["valid"]
+    # in tests.parquet: no p-value, the reason, not counted in the family
+    family = pd.read_parquet(tmp_path / "an" / "tests.parquet").set_index("name")
+    rank = family.loc["expb.factorial.rank"]
+    assert rank["direction"] == "not tested" and pd.isna(rank["p_value"])
+    assert rank["reason"] == "invalid (rank_at_heavy and rank_at_light invalid)"
+    # every cell has the same ΔNLL: the weight's differences are all 0, no t-test either
+    weight = family.loc["expb.factorial.weight"]
+    assert weight["family_size"] == 0 and weight["direction"] == "not tested"
+    assert weight["reason"] == "no t-test (4 streams; it needs 2 with some spread)"
     ok = run_analysis(factorial_inputs(tmp_path, d), params(gap=0.05), tmp_path / "an2")
     assert all(t["valid"] for t in ok["expb_factorial"][0]["tests"])
 

@@ -126,9 +126,14 @@ def test_factorial_section(rendered):
     # make_study: heavy costs 0.004 * g more at both ranks (g > 0); the rank alternates +-0.0005
     weight, rank = lines[1], lines[2]
     assert weight.startswith("tiny: heavy − light at a fixed rank (mean over the rank buckets): +")
-    assert weight.endswith(": supports.") and "(95% CI) ΔNLL per substituted token-layer" in weight
+    assert "(95% CI, t over 8 streams) ΔNLL per substituted token-layer, Holm p = " in weight
+    assert re.search(r"Holm p = [0-9.e-]+ \(raw [0-9.e-]+\): supports\.$", weight)
     assert rank.startswith("tiny: high − low rank at a fixed weight")
-    assert re.search(r": no detectable effect \(MDE [0-9.e-]+\)\.$", rank)
+    assert re.search(r"\(raw 1\): no detectable effect \(MDE [0-9.e-]+, a normal-approx", rank)
+    # the headline quotes both, with their adjusted p
+    (head,) = [x for x in headline_items(html) if "Experiment B, factorial design" in x]
+    assert head.startswith("tiny: Experiment B, factorial design: heavy − light at a fixed rank")
+    assert head.count("Holm p = ") == 2 and weight[6:-1] in head and rank[6:-1] in head
     tests = re.search(r'<table id="expb-factorial">(.*?)</table>', section, re.S).group(1)
     names = re.findall(r"<td>(expb\.factorial\.\w+) \((pre-registered|exploratory)\)</td>", tests)
     assert [n for n, _ in names] == [
@@ -137,6 +142,13 @@ def test_factorial_section(rendered):
                   "rank_at_heavy")
     ]  # fmt: skip
     assert [f for _, f in names] == ["pre-registered"] * 2 + ["exploratory"] * 4
+    assert "p adjusted (pre-registered: Holm; exploratory: BH)" in tests
+    assert tests.count("<td>supports</td>") == 3  # the weight pooled and at each rank
+    # and in the tests section, by family: the pooled pair pre-registered, the rest exploratory
+    pre = re.search(r'<table id="tests-pre-registered">(.*?)</table>', html, re.S).group(1)
+    assert pre.count('data-kind="expb_factorial_main"') == 2
+    explore = re.search(r'<table id="tests-exploratory">(.*?)</table>', html, re.S).group(1)
+    assert explore.count('data-kind="expb_factorial_bucket"') == 4
     cells = re.search(r'<table id="expb-factorial-cells">(.*?)</table>', section, re.S).group(1)
     assert "low rank (3), light [0.07, 0.09)" in cells and "high rank (6), heavy" in cells
     assert "expb_factorial" in embedded_figures(Path(rendered["html"]).read_text())

@@ -1,6 +1,7 @@
 """Experiment B's factorial design in the report (rank bucket x weight band, `moesub.stats.
-expb_factorial`): what the plan reached, one line per pre-registered test, the tests and cells
-tables, and the figure."""
+expb_factorial`): what the plan reached, one line per pre-registered test (its adjusted p and
+direction from `tests.parquet`), the headline's sentence, the tests and cells tables, and the
+figure."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from moesub.config import FACTORIAL_CELLS as CELLS  # noqa: E402
+from moesub.report.claims import statement, test_of, test_words  # noqa: E402
 from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
 from moesub.report.plotting import FigureData, panels, rows_of  # noqa: E402
 from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct, text  # noqa: E402
 
 RANKS = {"low": "low rank", "high": "high rank"}
+AGAINST = "evidence against the hypothesis"  # a direction of `tests.parquet`
 
 
 def _cell_label(cell: dict[str, Any]) -> str:
@@ -30,15 +33,55 @@ def _cell_label(cell: dict[str, Any]) -> str:
     return f"{RANKS[ranks]}{where}, {band}{weights}"
 
 
-def _estimate(t: Row, fmt: str = "{:+.2g}") -> str:
-    iv = interval(t.get("estimate_ci_lo"), t.get("estimate_ci_hi"), fmt)
+def _estimate(t: Row, fmt: str = "{:+.2g}", kind: str = "t_") -> str:
+    """The estimate with its t interval (the one its t-test inverts; `kind` "": the stream
+    bootstrap's)."""
+    iv = interval(t.get(f"estimate_{kind}ci_lo"), t.get(f"estimate_{kind}ci_hi"), fmt)
     return f"{num(t.get('estimate'), fmt)} {iv}"
+
+
+def _adjusted(out: AnalysisOutputs, model: str | None, t: Row) -> Row:
+    """The test's row of `tests.parquet` (adjusted p, direction), or an empty row."""
+    return test_of(out, model, name=t.get("name"))
+
+
+def _which_rank(t: Row, adjusted: Row) -> str:
+    """Which rank costs more, where a rank test finds that the rank matters."""
+    if t.get("expected") != 0 or adjusted.get("direction") != AGAINST:
+        return ""
+    return f" (the high rank costs {'more' if float(t['estimate']) > 0 else 'less'})"
+
+
+def estimate_lines(out: AnalysisOutputs, r: Row) -> list[str]:
+    """One model's pre-registered tests: estimate, t interval, adjusted and raw p, direction."""
+    ci = ci_label(out.ci_level)
+    alpha = float(out.params.get("alpha", 0.05))
+    lines = []
+    for t in r.get("tests") or []:
+        if t.get("family") != "pre-registered":
+            continue
+        adjusted = _adjusted(out, r.get("model"), t)
+        lines.append(
+            f"{t['label']}: {_estimate(t)} ({ci}, t over {t.get('n_streams')} streams) "
+            f"{r.get('unit')}, {test_words(adjusted, alpha, '{:.2g}')}" + _which_rank(t, adjusted)
+        )
+    return lines
+
+
+def factorial_headline(out: AnalysisOutputs) -> list[str]:
+    """Per model, one sentence: the weight at a fixed rank and the rank at a fixed weight."""
+    return [
+        f"{r.get('model') or 'model'}: Experiment B, factorial design: "
+        + "; ".join(estimate_lines(out, r))
+        + "."
+        for r in out.doc.get("expb_factorial") or []
+        if r.get("tests")
+    ]
 
 
 def factorial_lines(out: AnalysisOutputs) -> list[str]:
     """Per model: what the plan reached (calibration and evaluation), then one line per
-    pre-registered test with its estimate, interval, raw p and verdict."""
-    ci = ci_label(out.ci_level)
+    pre-registered test with its estimate, interval, adjusted and raw p and direction."""
     lines = []
     for r in out.doc.get("expb_factorial") or []:
         model = r.get("model") or "model"
@@ -54,12 +97,8 @@ def factorial_lines(out: AnalysisOutputs) -> list[str]:
             f"of {plan.get('token_layers', '—')}), the same count in every (stream, layer); "
             f"token-layers each contrast's two cells share: {shared}."
         )
+        lines += [f"{model}: {line}." for line in estimate_lines(out, r)]
         primary = [t for t in r.get("tests") or [] if t.get("family") == "pre-registered"]
-        for t in primary:
-            lines.append(
-                f"{model}: {t['label']}: {_estimate(t)} ({ci}) {r.get('unit')}, "
-                f"p = {num(t.get('p_value'))} (raw, {t.get('p_method')}): {t.get('verdict')}."
-            )
         lines += _power_line(model, primary, r.get("cells") or [])
     return lines
 
@@ -79,9 +118,17 @@ def _power_line(model: str, tests: list[Row], cells: list[Row]) -> list[str]:
 
 
 def factorial_tests_table(out: AnalysisOutputs) -> Table:
-    """One row per (model, test): the estimate with its interval, raw p, MDE, verdict and how
-    balanced its two sides are."""
+    """One row per (model, test): the estimate with its t and bootstrap intervals, raw and
+    adjusted p, direction, MDE and how balanced its two sides are."""
     ci = ci_label(out.ci_level)
+    alpha = float(out.params.get("alpha", 0.05))
+
+    def adjusted(r: Row) -> Row:
+        return _adjusted(out, r.get("model"), r)
+
+    def direction(r: Row) -> str:
+        a = adjusted(r)
+        return statement(a, alpha, "{:.2g}") + _which_rank(r, a)
 
     def sides(key: str, fmt: str) -> Col:
         def cell(r: Row) -> str:
@@ -93,10 +140,15 @@ def factorial_tests_table(out: AnalysisOutputs) -> Table:
         Col("model", text("model"), False),
         Col("test (family)", lambda r: f"{r.get('name')} ({r.get('family')})", False),
         Col("contrast; predicted", lambda r: f"{r.get('label')}; {r.get('predicted')}", False),
-        Col(f"estimate, ΔNLL per substituted token-layer [{ci}]", _estimate),
-        Col("p (raw, two-sided t)", lambda r: num(r.get("p_value"))),
+        Col(f"estimate, ΔNLL per substituted token-layer [t {ci}]", _estimate),
+        Col(f"stream bootstrap [{ci}] (sensitivity)", lambda r: _estimate(r, kind="")),
+        Col("p (raw, two-sided t)", lambda r: num(r.get("p_value"), "{:.2g}")),
+        Col(
+            "p adjusted (pre-registered: Holm; exploratory: BH)",
+            lambda r: num(adjusted(r).get("p_adjusted"), "{:.2g}"),
+        ),
+        Col("direction", direction, False),
         Col("MDE (normal approx.)", lambda r: num(r.get("mde"), "{:.2g}")),
-        Col("verdict", text("verdict"), False),
         sides("weight", "{:.4f}"),
         sides("rank", "{:.2f}"),
         Col("shared token-layers", lambda r: pct(r.get("shared"), 0)),
@@ -130,7 +182,7 @@ def factorial_cells_table(out: AnalysisOutputs) -> Table:
 
 def fig_factorial(fd: FigureData) -> plt.Figure:
     """Per model: each cell's ΔNLL per substituted token-layer against its realized weight (one
-    line per rank bucket), and every test's estimate with its CI (shaded: ± its MDE)."""
+    line per rank bucket), and every test's estimate with its t interval (shaded: ± its MDE)."""
     cells, tests = fd.out.table("expb_factorial_cells"), fd.out.table("expb_factorial")
     models = fd.models(cells)
     fig, axes = panels(len(models), 2)
@@ -153,7 +205,7 @@ def fig_factorial(fd: FigureData) -> plt.Figure:
         t = rows_of(tests, model).reset_index(drop=True)
         ys = np.arange(len(t))[::-1]
         est = t["estimate"].to_numpy(float)
-        lo, hi = t["estimate_ci_lo"].to_numpy(float), t["estimate_ci_hi"].to_numpy(float)
+        lo, hi = t["estimate_t_ci_lo"].to_numpy(float), t["estimate_t_ci_hi"].to_numpy(float)
         for y, e, l_, h, m, valid in zip(ys, est, lo, hi, t["mde"], t["valid"], strict=True):
             if finite(m):
                 a2.fill_betweenx([y - 0.3, y + 0.3], -m, m, color="0.9", lw=0)
@@ -161,7 +213,7 @@ def fig_factorial(fd: FigureData) -> plt.Figure:
                         color="C0" if valid else "red")  # fmt: skip
         a2.axvline(0, color="black", lw=0.8)
         a2.set_yticks(ys, [str(n) for n in t["test"]], fontsize=7)
-        a2.set_xlabel(f"ΔNLL per substituted token-layer ({fd.ci}; grey: ± MDE; red x: invalid)")
+        a2.set_xlabel(f"ΔNLL per substituted token-layer (t {fd.ci}; grey: ± MDE; red x: invalid)")
         a2.set_title(f"{where}weight at a fixed rank, rank at a fixed weight", fontsize=8)
     fig.tight_layout()
     return fig

@@ -335,7 +335,8 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Left: each cell's ΔNLL per substituted token-layer against the realized gate weight of "
         "the substituted expert, one line per rank bucket (the slope: weight at a fixed rank; "
         "the gap between the lines: rank at a fixed weight). Right: every test's estimate with "
-        "its CI over streams; grey: ± the minimum detectable effect.",
+        "its t interval over streams (the one its t-test inverts); grey: ± the minimum "
+        "detectable effect.",
         fig_factorial,
     ),
     (

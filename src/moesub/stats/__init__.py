@@ -90,7 +90,7 @@ order and maps their tables onto `OUTPUT_FILES`:
     per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
     expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
     expb_factorial(tokens, factorial_files, feasibility_paths, p)
-        -> ExpBFactorial(tests, cells, streams, results, status)
+        -> ExpBFactorial(table, cells, streams, results, tests, status)
     admission(tokens, emulate_files, p) -> Admission(table, totals, tests, status)
     simulate(db, simulate_files) -> Simulate(total, layers, status)
     engine(db, engine_files, p) -> Engine(table, status)

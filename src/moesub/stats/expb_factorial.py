@@ -10,32 +10,37 @@ plan substitutes in s: the same in every cell (checked), so a difference of D be
 difference of the stream's summed ΔNLL on one scale. (A planned expert that the perturbed live
 router no longer selects at rank >= 2 is not substituted: counted as dropped.)
 
-Tests, each on the per-stream differences d(s) (`TESTS`):
+Tests, each on the per-stream differences d(s) (`TESTS`), each a `StatTest`
+(`moesub.stats.multiplicity`) of kind:
 
-- pre-registered (family "pre-registered"): `weight` = (D_low_heavy - D_low_light +
-  D_high_heavy - D_high_light) / 2, the main effect of heavy vs light at a fixed rank bucket;
+- `expb_factorial_main` (the pre-registered family, Holm): `weight` = (D_low_heavy - D_low_light
+  + D_high_heavy - D_high_light) / 2, the main effect of heavy vs light at a fixed rank bucket;
   `rank` = (D_high_light - D_low_light + D_high_heavy - D_low_heavy) / 2, the main effect of the
   high vs the low rank bucket at a fixed weight band;
-- the four simple effects (family "exploratory"): `weight_at_low`, `weight_at_high`,
-  `rank_at_light`, `rank_at_heavy` (`moesub.expb.factorial.CONTRASTS`: other - reference).
+- `expb_factorial_bucket` (exploratory, Benjamini-Hochberg): the four simple effects
+  `weight_at_low`, `weight_at_high`, `rank_at_light`, `rank_at_heavy`
+  (`moesub.expb.factorial.CONTRASTS`: other - reference).
 
-Each reports the mean of d over streams with a stream-bootstrap interval (`stream_bootstrap`:
-BCa, basic where BCa is undefined), a raw two-sided p-value (one-sample t-test of mean d = 0 over
-the streams; multiplicity adjustment is the report's, by `family`), and the minimum detectable
-effect (two-sided, at alpha and `power`: a normal-approximation sensitivity figure).
+Each reports the mean of d over streams, the raw two-sided p-value of a one-sample t-test of
+mean d = 0 over the streams and the interval that test inverts (mean -/+ t_{S-1} SD / sqrt(S):
+the stream bootstrap's t interval, whose jackknife SE of a mean is exactly SD / sqrt(S)); the
+stream-bootstrap interval (BCa, basic where BCa is undefined) beside it as a sensitivity figure
+(with a few streams it has few distinct resamples and is too narrow); and the minimum detectable
+effect (two-sided, at alpha and `power`: a normal-approximation sensitivity figure). The
+family-adjusted p and the direction in words are `tests.parquet`'s (`name` joins the tables).
 
 Hypotheses (the mass hypothesis: a substitution costs in proportion to the gate weight it
-removes, whatever its rank) and verdicts:
+removes, whatever its rank):
 
-- weight: predicted > 0. "supports" when the interval lies above 0, "evidence against the
-  hypothesis" when below, else "no detectable effect (MDE ...)";
-- rank: predicted 0. "evidence against the hypothesis" when the interval excludes 0 (either
-  way: the rank matters at the same weight), else "no detectable effect (MDE ...)";
-- an interval that excludes 0 counts only where the t-test agrees (p < alpha): with a few
-  streams the bootstrap has few distinct resamples and its interval is too narrow;
-- a rank contrast is "invalid" when its two cells' realized mean weights differ by more than
-  `max_weight_gap` (relative to the smaller; the pooled `rank` when either does), and every
-  test when the cells' runs do not share one plan (streams, counts per stream).
+- weight: predicted > 0 (`expected` +1): "supports" when the adjusted p < alpha and the
+  estimate > 0, "evidence against the hypothesis" when < 0;
+- rank: predicted 0 (`expected` 0): "evidence against the hypothesis" when the adjusted p <
+  alpha, either way (the rank matters at the same weight);
+- else "no detectable effect" with the MDE beside it;
+- a rank contrast is invalid (no p-value, its reason) when its two cells' realized mean weights
+  differ by more than `max_weight_gap` (relative to the smaller; the pooled `rank` when either
+  does), and the part is missing when the cells' runs do not share one plan (streams, counts
+  per stream).
 
 Entry point: `expb_factorial(tokens, runs, feasibility, p) -> ExpBFactorial`.
 """
@@ -52,24 +57,32 @@ from scipy import stats as sps
 
 from moesub.config import FACTORIAL_CELLS as CELLS
 from moesub.io import read_metadata
-from moesub.stats.intervals import rng_for, stream_bootstrap
+from moesub.stats.intervals import level_label, rng_for, stream_bootstrap
 from moesub.stats.load import FileInfo, missing
+from moesub.stats.multiplicity import FAMILY, StatTest
 from moesub.stats.params import AnalysisParams
 from moesub.stats.power import paired_mde
 from moesub.stats.tokens import Tokens
 
 UNIT = "ΔNLL per substituted token-layer"
-# (test, family, predicted, {cell: coefficient}): d(s) = sum of coefficient * D_cell(s)
+MAIN, BUCKET = "expb_factorial_main", "expb_factorial_bucket"  # `StatTest` kinds
+PREFIX = "expb.factorial."  # a test's name: the prefix and its `TESTS` name
+# (test, kind, expected sign (0: no effect), {cell: coefficient}): d(s) = sum coef * D_cell(s)
 TESTS = (
-    ("weight", "pre-registered", "> 0",
+    ("weight", MAIN, 1,
      {"low_heavy": 0.5, "low_light": -0.5, "high_heavy": 0.5, "high_light": -0.5}),
-    ("rank", "pre-registered", "= 0",
+    ("rank", MAIN, 0,
      {"high_light": 0.5, "low_light": -0.5, "high_heavy": 0.5, "low_heavy": -0.5}),
-    ("weight_at_low", "exploratory", "> 0", {"low_heavy": 1.0, "low_light": -1.0}),
-    ("weight_at_high", "exploratory", "> 0", {"high_heavy": 1.0, "high_light": -1.0}),
-    ("rank_at_light", "exploratory", "= 0", {"high_light": 1.0, "low_light": -1.0}),
-    ("rank_at_heavy", "exploratory", "= 0", {"high_heavy": 1.0, "low_heavy": -1.0}),
+    ("weight_at_low", BUCKET, 1, {"low_heavy": 1.0, "low_light": -1.0}),
+    ("weight_at_high", BUCKET, 1, {"high_heavy": 1.0, "high_light": -1.0}),
+    ("rank_at_light", BUCKET, 0, {"high_light": 1.0, "low_light": -1.0}),
+    ("rank_at_heavy", BUCKET, 0, {"high_heavy": 1.0, "low_heavy": -1.0}),
 )  # fmt: skip
+PREDICTED = {1: "> 0", 0: "= 0"}
+HYPOTHESES = {
+    "weight": "at a fixed rank, a heavier substitution costs more (the mass hypothesis)",
+    "rank": "at a fixed gate weight, the rank of the substituted expert does not matter",
+}
 LABELS = {
     "weight": "heavy − light at a fixed rank (mean over the rank buckets)",
     "rank": "high − low rank at a fixed weight (mean over the weight bands)",
@@ -90,38 +103,12 @@ def contrast_matrix() -> np.ndarray:
     return out
 
 
-def verdict(
-    test: str,
-    lo: float | None,
-    hi: float | None,
-    mde: float | None,
-    p: float | None = None,
-    alpha: float = 0.05,
-) -> str:
-    """The test's direction in words (module docstring) from its interval; an interval that
-    excludes 0 while the t-test gives p >= alpha (a few streams: the bootstrap has too few
-    distinct resamples) says so and decides nothing."""
-    no_effect = "no detectable effect" + (f" (MDE {mde:.2g})" if mde is not None else "")
-    if lo is None or hi is None:
-        return no_effect
-    if (lo > 0 or hi < 0) and (p is None or p >= alpha):
-        p_text = "undefined" if p is None else f"{p:.2g}"
-        return f"{no_effect}; the interval excludes 0 but the t-test gives p = {p_text}"
-    if test.startswith("weight"):
-        if lo > 0:
-            return "supports"
-        return "evidence against the hypothesis" if hi < 0 else no_effect
-    if lo > 0 or hi < 0:
-        more = "more" if lo > 0 else "less"
-        return f"evidence against the hypothesis (the high rank costs {more})"
-    return no_effect
-
-
 def factorial_tests(
     d_cells: np.ndarray, alpha: float, power: float, level: float, n_boot: int, seed: int
 ) -> list[dict[str, Any]]:
     """One entry per test of `TESTS` from the per-stream cell values `d_cells` (S, 4 cells):
-    estimate (mean over streams), its stream-bootstrap interval, raw two-sided t-test p, MDE."""
+    estimate (mean over streams), its stream-bootstrap and t intervals, raw two-sided t-test p
+    (it inverts the t interval), MDE."""
     diffs = d_cells @ contrast_matrix()  # (S, 6)
     n = diffs.shape[0]
     intervals = stream_bootstrap(
@@ -132,7 +119,7 @@ def factorial_tests(
         level,
     )
     out = []
-    for j, (test, family, predicted, _) in enumerate(TESTS):
+    for j, (test, kind, expected, _) in enumerate(TESTS):
         d = diffs[:, j]
         sd = float(d.std(ddof=1)) if n > 1 else None
         p = float(sps.ttest_1samp(d, 0.0).pvalue) if n > 1 and sd else None
@@ -140,11 +127,13 @@ def factorial_tests(
         iv = intervals[j]
         out.append(
             {
-                "name": f"expb.factorial.{test}",
+                "name": PREFIX + test,
                 "test": test,
-                "family": family,
+                "kind": kind,
+                "family": FAMILY[kind],
                 "label": LABELS[test],
-                "predicted": predicted,
+                "expected": expected,
+                "predicted": PREDICTED[expected],
                 "estimate": iv.estimate,
                 **iv.columns("estimate_"),
                 "p_value": p,
@@ -154,7 +143,6 @@ def factorial_tests(
                 "mde": mde,
                 "mde_method": "normal approximation, two-sided",
                 "unit": UNIT,
-                "verdict": verdict(test, iv.ci_lo, iv.ci_hi, mde, p, alpha),
             }
         )
     return out
@@ -211,14 +199,51 @@ def plan_problem(per: pl.DataFrame, metas: dict[str, dict]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------- the part
-class ExpBFactorial(NamedTuple):
-    """`tests`: one row per test (`TESTS`); `cells`: one row per cell; `streams`: one row per
-    (cell, stream); `results`: `analysis.json["expb_factorial"]` (None when missing)."""
+def stat_test(row: dict[str, Any], level: float) -> StatTest:
+    """One row of the tests table as a `StatTest` (module doc): the t interval the t-test
+    inverts as its interval (and as its t interval), the stream bootstrap's as the sensitivity
+    line."""
+    lo, hi = row.get("estimate_ci_lo"), row.get("estimate_ci_hi")
+    boot = "none" if lo is None or hi is None else f"[{lo:+.3g}, {hi:+.3g}]"
+    reason = None
+    if not row["valid"]:
+        reason = f"invalid ({row['invalid_reason']})"
+    elif row["p_value"] is None:
+        reason = f"no t-test ({row['n_streams']} streams; it needs 2 with some spread)"
+    test = row["test"]
+    return StatTest(
+        kind=row["kind"],
+        name=row["name"],
+        hypothesis=HYPOTHESES[test.split("_at_")[0]],
+        expected=row["expected"],
+        estimand=f"{row['label']}, {UNIT}, mean over streams",
+        estimate=row["estimate"],
+        ci_lo=row.get("estimate_t_ci_lo"),
+        ci_hi=row.get("estimate_t_ci_hi"),
+        ci_method="t over streams (the interval the one-sample t-test inverts)",
+        t_ci_lo=row.get("estimate_t_ci_lo"),
+        t_ci_hi=row.get("estimate_t_ci_hi"),
+        p_value=row["p_value"] if row["valid"] else None,
+        p_method=row["p_method"],
+        mde=row["mde"],
+        n_units=row["n_streams"],
+        sensitivity=(
+            f"stream bootstrap {level_label(level)} ({row.get('estimate_ci_method')}): {boot}"
+        ),
+        reason=reason,
+    )
 
-    tests: pd.DataFrame
+
+class ExpBFactorial(NamedTuple):
+    """`table`: one row per test (`TESTS`); `cells`: one row per cell; `streams`: one row per
+    (cell, stream); `results`: `analysis.json["expb_factorial"]` (None when missing); `tests`:
+    the table's rows as `StatTest`s."""
+
+    table: pd.DataFrame
     cells: pd.DataFrame
     streams: pd.DataFrame
     results: dict[str, Any] | None
+    tests: list[StatTest]
     status: dict[str, Any]
 
 
@@ -229,7 +254,8 @@ def expb_factorial(
     the calibration feasibility table (`feasibility`: its path, maybe none)."""
 
     def not_run(why: str) -> ExpBFactorial:
-        return ExpBFactorial(pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), None, missing(why))
+        empty = pd.DataFrame()
+        return ExpBFactorial(empty, empty, empty, None, [], missing(why))
 
     if p.expb is None or p.expb.factorial is None:
         return not_run("disabled (expb.designs.factorial.enabled: false)")
@@ -289,7 +315,12 @@ def expb_factorial(
         "cells": cells,
     }
     return ExpBFactorial(
-        pd.DataFrame(tests), pd.DataFrame(cells), per.to_pandas(), results, {"status": "ok"}
+        pd.DataFrame(tests),
+        pd.DataFrame(cells),
+        per.to_pandas(),
+        results,
+        [stat_test(t, p.ci_level) for t in tests],
+        {"status": "ok"},
     )
 
 
@@ -298,7 +329,7 @@ def add_balance(
 ) -> None:
     """Adds to each test its cells' balance (realized mean weight and rank of the two sides,
     their relative weight gap, the share of the substituted token-layers the paired cells
-    share) and its validity; an invalid test's verdict becomes "invalid (why)"."""
+    share) and its validity (`valid`, `invalid_reason`)."""
     why_rank = {}
     for t in tests:
         coef = dict(next(c for name, _, _, c in TESTS if name == t["test"]))
@@ -327,7 +358,6 @@ def add_balance(
             why = " and ".join(sorted(why_rank)) + " invalid"
         if why:
             t["valid"], t["invalid_reason"] = False, why
-            t["verdict"] = f"invalid ({why})"
 
 
 def _feasibility(paths: list[str]) -> dict[str, Any] | None:
