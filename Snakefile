@@ -33,7 +33,7 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     model=alternation(MODELS),
     policy=alternation([*POLICIES, ALL_RESIDENT]),
-    fraction=r"[0-9.]+",
+    size=alternation(SIZES),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
     split=r"eval|calib",
@@ -46,6 +46,7 @@ wildcard_constraints:
 include: "workflow/rules/model.smk"
 include: "workflow/rules/streams.smk"
 include: "workflow/rules/capture.smk"
+include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
 include: "workflow/rules/emulate.smk"

@@ -638,3 +638,16 @@ def make_study(
     }
     json.dumps(params)  # the params must be plain JSON (as from config.yaml)
     return inputs, params
+
+
+def write_ranking(path: Path, initial: np.ndarray, num_experts: int) -> Path:
+    """An expert-ranking artefact whose layer l starts with `initial[l]` (in that order), the
+    other experts after it by id: every prefix of length <= C is a given initial set."""
+    from moesub.artefacts import write_expert_ranking
+
+    initial = np.asarray(initial)
+    counts = np.zeros((initial.shape[0], num_experts), np.int64)
+    for layer, row in enumerate(initial):
+        order = [*row.tolist(), *(e for e in range(num_experts) if e not in set(row.tolist()))]
+        counts[layer, order] = np.arange(num_experts, 0, -1)
+    return write_expert_ranking(counts, path, {})

@@ -19,7 +19,7 @@ from scipy import stats as sps
 from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.artefacts import Trace, load_trace
-from moesub.capture import run_capture, write_initial_sets
+from moesub.capture import run_capture, run_expert_ranking
 from moesub.expb import (
     CELLS,
     CONTRASTS,
@@ -244,7 +244,7 @@ def stage(tmp_path_factory):
             root / "model", root / f"{split}_streams.parquet", root / f"{split}_tokens.parquet",
             root / f"{split}_router.parquet", {"batch_tokens": 128},
         )  # fmt: skip
-    write_initial_sets(root / "calib_router.parquet", [0.75], root / "initial_sets.parquet")
+    run_expert_ranking(root / "calib_router.parquet", root / "ranking.parquet")
     return root
 
 
@@ -269,7 +269,7 @@ def test_run_factorial_feasibility(stage):
 def test_run_factorial_substitutes_the_plan(stage):
     feas = run_factorial_feasibility(stage / "calib_router.parquet", stage / "feas.parquet",
                                      STAGE_SPEC, 0)  # fmt: skip
-    args = (stage / "model", stage / "eval_tokens.parquet", stage / "initial_sets.parquet",
+    args = (stage / "model", stage / "eval_tokens.parquet", stage / "ranking.parquet",
             stage / "eval_router.parquet", feas)  # fmt: skip
     params = {"fraction": 0.75, "progress": False, "seed": 0}
     plan = factorial_plan(load_trace(stage / "eval_router.parquet"),

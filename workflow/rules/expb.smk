@@ -61,7 +61,7 @@ rule expb_factorial:
     input:
         model=model_input,
         tokens="results/{model}/capture/eval_tokens.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
         router="results/{model}/capture/eval_router.parquet",
         feasibility="results/{model}/expb/factorial_feasibility.parquet",
     output:

@@ -9,7 +9,7 @@ job_setup(snakemake.log[0], snakemake.threads)
 run_factorial(
     snakemake.params.model_dir,
     snakemake.input.tokens,
-    snakemake.input.initial_sets,
+    snakemake.input.ranking,
     snakemake.input.router,
     snakemake.input.feasibility,
     snakemake.wildcards.cell,

@@ -6,9 +6,10 @@ Every expert is available (no cache dynamics). Per token and MoE layer the condi
 of `moesub.expb.factorial` for a factorial cell) are substituted; everything else is computed
 exactly. A substitute is the policy core's choice
 (`moesub.policy.forced_substitution`: the highest-logit resident expert not in this token's
-computed set) from a configurable resident set (default: the frequency-initial set at the
-configured fraction). Streams go through the model in the capture's batches (bit-identical NLL
-with the capture where nothing is substituted).
+computed set) from a configurable resident set (default: the first C experts of each layer's
+calibration ranking at `expb.fraction`: one static, uniform, unpinned set, whatever sizes and
+layouts the policies run at). Streams go through the model in the capture's batches
+(bit-identical NLL with the capture where nothing is substituted).
 
 Per token the artefact records the realized mass per token-layer (`layer_mass`, the live gate
 weights of what was substituted, and `mass`, their mean over the token's layers), the number of
@@ -28,7 +29,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
+from moesub.artefacts import Trace, check_token_table, iter_streams, layout_for, load_trace
 from moesub.config import check_options, expb_min_capacity, schema_defaults
 from moesub.expb.factorial import (
     CELLS,
@@ -49,7 +50,7 @@ from moesub.expb.select import STUDY_CONDITIONS, select_substitutions
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
-from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_substitution
+from moesub.policy import CORE_BUILD_ID, check_initial, forced_substitution
 from moesub.replay import (
     BatchRouter,
     check_geometry,
@@ -70,7 +71,7 @@ _DEFAULTS = schema_defaults("expb")  # workflow/schemas/config.schema.yaml
 class ExpBParams:
     """What an Experiment B job takes from config.yaml `expb:` (every key optional)."""
 
-    fraction: float = _DEFAULTS["fraction"]  # resident set = frequency-initial set at this fraction
+    fraction: float = _DEFAULTS["fraction"]  # resident set = ranking prefix at this fraction
     # "initial" | "all" (every expert may serve as a substitute)
     resident: str = _DEFAULTS["resident"]
     progress: bool = True
@@ -294,7 +295,7 @@ def _stream_subset(trace: Trace, streams: list[int]) -> Trace:
 def run_expb(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     design: str,
     condition: str,
     target_mass: float,
@@ -315,7 +316,7 @@ def run_expb(
     tokens_path = require_file(tokens_path, "tokens_path")
     opts = ExpBParams.from_dict(params)
     if opts.resident == "initial":
-        initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
+        ranking_path = require_file(ranking_path, "ranking_path")
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if condition not in CONDITIONS:
@@ -335,7 +336,7 @@ def run_expb(
     model, info, tokens, dtype = load_for_capture(
         model_dir, tokens_path, opts.dtype, torch_device(opts.device)
     )
-    resident, capacity = _resident_set(opts, info, initial_sets_path)
+    resident, capacity = _resident_set(opts, info, ranking_path)
     meta: dict[str, Any] = {"design": design, "condition": condition, "target_mass": target_mass}
     plan = None
     if design == "matched":
@@ -370,16 +371,18 @@ def run_expb(
     return write_parquet(out, out_path, metadata=meta)
 
 
-def _resident_set(opts: ExpBParams, info, initial_sets_path) -> tuple[np.ndarray, int]:
+def _resident_set(opts: ExpBParams, info, ranking_path) -> tuple[np.ndarray, int]:
     """(resident (L, C) int32, C): the experts substitutes are drawn from."""
     if opts.resident == "all":
         resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
         return resident, info.num_experts
-    capacity = check_capacity(opts.fraction, info.num_experts, info.top_k)
-    resident = initial_set_for(
-        initial_sets_path, opts.fraction, info.num_layers, info.num_experts, capacity
-    )
-    return resident, capacity
+    # one static resident set at expb.fraction, uniform, unpinned: the expert ranking's first C
+    # experts of every layer (no policy runs, so no pin or allocation applies)
+    layout = layout_for(
+        ranking_path, opts.fraction, {"rule": "fetch_all"}, info.top_k, info.num_layers,
+        info.num_experts,
+    )  # fmt: skip
+    return layout.initial_array(), layout.size.capacity
 
 
 def _run_meta(opts: ExpBParams, info, realized: np.ndarray, capacity: int, dtype: str) -> dict:
@@ -419,7 +422,7 @@ def run_factorial_feasibility(
 def run_factorial(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     router_path: str | os.PathLike,
     feasibility_path: str | os.PathLike,
     cell: str,
@@ -441,7 +444,7 @@ def run_factorial(
     if cell not in CELLS:
         raise ValueError(f"cell must be one of {CELLS}, got {cell!r}")
     if opts.resident == "initial":
-        initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
+        ranking_path = require_file(ranking_path, "ranking_path")
     feasible = read_metadata(require_file(feasibility_path, "feasibility_path"))
     if feasible.get("spec") != factorial.as_dict() or feasible.get("seed") != opts.seed:
         raise ValueError(
@@ -459,7 +462,7 @@ def run_factorial(
     )
     check_geometry(trace.meta, info, "router_path")
     del trace
-    resident, capacity = _resident_set(opts, info, initial_sets_path)
+    resident, capacity = _resident_set(opts, info, ranking_path)
     out, realized = expb_streams(
         model,
         tokens,
