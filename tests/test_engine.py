@@ -27,6 +27,7 @@ from moesub.engine import (
     summarize_engine,
     write_store,
 )
+from moesub.engine.bench_runs import read_bench_counts
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -36,7 +37,17 @@ from moesub.engine.stage import ROW_COLUMNS
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import read_metadata, write_parquet
-from moesub.policy import ALL_RESIDENT, FETCH, HOST, SUB, Policy, capacity_for, scan
+from moesub.policy import (
+    ALL_RESIDENT,
+    FETCH,
+    HOST,
+    STUDY_POLICIES,
+    SUB,
+    TOKEN_LAYER_FIELDS,
+    Policy,
+    capacity_for,
+    scan,
+)
 from moesub.synthetic import synthetic_logits
 
 ACT = torch.nn.functional.silu
@@ -412,6 +423,24 @@ def test_benchmark_table(tmp_path, monkeypatch):
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
     CostModel(**meta["cost_model"])
+    # every run's per-token-layer counts beside the table: the validation runs' sum to their
+    # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)
+    counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
+    cmeta = read_metadata(tmp_path / "bench_token_layers.parquet")
+    assert cmeta["fields"] == list(TOKEN_LAYER_FIELDS) and cmeta["capacity"] == 8
+    assert cmeta["policies"]["speed"] == Policy(**STUDY_POLICIES["speed"]).to_dict()
+    assert set(counts) == set(by) | {"cal_hits", "cal_fetch", "cal_host", "cal_admit",
+                                     "cal_hits_1layer"}  # fmt: skip
+    for name, runs in counts.items():
+        (wall, c), L = runs[0], 1 if name == "cal_hits_1layer" else 2
+        assert len(runs) == 1 and wall.shape == (30 if name in by else 64,) and (wall > 0).all()
+        assert c.shape == (len(wall), L, len(TOKEN_LAYER_FIELDS)) and c.dtype == np.int16
+        assert (c[..., :5].sum(-1) == 4).all()  # k experts per token-layer
+        if name in by:
+            per_status = c[..., :5].sum((0, 1))
+            assert per_status[0] / per_status.sum() == pytest.approx(by[name]["hit_rate"])
+    speed = counts["speed"][0][1]
+    assert speed[..., TOKEN_LAYER_FIELDS.index("admission_requests")].sum() > 0
     with pytest.raises(ValueError, match=r"params\.fraction: .*C=5, outside \[k=10"):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
