@@ -411,7 +411,7 @@ def expb_factorial_outputs():
         return []
     return expand(
         "results/{model}/expb/factorial/{cell}.parquet",
-        model=MODELS,
+        model=CAPTURED_MODELS,
         cell=FACTORIAL_CELLS,
     )
 
@@ -419,7 +419,9 @@ def expb_factorial_outputs():
 def expb_factorial_feasibility_outputs():
     if not EXPB_FACTORIAL["enabled"]:
         return []
-    return expand("results/{model}/expb/factorial_feasibility.parquet", model=MODELS)
+    return expand(
+        "results/{model}/expb/factorial_feasibility.parquet", model=CAPTURED_MODELS
+    )
 
 
 def expb_factorial_spec():
