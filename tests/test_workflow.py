@@ -638,7 +638,7 @@ def test_export_on_request(full_run):
     from moesub.traces import ranked_topk, read_trace
 
     targets = ["results/embedded/capture/eval.mblt", "results/embedded/capture/eval.rtrace01"]
-    run = snakemake(full_run, "--cores", "1", "--configfile", TEST_CONFIG, *targets)
+    run = snakemake(full_run, *targets, "--cores", "1", "--configfile", TEST_CONFIG)
     assert run.returncode == 0, run.stdout[-4000:]
     assert "rule export_trace" in run.stdout and "rule capture" not in run.stdout
     captured = load_trace(full_run / "results/embedded/capture/eval_router.parquet")
