@@ -11,7 +11,6 @@ import pytest
 from moesub.capture import write_initial_sets
 from moesub.regime import (
     REFERENCES,
-    effective_experts,
     gate_weights_by_rank,
     measure_regime,
     regime_from_files,
@@ -31,14 +30,6 @@ def _routed(selections: list[list[int]], E: int, L: int = 1) -> np.ndarray:
         for r, e in enumerate(sel):
             z[t, :, e] = 10.0 - r
     return z
-
-
-def test_effective_experts_known_values():
-    assert effective_experts(np.ones(64)) == pytest.approx(64)
-    assert effective_experts(np.r_[5, np.zeros(63)]) == pytest.approx(1)
-    assert effective_experts(np.array([[3, 3, 0, 0], [1, 1, 1, 1]])) == pytest.approx([2, 4])
-    with pytest.raises(ValueError, match="at least one selection"):
-        effective_experts(np.zeros(4))
 
 
 def test_reuse_distances_by_hand():

@@ -49,6 +49,7 @@ from moesub.config import REGIME_FRACTION
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
 from moesub.policy import STUDY_POLICIES, Policy, check_capacity, check_sizes
+from moesub.skew import effective_experts
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
 REFERENCES: dict[str, tuple[float, str]] = {
@@ -78,18 +79,6 @@ class Regime:
 
     layers: pl.DataFrame
     summary: dict[str, Any]
-
-
-def effective_experts(counts: np.ndarray) -> np.ndarray:
-    """exp(entropy) of selection counts (..., E) -> (...): E for uniform use, 1 for one expert."""
-    counts = np.asarray(counts, dtype=np.float64)
-    total = counts.sum(axis=-1, keepdims=True)
-    if (total <= 0).any():
-        raise ValueError("counts: every row needs at least one selection")
-    p = counts / total
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(p > 0, p * np.log(p), 0.0)
-    return np.exp(-plogp.sum(axis=-1))
 
 
 def reuse_distances(selected: np.ndarray) -> tuple[np.ndarray, int]:
