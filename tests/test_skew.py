@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import polars as pl
 import pytest
 
+from moesub.regime import skew_table
 from moesub.skew import (
     REAL_EFFECTIVE_EXPERTS,
     REAL_TOP_COVERAGE,
@@ -106,3 +108,40 @@ def test_target_shares_carry_the_band_figures_and_scale_with_E():
     small = target_shares(4, 64)
     np.testing.assert_allclose(effective_experts(small) / 64, figs[:, 0] / 512, rtol=0.06)
     np.testing.assert_allclose(top_coverage(small, 16), figs[:, 1], rtol=0.03)
+
+
+def test_skew_table_by_hand():
+    # one layer, E = 8 (study C = 2): counts 4 3 1 1 1 0 0 0 (10 selections)
+    counts = np.array([[4, 3, 1, 1, 1, 0, 0, 0]])
+    matched = np.array([[2, 2, 2, 1, 1, 1, 1, 0]])
+    shares = np.array([[0.25, 0.25, 0.125, 0.125, 0.125, 0.125, 0.0, 0.0]])
+    table = skew_table(
+        counts, matched, shares, np.array([[1, 2]]), np.array([[0, 7]]),
+        np.array([0.6, 0.6]), {"f0.5": 4},
+    )  # fmt: skip
+    row = table.filter(pl.col("layer") == 0).row(0, named=True)
+    assert row["top_coverage"] == pytest.approx(0.7)
+    assert row["real_top_coverage"] == pytest.approx(0.5)
+    assert row["matched_top_coverage"] == pytest.approx(0.4)
+    assert row["top_coverage_f0.5"] == pytest.approx(0.9)
+    assert row["real_top_coverage_f0.5"] == pytest.approx(0.75)
+    # shares 1/4 1/4 1/8 x 4: entropy = 2 (1/4 ln 4) + 4 (1/8 ln 8) = ln 2 + 1.5 ln 2
+    assert row["real_effective_experts"] == pytest.approx(2**2.5)
+    assert row["initial_coverage"] == pytest.approx(0.4)  # experts 1 and 2: 3 + 1 of 10
+    assert row["matched_initial_coverage"] == pytest.approx(0.2)
+    assert row["matched_hit_rate"] == pytest.approx(0.6)
+    assert table["layer"].to_list() == [0, -1]
+
+
+def test_skew_table_pools_layers():
+    counts = np.array([[5, 5, 0, 0], [4, 2, 1, 1]])
+    table = skew_table(
+        counts, counts, np.full((2, 4), 0.25), np.array([[0], [0]]), np.array([[1], [1]]),
+        np.array([0.5, 0.7, 0.6]), {},
+    )  # fmt: skip
+    total = table.filter(pl.col("layer") == -1).row(0, named=True)
+    assert total["top_coverage"] == pytest.approx((0.5 + 0.5) / 2)  # C = 1 at E = 4
+    assert total["initial_coverage"] == pytest.approx((0.5 + 0.5) / 2)
+    assert total["matched_initial_coverage"] == pytest.approx((0.5 + 0.25) / 2)
+    assert total["matched_effective_experts"] == pytest.approx(2.0)  # the smaller layer's
+    assert total["matched_hit_rate"] == pytest.approx(0.6)
