@@ -19,13 +19,18 @@ from moesub.report.experiments import (
     admission_table,
     expb_designs,
     expb_rules,
-    regime_table,
-    regime_verdicts,
 )
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline, recommendation_lines
 from moesub.report.load import ci_label, load_outputs, load_recommendations, summarize_reasons
 from moesub.report.plotting import FigureData
+from moesub.report.regime import (
+    designs_table,
+    regime_design_lines,
+    regime_table,
+    regime_verdicts,
+    skew_table,
+)
 from moesub.report.tables import (
     frame_table,
     generation_missing,
@@ -126,6 +131,9 @@ def render_report(
         "design_families": design_families_table(out),
         "design_lines": design_lines(out),
         "regime_verdicts": regime_verdicts(out),
+        "skew": skew_table(out),
+        "regime_designs": designs_table(out),
+        "regime_design_lines": regime_design_lines(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),

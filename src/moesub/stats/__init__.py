@@ -27,7 +27,11 @@ atomically (`moesub.io`), into `out_dir`:
 - `design_space.parquet`: per simulated (policy, fraction): family, hit rate, misses per
   token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
   gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
-  fraction): its best policy and its policies on each front.
+  fraction): its best policy and its policies on each front;
+- `regime.parquet`: per (layer, metric) the model's cache regime (static-skew measures beside
+  the real reference model's among them); `regime_designs.parquet`: per (pinning or allocation
+  design, size) its hit rate and misses per token beside its counterpart's on the evaluation
+  trace and on the skew-matched trace, and how its gain changes under the real model's skew.
 
 Every bootstrapped estimate `x` comes with `x_ci_lo, x_ci_hi, x_bias, x_ci_method`
 (`moesub.stats.intervals`); every test with the smallest p the design can reach and its minimum

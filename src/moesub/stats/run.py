@@ -58,6 +58,7 @@ OUTPUT_FILES = (
     "engine_bench",
     "generation",
     "regime",
+    "regime_designs",
     "design_space",
     "design_families",
 )
@@ -97,7 +98,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total)
-    reg = regime(paths["regime"])
+    reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)
     return ModelAnalysis(
         tables={
@@ -113,6 +114,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
             "regime": reg.table,
+            "regime_designs": reg.designs,
             "design_space": space.table,
             "design_families": space.families,
         },
