@@ -115,8 +115,10 @@ def test_skew_table_by_hand():
     counts = np.array([[4, 3, 1, 1, 1, 0, 0, 0]])
     matched = np.array([[2, 2, 2, 1, 1, 1, 1, 0]])
     shares = np.array([[0.25, 0.25, 0.125, 0.125, 0.125, 0.125, 0.0, 0.0]])
+    # two streams: 4 3 0 ... (7 selections, top 2 cover 1) and 0 0 1 1 1 (3, top 2 cover 2/3)
+    streams = np.array([[[4, 3, 0, 0, 0, 0, 0, 0]], [[0, 0, 1, 1, 1, 0, 0, 0]]])
     table = skew_table(
-        counts, matched, shares, np.array([[1, 2]]), np.array([[0, 7]]),
+        counts, matched, streams, shares, np.array([[1, 2]]), np.array([[0, 7]]),
         np.array([0.6, 0.6]), {"f0.5": 4},
     )  # fmt: skip
     row = table.filter(pl.col("layer") == 0).row(0, named=True)
@@ -130,13 +132,14 @@ def test_skew_table_by_hand():
     assert row["initial_coverage"] == pytest.approx(0.4)  # experts 1 and 2: 3 + 1 of 10
     assert row["matched_initial_coverage"] == pytest.approx(0.2)
     assert row["matched_hit_rate"] == pytest.approx(0.6)
+    assert row["stream_top_coverage"] == pytest.approx((7 * 1 + 3 * 2 / 3) / 10)
     assert table["layer"].to_list() == [0, -1]
 
 
 def test_skew_table_pools_layers():
     counts = np.array([[5, 5, 0, 0], [4, 2, 1, 1]])
     table = skew_table(
-        counts, counts, np.full((2, 4), 0.25), np.array([[0], [0]]), np.array([[1], [1]]),
+        counts, counts, counts[None], np.full((2, 4), 0.25), np.array([[0], [0]]), np.array([[1], [1]]),
         np.array([0.5, 0.7, 0.6]), {},
     )  # fmt: skip
     total = table.filter(pl.col("layer") == -1).row(0, named=True)

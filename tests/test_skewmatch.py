@@ -72,6 +72,7 @@ def test_each_stream_is_its_own_routing_under_new_names(trace, matched):
                 _reuse_by_token(topk_mask(z[:, layer], K)),
             )
         np.testing.assert_array_equal(np.sort(m, axis=-1), np.sort(z, axis=-1))
+        np.testing.assert_array_equal(matched.stream_counts[s], topk_mask(z, K).sum(axis=0))
     # the lookahead moved with its layer's experts: the predictor's recall is unchanged
     for n in (K, 2 * K):
         before = lookahead_recall(trace[0], trace[1], K, n)

@@ -44,13 +44,16 @@ MAX_SWEEPS = 32
 class SkewMatched:
     """`logits` (and `lookahead`, None if the source had none): per stream (T, L, E) float32;
     `relabel` (S, L, E) int32, the id of expert e in stream s, layer l; `target` (L, E) float64,
-    the pooled selections per id the match aimed at; `counts` (L, E) int64, those it reached."""
+    the pooled selections per id the match aimed at; `counts` (L, E) int64, those it reached;
+    `stream_counts` (S, L, E) int64, each source stream's selections per expert (the matched
+    stream's are the same under its ids)."""
 
     logits: list[np.ndarray]
     lookahead: list[np.ndarray] | None
     relabel: np.ndarray
     target: np.ndarray
     counts: np.ndarray
+    stream_counts: np.ndarray
 
 
 def match_counts(
@@ -130,4 +133,5 @@ def skew_match(
         relabel=relabel,
         target=target,
         counts=reached,
+        stream_counts=counts,
     )

@@ -18,6 +18,9 @@ effective experts the smallest layer's, as in `moesub.regime.measure`):
 - ``real_top_coverage`` / ``real_top_coverage_<size>`` and ``real_effective_experts``: the same
   for the real model's share curve at this model's E (`moesub.skew.target_shares`);
 - ``matched_top_coverage``, ``matched_effective_experts``: what the skew-matched trace reached;
+- ``stream_top_coverage``: the same coverage within each stream (its own C hottest), averaged
+  over streams by selections: the concentration an adaptive cache meets, the same on both
+  traces (the match keeps every stream's routing);
 - ``initial_coverage`` / ``matched_initial_coverage``: the share of the evaluation selections
   on the initial set (the calibration ranking's first C at the regime's size): what a static
   set drawn from calibration serves out of sample, on each trace;
@@ -50,6 +53,7 @@ SKEW_COLUMNS = (
     "matched_top_coverage",
     "real_effective_experts",
     "matched_effective_experts",
+    "stream_top_coverage",
     "initial_coverage",
     "matched_initial_coverage",
     "matched_hit_rate",
@@ -65,6 +69,7 @@ def initial_coverage(counts: np.ndarray, initial: np.ndarray) -> np.ndarray:
 def skew_table(
     counts: np.ndarray,
     matched_counts: np.ndarray,
+    stream_counts: np.ndarray,
     shares: np.ndarray,
     initial: np.ndarray,
     matched_initial: np.ndarray,
@@ -74,7 +79,7 @@ def skew_table(
     """The skew columns per layer + layer -1 (module docs).
 
     `counts` / `matched_counts`: (L, E) selection counts of the evaluation trace and of its
-    skew-matched twin; `shares`: (L, E) the real model's share curve (hottest first);
+    skew-matched twin; `stream_counts`: (S, L, E) per stream; `shares`: (L, E) the real model's share curve (hottest first);
     `initial` / `matched_initial`: (L, C) the initial sets of each world at the regime's size;
     `matched_hit_rate`: (L + 1,) per layer then pooled; `sizes`: cache size label -> C.
     """
@@ -86,6 +91,9 @@ def skew_table(
         "matched_top_coverage": top_coverage(matched_counts, study),
         "real_effective_experts": effective_experts(shares),
         "matched_effective_experts": effective_experts(matched_counts),
+        "stream_top_coverage": np.average(
+            top_coverage(stream_counts, study), axis=0, weights=stream_counts.sum(axis=2)
+        ),  # (S, L) -> (L,)
         "initial_coverage": initial_coverage(counts, initial),
         "matched_initial_coverage": initial_coverage(matched_counts, matched_initial),
         "matched_hit_rate": np.asarray(matched_hit_rate[:L], np.float64),
