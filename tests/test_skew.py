@@ -139,8 +139,8 @@ def test_skew_table_by_hand():
 def test_skew_table_pools_layers():
     counts = np.array([[5, 5, 0, 0], [4, 2, 1, 1]])
     table = skew_table(
-        counts, counts, counts[None], np.full((2, 4), 0.25), np.array([[0], [0]]), np.array([[1], [1]]),
-        np.array([0.5, 0.7, 0.6]), {},
+        counts, counts, counts[None], np.full((2, 4), 0.25), np.array([[0], [0]]),
+        np.array([[1], [1]]), np.array([0.5, 0.7, 0.6]), {},
     )  # fmt: skip
     total = table.filter(pl.col("layer") == -1).row(0, named=True)
     assert total["top_coverage"] == pytest.approx((0.5 + 0.5) / 2)  # C = 1 at E = 4

@@ -79,7 +79,8 @@ def skew_table(
     """The skew columns per layer + layer -1 (module docs).
 
     `counts` / `matched_counts`: (L, E) selection counts of the evaluation trace and of its
-    skew-matched twin; `stream_counts`: (S, L, E) per stream; `shares`: (L, E) the real model's share curve (hottest first);
+    skew-matched twin; `stream_counts`: (S, L, E) per stream; `shares`: (L, E) the real
+    model's share curve (hottest first);
     `initial` / `matched_initial`: (L, C) the initial sets of each world at the regime's size;
     `matched_hit_rate`: (L + 1,) per layer then pooled; `sizes`: cache size label -> C.
     """
