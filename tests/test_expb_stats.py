@@ -35,6 +35,12 @@ def test_matched_validity_boundaries():
     assert decide(MATCHED, 0.2, 0.18, 0.18, d, alpha=0.05)["valid"]  # exactly 90%: valid
 
 
+def test_a_condition_without_mass_is_said_so():
+    out = decide(MATCHED, 0.2, 0.19, 0.0, np.ones(6), alpha=0.05)
+    assert not out["valid"] and "a condition realized no mass" in out["outcome_text"]
+    assert "inf" not in out["outcome_text"]
+
+
 def test_study_rule_is_the_studys():
     d = np.ones(6)
     # light realizing far less than heavy is invalid under both rules; heavy at 50% of m* passes
@@ -43,13 +49,13 @@ def test_study_rule_is_the_studys():
     assert not decide(STUDY, 0.2, 0.2, 0.002, d, 0.05)["valid"]
 
 
-def test_no_evidence_and_the_floor_of_p():
+def test_heavy_not_worse_and_the_floor_of_p():
     d = np.array([0.3, -0.1, 0.2, 0.1])
     out = decide(MATCHED, 0.2, 0.2, 0.2, d, alpha=0.05)
-    assert out["outcome"] == "no evidence" and out["p_value"] >= 1 / 16
+    assert out["outcome"] == "heavy not worse" and out["p_value"] >= 1 / 16
     assert "p cannot go below 0.0625 with 4 non-zero differences" in out["outcome_text"]
     zeros = decide(MATCHED, 0.2, 0.2, 0.2, np.zeros(5), alpha=0.05)
-    assert zeros["outcome"] == "no evidence" and zeros["p_value"] == 1.0
+    assert zeros["outcome"] == "heavy not worse" and zeros["p_value"] == 1.0
     assert decide(MATCHED, 0.2, 0.2, 0.2, np.zeros(0), 0.05)["outcome"] == "invalid"
 
 
@@ -108,7 +114,7 @@ def test_hodges_lehmann_too_few_streams():
     ("case", "outcome"),
     [
         ("heavy_worse", "heavy worse"),
-        ("no_evidence", "no evidence"),
+        ("no_evidence", "heavy not worse"),
         ("invalid_mass", "invalid"),
         ("invalid_gap", "invalid"),
     ],
@@ -131,7 +137,7 @@ def test_experiment_b_outcomes(tmp_path, case, outcome):
     if outcome == "heavy worse":
         assert dec["p_value"] == pytest.approx(0.5**8)  # every one of 8 streams has d > 0
         assert dec["effect"] > 0 and dec["effect_ci_lo"] > 0 and dec["valid"]
-    elif outcome == "no evidence":
+    elif outcome == "heavy not worse":
         assert dec["p_value"] == pytest.approx(1.0) and dec["valid"] and dec["effect"] < 0
     else:
         assert not dec["valid"] and dec["p_value"] is None

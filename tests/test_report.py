@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -244,6 +245,7 @@ FIXTURE_POLICIES = [
     "host_compute",
     "all_resident",
 ]
+SEGMENTS = ("all", "first_document", "after_change", "after_change_early", "after_change_late")
 MISSING_GSM8K = "GSM8K test set not found at data/gsm8k/test.jsonl (see data/README.md)"
 SANDBOX_ERROR = "sandbox error: launcher failed"
 
@@ -449,8 +451,9 @@ def write_analysis_outputs(out_dir: Path, models=("a", "b"), ci_level: float = 0
                     "bias": 0.001,
                 }
             )
-        for segment in ("all", "first_document", "after_change"):
-            test = {"p_value": 0.003, "min_p": 6e-8, "mde_dppl_pct": 0.2}
+        for segment in SEGMENTS:
+            test = {"p_value": 0.003, "min_p": 6e-8, "mde_dppl_pct": 0.2, "wilcoxon_p": 0.01,
+                    "profile": "late", "early_tokens": 16}  # fmt: skip
             doc["admission"].append(
                 {
                     "model": m,
@@ -460,6 +463,9 @@ def write_analysis_outputs(out_dir: Path, models=("a", "b"), ci_level: float = 0
                     "segment": segment,
                     "status": "ok",
                     "n_tokens": 2500,
+                    "dnll_mean": math.log1p(-0.005),
+                    "dnll_ci_lo": math.log1p(-0.009),
+                    "dnll_ci_hi": math.log1p(-0.001),
                     "dppl_pct_vs_twin": -0.5,
                     "ci_lo": -0.9,
                     "ci_hi": -0.1,
@@ -556,8 +562,10 @@ def test_intervals_follow_ci_level_and_mass_is_per_token_layer(two_models):
     assert "90% CI" in html
     assert "per token-layer" in html and "mass / token-layer" in html
     assert "bias" in html  # the bootstrap bias beside the intervals
-    assert "min p 6e-08; MDE 0.2" in html  # power beside the admission test
-    assert "min p 6e-08; MDE 0.004" in html  # and beside Experiment B
+    # the MDE is labelled a normal-approximation figure; a smallest reachable p of 6e-08 keeps
+    # no test from passing, so it is not shown
+    assert "0.004 (normal approximation)" in html
+    assert "6e-08" not in html and "min p" not in html
 
 
 def test_missing_data_message_appears_once(two_models):
@@ -587,10 +595,18 @@ def test_sections_for_designs_admission_generation_regime(two_models):
     assert re.findall(r"<th>(.*?)</th>", side)[1:] == [
         f"{m} · {d} (m* 0.1)" for m in ("a", "b") for d in ("matched", "study")
     ]
-    for metric in ("support", "realized light", "rank confound", "effect heavy − light [90% CI]"):
+    for metric in (
+        "support",
+        "realized light",
+        "rank confound",
+        "effect heavy − light, Hodges-Lehmann [90% CI]",
+        "pre-registered one-sided rule",
+        "mean heavy − light [t 90% CI] (sensitivity)",
+    ):
         assert metric in side
     bins = re.search(r'<table id="admission-bins">(.*?)</table>', html, re.S).group(1)
-    assert "boundary" in bins and "first document (cold cache)" in bins
+    assert "boundary" in bins and "first document (cache warm from the initial set)" in bins
+    assert "cold" not in html
     gen = re.search(r'<table id="generation-table">(.*?)</table>', html, re.S).group(1)
     assert "completion" in gen and "[23.0, 38.0]" in gen
     assert "a: fetch_every_miss hits 0.86 (a)" in html
@@ -654,4 +670,129 @@ def test_summarize_reasons_collapses_repeats():
     assert summarize_reasons(many) == "no regime artefact (m0, m1, m2, … (5 in all))"
     assert summarize_reasons("missing data: gsm8k not evaluated (3 jobs): x") == (
         "missing data: gsm8k not evaluated (3 jobs): x"
+    )
+
+
+# ---- the claims, the families, and words that fit the data ------------------------------------
+
+VERDICTS = ("reproduces", "contradicts", "cannot decide", "not measured by this run")
+
+
+def claim_items(html: str) -> list[tuple[str, str]]:
+    """(verdict attribute, text) of each line of the claim-by-claim verdict."""
+    block = re.search(r'<ul class="claims">(.*?)</ul>', html, re.S).group(1)
+    items = re.findall(r'<li class="claim" data-verdict="([^"]+)">(.*?)</li>', block, re.S)
+    return [(v, unescape(re.sub(r"<[^>]+>", "", t)).strip()) for v, t in items]
+
+
+def test_headline_opens_with_the_claim_by_claim_verdict(rendered):
+    html = Path(rendered["html"]).read_text()
+    assert html.index('<ul class="claims">') < html.index('<ul class="headline">')
+    items = claim_items(html)
+    doc = json.loads((rendered["root"] / "results" / "analysis" / "analysis.json").read_text())
+    assert [(v, t.split(":")[1].strip()) for v, t in items] == [
+        (c["verdict"], c["label"]) for c in doc["claims"]
+    ]
+    for verdict, text in items:
+        assert verdict in VERDICTS and text.startswith("tiny: ") and "The study:" in text
+        assert text.split(":")[2].strip().startswith(verdict)
+    by_label = {t.split(":")[1].strip(): (v, t) for v, t in items}
+    verdict, text = by_label["the 0.15 rule"]
+    assert verdict == "reproduces" and "substitute_all − rule_015" in text and "Holm p = " in text
+
+
+def test_tests_by_family_with_adjusted_p_beside_raw(rendered):
+    html = unescape(Path(rendered["html"]).read_text())
+    tests = pd.read_parquet(rendered["root"] / "results" / "analysis" / "tests.parquet")
+    for family, adjustment in (("pre-registered", "Holm"), ("exploratory", "Benjamini-Hochberg")):
+        table = re.search(rf'<table id="tests-{family}">(.*?)</table>', html, re.S).group(1)
+        headers = re.findall(r"<th>(.*?)</th>", table)
+        assert headers.index("p (two-sided, raw)") + 1 == headers.index("p adjusted")
+        assert "t interval [95% CI] (sensitivity)" in headers
+        assert table.count("<tr ") == (tests["family"] == family).sum()
+        assert f"{family} family: " in html and f"{adjustment} at alpha 0.05" in html
+    # the headline quotes adjusted p-values
+    assert all("Holm p = " in line for line in headline_items(html) if "Experiment B" in line)
+
+
+def test_a_missing_twin_is_said_once(tmp_path):
+    names = ["fetch_every_miss", "rule_015", "quality", "speed", "first_choice"]
+    inputs_a, params = make_study(tmp_path / "results", names=names, model="a")
+    inputs_b, _ = make_study(tmp_path / "results", names=names, model="b")
+    inputs = {k: inputs_a[k] + inputs_b[k] for k in inputs_a}
+    run_analysis(inputs, params, tmp_path / "an")
+    html = unescape(render_report(tmp_path / "an", params, tmp_path / "r.html").read_text())
+    for name, spec in (("quality", "rule: threshold, tau: 0.15"), ("speed", "rule: first_choice")):
+        said = f"{name} has no exact no-admission twin ({{{spec}"
+        assert html.count(said) == 1, name
+    assert "()" not in html and "config, config" not in html
+    note = re.search(r'<p class="missing">Note: (quality has [^<]*)</p>', html).group(1)
+    assert "so its admission effect is not measured (a, b)" in note
+    (admission,) = [t for v, t in claim_items(html) if "a: background admission" in t]
+    assert "not measured by this run" in admission and "no exact" not in admission
+
+
+def test_a_disabled_stage_is_said_disabled(tmp_path):
+    an = write_analysis_outputs(tmp_path / "an", models=("a",))
+    config = {"engine": {"bench": {"enabled": False}}}
+    html = unescape(render_report(an, config, tmp_path / "r.html").read_text())
+    assert "disabled in the config (engine.bench.enabled: false)" in html
+    assert "no engine benchmark artefacts" not in html
+    assert re.search(r"<td>engine_bench</td><td>disabled</td>", html)
+
+
+def test_speedups_below_one_are_slower():
+    from moesub.report.headline import recommendation_lines
+
+    choice = {"policy": "rule_015", "speedup_vs_fetch_every_miss": 0.96, "dppl_pct": 0.2,
+              "dppl_ci_lo": 0.1, "dppl_ci_hi": 0.3, "time_source": "engine", "device": "cpu",
+              "time_per_token_s": 0.02}  # fmt: skip
+    doc = {"model": "m", "baseline": "fetch_every_miss", "dppl_budget_pct": 1.0,
+           "fractions": [{"fraction": 0.25, "capacity": 128, "within_budget": choice,
+                          "lossless": None, "lossless_reason": "none"}]}  # fmt: skip
+    (line,) = recommendation_lines([doc], "95% CI")
+    assert "1.04× slower than fetch_every_miss" in line and "0.96" not in line
+
+
+def test_models_in_the_analysis_order_everywhere(tmp_path):
+    """The analysis lists b before a: every table, line and figure follows that order."""
+    an = write_analysis_outputs(tmp_path / "an", models=("b", "a"))
+    html = unescape(render_report(an, {}, tmp_path / "r.html").read_text())
+    for table_id in ("summary", "mass-table", "admission-table", "model-meta"):
+        body = re.search(rf'<table id="{table_id}">.*?<tbody>(.*?)</tbody>', html, re.S).group(1)
+        models = [m for m in re.findall(r"<tr[^>]*><td[^>]*>(?:\d+</td><td[^>]*>)?([ab])<", body)]
+        assert models == sorted(models, key=["b", "a"].index) and models[0] == "b", table_id
+    lines = headline_items(html)
+    for kind in ("mass hypothesis", "Experiment B", "admission"):  # each kind: b's, then a's
+        models = [line.split(":")[0] for line in lines if kind in line]
+        assert models == sorted(models, key=["b", "a"].index) and models[0] == "b", kind
+    side = re.search(r'<table id="expb-designs">(.*?)</table>', html, re.S).group(1)
+    assert re.findall(r"<th>([ab]) · ", side) == ["b", "b", "a", "a"]
+
+
+def test_figures_leave_out_policies_the_config_does_not_define(tmp_path):
+    from moesub.report.load import load_outputs
+    from moesub.report.plotting import FigureData
+
+    an = write_analysis_outputs(tmp_path / "an", models=("a",))
+    out = load_outputs(an)
+    shown = set(FigureData(out, {}).table("summary")["policy"])
+    assert shown == set(FIXTURE_POLICIES)  # all configured (all_resident is the engine's)
+    out.doc["params"]["policies"].pop("rule_tau0.3")
+    assert "rule_tau0.3" not in set(FigureData(out, {}).table("summary")["policy"])
+
+
+def test_smallest_reachable_p_only_where_it_matters():
+    from moesub.report.claims import floor_text, statement
+
+    base = {"direction": "no detectable effect", "mde": 0.0004, "min_p": 1 / 2000}
+    # 1/2000 x 6 tests < 0.05: any test of the family can pass its first step: not shown
+    assert floor_text({**base, "family_size": 6}, 0.05) == ""
+    shown = floor_text({**base, "min_p": 1 / 200, "family_size": 56}, 0.05)
+    assert shown == "smallest reachable p 0.005 ≥ alpha / 56, its family's first step"
+    assert statement({**base, "family_size": 6}, 0.05) == (
+        "no detectable effect (MDE 0.0004, a normal-approximation sensitivity figure)"
+    )
+    assert statement({"direction": "not tested", "measured": False}, 0.05) == (
+        "not measured by this run"
     )

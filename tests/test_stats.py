@@ -33,6 +33,10 @@ from moesub.stats import (
 )
 
 
+def doc_tests(analysis_dir) -> list[dict]:
+    return pd.read_parquet(analysis_dir / "tests.parquet").to_dict("records")
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
@@ -71,14 +75,29 @@ def test_mass_hypothesis_r_is_one_by_construction(study):
     assert first["n_boot_valid"] == study["params"]["n_boot"]
     # the policies are nested sweeps: no parametric p-value or Fisher interval across them
     assert "p" not in first and "rho_p" not in first
-    sub = res["substitutes first choice"]
-    assert sub["policies"] == ["substitute_all"] and sub["n"] == 1
-    assert sub["r"] is None and "n = 1" in sub["reason"]
-    pts = study["tables"]["mass_points"]
-    pts = pts[pts["group"] == "fetches first choice"].set_index("policy")
+    # lossless policies and substitute_all are rows of mass_points, not points of r, each
+    # with the reason; substitute_all is set against the line through the points instead
+    assert set(res) == {"fetches first choice"}
+    out = {e["policy"]: e["why"] for e in first["excluded"]}
+    assert set(out) == {"fetch_every_miss", "host_compute", "substitute_all"}
+    assert out["host_compute"].startswith("lossless")
+    sub = first["substitute_all"]
+    assert sub["mass"] == pytest.approx(MASS["substitute_all"] / N_LAYERS)
+    assert sub["dppl_pct"] == pytest.approx(150.0)
+    # the line: Δppl = DPPL_PER_MASS * N_LAYERS * mass per token-layer, through 0
+    assert sub["line_dppl_pct"] == pytest.approx(DPPL_PER_MASS * MASS["substitute_all"])
+    assert sub["nearest"] == "first_choice"
+    pts = study["tables"]["mass_points"].set_index("policy")
+    assert sorted(pts.index[pts["used"]]) == sorted(first["policies"])
     for name in first["policies"]:
         assert pts.loc[name, "mass_per_token_layer"] == pytest.approx(MASS[name] / N_LAYERS)
         assert pts.loc[name, "dppl_pct"] == pytest.approx(DPPL_PER_MASS * MASS[name])
+    # masses 0.03 | 0.06-0.09 per token-layer: the gap 0.03 is 50% of the range > 20%
+    assert [c["policies"] for c in first["clusters"]] == [
+        ["rule_tau0.08"],
+        ["first_choice", "first_choice_lfu", "quality", "rule_015", "rule_015_lfu", "speed"],
+    ]
+    assert first["within_r"] == pytest.approx(1.0, abs=1e-9)
 
 
 def test_mass_hypothesis_matches_scipy_on_other_data(tmp_path):
@@ -100,11 +119,38 @@ def test_mass_hypothesis_matches_scipy_on_other_data(tmp_path):
         )
         ok = ~np.isnan(tok["nll"])
         expected.append((mass.mean(), 100 * math.expm1(dnll[ok].mean())))
-    doc = run_analysis(inputs, {"policies": policies, "n_boot": 50}, tmp_path / "an")
+    params = {"policies": policies, "n_boot": 50, "mass_min_points": 4}
+    doc = run_analysis(inputs, params, tmp_path / "an")
     res = next(r for r in doc["mass_hypothesis"] if r["group"] == "fetches first choice")
     x, y = np.array(expected).T
     assert res["r"] == pytest.approx(sps.pearsonr(x, y)[0], abs=1e-9)
+    # four points are too few at the default minimum (5): r is not reported, and says why
+    doc = run_analysis(inputs, {**params, "mass_min_points": 5}, tmp_path / "an5")
+    (res,) = doc["mass_hypothesis"]
+    assert res["r"] is None and res["r_ci_lo"] is None
+    assert res["reason"].startswith("not reported: 4 policies substitute here, r needs at least 5")
+    (test,) = [t for t in doc_tests(tmp_path / "an5") if t["kind"] == "mass_hypothesis"]
+    assert test["direction"] == "not tested" and math.isnan(test["p_value"])
     assert doc["dppl_base"] == {tmp_path.name: {"0.25": "captured exact NLL"}}
+
+
+def test_mass_hypothesis_without_enough_substituting_policies(tmp_path):
+    """Mostly lossless policies: they are not points of r, and one policy that substitutes is
+    no correlation (a run once printed r = -1 over 5 policies, 4 of them lossless)."""
+    names = ["fetch_every_miss", "host_compute", "rule_015", "substitute_all"]
+    inputs, params = make_study(tmp_path / "r", names=names)
+    doc = run_analysis(inputs, params, tmp_path / "an")
+    (res,) = doc["mass_hypothesis"]
+    assert res["policies"] == ["rule_015"] and res["r"] is None
+    assert res["reason"].startswith("not reported: 1 policy substitutes here")
+    assert {e["policy"] for e in res["excluded"]} == {
+        "fetch_every_miss",
+        "host_compute",
+        "substitute_all",
+    }
+    claims = {c["claim"]: c for c in doc["claims"]}
+    assert claims["mass"]["verdict"] == "cannot decide"
+    assert "not reported" in claims["mass"]["details"]
 
 
 def test_summary_known_values(study):
@@ -191,13 +237,16 @@ def test_admission_bins_boundary_and_first_document(tmp_path):
     doc = run_analysis(inputs, params, tmp_path / "an")
     adm = pd.read_parquet(tmp_path / "an" / "admission.parquet")
     totals = {(r["policy"], r["segment"]): r for r in doc["admission"]}
-    # only the exact twin; speed's only beta-0 relative differs in eviction: missing, with why
+    # only the exact twin; speed's only beta-0 relative differs in eviction: named once, in
+    # the part's note (no totals), and its pre-registered test is "not measured"
     assert totals[("quality", "all")]["twin"] == "rule_015_lfu"
-    speed = totals[("speed", "all")]
-    assert speed["status"] == "missing" and speed["twin"] is None
-    assert "first_choice" in speed["reason"] and "not an admission effect" in speed["reason"]
+    assert ("speed", "all") not in totals
+    note = doc["parts"]["admission"]["note"]
+    assert note.count("speed") == 1 and note.startswith("speed has no exact no-admission twin")
+    assert "(first_choice differs in eviction or tau, not an admission effect)" in note
     assert set(adm["policy"]) == {"quality"}
-    assert "speed" in doc["parts"]["admission"]["note"]
+    tests = {t["name"]: t for t in doc_tests(tmp_path / "an")}
+    assert not tests["speed"]["measured"] and tests["speed"]["direction"] == "not tested"
     # every row against a brute-force aggregation of the same tokens
     has_nll = ~np.isnan(tok["nll"])
     max_since = int(since[has_nll].max())
@@ -229,9 +278,27 @@ def test_admission_bins_boundary_and_first_document(tmp_path):
     first = totals[("quality", "first_document")]
     assert first["dppl_pct_vs_twin"] == pytest.approx(100 * math.expm1(-0.05))
     test = totals[("quality", "all")]
-    # every stream gains: the one-sided Wilcoxon reaches its floor 2**-6
-    assert test["min_p"] == pytest.approx(2**-6) and test["p_value"] == pytest.approx(2**-6)
+    # the primary estimand: the mean ΔNLL, its interval the Δppl one on the ΔNLL scale
+    assert test["dnll_mean"] == pytest.approx(-effect[has_nll].mean())
+    assert test["dnll_ci_lo"] == pytest.approx(math.log1p(test["ci_lo"] / 100))
+    assert test["dnll_ci_lo"] <= test["dnll_mean"] <= test["dnll_ci_hi"]
+    # every stream gains: the bootstrap never reaches 0 (p at its floor, 1 / n_boot), and the
+    # two-sided Wilcoxon sensitivity line reaches its floor 2 * 2**-6
+    assert test["p_value"] == pytest.approx(1 / 50)
+    assert test["wilcoxon_min_p"] == pytest.approx(2**-5)
+    assert test["wilcoxon_p"] == pytest.approx(2**-5)
     assert test["mde_dnll"] > 0 and test["ci_method"] in ("bca", "basic")
+    # the profile after a change: the first 16 tokens hold the boundary (-0.3) and the next
+    # token (-0.1); later tokens have no effect
+    early, late = (
+        totals[("quality", "after_change_early")],
+        totals[("quality", "after_change_late")],
+    )
+    sel = has_nll & (segment == 1) & (since < 16)
+    assert early["n_tokens"] == sel.sum()
+    assert early["dnll_mean"] == pytest.approx(-effect[sel].mean())
+    assert late["dnll_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert test["profile"] == "immediate" and test["early_tokens"] == 16
 
 
 def test_find_twin_only_exact():
@@ -256,8 +323,9 @@ def test_missing_twins_warned_at_parse_time():
     pols = {n: normalize_policy(n, POLICIES[n]) for n in ("rule_015", "quality", "speed")}
     assert missing_admission_twins(pols) == [
         "quality has no exact no-admission twin (add a policy "
-        "{rule: threshold, tau: 0.15, eviction: lfu})",
-        "speed has no exact no-admission twin (add a policy {rule: first_choice, eviction: lfu})",
+        "{rule: threshold, tau: 0.15, eviction: lfu}): its admission effect will not be measured",
+        "speed has no exact no-admission twin (add a policy {rule: first_choice, eviction: lfu}): "
+        "its admission effect will not be measured",
     ]
     full = {n: normalize_policy(n, p) for n, p in POLICIES.items()}
     assert missing_admission_twins(full) == []
@@ -361,7 +429,7 @@ def test_models_are_analysed_separately(tmp_path):
     matched = [e for e in doc["expb"] if e["design"] == "matched"]
     assert [(e["model"], e["decision"]["outcome"]) for e in matched] == [
         ("a", "heavy worse"),
-        ("b", "no evidence"),
+        ("b", "heavy not worse"),
     ]
     summary = pd.read_parquet(tmp_path / "an" / "summary.parquet")
     assert summary[["model", "policy"]].values.tolist() == [

@@ -4,6 +4,7 @@ against brute-force loops, and the power helpers against hand-computed values.""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,7 @@ from moesub.stats import (
     wilcoxon_min_p,
     z_of,
 )
-from moesub.stats.intervals import boot_indices, rng_for
+from moesub.stats.intervals import boot_indices, rng_for, weighted_pearson
 
 
 def bca_by_hand(est: float, boot: list[float], jack: list[float], level: float):
@@ -167,3 +168,76 @@ def test_minimum_detectable_effects():
     assert proportion_mde(0.5, 100, 0.05) == pytest.approx(0.138434, abs=1e-5)
     assert proportion_mde(0.0, 100, 0.05) is None  # nothing to drop from
     assert proportion_mde(0.05, 10, 0.05) is None  # even 0% is not far enough with 10 problems
+
+
+def test_t_interval_of_a_mean_is_the_classic_one():
+    """For a mean, the jackknife SE is s / sqrt(n): the sensitivity interval is Student's."""
+    x = np.random.default_rng(4).normal(1.0, 2.0, 24)
+    (iv,) = stream_bootstrap(lambda w: (w @ x) / w.sum(1), 24, 200, rng_for(0, "t"), 0.95)
+    lo, hi = sps.t.interval(0.95, 23, loc=x.mean(), scale=sps.sem(x))
+    assert (iv.t_lo, iv.t_hi) == (pytest.approx(lo, rel=1e-12), pytest.approx(hi, rel=1e-12))
+    assert iv.se == pytest.approx(sps.sem(x), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_bootstrap_p_value_inverts_its_interval(seed):
+    """p of "mean = 0": the interval at level 1 - p has 0 on its edge, so a slightly wider
+    interval holds 0 and a slightly narrower one does not."""
+    x = np.random.default_rng(seed).exponential(size=20) - 0.75
+
+    def stat(w):
+        return (w @ x) / w.sum(1)
+
+    (iv,) = stream_bootstrap(stat, 20, 4000, rng_for(seed, "p"), 0.95, null=0.0)
+    p = iv.p_value
+    assert 2 / 4000 < p < 0.9, p
+    wide = stream_bootstrap(stat, 20, 4000, rng_for(seed, "p"), 1 - 0.9 * p)[0]
+    narrow = stream_bootstrap(stat, 20, 4000, rng_for(seed, "p"), 1 - 1.1 * p)[0]
+    assert wide.ci_lo < 0 < wide.ci_hi
+    assert not narrow.ci_lo < 0 < narrow.ci_hi
+    # with no resample beyond the null, p is the floor 1 / B
+    (far,) = stream_bootstrap(stat, 20, 400, rng_for(seed, "p"), 0.95, null=-10.0)
+    assert far.p_value == pytest.approx(1 / 400)
+
+
+def test_weighted_pearson_is_pearson_of_the_repeated_points():
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=9), rng.normal(size=9)
+    counts = rng.integers(0, 4, size=(5, 9)).astype(float)
+    counts[:, :3] += 1  # at least three distinct points per row
+    got = weighted_pearson(x, y, counts)
+    for row, r in zip(counts.astype(int), got, strict=True):
+        want = sps.pearsonr(np.repeat(x, row), np.repeat(y, row))[0]
+        assert r == pytest.approx(want, abs=1e-12)
+    assert np.isnan(weighted_pearson(np.ones(9), y, counts)).all()  # constant mass
+
+
+def test_document_correlation_resamples_streams_with_their_documents(noisy):
+    """Per-document r of rule_015: its interval is the BCa of r over stream resamples (every
+    document of a drawn stream comes along), by a Python loop over the analysis' own draws."""
+    inputs, params, doc, _ = noisy
+    root = Path(inputs["emulate"][0]).parents[4]  # results/tiny/emulate/<policy>/f.parquet
+    pts = pd.read_parquet(root / "an" / "per_input_points.parquet")
+    pts = pts[(pts["policy"] == "rule_015") & (pts["level"] == "document")]
+    by_stream = {s: g for s, g in pts.groupby("stream")}
+    streams = sorted(by_stream)
+
+    def r_of(sample):
+        g = pd.concat([by_stream[streams[i]] for i in sample])
+        return sps.pearsonr(g["mass_per_token_layer"], g["dnll_mean"])[0]
+
+    n = len(streams)
+    idx = boot_indices(n, params["n_boot"], rng_for(0, "per_input", "rule_015", 0.25))
+    boot = [r_of(row) for row in idx]
+    jack = [r_of([j for j in range(n) if j != i]) for i in range(n)]
+    est = r_of(range(n))
+    lo, hi, method = bca_by_hand(est, boot, jack, params["ci_level"])
+    row = pd.read_parquet(root / "an" / "per_input.parquet").set_index(["policy", "level"])
+    row = row.loc[("rule_015", "document")]
+    assert row["r"] == pytest.approx(est, abs=1e-9)
+    assert (row["r_ci_lo"], row["r_ci_hi"]) == (
+        pytest.approx(lo, abs=1e-9),
+        pytest.approx(hi, abs=1e-9),
+    )
+    assert row["ci_method"] == f"stream-clustered bootstrap, {method}"
+    assert pd.isna(row["rho_p"])  # no Spearman p over documents that are not independent

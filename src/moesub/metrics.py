@@ -3,7 +3,7 @@
 Δppl % of a policy is `100 * (exp(mean(nll_p - nll_base)) - 1)` over the tokens both have an
 NLL for. A speedup is a ratio of times per token on the same device and fraction:
 `time(reference) / time(policy)`. The analysis (`moesub.stats`), `moesub.emulate.summarize`,
-the engine's summary and its benchmark all call these.
+the engine's summary and its benchmark all call these; `speedup_text` says a speedup in words.
 """
 
 from __future__ import annotations
@@ -24,3 +24,13 @@ def speedup(reference_s: np.ndarray | float, time_s: np.ndarray | float) -> np.n
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(t > 0, ref / t, np.nan)
     return out if out.ndim else float(out)
+
+
+def speedup_text(x: float, reference: str) -> str:
+    """A speedup in words: '2.50× faster than <reference>', or '1.04× slower than ...' for
+    x < 1 (1/x times slower: never '0.96× faster'), 'as fast as ...' at 1.00."""
+    if round(x, 2) == 1.0:
+        return f"as fast as {reference}"
+    if x > 1:
+        return f"{x:.2f}× faster than {reference}"
+    return f"{1 / x:.2f}× slower than {reference}"

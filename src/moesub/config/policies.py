@@ -90,7 +90,10 @@ def missing_admission_twins(
     for name in names:
         pol = policies[name]
         if pol["beta"] > 0 and not any(is_exact_twin(pol, policies[n]) for n in names if n != name):
-            out.append(f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)})")
+            out.append(
+                f"{name} has no exact no-admission twin (add a policy {twin_spec(pol)}): "
+                "its admission effect will not be measured"
+            )
     return out
 
 

@@ -15,9 +15,13 @@ import seaborn as sns  # noqa: E402
 
 from moesub.report.load import AnalysisOutputs, ci_label, finite  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
+    FRONT_MARKERS,
+    STUDY_POLICIES,
     FigureData,
     finish,
-    models_of,
+    front_or_study,
+    front_words,
+    legend_below,
     panels,
     rows_of,
     symlog_if_wide,
@@ -80,9 +84,7 @@ def design_space_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         Col("gap to Belady bound (hit rate)", gap_cell),
         Col("Pareto front", fronts_cell, False),
     ]
-    order = ds.sort_values(
-        [c for c in ("model", "fraction") if c in ds.columns] + ["bound", "est_time_per_token_s"]
-    )
+    order = out.by_model(ds, "fraction", "bound", "est_time_per_token_s")
     return make_table(
         "design-table",
         order.to_dict("records"),
@@ -128,7 +130,7 @@ def design_lines(out: AnalysisOutputs) -> list[str]:
     if fam.empty:
         return lines
     keys = [c for c in ("model", "fraction") if c in fam.columns]
-    for key, g in fam.groupby(keys, sort=True):
+    for key, g in out.by_model(fam, "fraction").groupby(keys, sort=False):
         key = key if isinstance(key, tuple) else (key,)
         where = ", ".join(f"{k} {v}" for k, v in zip(keys, key, strict=True))
         front = [f"{r.family} ({r.on_frontier})" for r in g.itertuples() if r.on_frontier > 0]
@@ -138,10 +140,11 @@ def design_lines(out: AnalysisOutputs) -> list[str]:
             + "."
         )
         r0 = g.iloc[0]
-        refs = "; ".join(
+        refs = "; ".join(  # only the study's policies the config defines
             f"{ref}: Δppl {num(r0.get(f'{ref}_dppl_pct'), '{:+.2f}')}%, "
             f"{num(r0.get(f'{ref}_misses_per_token'), '{:.2f}')} misses/token"
-            for ref in ("quality", "speed")
+            for ref in STUDY_POLICIES
+            if out.configured(ref) and finite(r0.get(f"{ref}_misses_per_token"))
         )
         best = "; ".join(
             f"{r.family} → {r.best_policy}: Δppl "
@@ -149,16 +152,17 @@ def design_lines(out: AnalysisOutputs) -> list[str]:
             "misses/token"
             for r in g.itertuples()
         )
-        lines.append(f"{where}: best of each family — {best} (study references: {refs}).")
+        refs = f" (study references: {refs})" if refs else ""
+        lines.append(f"{where}: best of each family — {best}{refs}.")
     return lines
 
 
 def fig_design(fd: FigureData) -> plt.Figure:
     """Per model: estimated time per token vs Δppl (policies with a known Δppl) and vs the
     substituted mass (every simulated policy), coloured by family; dashed: the Pareto front."""
-    ds = fd.out.table("design_space")
+    ds = fd.table("design_space")
     ds = ds[~ds["bound"].astype(bool)].assign(ms=lambda d: 1e3 * d["est_time_per_token_s"])
-    models = models_of(ds)
+    models = fd.models(ds)
     fig, axes = panels(len(models), 2)
     palette = dict(zip(FAMILY_LABELS, sns.color_palette("deep", len(FAMILY_LABELS)), strict=True))
     labelled = []
@@ -175,7 +179,15 @@ def fig_design(fd: FigureData) -> plt.Figure:
                 ax.set_title(f"{where}{what}: no points", fontsize=8)
                 continue
             sns.scatterplot(
-                data=pts, x="ms", y=y, hue="family", style=front, palette=palette, s=40, ax=ax
+                data=pts.assign(front=front_words(pts, front)),
+                x="ms",
+                y=y,
+                hue="family",
+                style="front",
+                markers=FRONT_MARKERS,
+                palette=palette,
+                s=40,
+                ax=ax,
             )
             for _, fr in pts[pts[front].astype(bool)].groupby("fraction"):
                 fr = fr.sort_values("ms")
@@ -188,6 +200,6 @@ def fig_design(fd: FigureData) -> plt.Figure:
             ax.set_xlabel("estimated time per token, ms (simulator cost model)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{where}{what}; dashed: Pareto front", fontsize=8)
-            ax.legend(fontsize=6)
-            labelled.append((ax, pts, "ms", y))
+            legend_below(ax, 3)
+            labelled.append((ax, pts[front_or_study(pts, front)], "ms", y))
     return finish(fig, fd, labelled)

@@ -1,21 +1,15 @@
-"""Tables of the findings beside the policy table: Experiment B (both designs side by side) and
-the admission effect against exact twins (totals with the test, and by segment and bin); the
-regime section's tables are `moesub.report.regime`."""
+"""Tables of the three findings beside the policy table: Experiment B (both designs side by
+side, the two-sided statement first, the pre-registered one-sided rule beside it), the admission
+effect against exact twins (the primary estimand with its adjusted p, by segment and profile,
+and by bin); the regime section's tables are `moesub.report.regime`."""
 
 from __future__ import annotations
 
+import pandas as pd
+
+from moesub.report.claims import p_text, statement, test_of, test_words
 from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking
-from moesub.report.tables import (
-    Col,
-    Row,
-    Table,
-    first,
-    interval,
-    make_table,
-    num,
-    power,
-    text,
-)
+from moesub.report.tables import Col, Row, Table, interval, make_table, num, text
 
 
 def expb_rules(out: AnalysisOutputs) -> list[str]:
@@ -39,40 +33,83 @@ def expb_rules(out: AnalysisOutputs) -> list[str]:
 SEGMENT_LABELS = {
     "all": "all tokens",
     "after_change": "after a topic change",
-    "first_document": "each stream's first document (cold cache)",
+    "first_document": "each stream's first document (cache warm from the initial set)",
+    "after_change_early": "after a topic change, the first tokens",
+    "after_change_late": "after a topic change, later tokens",
 }
 
 
+def segment_label(r: Row) -> str:
+    label = SEGMENT_LABELS.get(str(r.get("segment")), str(r.get("segment", "—")))
+    n = r.get("early_tokens")
+    if r.get("segment") == "after_change_early" and n:
+        label = f"after a topic change, the first {n} tokens"
+    elif r.get("segment") == "after_change_late" and n:
+        label = f"after a topic change, after the first {n} tokens"
+    return label
+
+
 def admission_table(out: AnalysisOutputs) -> Table:
-    """Each admission policy vs its exact twin: all tokens (with the test) and per segment."""
+    """Each admission policy vs its exact twin: the primary estimand (mean ΔNLL, two-sided)
+    over all tokens with its adjusted p, per segment, and the profile after a topic change."""
     ci = ci_label(out.ci_level)
+    alpha = float(out.params.get("alpha", 0.05))
+    rows = [r for r in out.doc.get("admission") or [] if finite(r.get("dppl_pct_vs_twin"))]
+    early = {
+        (r.get("model"), r["policy"], r["fraction"]): r.get("early_tokens")
+        for r in rows
+        if r.get("segment") == "all"
+    }
+    rows = [
+        {**r, "early_tokens": early.get((r.get("model"), r["policy"], r["fraction"]))} for r in rows
+    ]
+
+    def dnll(r: Row) -> str:
+        iv = interval(r.get("dnll_ci_lo"), r.get("dnll_ci_hi"), "{:+.4f}")
+        return f"{num(r.get('dnll_mean'), '{:+.4f}')} {iv}"
 
     def dppl(r: Row) -> str:
-        if not finite(r.get("dppl_pct_vs_twin")):
-            return str(r.get("reason") or "—")
-        bias = f" (bias {float(r['bias']):+.3f})" if finite(r.get("bias")) else ""
         iv = interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.3f}")
-        return f"{float(r['dppl_pct_vs_twin']):+.3f} {iv}{bias}"
+        return f"{num(r.get('dppl_pct_vs_twin'), '{:+.3f}')} {iv}"
 
-    def admission_power(r: Row) -> str:
-        return power({**r, "mde": first(r, "mde_dppl_pct", "mde")})
+    def test(r: Row) -> Row:
+        name = f"{r['policy']} vs {r['twin']}"
+        if r.get("segment") in ("after_change_early", "after_change_late"):
+            n = r.get("early_tokens")
+            name += (
+                f", first {n} tokens after a change"
+                if r["segment"] == "after_change_early"
+                else f", after the first {n} tokens"
+            )
+        elif r.get("segment") != "all":
+            return {}
+        return test_of(out, r.get("model"), name=name, fraction=r["fraction"])
+
+    def adjusted(r: Row) -> str:
+        return test_words(test(r), alpha, "{:.2g}") or "—"
+
+    def sensitivity(r: Row) -> str:
+        if r.get("segment") != "all" or not finite(r.get("wilcoxon_p")):
+            return ""
+        return (
+            f"Wilcoxon signed-rank, two-sided, per-stream means (a pseudo-median): "
+            f"p = {float(r['wilcoxon_p']):.2g}"
+        )
 
     cols = [
         Col("model", text("model"), False),
-        Col("policy", text("policy"), False),
-        Col("exact twin (β = 0)", lambda r: str(r.get("twin") or "none"), False),
-        Col(
-            "tokens",
-            lambda r: SEGMENT_LABELS.get(str(r.get("segment")), str(r.get("segment"))),
-            False,
-        ),
+        Col("policy vs exact twin (β = 0)", lambda r: f"{r['policy']} vs {r['twin']}", False),
+        Col("tokens", segment_label, False),
         Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
-        Col("n tokens", lambda r: str(r.get("n_tokens") if r.get("n_tokens") is not None else "—")),
-        Col(f"Δppl % vs twin [{ci}] (bootstrap bias)", dppl),
-        Col("p (one-sided Wilcoxon)", lambda r: num(first(r, "p_value", "p"))),
-        Col("power: smallest p; MDE Δppl %", admission_power, False),
+        Col("n tokens", text("n_tokens")),
+        Col(f"mean ΔNLL / token [{ci}] (primary)", dnll),
+        Col(f"= Δppl % vs twin [{ci}]", dppl),
+        Col("p (two-sided, raw)", lambda r: num(test(r).get("p_value"), "{:.2g}")),
+        Col("adjusted p: direction", adjusted, False),
+        Col("profile after a change", text("profile", ""), False),
+        Col("sensitivity", sensitivity, False),
     ]
-    return make_table("admission-table", out.doc.get("admission") or [], cols)
+    return make_table("admission-table", out.by_model(pd.DataFrame(rows)).to_dict("records"), cols)
 
 
 def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
@@ -80,25 +117,39 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
     design), and every (model, design, target) row."""
     df = out.table("expb")
     ci = ci_label(out.ci_level)
+    alpha = float(out.params.get("alpha", 0.05))
     if df.empty or lacking(df, "expb"):  # the figure says which columns are missing
         return make_table("expb-designs", [], []), make_table("expb-all", [], [])
     lo = "effect_ci_lo" if "effect_ci_lo" in df.columns else "ci_lo"
     hi = "effect_ci_hi" if "effect_ci_hi" in df.columns else "ci_hi"
 
+    def test(r: Row) -> Row:
+        name = f"{r['design']} design, m* {r['target_mass']:g}"
+        return test_of(out, r.get("model") or None, name=name)
+
     def effect(r: Row) -> str:
         return f"{num(r.get('effect'), '{:+.4g}')} {interval(r.get(lo), r.get(hi), '{:+.3g}')}"
+
+    def mean_t(r: Row) -> str:
+        iv = interval(r.get("mean_t_ci_lo"), r.get("mean_t_ci_hi"), "{:+.3g}")
+        return f"{num(r.get('mean_d'), '{:+.4g}')} {iv}"
 
     def ranks(r: Row) -> str:
         h, light = r.get("mean_rank_heavy"), r.get("mean_rank_light")
         return f"heavy {num(h, '{:.2f}')} vs light {num(light, '{:.2f}')}"
 
     def outcome(r: Row) -> str:
-        """The short outcome; an invalid design also says why (the analysis's full text)."""
+        """The one-sided rule's outcome; an invalid design also says why."""
         short = str(r.get("outcome") or "—")
         return str(r.get("outcome_text") or short) if short.startswith("invalid") else short
 
     def valid(r: Row) -> str:
         return "—" if r.get("valid") is None else ("yes" if r["valid"] else "no")
+
+    def mde(r: Row) -> str:
+        return (
+            f"{num(r.get('mde'), '{:.2g}')} (normal approximation)" if finite(r.get("mde")) else "—"
+        )
 
     metrics = [
         ("support (eligible token-layers)", lambda r: num(r.get("support"), "{:.4g}")),
@@ -111,12 +162,20 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
         ("realized heavy / token-layer", lambda r: num(r.get("realized_heavy"), "{:.4g}")),
         ("realized light / token-layer", lambda r: num(r.get("realized_light"), "{:.4g}")),
         ("valid", valid),
-        ("outcome", outcome),
-        ("p (one-sided Wilcoxon)", lambda r: num(first(r, "p_value", "p"))),
+        (
+            "direction (two-sided, adjusted p)",
+            lambda r: statement(test(r), alpha, "{:.2g}") if test(r) else "—",
+        ),
+        (f"effect heavy − light, Hodges-Lehmann [{ci}]", effect),
+        (
+            "p (two-sided Wilcoxon, raw; adjusted)",
+            lambda r: p_text(test(r)) if test(r) else "—",
+        ),
+        (f"mean heavy − light [t {ci}] (sensitivity)", mean_t),
+        ("MDE of the mean (sensitivity)", mde),
+        ("pre-registered one-sided rule", outcome),
         ("n streams", lambda r: str(r.get("n_streams") if r.get("n_streams") is not None else "—")),
-        (f"effect heavy − light [{ci}]", effect),
         ("rank confound (mean rank substituted)", ranks),
-        ("power: smallest p; MDE", power),
     ]
     if "model" not in df.columns:
         df = df.assign(model="")
@@ -124,7 +183,7 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
         at = df[df["primary"].astype(bool)]
     else:  # no primary target ran: the smallest per model and design
         at = df.sort_values("target_mass").drop_duplicates(["model", "design"])
-    at = at.sort_values(["model", "design"]).to_dict("records")
+    at = out.by_model(at, "design").to_dict("records")
     side = Table(
         id="expb-designs",
         headers=[
@@ -139,11 +198,21 @@ def expb_designs(out: AnalysisOutputs) -> tuple[Table, Table]:
         Col("model", text("model"), False),
         Col("design", text("design"), False),
         Col("target m* / token-layer", lambda r: num(r.get("target_mass"), "{:g}")),
-        *[Col(label, cell, label in ("valid", "outcome")) for label, cell in metrics],
+        *[Col(label, cell, label not in WORDS) for label, cell in metrics],
     ]
     return side, make_table(
-        "expb-all", df.sort_values(["model", "design", "target_mass"]).to_dict("records"), cols
+        "expb-all", out.by_model(df, "design", "target_mass").to_dict("records"), cols
     )
+
+
+# the Experiment B rows that are words, not numbers (left-aligned)
+WORDS = (
+    "valid",
+    "direction (two-sided, adjusted p)",
+    "p (two-sided Wilcoxon, raw; adjusted)",
+    "pre-registered one-sided rule",
+    "rank confound (mean rank substituted)",
+)
 
 
 def admission_bins_table(out: AnalysisOutputs) -> Table:
@@ -156,11 +225,7 @@ def admission_bins_table(out: AnalysisOutputs) -> Table:
     cols = [
         Col("model", text("model"), False),
         Col("policy vs exact twin", lambda r: f"{r['policy']} vs {r['twin']}", False),
-        Col(
-            "segment",
-            lambda r: SEGMENT_LABELS.get(str(r.get("segment")), str(r.get("segment", "—"))),
-            False,
-        ),
+        Col("segment", segment_label, False),
         Col("tokens since the document's first token", text("bin_label"), False),
         Col("n tokens", text("n_tokens")),
         Col("streams", text("n_streams")),
@@ -168,5 +233,5 @@ def admission_bins_table(out: AnalysisOutputs) -> Table:
         Col(ci, lambda r: interval(r.get("ci_lo"), r.get("ci_hi"), "{:+.4f}")),
         Col("bootstrap bias", lambda r: num(r.get("bias"), "{:+.2g}")),
     ]
-    order = [c for c in ("model", "policy", "fraction", "segment", "bin") if c in adm.columns]
-    return make_table("admission-bins", adm.sort_values(order).to_dict("records"), cols)
+    order = out.by_model(adm, "policy", "fraction", "segment", "bin")
+    return make_table("admission-bins", order.to_dict("records"), cols)

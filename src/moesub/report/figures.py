@@ -21,12 +21,16 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moesub.report.design import fig_design  # noqa: E402
-from moesub.report.load import column, finite, lacking, regime_wide, unique  # noqa: E402
+from moesub.report.finding_figures import fig_admission, fig_expb, fig_mass  # noqa: E402
+from moesub.report.load import column, finite, lacking, regime_wide  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
+    FRONT_MARKERS,
     Figure,
     FigureData,
     finish,
-    models_of,
+    front_or_study,
+    front_words,
+    legend_below,
     panels,
     png_data_uri,
     rows_of,
@@ -34,60 +38,26 @@ from moesub.report.plotting import (  # noqa: E402
 )
 
 
-def fig_mass(fd: FigureData) -> plt.Figure:
-    pts = fd.out.table("mass_points")
-    mass = column(pts, "mass_per_token_layer", "mass_mean")
-    res = {
-        (str(r.get("model", "")), r["fraction"], r["group"]): r
-        for r in fd.out.doc.get("mass_hypothesis", [])
-    }
-    models = models_of(pts)
-    fig, axes = panels(len(models), 2)
-    labelled = []
-    for (a1, a2), model in zip(axes, models, strict=True):
-        mp = rows_of(pts, model)
-        first = mp[mp["group"] == "fetches first choice"]
-        first = first.assign(fraction=first["fraction"].map("f={:g}".format))
-        sns.scatterplot(
-            data=first, x=mass, y="dppl_pct", hue="fraction", palette="deep", s=40, ax=a1
-        )
-        for _, g in first.groupby("fraction"):
-            if len(g) >= 2 and g[mass].nunique() > 1:
-                slope, icpt = np.polyfit(g[mass], g["dppl_pct"], 1)
-                xs = np.linspace(0, g[mass].max() * 1.05, 20)
-                a1.plot(xs, slope * xs + icpt, "--", color="grey", lw=0.8)
-        rs = [
-            f"f={f:g}: r = {r['r']:.3f}" if r.get("r") is not None else f"f={f:g}: r undefined"
-            for (m, f, g), r in sorted(res.items())
-            if m == model and g == "fetches first choice"
-        ]
-        where = f"{model}: " if model else ""
-        a1.set_title(f"{where}fetch the first choice ({'; '.join(rs)})", fontsize=8)
-        a1.set_xlabel("mean substituted gate mass per token-layer")
-        a1.set_ylabel(f"Δppl % vs {fd.out.baseline}")
-        sns.scatterplot(data=mp, x=mass, y="dppl_pct", hue="group", s=40, ax=a2)
-        symlog_if_wide(a2, mp["dppl_pct"])
-        a2.set_title(f"{where}all substituting policies", fontsize=8)
-        a2.set_xlabel("mean substituted gate mass per token-layer")
-        a2.set_ylabel("Δppl %")
-        for ax in (a1, a2):
-            if ax.get_legend():
-                ax.legend(fontsize=7)
-        labelled += [(a1, first, mass, "dppl_pct"), (a2, mp, mass, "dppl_pct")]
-    return finish(fig, fd, labelled)
-
-
 def fig_speed(fd: FigureData) -> plt.Figure:
-    sq = fd.out.table("speed_quality")
+    """Per model: time per token vs Δppl with its CI; numbers on the Pareto front and the
+    study's policies only (where policies crowd, every number would pile up)."""
+    sq = fd.table("speed_quality")
     src = "engine" if (sq["source"] == "engine").any() else "simulate"
     sq = sq[sq["source"] == src].assign(ms_per_token=lambda d: 1e3 * d["time_per_token_s"])
-    models = models_of(sq)
+    models = fd.models(sq)
     fig, axes = panels(len(models), 1)
     labelled = []
     for ax, model in zip(axes[:, 0], models, strict=True):
         g = rows_of(sq, model)
         sns.scatterplot(
-            data=g, x="ms_per_token", y="dppl_pct", hue="device", style="frontier", s=40, ax=ax
+            data=g.assign(front=front_words(g, "frontier")),
+            x="ms_per_token",
+            y="dppl_pct",
+            hue="device",
+            style="front",
+            markers=FRONT_MARKERS,
+            s=40,
+            ax=ax,
         )
         yerr = np.vstack([g["dppl_pct"] - g["dppl_ci_lo"], g["dppl_ci_hi"] - g["dppl_pct"]])
         ax.errorbar(
@@ -108,106 +78,15 @@ def fig_speed(fd: FigureData) -> plt.Figure:
         ax.set_title(
             f"{where}speed/quality, dashed: Pareto frontier; n = {len(g)} runs", fontsize=8
         )
-        ax.legend(fontsize=7)
-        labelled.append((ax, g, "ms_per_token", "dppl_pct"))
+        legend_below(ax, 4)
+        labelled.append((ax, g[front_or_study(g, "frontier")], "ms_per_token", "dppl_pct"))
     return finish(fig, fd, labelled)
-
-
-def fig_admission(fd: FigureData) -> plt.Figure:
-    """Per model: ΔNLL vs the exact twin by bin, after a topic change (solid) and in each
-    stream's first document (dashed); the boundary token is its own bin."""
-    adm = fd.out.table("admission")
-    if "segment" not in adm.columns:
-        adm = adm.assign(segment="after_change")
-    order = adm.sort_values("bin").drop_duplicates("bin_label")["bin_label"].tolist()
-    pos = {lab: i for i, lab in enumerate(order)}
-    models = models_of(adm)
-    fig, axes = panels(len(models), 1, width=7.0)
-    for ax, model in zip(axes[:, 0], models, strict=True):
-        g_m = rows_of(adm, model)
-        pairs = unique(zip(g_m["policy"], g_m["twin"], g_m["fraction"], strict=True))
-        for i, (name, twin, frac) in enumerate(pairs):
-            for seg, style in (("after_change", "-"), ("first_document", "--")):
-                g = g_m[
-                    (g_m["policy"] == name)
-                    & (g_m["twin"] == twin)
-                    & (g_m["fraction"] == frac)
-                    & (g_m["segment"] == seg)
-                ].sort_values("bin")
-                if g.empty:
-                    continue
-                x = g["bin_label"].map(pos).to_numpy(float) + (0.08 if seg != "after_change" else 0)
-                label = f"{name} vs {twin} (f={frac:g}), {seg.replace('_', ' ')}"
-                ax.plot(x, g["dnll_mean"], marker="o", ls=style, color=f"C{i}", label=label)
-                ax.fill_between(
-                    x, g["ci_lo"].astype(float), g["ci_hi"].astype(float), color=f"C{i}", alpha=0.15
-                )
-        ax.axhline(0, color="black", lw=0.8)
-        ax.set_xticks(range(len(order)), order, rotation=45, fontsize=7)
-        ax.set_xlabel("tokens since the document's first token (boundary: the first token)")
-        ax.set_ylabel("ΔNLL per token, admission − exact twin")
-        ax.legend(fontsize=6)
-        where = f"{model}: " if model else ""
-        ax.set_title(f"{where}admission gain ({fd.ci} over streams)", fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def fig_expb(fd: FigureData) -> plt.Figure:
-    """Per model: realized masses per design and condition, and the effect with its CI."""
-    expb = fd.out.table("expb")
-    lo, hi = column(expb, "effect_ci_lo", "ci_lo"), column(expb, "effect_ci_hi", "ci_hi")
-    models = models_of(expb)
-    fig, axes = panels(len(models), 2)
-    for (a1, a2), model in zip(axes, models, strict=True):
-        g = rows_of(expb, model).sort_values(["design", "target_mass"])
-        long = g.melt(
-            id_vars=["design", "target_mass"],
-            value_vars=["realized_heavy", "realized_light"],
-            var_name="condition",
-            value_name="realized",
-        )
-        long["condition"] = long["design"] + " " + long["condition"].str.removeprefix("realized_")
-        long["target"] = long["target_mass"].map("{:g}".format)
-        sns.barplot(data=long, x="target", y="realized", hue="condition", ax=a1)
-        for i, t in enumerate(sorted(g["target_mass"].unique())):
-            a1.plot([i - 0.4, i + 0.4], [t, t], color="black", lw=0.8)
-        where = f"{model}: " if model else ""
-        a1.set_xlabel("target m* per token-layer (black: m*)")
-        a1.set_ylabel("realized mean mass per token-layer")
-        a1.set_title(f"{where}realized mass by design and condition", fontsize=8)
-        a1.legend(fontsize=6)
-        for j, (design, d) in enumerate(g.groupby("design", sort=True)):
-            x = np.arange(len(d)) + 0.15 * j
-            y = d["effect"].to_numpy(float)
-            err = np.vstack([y - d[lo].to_numpy(float), d[hi].to_numpy(float) - y]) if lo else None
-            a2.errorbar(
-                x,
-                y,
-                yerr=None if err is None else np.abs(np.nan_to_num(err)),
-                fmt="o",
-                label=design,
-                color=f"C{j}",
-                capsize=3,
-            )
-            for xi, yi, valid in zip(x, y, d["valid"], strict=True):
-                if not valid:
-                    a2.plot(xi, yi, "x", color="red", ms=9)
-        targets = sorted(g["target_mass"].unique())
-        a2.set_xticks(range(len(targets)), [f"{t:g}" for t in targets])
-        a2.axhline(0, color="black", lw=0.8)
-        a2.set_xlabel("target m* per token-layer (red x: invalid)")
-        a2.set_ylabel(f"effect heavy − light ({fd.ci})")
-        a2.set_title(f"{where}effect by design", fontsize=8)
-        a2.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
 
 
 def fig_regime(fd: FigureData) -> plt.Figure:
     """Per model: hit rate and Belady bound per layer, effective experts, weights by rank, reuse."""
     reg = regime_wide(fd.out)
-    models = models_of(reg)
+    models = fd.models(reg)
     skew = "top_coverage" in reg.columns
     fig, axes = panels(len(models), 5 if skew else 4, width=3.6)
     for (a1, a2, a3, a4, *a5), model in zip(axes, models, strict=True):
@@ -290,32 +169,61 @@ def skew_panel(ax: plt.Axes, lay: pd.DataFrame, where: str) -> None:
 
 
 def fig_layers(fd: FigureData) -> plt.Figure:
-    lay = fd.out.table("layer_hit_rates")
-    models = models_of(lay)
-    fig, axes = panels(len(models), 1)
-    for ax, model in zip(axes[:, 0], models, strict=True):
-        g = rows_of(lay, model)
-        sns.lineplot(
-            data=g, x="layer", y="hit_rate", hue="policy", style="fraction", marker="o", ax=ax
-        )
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("hit rate (simulated)")
-        where = f"{model}: " if model else ""
-        ax.set_title(f"{where}per-layer hit rates, {int(g['tokens'].max())} tokens", fontsize=8)
-        ax.legend(fontsize=6, ncol=2)
+    """Per model and fraction: simulated hit rate per policy (rows, in the policy table's
+    order) and layer (columns) as a heatmap: every policy readable, no legend over lines."""
+    lay = fd.table("layer_hit_rates")
+    models = fd.models(lay)
+    fracs = sorted(lay["fraction"].unique())
+    n_pol = lay["policy"].nunique()
+    n_lay = lay["layer"].nunique()
+    size = (max(4.0, 1.6 + 0.45 * n_lay), max(2.5, 0.9 + 0.24 * n_pol))
+    fig, axes = plt.subplots(
+        len(models),
+        len(fracs),
+        squeeze=False,
+        figsize=(size[0] * len(fracs), size[1] * len(models)),
+    )
+    for row, model in zip(axes, models, strict=True):
+        for ax, frac in zip(row, fracs, strict=True):
+            g = rows_of(lay, model)
+            g = g[g["fraction"] == frac]
+            grid = g.pivot_table(index="policy", columns="layer", values="hit_rate")
+            names = sorted(grid.index, key=lambda n: fd.numbers.get(n, 10**6))
+            grid = grid.loc[names]
+            grid.index = [f"{fd.numbers.get(n, '?')}  {n}" for n in names]
+            sns.heatmap(
+                grid,
+                ax=ax,
+                cmap="viridis",
+                vmin=0,
+                vmax=1,
+                annot=n_lay <= 16,
+                fmt=".2f",
+                annot_kws={"fontsize": 6},
+                cbar_kws={"label": "hit rate (simulated)"},
+            )
+            ax.set_xlabel("layer")
+            ax.set_ylabel("")
+            ax.tick_params(axis="y", labelsize=7)
+            where = f"{model}: " if model else ""
+            tokens = int(g["tokens"].max()) if len(g) else 0
+            ax.set_title(
+                f"{where}per-layer hit rate, fraction {frac:g}, {tokens} tokens", fontsize=8
+            )
     fig.tight_layout()
     return fig
 
 
 def fig_sim_engine(fd: FigureData) -> plt.Figure:
-    se = fd.out.table("sim_vs_engine")
+    se = fd.table("sim_vs_engine")
     se = se.assign(engine_ms=1e3 * se["time_mean_s"], sim_ms=1e3 * se["est_time_per_token_s"])
-    models = models_of(se)
+    models = fd.models(se)
     fig, axes = panels(len(models), 1)
     labelled = []
     for ax, model in zip(axes[:, 0], models, strict=True):
         g = rows_of(se, model)
         sns.scatterplot(data=g, x="engine_ms", y="sim_ms", hue="device", ax=ax, s=40)
+        legend_below(ax, 4)
         lim = [0, 1.1 * float(max(g["engine_ms"].max(), g["sim_ms"].max()))]
         ax.plot(lim, lim, "--", color="grey", lw=0.8)
         ax.set_xlabel("engine mean time per token, ms")
@@ -328,11 +236,11 @@ def fig_sim_engine(fd: FigureData) -> plt.Figure:
 
 
 def fig_generation(fd: FigureData) -> plt.Figure:
-    gen = fd.out.table("generation")
+    gen = fd.table("generation")
     lo, hi = column(gen, "ci_low", "acc_ci_lo"), column(gen, "ci_high", "acc_ci_hi")
     agree = column(gen, "agreement", "agree_exact")
     tasks = sorted(gen["task"].unique())
-    models = models_of(gen)
+    models = fd.models(gen)
     fig, axes = panels(len(models), len(tasks), sharex=True)
     for row, model in zip(axes, models, strict=True):
         for ax, task in zip(row, tasks, strict=True):
@@ -359,19 +267,25 @@ def fig_generation(fd: FigureData) -> plt.Figure:
 
 
 def fig_per_input(fd: FigureData) -> plt.Figure:
-    pts = fd.out.table("per_input_points")
+    pts = fd.table("per_input_points")
     pts = pts[(pts["level"] == "stream") & (pts["policy"] != fd.out.baseline)]
-    models = models_of(pts)
+    models = fd.models(pts)
     fig, axes = panels(len(models), 1)
     for ax, model in zip(axes[:, 0], models, strict=True):
         g = rows_of(pts, model)
         mass = column(g, "mass_per_token_layer", "mass_mean")
         sns.scatterplot(data=g, x=mass, y="dnll_mean", hue="policy", ax=ax, s=18)
+        ax.legend(
+            fontsize=6,
+            ncol=1 + len(set(g["policy"])) // 16,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1.0),
+            frameon=False,
+        )
         ax.set_xlabel("per-stream mean mass per token-layer")
         ax.set_ylabel(f"per-stream mean ΔNLL vs {fd.out.baseline}")
         where = f"{model}: " if model else ""
         ax.set_title(f"{where}n = {g['unit'].nunique()} streams per policy", fontsize=8)
-        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     return fig
 
@@ -384,7 +298,9 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "mass_points",
         "mass_hypothesis",
         "Mean substituted gate mass per token-layer vs perplexity increase, one point per "
-        "policy (numbers: the policy table's #); r with a bootstrap CI over streams.",
+        "policy (numbers: the policy table's #). Left: the points r is computed over, one colour "
+        "per cluster of mass, with their least-squares line; right: every emulated policy, the "
+        "lossless ones and substitute_all (not points of r) set against that line.",
         fig_mass,
     ),
     (
@@ -392,7 +308,9 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Speed / quality frontier",
         "speed_quality",
         "speed_quality",
-        "Time per token vs Δppl %; the dashed line joins the Pareto-optimal policies.",
+        "Time per token vs Δppl %; the dashed line joins the Pareto-optimal policies. Numbers "
+        "(the policy table's #): the policies on the front and the study's quality and speed "
+        "policies; every policy is in the policy table.",
         fig_speed,
     ),
     (
@@ -405,7 +323,8 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "and vs the gate mass substituted or rerouted per token-layer (every simulated policy), "
         "one colour per "
         "family; Belady bounds are left out (they need the future). The dashed line joins the "
-        "Pareto-optimal policies: the families on it dominate.",
+        "Pareto-optimal policies: the families on it dominate. Numbers: the policies on each "
+        "front and the study's quality and speed policies (every policy: the table below).",
         fig_design,
     ),
     (
@@ -414,7 +333,8 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "admission",
         "admission",
         "ΔNLL of each admission policy minus its no-admission twin, binned by tokens since the "
-        "document's first token.",
+        "document's first token; solid: after a topic change, dashed: each stream's first "
+        "document (its cache warm from the initial set).",
         fig_admission,
     ),
     (
@@ -422,8 +342,9 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Experiment B",
         "expb",
         "expb",
-        "Realized mass per design and condition against the target m*, and the effect "
-        "(ΔNLL heavy − light) with its CI per design and target.",
+        "Realized mass per design and condition against the target m*; then each design's "
+        "effect (heavy − light, in that design's units) with its CI per target, on its own "
+        "scale; an invalid target is a red x and does not set the scale of valid ones.",
         fig_expb,
     ),
     (
@@ -441,7 +362,8 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "Per-layer hit rates",
         "layer_hit_rates",
         "simulate",
-        "Simulated hit rate of each MoE layer's cache.",
+        "Simulated hit rate of each MoE layer's cache, one row per policy (the policy table's "
+        "# and name) and one column per layer.",
         fig_layers,
     ),
     (

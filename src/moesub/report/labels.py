@@ -3,8 +3,9 @@
 Scatter plots label each point with a short key (the policy's number in the report's policy
 table). Points that coincide on screen share one label ("3,4,7"). Labels are placed one by one,
 in a fixed order, at the first candidate offset (rings of growing radius around the point) whose
-box overlaps no label placed before and no point, preferably inside the axes (else the least
-overlap); a label moved away from its point gets a thin leader line. Everything is in display
+box, with a margin of `GAP_PX` (so that "11" and "13" never read as "1113"), overlaps no label
+placed before and no point, preferably inside the axes (else the least overlap); a label moved
+away from its point gets a thin leader line. Everything is in display
 pixels after the figure's layout is final, so the result is the same on every run.
 """
 
@@ -18,6 +19,7 @@ from matplotlib.transforms import Bbox
 
 MERGE_PX = 3.0  # points closer than this on screen share one label
 POINT_PX = 5.0  # half the size of a marker's box, kept free of labels
+GAP_PX = 3.0  # the least space between two labels
 RADII_PX = (7.0, 13.0, 20.0, 28.0, 38.0, 50.0, 64.0, 80.0, 100.0, 125.0)
 ANGLES = np.deg2rad([45, 135, -45, -135, 90, -90, 0, 180, 20, 160, -20, -160, 70, 110, -70, -110])
 
@@ -96,7 +98,8 @@ def place_labels(
                 sx = np.sign(np.round(dx, 6)) * box.width / 2
                 sy = np.sign(np.round(dy, 6)) * box.height / 2
                 box = Bbox.from_extents(box.x0 + sx, box.y0 + sy, box.x1 + sx, box.y1 + sy)
-                cost = sum(_boxes_overlap(box, b) for b in placed)
+                padded = box.padded(GAP_PX)
+                cost = sum(_boxes_overlap(padded, b) for b in placed)
                 cost += sum(_boxes_overlap(box, b) for b in points)
                 # outside the axes is allowed (the saved figure grows to fit) but not preferred
                 cost += 0.5 * (box.width * box.height - _boxes_overlap(box, frame))

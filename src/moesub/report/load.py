@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,14 @@ def read_table(path: Path) -> pd.DataFrame:
 
 @dataclass
 class AnalysisOutputs:
-    """`analysis.json` (`doc`) and its tables; `absent`: table -> why it is not there."""
+    """`analysis.json` (`doc`) and its tables; `absent`: table -> why it is not there;
+    `disabled`: part -> the config key that turned its stage off (`disabled_parts`)."""
 
     directory: Path
     doc: dict[str, Any]
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)
+    disabled: dict[str, str] = field(default_factory=dict)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -56,7 +58,24 @@ class AnalysisOutputs:
 
     @property
     def models(self) -> list[str]:
+        """The models in the analysis' order: every table, figure and line follows it."""
         return [str(m) for m in self.doc.get("models") or []]
+
+    def by_model(self, df: pd.DataFrame, *then: str) -> pd.DataFrame:
+        """`df` ordered by model (the analysis' order), then by the columns `then` it has."""
+        if df.empty or "model" not in df.columns:
+            keys = [c for c in then if c in df.columns]
+            return df.sort_values(keys, kind="stable") if keys else df
+        rank = {m: i for i, m in enumerate(self.models)}
+        order = df.assign(_model=df["model"].astype(str).map(rank).fillna(len(rank)))
+        keys = ["_model", *[c for c in then if c in df.columns]]
+        return order.sort_values(keys, kind="stable").drop(columns="_model")
+
+    def configured(self, policy: str) -> bool:
+        """A policy of the config's `policies:` (or the engine's reserved all_resident); every
+        policy when the analysis recorded no config policies."""
+        names = self.params.get("policies") or {}
+        return not names or policy in names or policy == "all_resident"
 
     def table(self, name: str) -> pd.DataFrame:
         return self.tables.get(name, pd.DataFrame())
@@ -65,7 +84,10 @@ class AnalysisOutputs:
         return (self.doc.get("parts") or {}).get(name) or {}
 
     def why_missing(self, part: str, table: str | None = None) -> str:
-        """One message for a part without data: the analysis's reason, else the file's."""
+        """One message for a part without data: the stage disabled in the config, else the
+        analysis's reason, else the file's."""
+        if part in self.disabled:
+            return self.disabled[part]
         reason = self.part(part).get("reason")
         if reason:
             return summarize_reasons(str(reason))
@@ -94,6 +116,32 @@ def load_outputs(analysis_dir: str | os.PathLike) -> AnalysisOutputs:
             out.tables[name] = read_table(path)
         except Exception as exc:  # noqa: BLE001 - shown in the report instead of failing it
             out.absent[name] = f"{path.name} is unreadable: {exc}"
+    return out
+
+
+def disabled_parts(config: Mapping[str, Any]) -> dict[str, str]:
+    """part -> "disabled in the config (key: value)" for each part whose stage the config
+    turns off: a disabled stage is said as disabled, not as missing data."""
+
+    def get(*keys: str) -> Any:
+        node: Any = config
+        for key in keys:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        return node
+
+    off = {  # config keys and the value that turns the stage off -> the parts it feeds
+        ("engine", "bench", "enabled"): (False, ("engine_bench",)),
+        ("engine", "policies"): ([], ("engine", "sim_vs_engine")),
+        ("emulate", "policies"): ([], ("quality", "mass_hypothesis", "per_input", "admission")),
+        ("simulate", "policies"): ([], ("simulate", "design_space")),
+        ("generate", "tasks"): ({}, ("generation",)),
+        ("expb", "designs"): ({}, ("expb",)),
+    }
+    out = {}
+    for keys, (value, parts) in off.items():
+        if get(*keys) == value:
+            shown = json.dumps(value).lower()
+            out |= {part: f"disabled in the config ({'.'.join(keys)}: {shown})" for part in parts}
     return out
 
 
@@ -205,7 +253,7 @@ def summarize_reasons(text: str) -> str:
     parts = []
     for reason, jobs in by_reason.items():
         named = [j for j in jobs if j]
-        if len(jobs) > 1:
+        if len(jobs) > 1 and named:
             shown = ", ".join(named[:3]) + (f", … ({len(named)} in all)" if len(named) > 3 else "")
             parts.append(f"{reason} ({shown})")
         else:

@@ -1,6 +1,8 @@
 """What every report figure is drawn with: the `Figure` record, the `FigureData` a figure function
-gets, one panel row per model (`panels`, `models_of`, `rows_of`), numbered points with a key
-(`finish`), and the PNG / data-URI writer (`png_data_uri`). Agg backend, no display needed.
+gets (its tables without unconfigured policies, its models in the analysis' order), one panel
+row per model (`panels`, `rows_of`), numbered points with a key (`finish`: label only the rows
+given, e.g. a front, where points crowd), and the PNG / data-URI writer (`png_data_uri`). Agg
+backend, no display needed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pandas as pd
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
 from moesub.io import atomic_path  # noqa: E402
 from moesub.report.labels import key_text, place_labels  # noqa: E402
@@ -48,6 +51,21 @@ class FigureData:
     def ci(self) -> str:
         return ci_label(self.out.ci_level)
 
+    def models(self, df: pd.DataFrame) -> list[str]:
+        """The models of `df`, in the analysis' order (one order in every figure)."""
+        if "model" not in df.columns:
+            return [""]
+        rank = {m: i for i, m in enumerate(self.out.models)}
+        return sorted(unique(df["model"].astype(str)), key=lambda m: rank.get(m, len(rank)))
+
+    def table(self, name: str) -> pd.DataFrame:
+        """An analysis table without the rows of policies the config does not define (no
+        figure shows a policy that is not configured)."""
+        df = self.out.table(name)
+        if "policy" not in df.columns:
+            return df
+        return df[[self.out.configured(str(x)) for x in df["policy"]]]
+
 
 def panels(
     n_models: int, n_cols: int, width: float = PANEL[0], **kw
@@ -63,10 +81,6 @@ def panels(
     return fig, axes
 
 
-def models_of(df: pd.DataFrame) -> list[str]:
-    return unique(df["model"].astype(str)) if "model" in df.columns else [""]
-
-
 def rows_of(df: pd.DataFrame, model: str) -> pd.DataFrame:
     return df[df["model"].astype(str) == model] if "model" in df.columns else df
 
@@ -74,7 +88,8 @@ def rows_of(df: pd.DataFrame, model: str) -> pd.DataFrame:
 def finish(
     fig: plt.Figure, fd: FigureData, labelled: list[tuple[plt.Axes, pd.DataFrame, str, str]]
 ):
-    """Lay the figure out, then number the points and add the key of the policies shown."""
+    """Lay the figure out, then number the points of each `(ax, rows, x, y)` (the rows to
+    label: all of a panel's, or a front) and add the key of the policies labelled."""
     shown: list[str] = []
     for _, df, _, _ in labelled:
         shown.extend(df["policy"].astype(str))
@@ -93,6 +108,7 @@ def symlog_if_wide(ax: plt.Axes, values: pd.Series) -> None:
     v = v[np.isfinite(v)]
     if v.size and v.max() > 50:
         ax.set_yscale("symlog", linthresh=1.0)
+        ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.set_ylim(bottom=min(0.0, float(v.min())))
 
 
@@ -105,3 +121,30 @@ def png_data_uri(fig: plt.Figure, path: Path) -> str:
     with atomic_path(path, suffix=".png") as tmp:
         tmp.write_bytes(data)
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+STUDY_POLICIES = ("quality", "speed")  # numbered in a crowded scatter besides its front
+
+
+def front_or_study(df: pd.DataFrame, front: str) -> pd.Series:
+    """The rows a crowded scatter numbers: its Pareto front (column `front`) and the study's
+    quality and speed policies."""
+    return df[front].astype(bool) | df["policy"].isin(STUDY_POLICIES)
+
+
+# the markers of a Pareto front's style column in words (the same in every figure)
+FRONT_MARKERS = {"on the Pareto front": "X", "off the front": "o"}
+
+
+def front_words(df: pd.DataFrame, front: str) -> pd.Series:
+    """A Pareto-front column in words, for a legend (not True / False); draw it with
+    `markers=FRONT_MARKERS`."""
+    return df[front].astype(bool).map({True: "on the Pareto front", False: "off the front"})
+
+
+def legend_below(ax: plt.Axes, ncol: int = 2) -> None:
+    """The axes' legend under the plot, never over the data."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(
+            fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False
+        )

@@ -42,7 +42,7 @@ def regime_table(out: AnalysisOutputs) -> Table:
             for c in reuse
         ],
     ]
-    return make_table("regime-table", _layer_order(reg), cols)
+    return make_table("regime-table", _layer_order(out, reg), cols)
 
 
 def regime_verdicts(out: AnalysisOutputs) -> list[str]:
@@ -113,7 +113,7 @@ def skew_table(out: AnalysisOutputs) -> Table:
         ),
         Col("fetch_every_miss hit rate (model / skew-matched / real replays)", hits),
     ]
-    return make_table("skew-table", _layer_order(reg), cols)
+    return make_table("skew-table", _layer_order(out, reg), cols)
 
 
 def designs_table(out: AnalysisOutputs) -> Table:
@@ -151,8 +151,8 @@ def designs_table(out: AnalysisOutputs) -> Table:
         pair("misses_per_token", "skew_matched", "{:.2f}", "miss_change"),
         Col("gain change under the real skew", lambda r: num(r.get("gain_change"), "{:+.3f}")),
     ]
-    records = des.sort_values([c for c in ("model", "design", "capacity") if c in des.columns])
-    return make_table("regime-designs", records.to_dict("records"), cols)
+    records = out.by_model(des, "design", "capacity").to_dict("records")
+    return make_table("regime-designs", records, cols)
 
 
 def regime_design_lines(out: AnalysisOutputs) -> list[str]:
@@ -162,7 +162,7 @@ def regime_design_lines(out: AnalysisOutputs) -> list[str]:
     if des.empty or "gain_change" not in des.columns:
         return []
     lines = []
-    for r in des.sort_values(["model", "design", "capacity"]).to_dict("records"):
+    for r in out.by_model(des, "design", "capacity").to_dict("records"):
         if not (finite(r.get("gain_evaluation")) and finite(r.get("gain_skew_matched"))):
             continue
         change = float(r["gain_change"])
@@ -195,7 +195,7 @@ def _layer(r: Row) -> str:
     return "all" if r.get("layer") == -1 else str(r.get("layer"))
 
 
-def _layer_order(reg: Any) -> list[dict[str, Any]]:
-    """Rows per model, layers ascending, the all-layers row last."""
-    order = reg.assign(_all=reg["layer"] == -1).sort_values(["model", "_all", "layer"])
+def _layer_order(out: AnalysisOutputs, reg: Any) -> list[dict[str, Any]]:
+    """Rows per model (the analysis' order), layers ascending, the all-layers row last."""
+    order = out.by_model(reg.assign(_all=reg["layer"] == -1), "_all", "layer")
     return order.drop(columns="_all").to_dict("records")

@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 
 from moesub.io import atomic_path
+from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
 from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.experiments import (
     admission_bins_table,
@@ -22,7 +23,13 @@ from moesub.report.experiments import (
 )
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline, recommendation_lines
-from moesub.report.load import ci_label, load_outputs, load_recommendations, summarize_reasons
+from moesub.report.load import (
+    ci_label,
+    disabled_parts,
+    load_outputs,
+    load_recommendations,
+    summarize_reasons,
+)
 from moesub.report.plotting import FigureData
 from moesub.report.regime import (
     designs_table,
@@ -86,6 +93,7 @@ def render_report(
     if not isinstance(params, Mapping):
         raise ValueError(f"params must be a mapping, got {type(params).__name__}")
     out = load_outputs(analysis_dir)
+    out.disabled = disabled_parts(params)
     recommended = load_recommendations(recommendations)
     out_html = Path(out_html)
     fig_dir = Path(fig_dir) if fig_dir is not None else out_html.parent / "figures"
@@ -101,8 +109,9 @@ def render_report(
     }
     parts = {
         name: {
-            "status": p.get("status", "?"),
-            "why": summarize_reasons(str(p.get("reason") or ""))
+            "status": "disabled" if name in out.disabled else p.get("status", "?"),
+            "why": out.disabled.get(name)
+            or summarize_reasons(str(p.get("reason") or ""))
             or ("" if name in SECTION_NOTES else notes.get(name, "")),
         }
         for name, p in (out.doc.get("parts") or {}).items()
@@ -111,14 +120,20 @@ def render_report(
         "title": str(params.get("title", "moesub report")),
         "ci": ci_label(out.ci_level),
         "baseline": out.baseline,
-        "recommendation": recommendation_lines(recommended, ci_label(out.ci_level)),
+        "recommendation": recommendation_lines(recommended, ci_label(out.ci_level), out.models),
+        "claims": claim_lines(out),
         "headline": headline(out),
+        "families": family_lines(out),
+        "tests": {f: tests_table(out, f) for f in ("pre-registered", "exploratory")},
         "summary": summary_table(out, numbers),
         "figures": {f.name: f for f in figures},
         "parts": parts,
         "notes": {name: notes[name] for name in SECTION_NOTES if name in notes},
         "why_missing": out.why_missing,
         "mass": mass_table(out),
+        "rule_contrast": kind_lines(out, "dppl_contrast"),
+        "mass_min_points": out.params.get("mass_min_points", "the configured number of"),
+        "mass_cluster_gap": out.params.get("mass_cluster_gap", "the configured share"),
         "per_input": per_input_table(out),
         "expb_rules": expb_rules(out),
         "expb_alpha": (out.params.get("expb") or {}).get("alpha", out.params.get("alpha")),

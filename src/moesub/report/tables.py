@@ -62,15 +62,6 @@ def first(r: Row, *keys: str) -> Any:
     return None
 
 
-def power(r: Row) -> str:
-    """The design's smallest reachable p and its minimum detectable effect, when recorded."""
-    min_p = first(r, "min_p", "min_attainable_p")
-    mde = first(r, "mde")
-    if min_p is None and mde is None:
-        return "—"
-    return f"min p {num(min_p)}; MDE {num(mde)}"
-
-
 def make_table(
     table_id: str,
     records: Sequence[Row],
@@ -166,7 +157,22 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
             else []
         ),
         *(
-            [Col("Δppl MDE, %", lambda r: num(r.get("dppl_mde_pct"), "{:.3g}"))]
+            [
+                Col(
+                    f"Δppl t interval [{ci}] (sensitivity)",
+                    lambda r: interval(r.get("dppl_t_ci_lo"), r.get("dppl_t_ci_hi"), "{:+.2f}"),
+                )
+            ]
+            if "dppl_t_ci_lo" in s.columns
+            else []
+        ),
+        *(
+            [
+                Col(
+                    "Δppl MDE, % (normal approximation, sensitivity)",
+                    lambda r: num(r.get("dppl_mde_pct"), "{:.3g}"),
+                )
+            ]
             if "dppl_mde_pct" in s.columns
             else []
         ),
@@ -178,8 +184,7 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         ),
         *[Col(f"{t} accuracy [{ci}]", task_cell(t)) for t in tasks],
     ]
-    s = s.assign(_n=s["policy"].astype(str).map(numbers))
-    s = s.sort_values([c for c in ("model", "fraction", "_n") if c in s.columns])
+    s = out.by_model(s.assign(_n=s["policy"].astype(str).map(numbers)), "fraction", "_n")
     return make_table(
         "summary",
         s.to_dict("records"),
@@ -193,32 +198,87 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
 
 
 def mass_table(out: AnalysisOutputs) -> Table:
+    """Per model and fraction: the point set of r (and what was left out, why), r with its
+    interval, the clusters of mass and the within-cluster r, substitute_all against the line."""
     ci = ci_label(out.ci_level)
 
-    def r_ci(r: Row) -> str:
-        txt = interval(first(r, "ci_lo", "r_ci_lo"), first(r, "ci_hi", "r_ci_hi"))
-        bias = first(r, "bias", "boot_bias", "r_bias")
+    def r_ci(r: Row, key: str = "r") -> str:
+        txt = interval(r.get(f"{key}_ci_lo"), r.get(f"{key}_ci_hi"))
+        bias = r.get(f"{key}_bias")
         return txt + (f" (bias {float(bias):+.3f})" if finite(bias) else "")
+
+    def left_out(r: Row) -> str:
+        return "; ".join(f"{e['policy']}: {e['why']}" for e in r.get("excluded") or []) or "—"
+
+    def span(c: Row) -> str:
+        lo, hi = f"{c['mass_lo']:.3g}", f"{c['mass_hi']:.3g}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    def clusters(r: Row) -> str:
+        return "; ".join(f"{c['n']} at {span(c)}" for c in r.get("clusters") or []) or "—"
+
+    def within(r: Row) -> str:
+        if r.get("within_r") is None:
+            return str(r.get("within_reason") or "—")
+        return f"{float(r['within_r']):.3f} {r_ci(r, 'within_r')}"
+
+    def pearson(r: Row) -> str:
+        return num(r.get("r"), "{:.3f}") if r.get("r") is not None else str(r.get("reason"))
+
+    def sub_all(r: Row) -> str:
+        e = r.get("substitute_all")
+        if not e:
+            return "did not run"
+        out_ = f"mass {e['mass']:.3g}, Δppl {e['dppl_pct']:+.2f}%"
+        if e.get("line_dppl_pct") is not None:
+            out_ += f"; the line predicts {e['line_dppl_pct']:+.2f}%"
+        if e.get("nearest"):
+            out_ += (
+                f"; {e['nearest']}: mass {e['nearest_mass']:.3g}, "
+                f"Δppl {e['nearest_dppl_pct']:+.2f}%"
+            )
+        return out_
 
     cols = [
         Col("model", text("model"), False),
         Col("cache fraction", lambda r: num(r.get("fraction"), "{:g}")),
-        Col("group", text("group"), False),
-        Col("n policies", text("n")),
         Col(
-            "Pearson r",
-            lambda r: num(r.get("r"), "{:.3f}") if r.get("r") is not None else str(r.get("reason")),
+            "points of r (fetch the first choice)",
+            lambda r: ", ".join(r.get("policies") or []),
+            False,
         ),
-        Col(f"bootstrap {ci} (bias-corrected)", r_ci),
+        Col("left out, why", left_out, False),
+        Col("n", text("n")),
+        Col("Pearson r", pearson, False),
+        Col(f"bootstrap {ci} (bias)", r_ci),
+        Col(
+            f"t interval [{ci}] (sensitivity)",
+            lambda r: interval(r.get("r_t_ci_lo"), r.get("r_t_ci_hi")),
+        ),
         Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
-        Col("policies", lambda r: ", ".join(r.get("policies") or []), False),
+        Col("clusters of mass (n at range)", clusters, False),
+        Col(f"within-cluster r [{ci}]", within),
+        Col("substitute_all against the line", sub_all, False),
     ]
-    return make_table("mass-table", out.doc.get("mass_hypothesis") or [], cols)
+    rows = out.by_model(pd.DataFrame(out.doc.get("mass_hypothesis") or []), "fraction")
+    return make_table("mass-table", rows.to_dict("records"), cols)
 
 
 def per_input_table(out: AnalysisOutputs) -> Table:
+    """r within each policy across streams and documents, the family-adjusted p beside the raw
+    one (the tests `moesub.stats.per_input` names)."""
     df = out.table("per_input")
     ci = ci_label(out.ci_level)
+    tests = out.table("tests")
+
+    def key(r: Row) -> tuple:
+        name = f"{r['policy']}: r(mass, ΔNLL) across {r['level']}s"
+        return str(r.get("model", "")), name, float(r["fraction"])
+
+    adjusted = {}
+    if not tests.empty and "p_adjusted" in tests.columns:
+        for t in tests[tests["kind"] == "per_input"].to_dict("records"):
+            adjusted[(str(t.get("model", "")), t["name"], float(t["fraction"]))] = t["p_adjusted"]
     cols = [
         Col("model", text("model"), False),
         Col("policy", text("policy"), False),
@@ -227,10 +287,14 @@ def per_input_table(out: AnalysisOutputs) -> Table:
         Col("n units", text("n")),
         Col("Pearson r", lambda r: num(r.get("r"), "{:.3f}")),
         Col(f"r {ci}", lambda r: interval(r.get("r_ci_lo"), r.get("r_ci_hi"))),
+        Col("interval", text("ci_method", ""), False),
+        Col("p (raw)", lambda r: num(r.get("p"), "{:.2g}")),
+        Col("p adjusted", lambda r: num(adjusted.get(key(r)), "{:.2g}")),
         Col("Spearman ρ", lambda r: num(r.get("rho"), "{:.3f}")),
         Col("note", text("reason", ""), False),
     ]
-    return make_table("per-input-table", df.to_dict("records"), cols)
+    order = out.by_model(df, "policy", "fraction", "level")
+    return make_table("per-input-table", order.to_dict("records"), cols)
 
 
 def generation_table(out: AnalysisOutputs) -> Table:
@@ -270,10 +334,8 @@ def generation_table(out: AnalysisOutputs) -> Table:
             lambda r: num(first(r, "mass_per_token_layer", "mass_mean"), "{:.4g}"),
         ),
     ]
-    order = [c for c in ("model", "task", "policy") if c in df.columns]
-    return make_table(
-        "generation-table", df.sort_values(order).to_dict("records") if order else [], cols
-    )
+    order = out.by_model(df, "task", "policy")
+    return make_table("generation-table", order.to_dict("records"), cols)
 
 
 def generation_missing(out: AnalysisOutputs) -> list[str]:

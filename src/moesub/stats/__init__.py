@@ -3,14 +3,16 @@
 `run_analysis(inputs, params, out_dir)` reads every artefact through DuckDB and writes, each
 atomically (`moesub.io`), into `out_dir`:
 
-- `analysis.json`: status of every part (ok / missing + reason), the scalar results (mass
-  hypothesis, Experiment B decision, admission totals and tests, simulator error), params,
-  `ci_label` (e.g. "95%", from ci_level), units, provenance;
+- `analysis.json`: status of every part (ok / missing + reason), the scalar results (the
+  verdict on each of the study's claims, the test families, mass hypothesis, Experiment B
+  decision, admission totals and tests, simulator error), params, `ci_label` (e.g. "95%", from
+  ci_level), units, provenance;
 - `models.parquet`: one row per model: summary JSON facts, E, k, L, capacity per fraction;
 - `summary.parquet`: one row per (policy, fraction): quality (Δppl % with BCa CI, bias and
   minimum detectable Δppl; mass per token-layer with CI), substitution, cache, time, speedups,
   generation;
-- `mass_points.parquet`: per (fraction, group, policy): the points behind the mass-hypothesis r;
+- `mass_points.parquet`: per (fraction, policy): its group, mass, Δppl, whether it is a point
+  of the mass-hypothesis r (`used`, else `why_out`) and its cluster of mass;
 - `per_input.parquet`: per (policy, fraction, level): r between per-unit mass and ΔNLL;
 - `per_input_points.parquet`: per (policy, fraction, level, unit): mean mass, mean ΔNLL;
 - `expb.parquet`: per (design, target mass): Experiment B's decision, realized masses per
@@ -31,11 +33,16 @@ atomically (`moesub.io`), into `out_dir`:
 - `regime.parquet`: per (layer, metric) the model's cache regime (static-skew measures beside
   the real reference model's among them); `regime_designs.parquet`: per (pinning or allocation
   design, size) its hit rate and misses per token beside its counterpart's on the evaluation
-  trace and on the skew-matched trace, and how its gain changes under the real model's skew.
+  trace and on the skew-matched trace, and how its gain changes under the real model's skew;
+- `tests.parquet`: every test, its family (pre-registered: Holm; exploratory:
+  Benjamini-Hochberg), estimate, two-sided interval, t-based sensitivity interval, raw and
+  adjusted two-sided p, direction in words, MDE (`moesub.stats.multiplicity`).
 
-Every bootstrapped estimate `x` comes with `x_ci_lo, x_ci_hi, x_bias, x_ci_method`
-(`moesub.stats.intervals`); every test with the smallest p the design can reach and its minimum
-detectable effect (`moesub.stats.power`). Substituted mass is per token-layer everywhere.
+Every bootstrapped estimate `x` comes with `x_ci_lo, x_ci_hi, x_bias, x_ci_method` and the
+t-based sensitivity interval `x_t_ci_lo, x_t_ci_hi` (`moesub.stats.intervals`); every test
+with the smallest p the design can reach and its minimum detectable effect, a
+normal-approximation sensitivity figure (`moesub.stats.power`). Substituted mass is per
+token-layer everywhere.
 
 Every output file is written even when its part is missing (then with no rows), so a workflow
 rule can name them all; `analysis.json["parts"][part]` says why a part is missing. Artefacts of
@@ -47,10 +54,15 @@ Modules, one per part (each documents its decisions):
 - `load`: input checking, file metadata (`FileInfo`), the split by model, the models row and
   provenance; `tokens`: one model's per-token tables in DuckDB (`Tokens`: `cap`, `emu`,
   `emu_base`);
-- `intervals`: stream bootstrap (BCa / basic, bias), correlation, Wilson and median CIs;
+- `intervals`: stream bootstrap (BCa / basic, bias, t-based sensitivity interval, the p-value
+  that inverts the interval), correlation, Wilson and median CIs;
 - `power`: smallest reachable p-value and minimum detectable effects;
-- `quality`: per-policy quality (Δppl and speedup themselves are `moesub.metrics`);
-- `mass`: the mass hypothesis and its per-input form;
+- `multiplicity`: the `StatTest` record, the families (`FAMILY`: one line per kind of test),
+  Holm and Benjamini-Hochberg, the direction in words;
+- `claims`: the study's claims and this run's verdict on each;
+- `quality`: per-policy quality and the 0.15 rule's contrast (Δppl and speedup themselves are
+  `moesub.metrics`);
+- `mass`: the mass hypothesis; `per_input`: its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
@@ -67,13 +79,15 @@ them), or tables an earlier part returned; `run.analyse_model` calls the parts i
 order and maps their tables onto `OUTPUT_FILES`:
 
     quality(tokens, p) -> Quality(streams, table, status)
-    mass_hypothesis(quality.streams, emulate_files, p) -> MassHypothesis(points, results, status)
-    per_input(quality.streams, tokens, p) -> PerInput(table, points, status)
-    expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, status)
-    admission(tokens, emulate_files, p) -> Admission(table, totals, status)
+    rule_contrast(quality.streams, p) -> list[StatTest]
+    mass_hypothesis(quality.streams, emulate_files, p)
+        -> MassHypothesis(points, results, tests, status)
+    per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
+    expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
+    admission(tokens, emulate_files, p) -> Admission(table, totals, tests, status)
     simulate(db, simulate_files) -> Simulate(total, layers, status)
     engine(db, engine_files, p) -> Engine(table, status)
-    generation(db, generate_files, p) -> Generation(table, status)
+    generation(db, generate_files, p) -> Generation(table, tests, status)
     design_space(simulate.total, simulate.layers, quality.table, p)
         -> DesignSpace(table, families, status)
     speed_quality(quality.table, engine.table, simulate.total, p) -> SpeedQuality(table, status)
@@ -81,6 +95,8 @@ order and maps their tables onto `OUTPUT_FILES`:
     regime(regime_paths) -> Regime(table, result, status)
     summary(quality.table, simulate.total, engine.table, generation.table, p)
         -> Summary(table, status)
+    family_table(every part's tests, p.alpha) -> tests (DataFrame)
+    claims(tests, quality.table, engine.table, simulate.total, p) -> Claims(results, status)
     engine_bench(paths) -> EngineBench(table, status, provenance)  (shared, not per model)
 
 The statistics themselves are pure functions of DataFrames / arrays inside each part's module.

@@ -3,14 +3,15 @@ segment and by bin of tokens since the document start.
 
 Twin: the policy with the same rule, eviction and (for `threshold`) tau, and beta 0
 (`moesub.config.is_exact_twin`). Only that pair isolates admission; a pair that also changes the
-eviction is never called an admission effect: such a policy is reported missing, with the reason
-and the twin to add to the config.
+eviction is never called an admission effect. A policy without its twin among the emulated runs
+is named once, in the part's note, with the twin to add (the config parser warns about it too).
 
 Segments and bins (per token, ΔNLL = nll(policy) - nll(twin) at the same stream and position):
 
 - `segment`: `first_document` for a stream's first document (everything before its second
-  document start: the cache starts cold there), `after_change` for every later document (a real
-  topic change with a warm cache);
+  document start: the cache starts warm there, from the frequency-based initial set),
+  `after_change` for every later document (a real topic change with a cache of the previous
+  topic's experts);
 - `since`: tokens since the document start (since the stream start in the first document);
 - bin `boundary` (since = 0): the document's first token, predicted from the previous document,
   so no admission for the new topic can have helped it yet;
@@ -18,11 +19,20 @@ Segments and bins (per token, ΔNLL = nll(policy) - nll(twin) at the same stream
   observed `since`, so that every bin holds tokens; the last bin's label ends at that largest
   value.
 
-Each (segment, bin) mean ΔNLL has a stream bootstrap BCa interval and bias; each pair's totals
-(all tokens, and per segment) give Δppl vs the twin with its interval. Test per pair: a one-sided
-Wilcoxon signed-rank over streams of the per-stream mean ΔNLL (alternative: admission lowers
-the NLL) at `alpha`, with the smallest p the design can reach and the minimum detectable
-ΔNLL (and Δppl reduction) at `power`.
+Each (segment, bin) mean ΔNLL has a stream bootstrap BCa interval and bias. Totals per pair:
+all tokens, each segment, and the profile after a topic change: `after_change_early` (the first
+`admission_early_tokens` tokens of a later document, boundary included) and
+`after_change_late` (the rest); `profile` says whether the gain is immediate (the early
+interval is below 0), late (only the late one is), or neither.
+
+One primary estimand per pair: the mean ΔNLL per token over all tokens (Δppl vs the twin is
+the same number on the perplexity scale, 100 (e^ΔNLL - 1)), with its two-sided BCa interval
+(streams resampled), the t-based sensitivity interval and the two-sided p-value of 0 that the
+interval inverts; the minimum detectable ΔNLL of a two-sided test at `alpha` and `power` over
+the per-stream means (normal approximation). Sensitivity line: a two-sided Wilcoxon
+signed-rank test on the per-stream mean ΔNLL (it tests a pseudo-median, not the mean).
+`quality` and `speed` (`STUDY_ADMISSION`) are the study's pre-registered admission tests; the
+other admission policies and the profiles are exploratory (`moesub.stats.multiplicity`).
 
 Entry point: `admission(tokens, emulate, p) -> Admission`.
 """
@@ -36,17 +46,20 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from moesub.config import is_exact_twin, missing_admission_twins, twin_spec
+from moesub.config import is_exact_twin, twin_spec
 from moesub.metrics import dppl_pct
-from moesub.stats.intervals import rng_for, stream_bootstrap
+from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
 from moesub.stats.load import FileInfo, missing
+from moesub.stats.multiplicity import StatTest
 from moesub.stats.params import AnalysisParams
 from moesub.stats.power import paired_mde, wilcoxon_min_p
 from moesub.stats.quality import ratio_stat
 from moesub.stats.tokens import Tokens
 
 SEGMENTS = ("first_document", "after_change")
+PROFILE = ("after_change_early", "after_change_late")  # totals of the profile after a change
 BOUNDARY = "boundary"
+STUDY_ADMISSION = ("quality", "speed")  # the study's admission policies (pre-registered tests)
 
 
 def find_twin(
@@ -62,9 +75,10 @@ def find_twin(
         for n, c in candidates.items()
         if c is not None and c["beta"] == 0 and c["rule"] == policy["rule"]
     )
-    why = f"no exact twin {twin_spec(policy)} ran"
+    why = f"no exact no-admission twin ({twin_spec(policy)}) among the emulated runs"
     if near:
-        why += f" ({', '.join(near)} differ in eviction or tau: not an admission effect)"
+        verb = "differs" if len(near) == 1 else "differ"
+        why += f" ({', '.join(near)} {verb} in eviction or tau, not an admission effect)"
     return None, why
 
 
@@ -85,11 +99,12 @@ def bin_of(since: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 class Admission(NamedTuple):
     """`table`: per (policy, fraction, segment, bin) ΔNLL vs the twin; `totals`: per (policy,
-    fraction, segment) Δppl vs the twin and, for segment `all`, the test
-    (`analysis.json["admission"]`); `status`."""
+    fraction, segment) Δppl vs the twin and, for segment `all`, the primary estimand, its
+    test and the profile (`analysis.json["admission"]`); `tests`; `status`."""
 
     table: pd.DataFrame
     totals: list[dict[str, Any]]
+    tests: list[StatTest]
     status: dict[str, Any]
 
 
@@ -97,7 +112,7 @@ def admission(tokens: Tokens, emulate: list[FileInfo], p: AnalysisParams) -> Adm
     """Every admission policy emulated (`emu`) against its exact twin; `emulate`: the runs'
     files (their metadata names a policy the config does not)."""
     if not tokens.emulated:
-        return Admission(pd.DataFrame(), [], missing("no emulate artefacts"))
+        return Admission(pd.DataFrame(), [], [], missing("no emulate artefacts"))
     meta_by_name = {i.name: i.meta for i in emulate}
     runs = tokens.db.execute(
         "SELECT DISTINCT name, fraction FROM emu ORDER BY name, fraction"
@@ -105,7 +120,8 @@ def admission(tokens: Tokens, emulate: list[FileInfo], p: AnalysisParams) -> Adm
     present: dict[float, list[str]] = {}
     for name, frac in runs:
         present.setdefault(frac, []).append(name)
-    rows, totals, skipped = [], [], []
+    rows, totals, tests = [], [], []
+    no_twin: dict[str, tuple[str, list[float]]] = {}  # policy -> (why, fractions)
     for frac, names in sorted(present.items()):
         known = {n: p.policy(n, meta_by_name.get(n)) for n in names}
         for name in names:
@@ -114,31 +130,39 @@ def admission(tokens: Tokens, emulate: list[FileInfo], p: AnalysisParams) -> Adm
                 continue
             twin, why = find_twin(pol, {n: c for n, c in known.items() if n != name})
             if twin is None:
-                skipped.append(f"{name} @ f{frac:g}: {why}")
-                totals.append(
-                    {
-                        "policy": name,
-                        "twin": None,
-                        "fraction": float(frac),
-                        "segment": "all",
-                        "status": "missing",
-                        "reason": why,
-                    }
-                )
+                no_twin.setdefault(name, (str(why), []))[1].append(float(frac))
                 continue
-            r, t = admission_pair(tokens, name, twin, float(frac), p)
+            r, t, tt = admission_pair(tokens, name, twin, float(frac), p)
             rows.extend(r)
             totals.extend(t)
-    config_notes = missing_admission_twins(p.policies) if p.policies else []
-    notes = "; ".join(skipped + [f"config: {m}" for m in config_notes])
+            tests.extend(tt)
+    notes = []
+    for name, (why, fracs) in no_twin.items():
+        where = "" if len(fracs) == len(present) else f" at fraction(s) {fracs}"
+        notes.append(f"{name} has {why}{where}, so its admission effect is not measured")
+        if name in STUDY_ADMISSION:
+            tests.append(
+                StatTest(
+                    kind="admission_study",
+                    name=name,
+                    hypothesis=HYPOTHESIS,
+                    expected=-1,
+                    estimand=ESTIMAND,
+                    reason=notes[-1],
+                    measured=False,
+                )
+            )
+    note = {"note": "; ".join(notes)} if notes else {}
     if rows:
-        status = {"status": "ok", "note": notes} if notes else {"status": "ok"}
+        status = {"status": "ok", **note}
     else:
-        status = missing(
-            "no admission policy (beta > 0) with an exact no-admission twin among emulate runs"
-            + (f" ({notes})" if notes else "")
-        )
-    return Admission(pd.DataFrame(rows), totals, status)
+        why = "no admission policy (beta > 0) with an exact no-admission twin among emulate runs"
+        status = {**missing(why), **note}
+    return Admission(pd.DataFrame(rows), totals, tests, status)
+
+
+HYPOTHESIS = "background admission lowers the NLL (the study: perplexity −0.3 to −1.5%)"
+ESTIMAND = "mean ΔNLL per token, admission − exact twin"
 
 
 def pair_tokens(tokens: Tokens, name: str, twin: str, frac: float) -> dict[str, np.ndarray]:
@@ -167,8 +191,9 @@ def pair_tokens(tokens: Tokens, name: str, twin: str, frac: float) -> dict[str, 
 
 def admission_pair(
     tokens: Tokens, name: str, twin: str, frac: float, p: AnalysisParams
-) -> tuple[list[dict], list[dict]]:
-    """Rows per (segment, bin) and totals (all, per segment) of one policy vs its twin."""
+) -> tuple[list[dict], list[dict], list[StatTest]]:
+    """Rows per (segment, bin), totals (all, per segment, the profile) and the tests of one
+    policy vs its twin."""
     tok = pair_tokens(tokens, name, twin, frac)
     streams, s_idx = np.unique(tok["stream"], return_inverse=True)
     since = tok["since"].astype(np.int64)
@@ -178,7 +203,7 @@ def admission_pair(
     if n_s == 0:
         why = f"{name} and {twin} share no token with an NLL at fraction {frac:g}"
         base = {"policy": name, "twin": twin, "fraction": frac, "segment": "all"}
-        return [], [{**base, "status": "missing", "reason": why}]
+        return [], [{**base, "status": "missing", "reason": why}], []
     kept, labels = bin_edges(p.admission_bins, int(since.max()))
     n_b = len(labels)
     cell = seg * n_b + bin_of(since, kept)  # (segment, bin) per token
@@ -215,20 +240,31 @@ def admission_pair(
                 **cell_iv[c].columns(),
             }
         )
-    # totals: all tokens, then each segment; (S, 3) sums and counts
+    # totals: all tokens, each segment, then the profile after a change; (S, 5) sums, counts
     seg_sums = sums.reshape(n_s, len(SEGMENTS), n_b).sum(2)
     seg_cnts = cnts.reshape(n_s, len(SEGMENTS), n_b).sum(2)
-    tot_sums = np.column_stack([seg_sums.sum(1), seg_sums])
-    tot_cnts = np.column_stack([seg_cnts.sum(1), seg_cnts])
+    early = (seg == 1) & (since < p.admission_early_tokens)
+    late = (seg == 1) & ~early
+    tot_sums = np.column_stack(
+        [seg_sums.sum(1), seg_sums, *(np.bincount(s_idx, dnll * m, n_s) for m in (early, late))]
+    )
+    tot_cnts = np.column_stack(
+        [
+            seg_cnts.sum(1),
+            seg_cnts,
+            *(np.bincount(s_idx, m.astype(float), n_s) for m in (early, late)),
+        ]
+    )
     tot_iv = stream_bootstrap(
         ratio_stat(tot_sums, tot_cnts, dppl_pct),
         n_s,
         p.n_boot,
         rng_for(p.seed, "admission", "totals", name, frac),
         p.ci_level,
+        null=0.0,
     )
     totals = []
-    for j, segment in enumerate(("all", *SEGMENTS)):
+    for j, segment in enumerate(("all", *SEGMENTS, *PROFILE)):
         n = int(tot_cnts[:, j].sum())
         total = {
             "policy": name,
@@ -241,31 +277,111 @@ def admission_pair(
             "dnll_mean": float(tot_sums[:, j].sum() / n) if n else None,
             "dppl_pct_vs_twin": tot_iv[j].estimate if n else None,
             **tot_iv[j].columns(),
+            **dnll_interval(tot_iv[j] if n else Interval(None)),
+            "p_value": tot_iv[j].p_value if n else None,
         }
         if not n:
             total["reason"] = f"no tokens in segment {segment}"
-        if segment == "all":
-            total.update(admission_test(tot_sums[:, 0], tot_cnts[:, 0], p.alpha, p.power))
         totals.append(total)
-    return rows, totals
+    totals[0].update(stream_tests(tot_sums[:, 0], tot_cnts[:, 0], p))
+    totals[0].update(profile(totals[-2], totals[-1], p.admission_early_tokens))
+    return rows, totals, pair_tests(totals, p)
 
 
-def admission_test(sums: np.ndarray, cnts: np.ndarray, alpha: float, power: float) -> dict:
-    """One-sided Wilcoxon over streams of the per-stream mean ΔNLL (admission lowers the NLL),
-    with the smallest reachable p and the minimum detectable effect (module doc)."""
+def dnll_interval(iv: Interval) -> dict[str, float | None]:
+    """The interval of Δppl vs the twin on the ΔNLL scale (`dnll_ci_lo`, ...): the same
+    interval, ΔNLL = log(1 + Δppl / 100) being monotone."""
+
+    def back(v: float | None) -> float | None:  # a t bound can pass -100%: no ΔNLL there
+        return None if v is None or v <= -100 else float(np.log1p(v / 100.0))
+
+    return {
+        "dnll_ci_lo": back(iv.ci_lo),
+        "dnll_ci_hi": back(iv.ci_hi),
+        "dnll_t_ci_lo": back(iv.t_lo),
+        "dnll_t_ci_hi": back(iv.t_hi),
+    }
+
+
+def stream_tests(sums: np.ndarray, cnts: np.ndarray, p: AnalysisParams) -> dict:
+    """The primary estimand's MDE and the Wilcoxon sensitivity line over the per-stream means
+    (module doc)."""
     d = sums[cnts > 0] / cnts[cnts > 0]  # (S,) per-stream mean ΔNLL vs the twin
     nonzero = int((d != 0).sum())
     out: dict[str, Any] = {
-        "test": "Wilcoxon signed-rank, one-sided (admission lowers the NLL), over streams",
-        "alpha": alpha,
+        "test": "mean ΔNLL per token, two-sided, stream bootstrap (the interval it inverts)",
+        "alpha": p.alpha,
         "n_test_streams": int(d.size),
-        "min_p": wilcoxon_min_p(nonzero, "less"),
-        "p_value": None,
+        "wilcoxon_p": float(sps.wilcoxon(d).pvalue) if nonzero else None,
+        "wilcoxon_min_p": wilcoxon_min_p(nonzero, "two-sided"),
     }
-    if nonzero:
-        out["p_value"] = float(sps.wilcoxon(d, alternative="less").pvalue)
-    mde = paired_mde(float(d.std(ddof=1)) if d.size >= 2 else None, int(d.size), alpha, power)
+    sd = float(d.std(ddof=1)) if d.size >= 2 else None
+    mde = paired_mde(sd, int(d.size), p.alpha, p.power, "two-sided")
     out["mde_dnll"] = mde
     # the same effect as a perplexity reduction, in % of the twin's perplexity
     out["mde_dppl_pct"] = float(-dppl_pct(-mde)) if mde is not None else None
     return out
+
+
+def profile(early: dict, late: dict, n_early: int) -> dict[str, str]:
+    """Is the gain after a topic change immediate (the first `n_early` tokens' interval below
+    0), late (only the later tokens'), or neither? From the two profile totals."""
+
+    def below(t: dict) -> bool:
+        return t["status"] == "ok" and t["ci_hi"] is not None and t["ci_hi"] < 0
+
+    def above(t: dict) -> bool:
+        return t["status"] == "ok" and t["ci_lo"] is not None and t["ci_lo"] > 0
+
+    if below(early):
+        kind = "immediate"
+    elif below(late):
+        kind = "late (the first tokens get worse)" if above(early) else "late"
+    else:
+        kind = "none detected"
+    return {"profile": kind, "early_tokens": n_early}
+
+
+def pair_tests(totals: list[dict], p: AnalysisParams) -> list[StatTest]:
+    """The primary test of one pair (totals[0]) and its two profile tests."""
+    first = totals[0]
+    pair = f"{first['policy']} vs {first['twin']}"
+    primary = first["policy"] in STUDY_ADMISSION
+    n_early = first["early_tokens"]
+    wil = first.get("wilcoxon_p")
+    tests = []
+    for t, kind, name in (
+        (first, "admission_study" if primary else "admission_other", pair),
+        (totals[-2], "admission_profile", f"{pair}, first {n_early} tokens after a change"),
+        (totals[-1], "admission_profile", f"{pair}, after the first {n_early} tokens"),
+    ):
+        ok = t["status"] == "ok"
+        tests.append(
+            StatTest(
+                kind=kind,
+                name=name,
+                hypothesis=HYPOTHESIS,
+                expected=-1,
+                estimand=ESTIMAND,
+                fraction=t["fraction"],
+                estimate=t["dnll_mean"],
+                ci_lo=t["dnll_ci_lo"],
+                ci_hi=t["dnll_ci_hi"],
+                ci_method=f"stream bootstrap, {t['ci_method']}",
+                t_ci_lo=t["dnll_t_ci_lo"],
+                t_ci_hi=t["dnll_t_ci_hi"],
+                p_value=t["p_value"] if ok else None,
+                p_method="inverts the bootstrap interval",
+                mde=first["mde_dnll"] if t is first else None,
+                min_p=1.0 / p.n_boot,
+                n_units=t["n_streams"],
+                sensitivity=(
+                    f"Wilcoxon signed-rank, two-sided, on the {first['n_test_streams']} "
+                    f"per-stream mean ΔNLL (a pseudo-median, not the mean): p = {wil:.3g}"
+                    if t is first and wil is not None
+                    else None
+                ),
+                reason=None if ok else t.get("reason"),
+            )
+        )
+    return tests

@@ -19,19 +19,25 @@ Pre-registered decision rules (config `expb.designs`), pooled realized masses m_
   `min(m_h, m_l) >= min_realized_fraction * m*` (0.9);
 
 then a one-sided Wilcoxon signed-rank test over streams of d > 0 at `alpha`: outcome
-"heavy worse" (p < alpha), "no evidence", or "invalid (why)" when the validity condition fails.
-Reported beside it: the Hodges-Lehmann estimate of d (median of the Walsh averages) with its
-distribution-free interval at `ci_level` (order statistics of the Walsh averages at the exact
-signed-rank critical value), n, the smallest reachable p (`2^-n`), the minimum detectable mean
-difference at alpha and `power` (`moesub.stats.power.paired_mde`), the rank confound (mean rank
+"heavy worse" (p < alpha), "heavy not worse", or "invalid (why)" when the validity condition
+fails. The statement the report makes is two-sided (a light condition that hurts more is
+evidence against the hypothesis, not "no evidence"): the Hodges-Lehmann estimate of d (median
+of the Walsh averages) with its distribution-free interval at `ci_level` (order statistics of
+the Walsh averages at the exact signed-rank critical value) and the two-sided Wilcoxon p that
+this interval inverts (`p_two_sided`); beside them, as sensitivity figures, the mean of d with
+its t interval and the minimum detectable mean difference of a two-sided test at alpha and
+`power` (normal approximation, `moesub.stats.power.paired_mde`), n, the smallest reachable
+two-sided p (`2^(1-n)`), the rank confound (mean rank
 of the substituted experts per condition) and, for `matched`, the support (eligible share of the
 evaluation token-layers, and `calib_support` / `max_target` from the calibration feasibility
 table), the plan's share and the overlap of the substituted token-layers of the two conditions
 (the "same token-layers" check: token-layers substituted in both / in either).
 
 Entry point: `expb(tokens, runs, feasibility, p) -> ExpB`: the table (one row per design and
-target mass), the per-stream table (one row per design, target mass and stream) and the results
-(one entry per design: its rule, the primary target's decision, every target). The decision
+target mass), the per-stream table (one row per design, target mass and stream), the results
+(one entry per design: its rule, the primary target's decision, every target) and the tests
+(`moesub.stats.multiplicity`: each design's primary m* pre-registered, the other targets
+exploratory). The decision
 rules themselves (`ExpBRule`, `DesignRule`) are config: `moesub.stats.params`.
 """
 
@@ -47,6 +53,7 @@ import polars as pl
 from scipy import stats as sps
 
 from moesub.stats.load import FileInfo, missing
+from moesub.stats.multiplicity import StatTest
 from moesub.stats.params import AnalysisParams, DesignRule
 from moesub.stats.power import paired_mde, wilcoxon_min_p
 from moesub.stats.tokens import Tokens
@@ -91,7 +98,9 @@ def decide(
     gap = abs(m_h - m_l) / min(m_h, m_l) if min(m_h, m_l) > 0 else math.inf
     eps = 1e-12  # a boundary case computed in floating point is on the boundary
     why = []
-    if gap > rule.max_gap + eps:
+    if min(m_h, m_l) <= 0:
+        why.append("a condition realized no mass")
+    elif gap > rule.max_gap + eps:
         why.append(f"realized masses differ by {100 * gap:.1f}% > {100 * rule.max_gap:g}%")
     if rule.min_heavy_fraction is not None and m_h < rule.min_heavy_fraction * target - eps:
         why.append(
@@ -111,6 +120,7 @@ def decide(
         "valid": not why,
         "relative_gap": gap,
         "p_value": None,
+        "p_two_sided": None,
         "statistic": None,
     }
     if why:
@@ -118,12 +128,18 @@ def decide(
         return out
     nonzero = int((d != 0).sum())
     if nonzero == 0:
-        p, stat = 1.0, 0.0
+        p, stat, p2 = 1.0, 0.0, 1.0
     else:
         test = sps.wilcoxon(d, alternative="greater")
         p, stat = float(test.pvalue), float(test.statistic)
+        p2 = float(sps.wilcoxon(d, alternative="two-sided").pvalue)
     worse = p < alpha
-    out.update(p_value=p, statistic=stat, outcome="heavy worse" if worse else "no evidence")
+    out.update(
+        p_value=p,
+        p_two_sided=p2,
+        statistic=stat,
+        outcome="heavy worse" if worse else "heavy not worse",
+    )
     floor = wilcoxon_min_p(nonzero)
     note = (
         f"; p cannot go below {floor:.3g} with {nonzero} non-zero differences"
@@ -236,7 +252,13 @@ def target_result(
         "sd_d": float(d_ok.std(ddof=1)) if d_ok.size > 1 else None,
     }
     row["effect"], row["effect_ci_lo"], row["effect_ci_hi"] = hodges_lehmann(d_ok, level)
-    row["mde"] = paired_mde(row["sd_d"], int(d_ok.size), alpha, power) if row["sd_d"] else None
+    row["min_p_two_sided"] = wilcoxon_min_p(int((d_ok != 0).sum()), "two-sided")
+    row["mde"] = None
+    if row["sd_d"]:
+        n = int(d_ok.size)
+        row["mde"] = paired_mde(row["sd_d"], n, alpha, power, "two-sided")
+        half = float(sps.t.ppf(0.5 + level / 2, n - 1)) * row["sd_d"] / math.sqrt(n)
+        row["mean_t_ci_lo"], row["mean_t_ci_hi"] = row["mean_d"] - half, row["mean_d"] + half
     if design == "matched":
         joined = (
             h.select("stream", "pos")
@@ -270,14 +292,41 @@ def target_result(
     return row, stream_rows
 
 
+def expb_test(row: dict[str, Any]) -> StatTest:
+    """The two-sided test of one (design, target mass) row (module doc)."""
+    valid = bool(row.get("valid"))
+    one_sided = f"pre-registered one-sided rule: {row.get('outcome_text')}"
+    return StatTest(
+        kind="expb_primary" if row.get("primary") else "expb_target",
+        name=f"{row['design']} design, m* {row['target_mass']:g}",
+        hypothesis="at equal mass, one heavy substitution hurts more than several light ones",
+        expected=1,
+        estimand=f"{row.get('effect_label', 'ΔNLL heavy − light')} (Hodges-Lehmann)",
+        estimate=row.get("effect"),
+        ci_lo=row.get("effect_ci_lo"),
+        ci_hi=row.get("effect_ci_hi"),
+        ci_method="Hodges-Lehmann, distribution-free (signed-rank order statistics)",
+        t_ci_lo=row.get("mean_t_ci_lo"),
+        t_ci_hi=row.get("mean_t_ci_hi"),
+        p_value=row.get("p_two_sided") if valid else None,
+        p_method="Wilcoxon signed-rank, two-sided",
+        mde=row.get("mde"),
+        min_p=row.get("min_p_two_sided"),
+        n_units=row.get("n_streams"),
+        sensitivity=one_sided if valid else None,
+        reason=None if valid else str(row.get("outcome_text") or "invalid"),
+    )
+
+
 class ExpB(NamedTuple):
     """`table`: one row per (design, target mass); `streams`: one row per (design, target mass,
     stream); `results`: one entry per design (`analysis.json["expb"]`, None when the part is
-    missing); `status`."""
+    missing); `tests`; `status`."""
 
     table: pd.DataFrame
     streams: pd.DataFrame
     results: list[dict[str, Any]] | None
+    tests: list[StatTest]
     status: dict[str, Any]
 
 
@@ -286,7 +335,7 @@ def expb(tokens: Tokens, runs: list[FileInfo], feasibility: list[str], p: Analys
     calibration feasibility tables `feasibility` (paths, maybe none), by `p.expb`'s rules."""
 
     def not_run(why: str) -> ExpB:
-        return ExpB(pd.DataFrame(), pd.DataFrame(), None, missing(why))
+        return ExpB(pd.DataFrame(), pd.DataFrame(), None, [], missing(why))
 
     if not runs:
         return not_run("no Experiment B artefacts")
@@ -335,4 +384,5 @@ def expb(tokens: Tokens, runs: list[FileInfo], feasibility: list[str], p: Analys
             }
         )
         rows.extend(design_rows)
-    return ExpB(pd.DataFrame(rows), pd.DataFrame(stream_rows), results, {"status": "ok"})
+    tests = [expb_test(r) for r in rows]
+    return ExpB(pd.DataFrame(rows), pd.DataFrame(stream_rows), results, tests, {"status": "ok"})

@@ -20,6 +20,9 @@ Per group of problems (one generate artefact):
 A data file missing for a task (e.g. GSM8K) is reported once per task in the part's note, with
 the number of jobs it affected, not once per job.
 
+Tests (exploratory, `moesub.stats.multiplicity`): per (task, policy, fraction) the McNemar test
+of the accuracy difference and the Spearman test of r(mass, agreement prefix).
+
 Entry point: `generation(db, runs, p) -> Generation`.
 """
 
@@ -34,6 +37,7 @@ from scipy import stats as sps
 
 from moesub.stats.intervals import correlation, wilson_ci
 from moesub.stats.load import FileInfo, missing, sql_list
+from moesub.stats.multiplicity import StatTest
 from moesub.stats.params import AnalysisParams
 from moesub.stats.power import proportion_mde
 
@@ -119,10 +123,49 @@ def group_row(g: pd.DataFrame, base: pd.DataFrame | None, level: float, alpha: f
     return row
 
 
+def row_tests(row: dict[str, Any]) -> list[StatTest]:
+    """The McNemar and agreement tests of one (task, policy, fraction) row (module doc)."""
+    where = {"fraction": row["fraction"], "unit": "problems"}
+    tests = []
+    if row.get("mcnemar_p") is not None:
+        tests.append(
+            StatTest(
+                kind="generation_accuracy",
+                name=f"{row['task']}: {row['policy']} accuracy vs the baseline",
+                hypothesis="substitution lowers accuracy",
+                expected=-1,
+                estimand="accuracy difference (policy − baseline), same problems",
+                estimate=row["accuracy_diff"],
+                p_value=row["mcnemar_p"],
+                p_method="exact McNemar, two-sided",
+                mde=row["mdd"],
+                n_units=row["n"],
+                **where,
+            )
+        )
+    if row.get("mass_agree_p") is not None:
+        tests.append(
+            StatTest(
+                kind="generation_agreement",
+                name=f"{row['task']}: {row['policy']} r(mass, agreement)",
+                hypothesis="problems with more substituted mass agree less with the exact model",
+                expected=-1,
+                estimand="Spearman rho of mass and agreement prefix across problems",
+                estimate=row["mass_agree_rho"],
+                p_value=row["mass_agree_p"],
+                p_method="Spearman's test",
+                n_units=row["mass_agree_n"],
+                **where,
+            )
+        )
+    return tests
+
+
 class Generation(NamedTuple):
-    """`table`: one row per (task, policy, fraction) (module doc); `status`."""
+    """`table`: one row per (task, policy, fraction) (module doc); `tests`; `status`."""
 
     table: pd.DataFrame
+    tests: list[StatTest]
     status: dict[str, Any]
 
 
@@ -131,7 +174,7 @@ def generation(
 ) -> Generation:
     """The generation runs' statistics, read through `db`."""
     if not runs:
-        return Generation(pd.DataFrame(), missing("no generation artefacts"))
+        return Generation(pd.DataFrame(), [], missing("no generation artefacts"))
     gen = db.execute(
         f"""
         SELECT {", ".join(COLUMNS)}
@@ -144,6 +187,7 @@ def generation(
         why = "; ".join(notes)
         return Generation(
             pd.DataFrame(),
+            [],
             missing("generation artefacts hold no problems" + (f" ({why})" if why else "")),
         )
     rows = []
@@ -157,4 +201,5 @@ def generation(
     status = {"status": "ok"}
     if notes:
         status["note"] = "missing data: " + "; ".join(notes)
-    return Generation(pd.DataFrame(rows), status)
+    tests = [t for r in rows if r["policy"] != p.baseline for t in row_tests(r)]
+    return Generation(pd.DataFrame(rows), tests, status)

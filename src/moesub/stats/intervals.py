@@ -16,6 +16,13 @@ jackknife sample, and returns a bias-corrected interval:
 
 Every interval reports the bootstrap bias `mean(resamples) - estimate` beside it: with few
 streams the resampling distribution sits off the estimate, and the bias says by how much.
+
+Beside each interval, as a sensitivity figure for few streams (24 by default), a t-based
+interval `estimate -/+ t_{S-1} * SE`, SE the leave-one-stream-out jackknife standard error.
+Asked for a null value (`null=`), the bootstrap also gives the two-sided p-value of "the
+statistic equals `null`" that its own interval inverts: the largest level at which the BCa
+(basic) interval still holds `null`, so the interval excludes `null` exactly when p < 1 - level
+(up to the resamples' quantile interpolation). It cannot go below `1 / n_valid`.
 """
 
 from __future__ import annotations
@@ -82,35 +89,66 @@ class Interval:
     bias: float | None = None  # mean of the finite resamples minus the estimate
     method: str = "none"  # bca | basic | none
     n_valid: int = 0  # resamples with a finite value
+    t_lo: float | None = None  # sensitivity: estimate -/+ t_{S-1} * jackknife SE
+    t_hi: float | None = None
+    se: float | None = None  # the jackknife standard error
+    p_value: float | None = None  # two-sided, of "the statistic equals null" (when asked)
 
     def columns(self, prefix: str = "") -> dict[str, Any]:
-        """`{prefix}ci_lo, {prefix}ci_hi, {prefix}bias, {prefix}ci_method` for a table row."""
+        """`{prefix}ci_lo, {prefix}ci_hi, {prefix}bias, {prefix}ci_method` and the t-based
+        sensitivity interval `{prefix}t_ci_lo, {prefix}t_ci_hi` for a table row."""
         return {
             f"{prefix}ci_lo": self.ci_lo,
             f"{prefix}ci_hi": self.ci_hi,
             f"{prefix}bias": self.bias,
             f"{prefix}ci_method": self.method,
+            f"{prefix}t_ci_lo": self.t_lo,
+            f"{prefix}t_ci_hi": self.t_hi,
         }
 
 
+def t_interval(
+    estimate: float, jack: np.ndarray, level: float
+) -> tuple[float | None, float | None, float | None]:
+    """(lo, hi, se): `estimate -/+ t_{n-1} * se`, se the jackknife standard error of the
+    leave-one-out values `jack` (n,); Nones when n < 2 or a value is not finite."""
+    j = np.asarray(jack, dtype=float)
+    if j.size < 2 or not np.isfinite(j).all() or not math.isfinite(estimate):
+        return None, None, None
+    se = math.sqrt((j.size - 1) / j.size * float(((j - j.mean()) ** 2).sum()))
+    half = float(sps.t.ppf(0.5 + level / 2, j.size - 1)) * se
+    return estimate - half, estimate + half, se
+
+
+def _two_sided(z: float) -> float:
+    return 2.0 * min(float(sps.norm.cdf(z)), float(sps.norm.sf(z)))
+
+
+def _share_below(ok: np.ndarray, value: float) -> float:
+    """Share of `ok` below `value`, ties (equal up to rounding) counted half."""
+    tie = np.abs(ok - value) <= 1e-9 * max(abs(value), float(np.abs(ok).max()), 1e-300)
+    return float(((ok < value) & ~tie).sum() + 0.5 * tie.sum()) / ok.size
+
+
 def bootstrap_interval(
-    estimate: float, boot: np.ndarray, jack: np.ndarray, level: float
+    estimate: float, boot: np.ndarray, jack: np.ndarray, level: float, null: float | None = None
 ) -> Interval:
     """BCa interval of `estimate` from its resamples `boot` (B,) and jackknife values `jack` (S,),
     basic where BCa is undefined (module doc); no interval when under half of `boot` is finite
-    or the estimate is not finite."""
+    or the estimate is not finite. With `null`, the p-value that inverts the interval."""
     b = np.asarray(boot, dtype=float)
     ok = b[np.isfinite(b)]
     if not math.isfinite(estimate):
         return Interval(None, n_valid=int(ok.size))
+    t_lo, t_hi, se = t_interval(float(estimate), jack, level)
+    sensitivity = {"t_lo": t_lo, "t_hi": t_hi, "se": se}
     if ok.size == 0 or ok.size < 0.5 * b.size:
-        return Interval(float(estimate), n_valid=int(ok.size))
+        return Interval(float(estimate), n_valid=int(ok.size), **sensitivity)
     bias = float(ok.mean() - estimate)
     alpha = (1 - level) / 2
     # resamples equal to the estimate (e.g. every stream drawn once) count half; "equal" up to
     # rounding, which differs with the summation order
-    tie = np.abs(ok - estimate) <= 1e-9 * max(abs(estimate), float(np.abs(ok).max()), 1e-300)
-    share_below = ((ok < estimate) & ~tie).sum() / ok.size + 0.5 * tie.sum() / ok.size
+    share_below = _share_below(ok, estimate)
     j = np.asarray(jack, dtype=float)
     if 0 < share_below < 1 and j.size >= 2 and np.isfinite(j).all():
         z0 = float(sps.norm.ppf(share_below))
@@ -123,10 +161,38 @@ def bootstrap_interval(
             levels.append(sps.norm.cdf(z0 + (z0 + z) / shift) if shift > 0 else math.nan)
         if all(math.isfinite(x) for x in levels):
             lo, hi = np.quantile(ok, levels)
-            return Interval(float(estimate), float(lo), float(hi), bias, "bca", int(ok.size))
+            p = None if null is None else _bca_p(ok, null, z0, accel)
+            iv = (float(estimate), float(lo), float(hi), bias, "bca", int(ok.size))
+            return Interval(*iv, **sensitivity, p_value=p)
     q_lo, q_hi = np.quantile(ok, [alpha, 1 - alpha])
     lo, hi = 2 * estimate - q_hi, 2 * estimate - q_lo
-    return Interval(float(estimate), float(lo), float(hi), bias, "basic", int(ok.size))
+    # the basic interval holds null while 2 * estimate - null lies between the quantiles
+    p = None if null is None else _percentile_p(ok, 2 * estimate - null)
+    iv = (float(estimate), float(lo), float(hi), bias, "basic", int(ok.size))
+    return Interval(*iv, **sensitivity, p_value=p)
+
+
+def _clipped_share(ok: np.ndarray, value: float) -> float:
+    """`_share_below`, kept half a resample inside (0, 1): no resample beyond `value` is a
+    p-value of about 1 / B, not 0."""
+    half = 0.5 / ok.size
+    return min(max(_share_below(ok, value), half), 1.0 - half)
+
+
+def _percentile_p(ok: np.ndarray, value: float) -> float:
+    """Two-sided p at which a percentile interval of `ok` has `value` as a bound."""
+    q = _clipped_share(ok, value)
+    return max(2.0 * min(q, 1.0 - q), 1.0 / ok.size)
+
+
+def _bca_p(ok: np.ndarray, null: float, z0: float, accel: float) -> float:
+    """Two-sided p at which the BCa interval has `null` as a bound: `null` sits at the
+    resamples' quantile q; BCa puts level z there when z0 + w / (1 - a w) = Phi^-1(q) with
+    w = z0 + z, so w = u / (1 + a u), u = Phi^-1(q) - z0, and p = 2 min(Phi(z), 1 - Phi(z))."""
+    u = float(sps.norm.ppf(_clipped_share(ok, null))) - z0
+    if 1.0 + accel * u <= 0:  # beyond every level the BCa map reaches: the floor
+        return 1.0 / ok.size
+    return max(_two_sided(u / (1.0 + accel * u) - z0), 1.0 / ok.size)
 
 
 def stream_bootstrap(
@@ -135,18 +201,21 @@ def stream_bootstrap(
     n_boot: int,
     rng: np.random.Generator,
     level: float,
+    null: float | None = None,
 ) -> list[Interval]:
     """Bias-corrected intervals of a statistic of stream weights, one per output column.
 
     `stat(w)`: weights `(R, n_units)` -> `(R,)` or `(R, P)` values (NaN where undefined). The
     estimate is `stat` at weights 1; the resamples are `n_boot` stream resamples from `rng`;
-    the jackknife leaves out one stream at a time. Returns P intervals (1 for a `(R,)` stat).
+    the jackknife leaves out one stream at a time. Returns P intervals (1 for a `(R,)` stat),
+    each with the p-value of "the statistic equals `null`" when `null` is given.
     """
     est = np.atleast_1d(np.asarray(stat(np.ones((1, n_units))), dtype=float)[0])
     boot = np.asarray(stat(boot_counts(n_units, n_boot, rng)), dtype=float).reshape(n_boot, -1)
     jack = np.asarray(stat(jackknife_weights(n_units)), dtype=float).reshape(n_units, -1)
     return [
-        bootstrap_interval(float(est[p]), boot[:, p], jack[:, p], level) for p in range(est.size)
+        bootstrap_interval(float(est[p]), boot[:, p], jack[:, p], level, null)
+        for p in range(est.size)
     ]
 
 
@@ -159,6 +228,20 @@ def rowwise_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         r = (xc * yc).sum(axis=1) / den
     scale = np.sqrt((x * x).sum(axis=1) * (y * y).sum(axis=1)) + 1e-300
     return np.where(den > 1e-12 * scale, np.clip(r, -1.0, 1.0), np.nan)
+
+
+def weighted_pearson(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Pearson r of the points (x, y) (N,) counted with weights w (R, N) (a resample's counts):
+    (R,), NaN where a coordinate is constant under the weights."""
+    sw = w.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mx, my = (w @ x) / sw, (w @ y) / sw
+        vx = (w @ (x * x)) / sw - mx * mx
+        vy = (w @ (y * y)) / sw - my * my
+        cov = (w @ (x * y)) / sw - mx * my
+        r = cov / np.sqrt(vx * vy)
+    tiny = 1e-12 * (np.abs(x).max() ** 2 + 1e-300), 1e-12 * (np.abs(y).max() ** 2 + 1e-300)
+    return np.where((vx > tiny[0]) & (vy > tiny[1]), np.clip(r, -1.0, 1.0), np.nan)
 
 
 def correlation(

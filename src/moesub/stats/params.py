@@ -98,7 +98,9 @@ class AnalysisParams:
     power at which minimum detectable effects are stated; `admission_bins`: left edges of the
     bins of tokens since the document start, from 1 (the document's first token, predicted from
     the previous document, is its own `boundary` bin; edges past the largest observed distance
-    are dropped so that no bin is always empty).
+    are dropped so that no bin is always empty); `admission_early_tokens`: the admission
+    profile's early part after a topic change; `mass_min_points` / `mass_cluster_gap`: the
+    mass hypothesis' smallest point set and its cluster rule (`moesub.stats.mass`).
     """
 
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -111,6 +113,9 @@ class AnalysisParams:
     alpha: float = _DEFAULTS["alpha"]
     power: float = _DEFAULTS["power"]
     admission_bins: tuple[int, ...] = tuple(_DEFAULTS["admission_bins"])
+    admission_early_tokens: int = _DEFAULTS["admission_early_tokens"]
+    mass_min_points: int = _DEFAULTS["mass_min_points"]
+    mass_cluster_gap: float = _DEFAULTS["mass_cluster_gap"]
 
     def policy(self, name: str, meta: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """The policy called `name`: the config's, else the one an artefact's metadata `meta`
@@ -150,6 +155,18 @@ class AnalysisParams:
                 f"params['admission_bins']={list(bins)} must start at 1 and strictly increase "
                 "(the document's first token is its own bin)"
             )
+        counts = {}
+        for key, least in (("admission_early_tokens", 1), ("mass_min_points", 3)):
+            value = params.get(key, _DEFAULTS[key])
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"params[{key!r}]={value!r} must be an integer >= {least}")
+            counts[key] = value
+        gap = number(
+            params.get("mass_cluster_gap", _DEFAULTS["mass_cluster_gap"]),
+            "params['mass_cluster_gap']",
+        )
+        if not 0 < gap <= 1:
+            raise ValueError(f"params['mass_cluster_gap']={gap} must be in (0, 1]")
         return cls(
             policies=table,
             expb=ExpBRule.from_mapping(expb) if expb is not None else None,
@@ -161,4 +178,6 @@ class AnalysisParams:
             alpha=alpha,
             power=power,
             admission_bins=bins,
+            mass_cluster_gap=gap,
+            **counts,
         )

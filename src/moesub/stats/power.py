@@ -1,13 +1,15 @@
 """What a design can detect: the smallest reachable p-value and the minimum detectable effect.
 
-Shown next to every test, so that "no evidence" is read against what the design could have
-found:
+Shown next to every test, so that "no detectable effect" is read against what the design could
+have found. Every MDE is a normal-approximation sensitivity figure, not a test result:
 
 - `wilcoxon_min_p(n)`: the exact signed-rank test over n non-zero paired differences cannot go
   below `2**-n` one-sided (all signs agree), `2**(1 - n)` two-sided: with 4 streams, 1/16;
 - `paired_mde(sd, n, alpha)`: the smallest true mean of paired differences that a one-sided
   level-alpha test over n pairs detects with probability `power`, by the normal approximation
   `(z_{1-alpha} + z_{power}) * sd / sqrt(n)` (sd: the per-pair standard deviation);
+- `normal_mde(se, alpha)`: the same for any estimate with standard error `se` (e.g. the
+  jackknife SE of a bootstrapped statistic), two-sided: `(z_{1-alpha/2} + z_{power}) * se`;
 - `proportion_mde(p0, n, alpha)`: the smallest drop from a baseline proportion p0 (accuracy over
   n problems) that a two-sided level-alpha test of p = p0 detects with probability `power`
   (normal approximation, variance under the null and under the alternative).
@@ -54,6 +56,15 @@ def paired_mde(
     if n < 2 or sd is None or not np.isfinite(sd):
         return None
     return (_z_alpha(alpha, alternative) + float(sps.norm.ppf(power))) * float(sd) / math.sqrt(n)
+
+
+def normal_mde(se: float | None, alpha: float, power: float = 0.8) -> float | None:
+    """Minimum detectable effect of a two-sided level-alpha test of an estimate with standard
+    error `se` (module doc); None when se is unknown."""
+    _check(alpha, power, "two-sided")
+    if se is None or not np.isfinite(se):
+        return None
+    return (_z_alpha(alpha, "two-sided") + float(sps.norm.ppf(power))) * float(se)
 
 
 def proportion_mde(

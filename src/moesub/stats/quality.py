@@ -8,7 +8,13 @@ Per policy and fraction (`quality`): Δppl % and the mean substituted mass per t
 (emulate's `mass` is the sum over the L layers; `load` divides it by L), each with a stream
 bootstrap BCa interval and the bootstrap bias, and `dppl_mde_pct`: the smallest Δppl a
 one-sided paired test at `alpha` over the streams detects with probability `power`, from the
-per-stream standard deviation of the mean ΔNLL (`moesub.stats.power.paired_mde`).
+per-stream standard deviation of the mean ΔNLL (`moesub.stats.power.paired_mde`; a
+normal-approximation sensitivity figure).
+
+The 0.15 rule's contrast (`rule_contrast`, the study's first claim): Δppl(substitute_all) −
+Δppl(rule_015) in percentage points, both from the same stream resamples (paired), with its BCa
+interval, the t-based sensitivity interval, the two-sided p-value of 0 that the interval
+inverts and the MDE; one pre-registered `StatTest` per fraction where both ran against a baseline.
 """
 
 from __future__ import annotations
@@ -23,9 +29,13 @@ from moesub.metrics import dppl_pct
 from moesub.policy import STATUS_NAMES
 from moesub.stats.intervals import Interval, rng_for, stream_bootstrap
 from moesub.stats.load import missing
+from moesub.stats.multiplicity import StatTest, from_interval
 from moesub.stats.params import AnalysisParams
-from moesub.stats.power import paired_mde
+from moesub.stats.power import normal_mde, paired_mde
 from moesub.stats.tokens import Tokens
+
+# the study's first claim: substituting freely costs more than the 0.15 rule
+RULE_CONTRAST = ("substitute_all", "rule_015")
 
 
 def ratio_stat(num: np.ndarray, den: np.ndarray, transform=None):
@@ -132,3 +142,48 @@ def policy_quality(g: pd.DataFrame, name: str, frac: float, p: AnalysisParams) -
         "hit_rate": float(g["hit"].sum() / calls) if calls else None,
         "forced_rate": float(g["forced"].sum() / calls) if calls else None,
     }
+
+
+def rule_contrast(per_stream: pd.DataFrame, p: AnalysisParams) -> list[StatTest]:
+    """Δppl(substitute_all) − Δppl(rule_015) per fraction (module doc) from the per-stream sums
+    `per_stream` (`Quality.streams`); no test where either did not run against a baseline."""
+    if per_stream.empty:
+        return []
+    a, b = RULE_CONTRAST
+    tests = []
+    for frac, g in per_stream.groupby("fraction", sort=True):
+        g = g[g["name"].isin(RULE_CONTRAST)]
+        sums = g.pivot_table(index="name", columns="stream", values=["sum_dnll", "n_nll"],
+                             aggfunc="sum").fillna(0.0)  # fmt: skip
+        if set(sums.index) != {a, b} or not (sums["n_nll"].sum(axis=1) > 0).all():
+            continue
+        dnll = sums["sum_dnll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
+        n = sums["n_nll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
+
+        pair = ratio_stat(dnll, n, dppl_pct)  # (R, S) -> (R, 2) Δppl of a and b
+
+        rng = rng_for(p.seed, "quality", "rule_contrast", frac)
+        (iv,) = stream_bootstrap(
+            lambda w, pair=pair: np.subtract(*pair(w).T),
+            len(dnll),
+            p.n_boot,
+            rng,
+            p.ci_level,
+            null=0.0,
+        )
+        tests.append(
+            StatTest(
+                kind="dppl_contrast",
+                name=f"{a} − {b}",
+                hypothesis=f"{a} raises perplexity more than {b} (protecting heavy experts "
+                "matters more than the count)",
+                expected=1,
+                estimand=f"Δppl % {a} − Δppl % {b}, percentage points",
+                fraction=float(frac),
+                **from_interval(iv),
+                mde=normal_mde(iv.se, p.alpha, p.power),
+                min_p=1.0 / p.n_boot,
+                n_units=len(dnll),
+            )
+        )
+    return tests

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from moesub.io import write_json
 from moesub.stats.admission import admission
+from moesub.stats.claims import claims
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
 from moesub.stats.generation import generation
@@ -35,9 +36,11 @@ from moesub.stats.load import (
     split_by_model,
     write_table,
 )
-from moesub.stats.mass import mass_hypothesis, per_input
+from moesub.stats.mass import mass_hypothesis
+from moesub.stats.multiplicity import families, family_table
 from moesub.stats.params import AnalysisParams
-from moesub.stats.quality import quality
+from moesub.stats.per_input import per_input
+from moesub.stats.quality import quality, rule_contrast
 from moesub.stats.regime import regime
 from moesub.stats.summary import summary
 from moesub.stats.timing import engine, engine_bench, sim_vs_engine, simulate, speed_quality
@@ -61,9 +64,18 @@ OUTPUT_FILES = (
     "regime_designs",
     "design_space",
     "design_families",
+    "tests",
 )
 # the analysis.json keys of the per-model results (each entry tagged with its model)
-RESULTS = ("mass_hypothesis", "expb", "admission", "sim_vs_engine", "regime")
+RESULTS = (
+    "claims",
+    "families",
+    "mass_hypothesis",
+    "expb",
+    "admission",
+    "sim_vs_engine",
+    "regime",
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,18 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     sve = sim_vs_engine(eng.table, sim.total)
     reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)
+    tests = family_table(
+        [
+            *rule_contrast(qual.streams, p),
+            *mass.tests,
+            *exp.tests,
+            *adm.tests,
+            *units.tests,
+            *gen.tests,
+        ],
+        p.alpha,
+    )
+    verdicts = claims(tests, qual.table, eng.table, sim.total, p)
     return ModelAnalysis(
         tables={
             "summary": summ.table,
@@ -117,8 +141,11 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "regime_designs": reg.designs,
             "design_space": space.table,
             "design_families": space.families,
+            "tests": tests,
         },
         results={
+            "claims": verdicts.results,
+            "families": families(tests, p.alpha),
             "mass_hypothesis": mass.results,
             "expb": exp.results,
             "admission": adm.totals,
@@ -139,11 +166,17 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "generation": gen.status,
             "regime": reg.status,
             "summary": summ.status,
+            "claims": verdicts.status,
         },
         dppl_base=tokens.dppl_base,
         model_row=model_row(model, paths["model_summary"], infos),
         provenance=provenance(paths, infos),
     )
+
+
+def each(model: str, text: str) -> str:
+    """`text`'s '; '-separated items, each prefixed with `model: `."""
+    return "; ".join(f"{model}: {item}" for item in text.split("; "))
 
 
 def merge_parts(per_model: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -155,8 +188,10 @@ def merge_parts(per_model: dict[str, dict[str, dict[str, Any]]]) -> dict[str, di
         entries = {m: parts.get(name, missing("not run")) for m, parts in per_model.items()}
         statuses = {e["status"] for e in entries.values()}
         status = statuses.pop() if len(statuses) == 1 else "partial"
-        why = [f"{m}: {e['reason']}" for m, e in entries.items() if e.get("reason")]
-        notes = [f"{m}: {e['note']}" for m, e in entries.items() if e.get("note")]
+        # every item of a '; '-joined list named with its model, so that the report can
+        # say a reason once for all the models it holds for
+        why = [each(m, e["reason"]) for m, e in entries.items() if e.get("reason")]
+        notes = [each(m, e["note"]) for m, e in entries.items() if e.get("note")]
         out[name] = {"status": status}
         if why:
             out[name]["reason"] = "; ".join(why)

@@ -1,0 +1,103 @@
+// Overlap-aware pricing: moesub.pricing.price_stream_reference, operation for operation (the
+// same additions in the same order, so both give the same bits: tests/test_pricing.py).
+#include "pricing.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace moesub {
+
+template <typename Int>
+void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const UnitCosts& u,
+                  double* token_s, double* parts) {
+  double p[kParts] = {};  // the parts, in registers while the loop runs
+  double clock = 0.0, link_free = 0.0;
+  // n copies queued at `at` behind those already queued: when the first starts
+  auto enqueue = [&](double at, int64_t n) {
+    const double start = std::max(at, link_free);
+    link_free = start + static_cast<double>(n) * u.copy_s;
+    return start;
+  };
+  // admission requests per (layer, token % delay): start on the link, copies
+  const int64_t ring = std::min<int64_t>(delay, std::max<int64_t>(T, 1));
+  std::vector<double> req_start(L * ring, 0.0);
+  std::vector<int64_t> req_n(L * ring, 0);
+  std::vector<double> prefetch_done(L, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const double begin = clock;
+    const int64_t phase = t % delay;
+    clock += u.token_overhead_s;
+    p[kOverhead] += u.token_overhead_s;
+    for (int64_t l = 0; l < L; ++l) {
+      const Int* c = counts + (t * L + l) * kFields;
+      Int sign = 0;
+      for (int f = 0; f < kFields; ++f) sign |= c[f];
+      if (sign < 0)
+        throw std::invalid_argument("counts: negative count at token " + std::to_string(t) +
+                                    ", layer " + std::to_string(l));
+      // prefetch copies: layer 0's at the token's start, layer l+1's after layer l's dense
+      // work. Queueing none moves link_free up to `at` only, which changes no later start (the
+      // clock never goes back), so it is done without a branch.
+      const int64_t pf = c[kPrefetched];
+      if (l == 0) prefetch_done[0] = enqueue(clock, pf) + static_cast<double>(pf) * u.copy_s;
+      clock += u.dense_layer_s;
+      p[kDense] += u.dense_layer_s;
+      if (l + 1 < L) {
+        const int64_t next = c[kFields + kPrefetched];
+        prefetch_done[l + 1] = enqueue(clock, next) + static_cast<double>(next) * u.copy_s;
+      }
+      // step 1: landing admissions wait for their copies, then are installed; step 1b: the
+      // prefetched experts. Selects, not branches (adding 0.0 changes no bit).
+      const int64_t slot = l * ring + phase;
+      const int64_t landed = std::min<int64_t>(c[kLanded], req_n[slot]);
+      const double admitted =
+          landed ? std::max(clock, req_start[slot] + static_cast<double>(landed) * u.copy_s)
+                 : clock;
+      p[kAdmitWait] += admitted - clock;
+      clock = admitted;
+      clock += static_cast<double>(c[kLanded]) * u.install_s;
+      p[kInstall] += static_cast<double>(c[kLanded]) * u.install_s;
+      const double prefetched = pf ? std::max(clock, prefetch_done[l]) : clock;
+      p[kPrefetchWait] += prefetched - clock;
+      clock = prefetched;
+      clock += static_cast<double>(pf) * u.install_s;
+      p[kInstall] += static_cast<double>(pf) * u.install_s;
+      // the decision: synchronous copies, then the new background requests, on the link
+      const double decided = clock;
+      const int64_t n_sync = static_cast<int64_t>(c[kFetch]) + c[kForced];
+      const double sync_start = n_sync ? enqueue(decided, n_sync) : decided;
+      req_start[slot] = enqueue(decided, c[kRequests]);
+      req_n[slot] = c[kRequests];
+      // the fast path: the synchronous copies, then the fast tier's experts
+      const int64_t n_fast = static_cast<int64_t>(c[kHit]) + c[kFetch] + c[kSub] + c[kForced];
+      const double copies = static_cast<double>(n_sync) * u.copy_s;
+      const double experts = static_cast<double>(n_fast) * u.expert_s;
+      const double fast_end = sync_start + (copies + experts);
+      p[kLinkWait] += sync_start - decided;
+      p[kSyncCopy] += copies;
+      p[kFastCompute] += experts;
+      // the host path: beside the fast path from the decision on, or after it
+      const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
+      if (u.concurrent_host) {
+        const double end = std::max(fast_end, decided + host);
+        p[kHostExposed] += end - fast_end;
+        p[kHiddenHost] += host - (end - fast_end);
+        clock = end;
+      } else {
+        p[kHostExposed] += host;
+        clock = fast_end + host;
+      }
+    }
+    token_s[t] = clock - begin;
+  }
+  std::copy(p, p + kParts, parts);
+}
+
+template void price_stream<int32_t>(const int32_t*, int64_t, int64_t, int64_t, const UnitCosts&,
+                                    double*, double*);
+template void price_stream<int64_t>(const int64_t*, int64_t, int64_t, int64_t, const UnitCosts&,
+                                    double*, double*);
+
+}  // namespace moesub

@@ -1,0 +1,30 @@
+// Overlap-aware pricing of one stream's per-token-layer counts (moesub.pricing, whose
+// price_stream_reference is the specification): one clock for the fast tier, one FIFO link for
+// every copy, admissions landing `delay` tokens after their request, prefetches issued one MoE
+// layer early, host experts beside (concurrent) or after the fast tier's.
+#pragma once
+
+#include <cstdint>
+
+namespace moesub {
+
+// Field order of a token-layer's counts (moesub.pricing.TOKEN_LAYER_FIELDS).
+enum PriceField { kHit, kFetch, kSub, kHost, kForced, kPrefetched, kRequests, kLanded, kFields };
+// Where the seconds went (moesub.pricing.BREAKDOWN), then the hidden host seconds.
+enum PricePart {
+  kOverhead, kDense, kAdmitWait, kPrefetchWait, kInstall, kLinkWait, kSyncCopy, kFastCompute,
+  kHostExposed, kHiddenHost, kParts
+};
+
+struct UnitCosts {
+  double copy_s, expert_s, host_expert_s, dense_layer_s, token_overhead_s, install_s;
+  bool concurrent_host;
+};
+
+// counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the
+// stream). Throws std::invalid_argument on a negative count.
+template <typename Int>
+void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const UnitCosts& u,
+                  double* token_s, double* parts);
+
+}  // namespace moesub

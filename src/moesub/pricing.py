@@ -1,0 +1,203 @@
+"""Overlap-aware pricing: seconds per token from each token-layer's own counts.
+
+Input, per stream: an integer array (T, L, F) of what the policy did at every token-layer
+(`TOKEN_LAYER_FIELDS`: experts hit, fetched, substituted, computed by the host, force-fetched;
+experts prefetched in step 1b; background copies requested (admissions and host uploads) and
+admissions landed in step 1), the policy's `delay`, and a hardware profile priced for the model
+(`moesub.hardware.UnitCosts`). Output: seconds per token and where they went (`BREAKDOWN`).
+
+Time flows token by token, layer by layer within a token, on one clock (the fast tier's), with
+one link that carries every copy in the order asked (FIFO). A layer (docs/pricing.md, which also
+says where this simplifies the engine):
+
+1. its dense work (`dense_layer_s`); layer 0 first queues its own prefetch copies, and after
+   the dense work of layer l the prefetch copies of layer l+1 are queued (the engine issues them
+   when layer l's MoE block starts, one MoE layer early);
+2. step 1: the admissions landing now wait for their copies (requested `delay` tokens earlier
+   at this layer, FIFO on the link), then each is installed (`install_s`);
+3. step 1b: the prefetched experts wait for their copies, then each is installed;
+4. the decision: synchronous copies (fetch, forced) queue on the link behind every copy already
+   queued; then this token-layer's background requests queue behind them;
+5. the fast path: the synchronous copies, then the fast tier's experts (hit, fetch, sub,
+   forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each), starting
+   at the decision. With `concurrent_host` the layer ends when both paths have (max), else the
+   host's experts follow the fast path's (sum).
+
+A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
+the copies in flight restart with every stream (as the caches do).
+
+`price_stream_reference` is that description in plain Python; `price_stream` is the compiled
+core's (`csrc/pricing.cpp`), held equal to it exactly by tests/test_pricing.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from moesub import _core
+from moesub.hardware import UnitCosts
+from moesub.vocabulary import TOKEN_LAYER_FIELDS
+
+HIT, FETCH, SUB, HOST, FORCED, PREFETCHED, REQUESTS, LANDED = range(len(TOKEN_LAYER_FIELDS))
+# where a stream's seconds went; the parts sum to its time
+BREAKDOWN = (
+    "overhead",  # token_overhead_s per token
+    "dense",  # dense_layer_s per token-layer
+    "admit_wait",  # step 1: admissions whose copy had not landed
+    "prefetch_wait",  # step 1b: prefetch copies not landed (late prefetches)
+    "install",  # landed background copies installed on the fast tier
+    "link_wait",  # synchronous copies queued behind background copies on the link
+    "sync_copy",  # synchronous copies (fetch, forced)
+    "fast_compute",  # experts computed on the fast tier
+    "host_exposed",  # the host's experts, where the fast path did not hide them
+)
+
+
+@dataclass(frozen=True)
+class StreamTime:
+    """The price of one stream (or of several pooled: `pool`)."""
+
+    token_s: np.ndarray  # float64 (T,) seconds per token
+    parts: dict[str, float]  # `BREAKDOWN` -> seconds over all tokens (sum: token_s.sum())
+    hidden_host_s: float  # host seconds hidden behind the fast path (concurrent_host only)
+
+    @property
+    def time_per_token_s(self) -> float:
+        return float(self.token_s.mean()) if len(self.token_s) else float("nan")
+
+
+def check_counts(counts: np.ndarray, delay: int) -> np.ndarray:
+    """A stream's counts as int32 or int64 (T, L, len(TOKEN_LAYER_FIELDS)), else ValueError."""
+    if isinstance(delay, bool) or not isinstance(delay, int | np.integer) or delay < 1:
+        raise ValueError(f"delay={delay!r}: the policy's delay must be an integer >= 1")
+    a = np.asarray(counts)
+    F = len(TOKEN_LAYER_FIELDS)
+    if a.ndim != 3 or a.shape[2] != F:
+        raise ValueError(
+            f"counts: expected shape (T, L, {F}) with fields {TOKEN_LAYER_FIELDS}, got {a.shape}"
+        )
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"counts: expected an integer array, got {a.dtype}")
+    if a.dtype not in (np.int32, np.int64):
+        a = a.astype(np.int64)
+    return np.ascontiguousarray(a)
+
+
+def price_stream(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
+    """One stream's counts (T, L, F) priced (the compiled core; negative counts: ValueError)."""
+    a = check_counts(counts, delay)
+    token_s = np.zeros(a.shape[0], np.float64)
+    parts = np.zeros(len(BREAKDOWN) + 1, np.float64)  # + the hidden host seconds
+    _core.price_stream(a, int(delay), _core_costs(costs), token_s, parts)
+    return StreamTime(
+        token_s, dict(zip(BREAKDOWN, parts[:-1].tolist(), strict=True)), float(parts[-1])
+    )
+
+
+def price_streams(streams: Sequence[np.ndarray], delay: int, costs: UnitCosts) -> StreamTime:
+    """Every stream priced (each from an idle link), pooled."""
+    return pool([price_stream(c, delay, costs) for c in streams])
+
+
+def pool(times: Sequence[StreamTime]) -> StreamTime:
+    """Streams' prices as one: tokens concatenated, parts summed."""
+    if not times:
+        raise ValueError("pool: no stream prices")
+    return StreamTime(
+        np.concatenate([s.token_s for s in times]),
+        {p: float(sum(s.parts[p] for s in times)) for p in BREAKDOWN},
+        float(sum(s.hidden_host_s for s in times)),
+    )
+
+
+def _core_costs(u: UnitCosts) -> tuple:
+    return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
+            u.install_s, u.concurrent_host)  # fmt: skip
+
+
+def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
+    """`price_stream` in plain Python, step by step as the module docstring says (tests)."""
+    a = check_counts(counts, delay)
+    negative = np.argwhere(a < 0)
+    if len(negative):
+        t, layer, _f = negative[0]
+        raise ValueError(f"counts: negative count at token {t}, layer {layer}")
+    T, L, _F = a.shape
+    u = costs
+    parts = dict.fromkeys(BREAKDOWN, 0.0)
+    hidden_host = 0.0
+    token_s = np.zeros(T, np.float64)
+    clock = 0.0  # the fast tier's time
+    link_free = 0.0  # when the link has carried every copy queued so far
+
+    def enqueue(at: float, n: int) -> float:
+        """n copies queued at time `at` behind those already queued: when the first starts."""
+        nonlocal link_free
+        start = max(at, link_free)
+        link_free = start + n * u.copy_s
+        return start
+
+    # admission requests per layer and token modulo delay: (start on the link, copies); step 1
+    # at token t reads those of token t - delay before step 5 overwrites them
+    ring = min(delay, max(T, 1))
+    requested = [[(0.0, 0)] * ring for _ in range(L)]
+    prefetch_done = [0.0] * L  # when layer l's prefetch copies of this token have all landed
+    for t in range(T):
+        begin = clock
+        clock += u.token_overhead_s
+        parts["overhead"] += u.token_overhead_s
+        for layer in range(L):
+            c = [int(x) for x in a[t, layer]]
+            if layer == 0 and c[PREFETCHED]:
+                start = enqueue(clock, c[PREFETCHED])
+                prefetch_done[0] = start + c[PREFETCHED] * u.copy_s
+            clock += u.dense_layer_s
+            parts["dense"] += u.dense_layer_s
+            nxt = int(a[t, layer + 1, PREFETCHED]) if layer + 1 < L else 0
+            if nxt:
+                start = enqueue(clock, nxt)
+                prefetch_done[layer + 1] = start + nxt * u.copy_s
+            # step 1: landing admissions wait for their copies (the first ones requested), then
+            # are installed
+            slot = t % delay
+            start, n = requested[layer][slot]
+            landed = min(c[LANDED], n)
+            if landed:
+                ready = max(clock, start + landed * u.copy_s)
+                parts["admit_wait"] += ready - clock
+                clock = ready
+            clock += c[LANDED] * u.install_s
+            parts["install"] += c[LANDED] * u.install_s
+            # step 1b: prefetched experts wait for their copies, then are installed
+            if c[PREFETCHED]:
+                ready = max(clock, prefetch_done[layer])
+                parts["prefetch_wait"] += ready - clock
+                clock = ready
+            clock += c[PREFETCHED] * u.install_s
+            parts["install"] += c[PREFETCHED] * u.install_s
+            # the decision: synchronous copies, then the new background requests, on the link
+            decided = clock
+            n_sync = c[FETCH] + c[FORCED]
+            sync_start = enqueue(decided, n_sync) if n_sync else decided
+            requested[layer][slot] = (enqueue(decided, c[REQUESTS]), c[REQUESTS])
+            # the fast path: the synchronous copies, then the fast tier's experts
+            n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]
+            fast_end = sync_start + (n_sync * u.copy_s + n_fast * u.expert_s)
+            parts["link_wait"] += sync_start - decided
+            parts["sync_copy"] += n_sync * u.copy_s
+            parts["fast_compute"] += n_fast * u.expert_s
+            # the host path: beside the fast path from the decision on, or after it
+            host = c[HOST] * u.host_expert_s
+            if u.concurrent_host:
+                end = max(fast_end, decided + host)
+                parts["host_exposed"] += end - fast_end
+                hidden_host += host - (end - fast_end)
+                clock = end
+            else:
+                parts["host_exposed"] += host
+                clock = fast_end + host
+        token_s[t] = clock - begin
+    return StreamTime(token_s, parts, hidden_host)

@@ -1,0 +1,160 @@
+"""Hardware profiles (moesub.hardware): derivations, shipped estimates, config errors, and the
+engine calibration as `this_machine`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+
+import pytest
+
+from moesub.cost import CostModel
+from moesub.hardware import (
+    PROFILES,
+    REFERENCE_DENSE_WEIGHTS_PER_LAYER,
+    REFERENCE_HEAD_WEIGHTS,
+    STUDY_PROFILE,
+    HardwareProfile,
+    ModelBytes,
+    UnitCosts,
+    expert_bytes,
+    reference_model_bytes,
+    this_machine,
+)
+
+BF16 = reference_model_bytes(16)
+
+
+def test_expert_bytes_of_the_reference_model():
+    assert expert_bytes(2048, 512, 16) == 6_291_456  # 6 MiB in bf16
+    assert reference_model_bytes(4.5).expert_bytes == 1_769_472
+    assert BF16.dense_bytes_per_layer == 2 * REFERENCE_DENSE_WEIGHTS_PER_LAYER
+    assert BF16.head_bytes == 2 * 151_936 * 2048
+    with pytest.raises(ValueError, match="bits"):
+        expert_bytes(2048, 512, 0)
+
+
+@pytest.mark.slow
+def test_reference_weights_are_qwen3_next_80b_a3b():
+    """The constants are counted from transformers' Qwen3NextConfig defaults (the 80B-A3B
+    model's) on the meta device: 79.7B weights, 77.3B of them in routed experts."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig()
+    with torch.device("meta"):
+        model = Qwen3NextForCausalLM(config)
+    assert (config.num_hidden_layers, config.num_experts) == (48, 512)
+    dense = [
+        sum(p.numel() for n, p in layer.named_parameters() if not n.startswith("mlp.experts."))
+        for layer in model.model.layers
+    ]
+    assert sum(dense) / len(dense) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
+    assert model.lm_head.weight.numel() == REFERENCE_HEAD_WEIGHTS
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert experts == 48 * 512 * expert_bytes(2048, 512, 8)  # 8 bits: one byte per weight
+
+
+def test_the_study_profile_priced_for_bf16_experts():
+    u = PROFILES[STUDY_PROFILE].price(BF16)
+    fast = 0.7 * 936e9
+    assert u.copy_s == pytest.approx(10e-6 + 6_291_456 / 25e9)  # 262 us
+    assert u.expert_s == pytest.approx(6_291_456 / fast)  # 9.6 us
+    assert u.host_expert_s == pytest.approx(6_291_456 / (0.8 * 51.2e9))  # DDR-bound: 154 us
+    assert u.dense_layer_s == pytest.approx(2 * REFERENCE_DENSE_WEIGHTS_PER_LAYER / fast + 30e-6)
+    assert u.token_overhead_s == pytest.approx(2 * REFERENCE_HEAD_WEIGHTS / fast)
+    assert u.install_s == pytest.approx(2 * 6_291_456 / fast)  # read and write
+    assert u.concurrent_host
+
+
+def test_shipped_profiles_agree_with_the_published_ratios():
+    """docs: on PCIe 4 a host miss from desktop DDR5 costs 2.5-4x less than its copy; on PCIe 5
+    the two are about equal; a many-channel server favours the host, capped by its cores."""
+    ratio = {n: p.price(BF16).copy_s / p.price(BF16).host_expert_s for n, p in PROFILES.items()}
+    assert 2.5 <= ratio["rtx4090_pcie4_ddr5"] <= 4
+    assert 0.8 <= ratio["rtx5090_pcie5_ddr5"] <= 1.4
+    assert ratio["h100_pcie5_server"] > 2
+    assert PROFILES["h100_pcie5_server"].host_Bps == 32 * 10e9
+    assert all(p.concurrent_host and p.source == "estimate" for p in PROFILES.values())
+    assert len(PROFILES) >= 4 and STUDY_PROFILE in PROFILES
+
+
+def test_from_dict_round_trip_and_named_errors():
+    spec = {k: v for k, v in asdict(PROFILES[STUDY_PROFILE]).items() if k != "name"}
+    assert HardwareProfile.from_dict("mine", spec) == HardwareProfile(name="mine", **spec)
+    cases = [
+        ({"link_bw": 1}, r"hardware\.mine: unknown key\(s\) \['link_bw'\]"),
+        ({"fast_memory_Bps": None}, r"hardware\.mine: .*fast_memory_Bps=None"),
+        ({"link_bandwidth_Bps": "25e9"}, r"hardware\.mine: .*link_bandwidth_Bps='25e9'"),
+        ({"transfer_latency_s": -1e-6}, r"hardware\.mine: .*transfer_latency_s=-1e-06"),
+        ({"host_cores": True}, r"hardware\.mine: .*host_cores=True"),
+        ({"host_core_Bps": None}, r"hardware\.mine: .*host_cores and host_core_Bps together"),
+        ({"source": "guess"}, r"hardware\.mine: .*source='guess'"),
+        ({"concurrent_host": "yes"}, r"hardware\.mine: .*concurrent_host='yes'"),
+        ({"description": 3}, r"hardware\.mine\.description: expected a string"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            HardwareProfile.from_dict("mine", {**spec, **change})
+    with pytest.raises(ValueError, match=r"hardware\.mine: missing key\(s\) \['host_memory_Bps'\]"):
+        HardwareProfile.from_dict("mine", {k: v for k, v in spec.items() if k != "host_memory_Bps"})
+    with pytest.raises(ValueError, match=r"hardware\.mine: expected a mapping"):
+        HardwareProfile.from_dict("mine", [1, 2])
+
+
+def test_a_measured_dense_layer_replaces_the_bytes():
+    spec = {k: v for k, v in asdict(PROFILES[STUDY_PROFILE]).items() if k != "name"}
+    p = HardwareProfile.from_dict("m", {**spec, "dense_layer_s": 1e-4, "token_overhead_s": 2e-4})
+    u = p.price(BF16)
+    assert u.dense_layer_s == pytest.approx(1e-4 + 30e-6)  # + the layer overhead
+    assert u.token_overhead_s == 2e-4  # the head is in the measured dense time
+
+
+CALIBRATION = {
+    **asdict(CostModel()),
+    "link_bandwidth_Bps": 2e9,
+    "transfer_latency_s": 20e-6,
+    "expert_bytes": 98_304.0,
+    "expert_compute_s": 40e-6,
+    "host_expert_compute_s": 90e-6,
+    "dense_layer_s": 300e-6,
+    "token_overhead_s": 1e-3,
+    "install_s": 5e-6,
+    "background_overlap": 0.4,
+}
+
+
+def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(CALIBRATION))
+    for source in (path, CALIBRATION):
+        p = this_machine(source)
+        assert (p.name, p.source, p.concurrent_host) == ("this_machine", "measured", False)
+        u = p.price(ModelBytes(expert_bytes=98_304.0))
+        assert u.copy_s == pytest.approx(20e-6 + 98_304 / 2e9)
+        assert u.expert_s == pytest.approx(40e-6)
+        assert u.host_expert_s == pytest.approx(90e-6)
+        assert u.install_s == pytest.approx(5e-6)
+        assert (u.dense_layer_s, u.token_overhead_s) == (300e-6, 1e-3)
+    # per-expert times scale with the expert's bytes; a term measured as 0 stays free
+    u = this_machine({**CALIBRATION, "install_s": 0.0}).price(ModelBytes(2 * 98_304.0))
+    assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
+    assert math.isinf(this_machine({**CALIBRATION, "install_s": 0.0}).install_Bps)
+
+
+def test_this_machine_names_a_bad_calibration():
+    with pytest.raises(ValueError, match=r"missing calibration key\(s\) \['install_s'\]"):
+        this_machine({k: v for k, v in CALIBRATION.items() if k != "install_s"})
+    with pytest.raises(ValueError, match="expert_compute_s=-1"):
+        this_machine({**CALIBRATION, "expert_compute_s": -1})
+
+
+def test_bad_model_bytes_and_unit_costs():
+    with pytest.raises(ValueError, match="expert_bytes=0"):
+        ModelBytes(expert_bytes=0)
+    with pytest.raises(ValueError, match="head_bytes=-1"):
+        ModelBytes(expert_bytes=1, head_bytes=-1)
+    with pytest.raises(ValueError, match="copy_s=nan"):
+        UnitCosts(math.nan, 0, 0, 0, 0, 0, True)

@@ -1,0 +1,181 @@
+"""Overlap-aware pricing (moesub.pricing): hand-computed examples, and the compiled core held to
+the Python reference bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from moesub.hardware import UnitCosts
+from moesub.pricing import (
+    BREAKDOWN,
+    TOKEN_LAYER_FIELDS,
+    price_stream,
+    price_stream_reference,
+    price_streams,
+)
+
+PRICERS = (price_stream, price_stream_reference)
+
+
+def token_layer(**n: int) -> list[int]:
+    return [n.get(f, 0) for f in TOKEN_LAYER_FIELDS]
+
+
+def units(concurrent: bool, copy_s: float = 300.0) -> UnitCosts:
+    """Whole numbers (read them as microseconds), so every sum below is exact."""
+    return UnitCosts(
+        copy_s=copy_s, expert_s=10.0, host_expert_s=50.0, dense_layer_s=20.0,
+        token_overhead_s=5.0, install_s=2.0, concurrent_host=concurrent,
+    )  # fmt: skip
+
+
+# two tokens, two MoE layers, delay 1
+TWO_TOKENS = np.array(
+    [
+        [  # token 0
+            token_layer(hit=7, fetch=1, host=2, admission_requests=2),
+            token_layer(hit=8, sub=1, prefetched=1),
+        ],
+        [  # token 1: layer 0's two admissions land
+            token_layer(hit=6, host=4, admissions=2),
+            token_layer(hit=8, fetch=2),
+        ],
+    ],
+    dtype=np.int32,
+)
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_two_tokens_with_a_concurrent_host(price):
+    """copy 300, expert 10, host expert 50, dense 20, token overhead 5, install 2.
+
+    token 0 (starts at 0): overhead -> 5
+      layer 0: dense -> 25; layer 1's prefetch (1 copy) queued at 25: link 25-325.
+        decision at 25: the fetch waits behind the prefetch: link 325-625 (link_wait 300);
+        the 2 admission requests queue behind it: link 625-1225.
+        fast path: 325 + 300 (copy) + 8 experts x 10 = 705; host path: 25 + 2 x 50 = 125,
+        hidden behind the fast path (100 hidden). Layer ends at 705.
+      layer 1: dense -> 725; the prefetch landed at 325 (no wait); install -> 727;
+        9 experts -> 817. Token 0 = 817.
+    token 1 (starts at 817): overhead -> 822
+      layer 0: dense -> 842; the 2 admissions land: their copies end at 625 + 2 x 300 = 1225:
+        wait 383 -> 1225; 2 installs -> 1229; fast path 6 experts -> 1289; host path
+        1229 + 4 x 50 = 1429: the host is the slower path, 140 exposed (60 hidden) -> 1429.
+      layer 1: dense -> 1449; 2 fetches on an idle link: 1449-2049; 10 experts -> 2149.
+      Token 1 = 2149 - 817 = 1332.
+    """
+    r = price(TWO_TOKENS, 1, units(concurrent=True))
+    assert r.token_s.tolist() == [817.0, 1332.0]
+    assert r.parts == {
+        "overhead": 10.0, "dense": 80.0, "admit_wait": 383.0, "prefetch_wait": 0.0,
+        "install": 6.0, "link_wait": 300.0, "sync_copy": 900.0, "fast_compute": 330.0,
+        "host_exposed": 140.0,
+    }  # fmt: skip
+    assert r.hidden_host_s == 160.0
+    assert sum(r.parts.values()) == r.token_s.sum()
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_two_tokens_on_one_processor(price):
+    """The same counts without a separate host processor: the host's experts follow the fast
+    path's.
+
+    token 0: layer 0 ends at 705 + 100 = 805; layer 1: dense -> 825, install -> 827,
+      9 experts -> 917. Token 0 = 917.
+    token 1: overhead -> 922; layer 0: dense -> 942; the admissions' copies end at 1225: wait
+      283; installs -> 1229; 6 experts -> 1289; 4 host experts -> 1489. Layer 1: dense -> 1509;
+      2 fetches 1509-2109; 10 experts -> 2209. Token 1 = 2209 - 917 = 1292.
+    Concurrency saves 160 of host time but waits 100 longer for the admissions: 60 in all.
+    """
+    r = price(TWO_TOKENS, 1, units(concurrent=False))
+    assert r.token_s.tolist() == [917.0, 1292.0]
+    assert r.parts["admit_wait"] == 283.0
+    assert r.parts["host_exposed"] == 300.0
+    assert r.hidden_host_s == 0.0
+    assert sum(r.parts.values()) == r.token_s.sum()
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_late_prefetches_are_waited_for(price):
+    """One token, no overhead. Layer 0's prefetch (1 copy) is queued at the token's start:
+    link 0-300; after layer 0's dense work (-> 20) layer 1's 3 prefetch copies queue: 300-1200.
+    Layer 0 waits 280 for its copy, installs (-> 302), computes 10 experts (-> 402); layer 1:
+    dense -> 422, waits 778 for its copies (-> 1200), installs 3 (-> 1206), 10 experts -> 1306.
+    """
+    u = UnitCosts(300.0, 10.0, 50.0, 20.0, 0.0, 2.0, True)
+    counts = np.array([[token_layer(hit=10, prefetched=1), token_layer(hit=10, prefetched=3)]])
+    r = price(counts, 1, u)
+    assert r.token_s.tolist() == [1306.0]
+    assert r.parts["prefetch_wait"] == 1058.0
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_admissions_land_delay_tokens_after_their_request(price):
+    """delay 3: a request at token 0 lands at token 3. Its copy runs 20-1020 (queued at token
+    0's decision, 20); tokens of 20 each put token 3's step 1 at 80: it waits 940."""
+    u = UnitCosts(1000.0, 10.0, 50.0, 20.0, 0.0, 0.0, True)
+    counts = np.zeros((4, 1, len(TOKEN_LAYER_FIELDS)), np.int64)
+    counts[0, 0, TOKEN_LAYER_FIELDS.index("admission_requests")] = 1
+    counts[3, 0, TOKEN_LAYER_FIELDS.index("admissions")] = 1
+    r = price(counts, 3, u)
+    assert r.token_s.tolist() == [20.0, 20.0, 20.0, 20.0 + 1020.0 - 80.0]
+
+
+def test_streams_restart_the_link():
+    a, b = TWO_TOKENS, TWO_TOKENS[::-1].copy()
+    u = units(concurrent=True)
+    pooled = price_streams([a, b], 1, u)
+    alone = [price_stream(a, 1, u), price_stream(b, 1, u)]
+    assert pooled.token_s.tolist() == [*alone[0].token_s, *alone[1].token_s]
+    assert pooled.parts == {p: alone[0].parts[p] + alone[1].parts[p] for p in BREAKDOWN}
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_bad_counts_are_named(price):
+    u = units(concurrent=True)
+    with pytest.raises(ValueError, match="shape"):
+        price(np.zeros((2, 3, 5), np.int32), 1, u)
+    with pytest.raises(ValueError, match="integer"):
+        price(np.zeros((2, 3, len(TOKEN_LAYER_FIELDS))), 1, u)
+    with pytest.raises(ValueError, match="delay"):
+        price(TWO_TOKENS, 0, u)
+    bad = TWO_TOKENS.copy()
+    bad[1, 1, 2] = -1
+    with pytest.raises(ValueError, match="negative count at token 1, layer 1"):
+        price(bad, 1, u)
+
+
+def test_other_integer_dtypes_are_priced_alike():
+    u = units(concurrent=False)
+    a = price_stream(TWO_TOKENS.astype(np.uint8), 1, u)
+    b = price_stream(TWO_TOKENS, 1, u)
+    assert a.token_s.tolist() == b.token_s.tolist()
+
+
+seconds = st.floats(0.0, 1e-3, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def priced_streams(draw):
+    T, L = draw(st.integers(0, 7)), draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    counts = draw(hnp.arrays(dtype, (T, L, len(TOKEN_LAYER_FIELDS)), elements=st.integers(0, 6)))
+    u = UnitCosts(*(draw(seconds) for _ in range(6)), concurrent_host=draw(st.booleans()))
+    return counts, draw(st.integers(1, 5)), u
+
+
+@settings(max_examples=300, deadline=None)
+@given(priced_streams())
+def test_the_core_equals_the_reference_bit_for_bit(case):
+    counts, delay, u = case
+    fast, ref = price_stream(counts, delay, u), price_stream_reference(counts, delay, u)
+    np.testing.assert_array_equal(fast.token_s, ref.token_s)
+    assert fast.parts == ref.parts
+    assert fast.hidden_host_s == ref.hidden_host_s
+    assert sum(fast.parts.values()) == pytest.approx(fast.token_s.sum(), rel=1e-12, abs=1e-15)
+    if not u.concurrent_host:
+        assert fast.hidden_host_s == 0.0
