@@ -165,14 +165,17 @@ def test_from_files_round_trip(tmp_path):
     write_initial_sets(tmp_path / "calib.parquet", [0.25], tmp_path / "init.parquet")
     run_regime(
         str(tmp_path / "eval.parquet"),
+        str(tmp_path / "calib.parquet"),
         str(tmp_path / "init.parquet"),
         0.25,
         tmp_path / "regime.parquet",
         tmp_path / "regime.json",
+        tmp_path / "regime_designs.parquet",
     )
     table = pl.read_parquet(tmp_path / "regime.parquet")
     direct = regime_from_files(tmp_path / "eval.parquet", tmp_path / "init.parquet", 0.25)
-    assert table.equals(direct.layers)
+    assert table.select(direct.layers.columns).equals(direct.layers)
+    assert pl.read_parquet(tmp_path / "regime_designs.parquet").is_empty()  # no designs
     assert direct.summary["capacity"] == 4
     assert direct.summary["fraction"] == 0.25
 

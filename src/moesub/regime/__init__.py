@@ -2,9 +2,9 @@
 the figures that depend on it would change under the real reference model's skew.
 
 Modules: `measure` (the regime figures per MoE layer beside the study's, the verdict),
-`matched` (static-skew measures beside the real model's, and the pinning and allocation designs
-replayed on the skew-matched trace beside the evaluation trace: `moesub.skewmatch`), `run` (the
-stage's entry point).
+`matched` (static-skew measures beside the real model's, on the evaluation trace and its
+skew-matched twin: `moesub.skewmatch`), `designs` (the pinning designs replayed on both traces),
+`run` (the stage's entry point).
 """
 
 from moesub.regime.matched import SKEW_COLUMNS, skew_table, skew_verdict
@@ -19,11 +19,12 @@ from moesub.regime.measure import (
     measure_regime,
     regime_from_files,
     reuse_distances,
-    run_regime,
     softmax_entropy,
     summarize,
+    trace_regime,
     verdict,
 )
+from moesub.regime.run import RegimeRun, regime_from_captures, run_regime
 
 __all__ = [
     "COMPARABLE_MARGIN",
@@ -32,9 +33,11 @@ __all__ = [
     "REUSE_EDGES",
     "SKEW_COLUMNS",
     "Regime",
+    "RegimeRun",
     "gate_weights_by_rank",
     "lookahead_recall",
     "measure_regime",
+    "regime_from_captures",
     "regime_from_files",
     "reuse_distances",
     "run_regime",
@@ -42,5 +45,6 @@ __all__ = [
     "skew_verdict",
     "softmax_entropy",
     "summarize",
+    "trace_regime",
     "verdict",
 ]

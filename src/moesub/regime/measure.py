@@ -38,16 +38,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from moesub.artefacts import has_lookahead, load_trace, read_initial_set, topk_mask
+from moesub.artefacts import Trace, has_lookahead, load_trace, read_initial_set, topk_mask
 from moesub.config import REGIME_FRACTION
 from moesub.grid import GridPoint, simulate
-from moesub.io import write_json, write_parquet
 from moesub.policy import STUDY_POLICIES, Policy, check_capacity, check_sizes
 from moesub.skew import effective_experts
 
@@ -298,6 +296,18 @@ def verdict(summary: dict[str, Any]) -> str:
     )
 
 
+def trace_regime(
+    trace: Trace, initial_sets_path: str | os.PathLike | None, fraction: float = REGIME_FRACTION
+) -> Regime:
+    """The regime of a loaded trace at cache `fraction` (frequency initial sets if given)."""
+    capacity = check_capacity(fraction, trace.num_experts, trace.top_k)
+    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
+    regime = measure_regime(trace.logits, trace.top_k, capacity, initial, trace.lookahead)
+    regime.summary["fraction"] = fraction
+    regime.summary["model"] = trace.meta.get("model")
+    return regime
+
+
 def regime_from_files(
     router_path: str | os.PathLike,
     initial_sets_path: str | os.PathLike | None,
@@ -305,23 +315,4 @@ def regime_from_files(
 ) -> Regime:
     """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
     trace = load_trace(router_path, lookahead=has_lookahead(router_path))
-    E, k = trace.num_experts, trace.top_k
-    capacity = check_capacity(fraction, E, k)
-    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
-    regime = measure_regime(trace.logits, k, capacity, initial, trace.lookahead)
-    regime.summary["fraction"] = fraction
-    regime.summary["model"] = trace.meta.get("model")
-    return regime
-
-
-def run_regime(
-    router_path: str,
-    initial_sets_path: str | None,
-    fraction: float,
-    out_table: str | os.PathLike,
-    out_summary: str | os.PathLike,
-) -> None:
-    """Snakemake entry point: per-layer regime table (Parquet) + summary with verdict (JSON)."""
-    regime = regime_from_files(router_path, initial_sets_path, fraction)
-    write_parquet(regime.layers, out_table, metadata={"summary": regime.summary})
-    write_json(regime.summary, Path(out_summary))
+    return trace_regime(trace, initial_sets_path, fraction)
