@@ -363,6 +363,9 @@ def analysis_inputs():
             "results/{model}/capture/eval_tokens.parquet", model=MODELS
         ),
         "regime": expand("results/{model}/regime.parquet", model=MODELS),
+        "regime_designs": expand(
+            "results/{model}/regime_designs.parquet", model=MODELS
+        ),
         "simulate": simulate_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
