@@ -1,17 +1,17 @@
 # The model's cache regime (moesub.regime): fetch_every_miss and Belady hit rates, effective
-# experts, routing entropy, gate weight by rank and reuse distances per MoE layer, at the
-# reference study's 25% resident, beside the study's figures, with a one-line verdict; the
-# static skew beside the real reference model's, and the simulated policies with pins replayed
-# on the evaluation trace and on its skew-matched twin (simulate only: seconds).
-
-from moesub.regime.designs import designs_of
+# experts, routing entropy, gate weight by rank and reuse distances per MoE layer, at one cache
+# size (regime.size, else the configured size nearest the reference study's 25% resident),
+# beside the study's figures, with a one-line verdict; the static skew beside the real reference
+# model's, and the simulated policies with pins or planned slots replayed at every cache size on
+# the evaluation trace and on its skew-matched twin (simulate only: seconds).
 
 
 rule regime:
     input:
         router="results/{model}/capture/eval_router.parquet",
         calib_router="results/{model}/capture/calib_router.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
+        allocations=regime_allocation_files,
     output:
         table="results/{model}/regime.parquet",
         summary="results/{model}/regime.json",
@@ -21,9 +21,9 @@ rule regime:
     conda:
         "../../envs/cpu.yaml"
     params:
-        fraction=REGIME_FRACTION,
-        fractions=config["fractions"],
-        # the designs only: a change to another policy does not rerun the regime
-        policies=designs_of({name: policy_dict(name) for name in SIMULATE_POLICIES}),
+        size=regime_params,
+        sizes=regime_sizes,
+        policies=REGIME_DESIGNS,
+        allocations=regime_allocations,
     script:
         "../scripts/regime.py"

@@ -1,21 +1,23 @@
-"""The pinning designs on the evaluation trace and on its skew-matched twin.
+"""The pinning and allocation designs on the evaluation trace and on its skew-matched twin.
 
-A *design* is a configured policy whose cache is more than a plain cache: a pin count (the
-calibration's hottest experts of each layer never evicted, `Policy.pin`). Its *counterpart* is
-the same policy without pins. Both are replayed by the simulator (`moesub.grid`, no Belady
-bound) at every given cache fraction in two worlds (`World`):
+A *design* is a configured policy whose cache is more than a plain uniform cache: a pin spec
+(the calibration's hottest experts of each layer never evicted: an int, "50%", "C-k";
+`moesub.slots`) or planned per-layer slots (`allocation: planned`, `moesub.allocation`). Its
+*counterpart* is the same policy with neither (no pins, uniform slots). Both are replayed by the
+simulator (`moesub.grid`, no Belady bound) at every given cache size in two worlds (`World`),
+each cache laid out by the one resolver (`moesub.layout.build_layout`: capacities, initial
+experts and pins per layer, as every stage lays out its caches):
 
-- ``evaluation``: the evaluation capture; initial sets from the pipeline's initial-sets
-  artefact (the calibration's frequency ranking), as the simulate stage builds them;
-- ``skew_matched``: the skew-matched evaluation trace (`moesub.skewmatch`); initial sets from
-  the skew-matched calibration trace in the same way (its frequency ranking).
+- ``evaluation``: the evaluation capture; the pipeline's expert ranking and, for a planned
+  design, its allocation artefact, as the simulate stage runs it;
+- ``skew_matched``: the skew-matched evaluation trace (`moesub.skewmatch`); the skew-matched
+  calibration trace's frequency ranking and, for a planned design, the split planned on that
+  trace (`moesub.allocation.plan`), so each world's design is chosen on its own calibration.
 
 How a design's gain over its counterpart changes from the first world to the second is how the
 result would change under the real reference model's skew, the within-stream routing held
 fixed. Designs that substitute by co-activation are left out (their table would have to be
-rebuilt from the matched calibration). Pins are integers (every layer, or one per layer);
-share specs ("50%", "C-k") and planned per-layer allocations need the layout resolver, which
-this branch does not have yet.
+rebuilt from the matched calibration).
 
 `replay_designs` returns one row per (design, role, size) with the all-layer figures:
 ``hit_rate``; ``misses_per_token``, the calls not served by a resident expert (fetched,
@@ -32,50 +34,46 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moesub.config.names import number_label
+from moesub.config.policies import is_planned
 from moesub.grid import GridPoint, simulate
-from moesub.policy import Policy
-from moesub.vocabulary import capacity_for
+from moesub.layout import build_layout
+from moesub.slots import LAYOUT_KEYS, CacheSize, check_pin_spec
 
 
 @dataclass(frozen=True)
 class World:
     """A trace the designs replay on: `streams` (float32 (T, L, E) each) with their
-    `lookahead` (None: none); `initial`, the (L, C) initial set at a cache fraction, hottest
-    first (its calibration's frequency ranking)."""
+    `lookahead` (None: none); `ranking`, the (L, E) expert ranking its caches start from
+    (hottest first); `allocation(design, size)`, a planned design's per-layer capacities."""
 
     name: str
     streams: list[np.ndarray]
     lookahead: list[np.ndarray] | None
-    initial: Callable[[float], np.ndarray]
-
-
-def _pins(spec: Mapping[str, Any]) -> int | tuple[int, ...]:
-    pin = spec.get("pin", 0)
-    return tuple(pin) if isinstance(pin, list | tuple) else pin
+    ranking: np.ndarray
+    allocation: Callable[[str, CacheSize], tuple[int, ...]]
 
 
 def counterpart(spec: Mapping[str, Any]) -> tuple[dict[str, Any], str, str] | None:
     """A design's counterpart spec, what the design adds and what the counterpart is; None for
-    a policy that is no design (no pins)."""
-    pin = _pins(spec)
-    if not any(np.atleast_1d(pin)):
+    a policy that is no design (no pins, uniform slots)."""
+    pin = spec.get("pin", 0)
+    parts = [(f"pins {pin}", "no pins")] if pin != 0 else []
+    parts += [("planned slots", "uniform slots")] if is_planned(spec) else []
+    if not parts:
         return None
-    plain = {k: v for k, v in spec.items() if k != "pin"}
-    return plain, f"pins {_text(np.atleast_1d(pin).tolist())}", "no pins"
+    plain = {k: v for k, v in spec.items() if k not in LAYOUT_KEYS}
+    return plain, ", ".join(c for c, _ in parts), ", ".join(b for _, b in parts)
 
 
 def designs_of(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The policies that are designs (`counterpart`), those substituting by co-activation
-    left out (module docs). A pin that is no integer is an error naming the policy."""
+    """The policies that are designs (`counterpart`), those substituting by co-activation left
+    out (module docs). A bad pin spec is an error naming the policy."""
     designs = {}
     for name, spec in policies.items():
-        pin = _pins(spec)
-        if not all(isinstance(p, int | np.integer) for p in np.atleast_1d(pin).tolist()):
-            raise ValueError(
-                f"policy {name!r}: pin {spec['pin']!r}: the regime replays integer pins only "
-                "(an int, or one per MoE layer)"
-            )
+        try:
+            check_pin_spec(spec.get("pin", 0))
+        except ValueError as e:
+            raise ValueError(f"policy {name!r}: {e}") from None
         if counterpart(spec) is not None and spec.get("substitute_by") != "coactivation":
             designs[name] = dict(spec)
     return designs
@@ -86,29 +84,31 @@ def _text(values: Sequence[int]) -> str:
 
 
 def replay_designs(
-    world: World, top_k: int, designs: Mapping[str, Mapping[str, Any]], fractions: Sequence[float]
+    world: World, top_k: int, designs: Mapping[str, Mapping[str, Any]], sizes: Sequence[CacheSize]
 ) -> pl.DataFrame:
-    """Every design and its counterpart at every cache fraction, replayed in `world` (module
+    """Every design and its counterpart at every cache size, replayed in `world` (module
     docs)."""
-    L, E = world.streams[0].shape[1:]
+    L = world.ranking.shape[0]
     points, rows = [], []
     for name, spec in designs.items():
         found = counterpart(spec)
         if found is None:
-            raise ValueError(f"design {name!r}: no pins: not a design")
+            raise ValueError(f"design {name!r}: no pins and uniform slots: not a design")
         base, change, label = found
-        for fraction in fractions:
-            capacity, initial = capacity_for(fraction, E), world.initial(fraction)
+        for size in sizes:
             for role, s in (("design", dict(spec)), ("counterpart", base)):
-                policy = Policy.from_dict(s)
-                pins = policy.layer_pins(L)
-                points.append(GridPoint(f"{name}|{role}|{fraction}", policy, capacity, initial,
-                                        fraction))  # fmt: skip
+                planned = world.allocation(name, size) if is_planned(s) else None
+                layout = build_layout(world.ranking, size, s, top_k, planned)
+                point = f"{name}|{role}|{size.label}"
+                policy = layout.policy(s)
+                points.append(
+                    GridPoint(point, policy, layout.capacities, layout.initial, size.fraction)
+                )
                 rows.append(
                     {
                         "world": world.name, "design": name, "role": role, "change": change,
-                        "counterpart": label, "size": f"f{number_label(fraction)}",
-                        "capacity": capacity, "capacities": str(capacity), "pins": _text(pins),
+                        "counterpart": label, "size": size.label, "capacity": size.capacity,
+                        "capacities": _text(layout.capacities), "pins": _text(layout.pins),
                     }
                 )  # fmt: skip
     if not points:

@@ -3,9 +3,11 @@
 Every figure the pipeline reports about substitution depends on the regime the model routes in:
 how often `fetch_every_miss` already hits, how concentrated the routing is, how far apart a
 token's experts are reused, how heavy the lower ranks' gate weights are. This module measures
-those per MoE layer from a captured router trace (the evaluation streams) and the frequency
-initial resident sets (from the calibration capture), sets them beside the reference figures
-the study gives, and states in one line how the model's regime compares.
+those per MoE layer from a captured router trace (the evaluation streams) at one cache size
+(the configured size nearest the study's 25% resident, or `regime.size`: `moesub.config.
+regime_size`), the caches starting from the calibration capture's expert ranking, sets them
+beside the reference figures the study gives, and states in one line how the model's regime
+compares.
 
 Per layer (and ``layer = -1`` for all layers together):
 
@@ -43,10 +45,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moesub.artefacts import Trace, has_lookahead, load_trace, read_initial_set, topk_mask
-from moesub.config import REGIME_FRACTION
+from moesub.artefacts import Trace, has_lookahead, layout_for, load_trace, topk_mask
 from moesub.grid import GridPoint, simulate
-from moesub.policy import STUDY_POLICIES, Policy, check_capacity, check_sizes
+from moesub.policy import STUDY_POLICIES, Policy, check_sizes
 from moesub.skew import effective_experts
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
@@ -297,22 +298,25 @@ def verdict(summary: dict[str, Any]) -> str:
 
 
 def trace_regime(
-    trace: Trace, initial_sets_path: str | os.PathLike | None, fraction: float = REGIME_FRACTION
+    trace: Trace, ranking_path: str | os.PathLike | None, size: float | dict[str, Any]
 ) -> Regime:
-    """The regime of a loaded trace at cache `fraction` (frequency initial sets if given)."""
-    capacity = check_capacity(fraction, trace.num_experts, trace.top_k)
-    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
-    regime = measure_regime(trace.logits, trace.top_k, capacity, initial, trace.lookahead)
-    regime.summary["fraction"] = fraction
+    """The regime of a loaded trace at a cache `size` (a resolved size or a fraction), the
+    caches starting from the prefixes of the expert ranking at `ranking_path` (None: by id)."""
+    E, k, L = trace.num_experts, trace.top_k, trace.num_layers
+    layout = layout_for(ranking_path, size, STUDY_POLICIES["fetch_every_miss"], k, L, E)
+    capacity = layout.size.capacity
+    regime = measure_regime(trace.logits, k, capacity, layout.initial_array(), trace.lookahead)
+    regime.summary["fraction"] = layout.size.fraction
+    regime.summary["size"] = layout.size.to_dict()
     regime.summary["model"] = trace.meta.get("model")
     return regime
 
 
 def regime_from_files(
     router_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike | None,
-    fraction: float = REGIME_FRACTION,
+    ranking_path: str | os.PathLike | None,
+    size: float | dict[str, Any],
 ) -> Regime:
-    """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
+    """The regime of a captured trace at a cache `size` (`trace_regime`)."""
     trace = load_trace(router_path, lookahead=has_lookahead(router_path))
-    return trace_regime(trace, initial_sets_path, fraction)
+    return trace_regime(trace, ranking_path, size)

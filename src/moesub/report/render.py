@@ -14,12 +14,18 @@ import jinja2
 
 from moesub.io import atomic_path
 from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
+from moesub.report.degeneration import degeneration_lines, degeneration_table
 from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.experiments import (
     admission_bins_table,
     admission_table,
     expb_designs,
     expb_rules,
+)
+from moesub.report.factorial import (
+    factorial_cells_table,
+    factorial_lines,
+    factorial_tests_table,
 )
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline, recommendation_lines
@@ -51,7 +57,8 @@ from moesub.report.tables import (
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 TEMPLATE = "report.html.j2"
-SECTION_NOTES = ("expb", "admission", "generation", "regime")  # parts whose section shows notes
+# parts whose section shows notes
+SECTION_NOTES = ("expb", "expb_factorial", "admission", "generation", "degeneration", "regime")
 
 
 def machine_info() -> dict[str, Any]:
@@ -139,6 +146,9 @@ def render_report(
         "expb_alpha": (out.params.get("expb") or {}).get("alpha", out.params.get("alpha")),
         "expb_designs": expb_side,
         "expb_all": expb_all,
+        "expb_factorial_lines": factorial_lines(out),
+        "expb_factorial_tests": factorial_tests_table(out),
+        "expb_factorial_cells": factorial_cells_table(out),
         "admission": admission_table(out),
         "admission_bins": admission_bins_table(out),
         "regime": regime_table(out),
@@ -153,6 +163,8 @@ def render_report(
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),
         "generation_missing": generation_missing(out),
+        "degeneration": degeneration_table(out),
+        "degeneration_lines": degeneration_lines(out),
         "engine_bench": frame_table("bench-table", out.table("engine_bench")),
         "models": models_table(out),
         "absent": out.absent,

@@ -18,6 +18,10 @@ atomically (`moesub.io`), into `out_dir`:
 - `expb.parquet`: per (design, target mass): Experiment B's decision, realized masses per
   token-layer, effect with CI, rank confound; `expb_streams.parquet`: per (design, target mass,
   stream): realized masses, ΔNLL, the paired difference;
+- `expb_factorial.parquet`: per test of the factorial design (weight at a fixed rank, rank at a
+  fixed weight; pooled and per bucket): estimate in ΔNLL per substituted token-layer with CI,
+  raw p, MDE, verdict, the cells' balance; `expb_factorial_cells.parquet`: per cell;
+  `expb_factorial_streams.parquet`: per (cell, stream);
 - `admission.parquet`: per (policy, fraction, segment, bin of tokens since the document start):
   ΔNLL vs the exact twin with CI and bias;
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
@@ -26,6 +30,9 @@ atomically (`moesub.io`), into `out_dir`:
 - `engine_bench.parquet`: the engine benchmark rows as measured;
 - `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
   r(mass, agreement);
+- `degeneration.parquet`: per (task, policy, fraction, measure) of the free continuations:
+  repeated 4-grams, longest repeated span, share ending in a loop, each with a CI over
+  prompts and a paired test against the baseline (raw p), beside the policy's Δppl;
 - `design_space.parquet`: per simulated (policy, fraction): family, hit rate, misses per
   token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
   gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
@@ -63,8 +70,10 @@ Modules, one per part (each documents its decisions):
 - `quality`: per-policy quality and the 0.15 rule's contrast (Δppl and speedup themselves are
   `moesub.metrics`);
 - `mass`: the mass hypothesis; `per_input`: its per-input form;
-- `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
+- `expb`: Experiment B (study, matched); `expb_factorial`: its factorial design; `admission`:
+  admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
+  `degeneration`: repetition and loops in free continuations;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
   regime; `summary`: the per-(policy, fraction) summary;
 - `params`: `AnalysisParams` (the config's `analysis:` plus policies) and `ExpBRule`;
@@ -84,10 +93,13 @@ order and maps their tables onto `OUTPUT_FILES`:
         -> MassHypothesis(points, results, tests, status)
     per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
     expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
+    expb_factorial(tokens, factorial_files, feasibility_paths, p)
+        -> ExpBFactorial(table, cells, streams, results, tests, status)
     admission(tokens, emulate_files, p) -> Admission(table, totals, tests, status)
     simulate(db, simulate_files) -> Simulate(total, layers, status)
     engine(db, engine_files, p) -> Engine(table, status)
     generation(db, generate_files, p) -> Generation(table, tests, status)
+    degeneration(db, generate_files, quality.table, p) -> Degeneration(table, tests, status)
     design_space(simulate.total, simulate.layers, quality.table, p)
         -> DesignSpace(table, families, status)
     speed_quality(quality.table, engine.table, simulate.total, p) -> SpeedQuality(table, status)
@@ -125,7 +137,7 @@ from moesub.stats.load import (
     model_of,
     split_by_model,
 )
-from moesub.stats.params import AnalysisParams, ExpBRule
+from moesub.stats.params import AnalysisParams, ExpBRule, FactorialRule
 from moesub.stats.power import paired_mde, proportion_mde, wilcoxon_min_p
 from moesub.stats.run import OUTPUT_FILES, run_analysis
 from moesub.stats.timing import pareto_front
@@ -136,6 +148,7 @@ __all__ = [
     "OUTPUT_FILES",
     "AnalysisParams",
     "ExpBRule",
+    "FactorialRule",
     "Interval",
     "boot_counts",
     "boot_indices",

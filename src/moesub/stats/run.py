@@ -22,8 +22,10 @@ from tqdm.auto import tqdm
 from moesub.io import write_json
 from moesub.stats.admission import admission
 from moesub.stats.claims import claims
+from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
+from moesub.stats.expb_factorial import expb_factorial
 from moesub.stats.generation import generation
 from moesub.stats.intervals import level_label
 from moesub.stats.load import (
@@ -54,12 +56,16 @@ OUTPUT_FILES = (
     "per_input_points",
     "expb",
     "expb_streams",
+    "expb_factorial",
+    "expb_factorial_cells",
+    "expb_factorial_streams",
     "admission",
     "speed_quality",
     "sim_vs_engine",
     "layer_hit_rates",
     "engine_bench",
     "generation",
+    "degeneration",
     "regime",
     "regime_designs",
     "design_space",
@@ -72,6 +78,7 @@ RESULTS = (
     "families",
     "mass_hypothesis",
     "expb",
+    "expb_factorial",
     "admission",
     "sim_vs_engine",
     "regime",
@@ -103,10 +110,14 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         mass = mass_hypothesis(qual.streams, infos["emulate"], p)
         units = per_input(qual.streams, tokens, p)
         exp = expb(tokens, infos["expb"], paths["expb_feasibility"], p)
+        fac = expb_factorial(
+            tokens, infos["expb_factorial"], paths["expb_factorial_feasibility"], p
+        )
         adm = admission(tokens, infos["emulate"], p)
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
         gen = generation(db, infos["generate"], p)
+        degen = degeneration(db, infos["generate"], qual.table, p)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total)
@@ -117,9 +128,11 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *rule_contrast(qual.streams, p),
             *mass.tests,
             *exp.tests,
+            *fac.tests,
             *adm.tests,
             *units.tests,
             *gen.tests,
+            *degen.tests,
         ],
         p.alpha,
     )
@@ -132,11 +145,15 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "per_input_points": units.points,
             "expb": exp.table,
             "expb_streams": exp.streams,
+            "expb_factorial": fac.table,
+            "expb_factorial_cells": fac.cells,
+            "expb_factorial_streams": fac.streams,
             "admission": adm.table,
             "speed_quality": speed.table,
             "sim_vs_engine": sve.table,
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
+            "degeneration": degen.table,
             "regime": reg.table,
             "regime_designs": reg.designs,
             "design_space": space.table,
@@ -148,6 +165,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "families": families(tests, p.alpha),
             "mass_hypothesis": mass.results,
             "expb": exp.results,
+            "expb_factorial": fac.results,
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
@@ -157,6 +175,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "mass_hypothesis": mass.status,
             "per_input": units.status,
             "expb": exp.status,
+            "expb_factorial": fac.status,
             "admission": adm.status,
             "simulate": sim.status,
             "design_space": space.status,
@@ -164,6 +183,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "speed_quality": speed.status,
             "sim_vs_engine": sve.status,
             "generation": gen.status,
+            "degeneration": degen.status,
             "regime": reg.status,
             "summary": summ.status,
             "claims": verdicts.status,
