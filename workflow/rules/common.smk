@@ -184,8 +184,16 @@ def regime_params(wildcards):
 
 
 # The regime's designs (moesub.regime.designs): the simulated policies with pins or planned
-# slots only, so a change to another policy does not rerun the regime.
-REGIME_DESIGNS = designs_of({name: policy_dict(name) for name in SIMULATE_POLICIES})
+# slots only, so a change to another policy does not rerun the regime; per model, since a trace
+# model runs only the policies its trace can (MODEL_POLICIES).
+REGIME_DESIGNS = {
+    m: designs_of({name: policy_dict(name) for name in MODEL_POLICIES[m]})
+    for m in MODELS
+}
+
+
+def regime_designs(wildcards):
+    return REGIME_DESIGNS[wildcards.model]
 
 
 def regime_sizes(wildcards):
@@ -200,7 +208,7 @@ def regime_allocations(wildcards):
             size: f"results/{wildcards.model}/allocation/{name}/{size}.json"
             for size in MODEL_SIZES[wildcards.model]
         }
-        for name, spec in REGIME_DESIGNS.items()
+        for name, spec in REGIME_DESIGNS[wildcards.model].items()
         if is_planned(spec)
     }
 

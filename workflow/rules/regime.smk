@@ -23,7 +23,7 @@ rule regime:
     params:
         size=regime_params,
         sizes=regime_sizes,
-        policies=REGIME_DESIGNS,
+        policies=regime_designs,
         allocations=regime_allocations,
     script:
         "../scripts/regime.py"
