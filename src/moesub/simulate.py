@@ -1,29 +1,19 @@
-"""The simulate stage: one (policy, fraction) replayed over a captured trace, priced by the cost
-model (`moesub.grid.simulate`, the C++ core's grid replay), and the cost-model rule's JSON (the
-engine's calibration with config overrides).
+"""The simulate stage: one (policy, fraction) replayed over a captured trace (`moesub.grid`, the
+C++ core's grid replay): the replay table, and every token-layer's counts beside it (the
+pricing's input: the `price` stage prices them under each hardware profile, so a profile
+change reruns no replay).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, replace
+import numpy as np
 
 from moesub.artefacts import load_trace, read_initial_set
 from moesub.coactivation import read_coactivation
-from moesub.cost import CostModel
-from moesub.grid import GridPoint, simulate
-from moesub.io import write_json, write_parquet
-from moesub.policy import CORE_BUILD_ID, Policy, capacity_for
-
-
-def write_cost_model(calibration_path: str | None, overrides: dict, out_path: str) -> CostModel:
-    """The engine's measured cost model (or the defaults) with config overrides, as JSON."""
-    base = CostModel.from_json(calibration_path) if calibration_path else CostModel()
-    unknown = set(overrides) - {f.name for f in fields(CostModel)}
-    if unknown:
-        raise ValueError(f"cost: unknown cost-model key(s) {sorted(unknown)}")
-    cost = replace(base, **overrides)
-    write_json(asdict(cost), out_path)
-    return cost
+from moesub.grid import GridPoint, replay
+from moesub.io import write_parquet
+from moesub.policy import CORE_BUILD_ID, TOKEN_LAYER_FIELDS, Policy, capacity_for
+from moesub.token_counts import counts_table
 
 
 def run_simulate(
@@ -32,11 +22,13 @@ def run_simulate(
     name: str,
     policy: dict,
     fraction: float,
-    cost_path: str | None,
     out_path: str,
+    counts_path: str,
     coactivation_path: str | None = None,
 ) -> None:
-    """Snakemake entry point: one (policy, fraction) over a captured trace -> Parquet.
+    """Snakemake entry point: one (policy, fraction) over a captured trace -> the replay table
+    (`out_path`) and its per-token-layer counts (`counts_path`: `stream, pos,
+    token_layer_counts`, `moesub.token_counts`), Parquet.
 
     A prefetching policy reads the trace's lookahead logits; `coactivation_path` (the model's
     coactivation.npz) is required by, and only read for, substitute_by='coactivation'.
@@ -51,25 +43,24 @@ def run_simulate(
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
     C = capacity_for(fraction, E)
     initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
-    cost = CostModel.from_json(cost_path) if cost_path else CostModel()
     table = (
         read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
     )
-    df = simulate(
-        trace.logits, k, [GridPoint(name, pol, C, initial, fraction)], cost,
-        lookahead=trace.lookahead, coactivation=table,
+    r = replay(
+        trace.logits, k, [GridPoint(name, pol, C, initial, fraction)],
+        lookahead=trace.lookahead, coactivation=table, token_counts=True,
     )  # fmt: skip
-    write_parquet(
-        df,
-        out_path,
-        metadata={
-            "policy": pol.to_dict(),
-            "name": name,
-            "fraction": fraction,
-            "capacity": C,
-            "cost_model": asdict(cost),
-            "core_build_id": CORE_BUILD_ID,
-            "router_trace": str(router_path),
-            **({"coactivation": str(coactivation_path)} if table is not None else {}),
-        },
-    )
+    meta = {
+        "policy": pol.to_dict(),
+        "name": name,
+        "fraction": fraction,
+        "capacity": C,
+        "core_build_id": CORE_BUILD_ID,
+        "router_trace": str(router_path),
+        **({"coactivation": str(coactivation_path)} if table is not None else {}),
+    }
+    stream = np.repeat(trace.streams, r.stream_lengths)
+    pos = np.concatenate([np.arange(n) for n in r.stream_lengths])
+    counts = counts_table(stream, pos, r.token_counts[0])
+    write_parquet(counts, counts_path, metadata={**meta, "token_layer_fields": TOKEN_LAYER_FIELDS})
+    write_parquet(r.table(), out_path, metadata=meta)

@@ -23,6 +23,8 @@ from moesub.config import (
     policy_spec,
     stage_policies,
 )
+from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec
+from moesub.hardware import THIS_MACHINE
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
 # timings other jobs would disturb): every core of this run (--cores). A cluster run has no
@@ -49,6 +51,10 @@ ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
 GENERATE_POLICIES = STAGE_POLICIES["generate"]
 ENGINE_DEVICES = config["engine"]["devices"]
+# Hardware profiles priced (hardware.price); this_machine is the calibration of the first device
+HARDWARE = priced_hardware(config)
+# The cache fraction the engine's calibration runs its miss mechanisms at
+CALIBRATION_FRACTION = config["fractions"][0]
 TASKS = list(config["generate"]["tasks"])
 # Experiment B: design -> its targets and decision rule (schema defaults filled in).
 EXPB_DESIGNS = config["expb"]["designs"]
@@ -142,9 +148,47 @@ def coactivation_input(wildcards):
     return {}
 
 
-def cost_calibration(wildcards):
-    """The calibration the simulator's cost model starts from: the first engine device's."""
-    return f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
+def profile_inputs(wildcards):
+    """this_machine's profile comes from the calibration of the first engine device."""
+    if wildcards.hardware == THIS_MACHINE:
+        device = ENGINE_DEVICES[0]
+        return {"calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"}
+    return {}
+
+
+def profile_params(wildcards):
+    """A profile's keys (None for this_machine): editing one profile reruns its jobs only."""
+    return canonical(profile_spec(config, wildcards.hardware))
+
+
+def model_bytes_params(wildcards):
+    """The bytes the model is priced at on the profiles that are not this machine's."""
+    if wildcards.hardware == THIS_MACHINE:
+        return None
+    return canonical(pricing_bytes(config, wildcards.model))
+
+
+def price_inputs(wildcards):
+    """The profile, every simulated policy's counts and (this_machine) the first device's
+    engine runs."""
+    inputs = {
+        "profile": f"results/{wildcards.model}/hardware/{wildcards.hardware}.json",
+        "simulate_counts": expand(
+            "results/{model}/simulate/{policy}/f{fraction}.counts.parquet",
+            model=wildcards.model,
+            policy=SIMULATE_POLICIES,
+            fraction=FRACTIONS,
+        ),
+    }
+    if wildcards.hardware == THIS_MACHINE:
+        inputs["engine"] = expand(
+            "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+            model=wildcards.model,
+            device=ENGINE_DEVICES[:1],
+            policy=ENGINE_POLICIES,
+            fraction=FRACTIONS,
+        )
+    return inputs
 
 
 def engine_env(wildcards):
@@ -331,6 +375,12 @@ def engine_outputs():
     )
 
 
+def priced_outputs():
+    return expand(
+        "results/{model}/priced/{hardware}.parquet", model=MODELS, hardware=HARDWARE
+    )
+
+
 def calibration_outputs():
     return expand(
         "results/{model}/engine/{device}/calibration.json",
@@ -364,6 +414,7 @@ def analysis_inputs():
         ),
         "regime": expand("results/{model}/regime.parquet", model=MODELS),
         "simulate": simulate_outputs(),
+        "priced": priced_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
         "expb_feasibility": expb_feasibility_outputs(),

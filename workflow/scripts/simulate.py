@@ -12,7 +12,7 @@ run_simulate(
     snakemake.wildcards.policy,
     snakemake.params.policy,
     snakemake.params.fraction,
-    snakemake.input.cost,
-    snakemake.output[0],
+    snakemake.output.table,
+    snakemake.output.counts,
     coactivation_path=snakemake.input.get("coactivation"),
 )

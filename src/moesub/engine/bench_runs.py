@@ -5,7 +5,8 @@
 real-size router matmul on the fast device whose result reaches the host (the synchronization
 a real router imposes), the policy core's step on the given logits, the experts computed from
 the slots (and the host's). `BenchRun` holds the per-token wall times and counters;
-`by_status` names the status counts, `token_counts` gives the cost-model fit's regressors.
+`by_status` names the status counts, `timed_tokens` gives the cost fit's regressors
+(`moesub.calibration`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from moesub.engine.calibrate import TokenCounts
+from moesub.calibration import TimedTokens
+from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
-from moesub.policy import STATUS_NAMES
+from moesub.policy import STATUS_NAMES, TOKEN_LAYER_FIELDS
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -36,10 +38,12 @@ class BenchRun:
     bytes_sync: np.ndarray
     bytes_bg: np.ndarray
     counts: np.ndarray  # (T, S) slots per status code (`STATUS_NAMES` order), all layers
+    layer_counts: np.ndarray  # (T, L, len(TOKEN_LAYER_FIELDS)) what the policy did per layer
     admissions: np.ndarray  # (T,) admission requests per token
     syncs: np.ndarray  # (T,) host waits for the device per token
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
+    cpu_share: float  # the run's CPU share (`moesub.engine.contention`)
 
 
 @torch.inference_mode()
@@ -62,8 +66,10 @@ def run_policy(
     wall, wait = np.zeros(n), np.zeros(n)
     bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
     counts = np.zeros((n, len(STATUS_NAMES)), np.int64)
+    layer_counts = np.zeros((n, L, len(TOKEN_LAYER_FIELDS)), np.int64)
     syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
     admitted = admit_latency = 0
+    meter = CpuMeter().start()
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
         t0 = time.perf_counter()
         engine.begin_token()
@@ -88,12 +94,17 @@ def run_policy(
             wall[i], wait[i] = dt, st.fetch_wait_s
             bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
             counts[i], syncs[i] = st.counts, st.syncs
+            layer_counts[i] = st.layer_counts[:L]
             admissions[i] = st.admissions
             admitted += st.admitted
             admit_latency += st.admit_latency
+    share = meter.stop()["cpu_share"]
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
-    return BenchRun(wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency)
+    return BenchRun(
+        wall, wait, bsync, bbg, counts, layer_counts, admissions, syncs, admitted, admit_latency,
+        share,
+    )  # fmt: skip
 
 
 def concat_runs(runs: list[BenchRun]) -> BenchRun:
@@ -103,10 +114,12 @@ def concat_runs(runs: list[BenchRun]) -> BenchRun:
         bytes_sync=np.concatenate([r.bytes_sync for r in runs]),
         bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
         counts=np.concatenate([r.counts for r in runs]),
+        layer_counts=np.concatenate([r.layer_counts for r in runs]),
         admissions=np.concatenate([r.admissions for r in runs]),
         syncs=np.concatenate([r.syncs for r in runs]),
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
+        cpu_share=float(np.median([r.cpu_share for r in runs])),
     )
 
 
@@ -126,6 +139,5 @@ def by_status(counts: np.ndarray) -> dict[str, np.ndarray]:
     return dict(zip(STATUS_NAMES, np.moveaxis(counts, -1, 0), strict=True))
 
 
-def token_counts(r: BenchRun) -> TokenCounts:
-    c = by_status(r.counts)
-    return TokenCounts(r.wall_s, c["fetch"] + c["forced"], c["host"], r.admissions)
+def timed_tokens(r: BenchRun) -> TimedTokens:
+    return TimedTokens.from_counts(r.wall_s, r.layer_counts)

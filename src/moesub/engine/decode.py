@@ -17,7 +17,7 @@ from torch import nn
 
 from moesub.engine.adapter import EngineSetup
 from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
-from moesub.policy import STATUS_NAMES
+from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS
 
 
 def step(model: nn.Module, token: int, cache: Any, device: torch.device):
@@ -47,7 +47,8 @@ def decode_tokens(
     Returns per-step arrays over the S steps run (`wall_s` and every scalar of
     `runtime.TokenStats`: `fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync,
     bytes_bg, bytes_prefetch, bytes_host, mass, admissions, admitted, admit_latency, prefetches,
-    prefetch_in_time, syncs` (S,), `counts` (S, len(STATUS_NAMES)), `nll` (S,) NaN where no
+    prefetch_in_time, syncs` (S,), `counts` (S, len(STATUS_NAMES)), `layer_counts` (S, L,
+    len(TOKEN_LAYER_FIELDS)) int16 (zero for the prefill's steps), `nll` (S,) NaN where no
     input followed), plus `generated` (tokens), `stopped` and `admissions` (the total). Generated
     token i came from step P-1+i; the last generated token is never fed (S = P + n - 1, or
     P + n when a stop token ended it). A step's wall time runs from its start (admissions
@@ -63,6 +64,7 @@ def decode_tokens(
     cols = {"wall_s": np.zeros(S, np.float64)}
     cols.update({c: np.zeros(S, type(getattr(blank, c))) for c in SCALAR_STATS})
     counts = np.zeros((S, len(STATUS_NAMES)), np.int64)
+    layer_counts = np.zeros((S, engine.num_layers, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     nll = np.full(S, np.nan)
     generated: list[int] = []
     stopped = False
@@ -99,6 +101,7 @@ def decode_tokens(
         for c in SCALAR_STATS:
             cols[c][t] = getattr(st, c)
         counts[t] = st.counts
+        layer_counts[t] = st.layer_counts
         if t + 1 >= P and max_new_tokens:
             if token in stop_ids:
                 stopped = True
@@ -108,6 +111,7 @@ def decode_tokens(
                 break
     n = t + 1  # steps run
     out: dict[str, Any] = {c: v[:n] for c, v in cols.items()}
-    out.update(counts=counts[:n], nll=nll[:n], generated=generated, stopped=stopped)
+    out.update(counts=counts[:n], layer_counts=layer_counts[:n], nll=nll[:n])
+    out.update(generated=generated, stopped=stopped)
     out["admissions"] = int(out["admissions"].sum())  # the total over the decode
     return out

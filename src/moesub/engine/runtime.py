@@ -57,7 +57,17 @@ import torch
 
 from moesub.engine.copies import BackgroundCopies, Landed
 from moesub.engine.kernels import expert_forward
-from moesub.policy import FETCH, FORCED, HOST, STATUS_NAMES, LayerCache, LayerStep, Policy
+from moesub.policy import (
+    FETCH,
+    FORCED,
+    HOST,
+    STATUS_NAMES,
+    TOKEN_LAYER_FIELDS,
+    LayerCache,
+    LayerStep,
+    Policy,
+    token_layer_counts,
+)
 
 ADMISSION_TIMINGS = ("completion", "delay")
 ADMISSION, PREFETCH = "admission", "prefetch"  # what a background copy is for
@@ -85,9 +95,13 @@ class TokenStats:
     prefetches: int = 0  # prefetch copies issued for this token's steps (step 1b insertions)
     prefetch_in_time: int = 0  # of those, landed before their layer's step
     syncs: int = 0  # host waits for the device (`HostSync`), router reads and token end
+    # (L, len(TOKEN_LAYER_FIELDS)) what the policy did at each layer of the token, as the
+    # simulator counts it (the pricing's input); admissions = copies the core inserted in step 1
+    layer_counts: np.ndarray | None = None
 
 
-SCALAR_STATS = tuple(f.name for f in fields(TokenStats) if f.name != "counts")
+SCALAR_STATS = tuple(f.name for f in fields(TokenStats) if f.name not in ("counts", "layer_counts"))
+LANDED = TOKEN_LAYER_FIELDS.index("admissions")
 
 
 @dataclass(frozen=True)
@@ -184,6 +198,7 @@ class OffloadEngine:
         (all layers) is installed now, which also frees its staging buffer for new requests."""
         self.token += 1
         self.stats = TokenStats()
+        self.stats.layer_counts = np.zeros((self.num_layers, len(TOKEN_LAYER_FIELDS)), np.int64)
         self._syncs_at_begin = self.tier.syncs.count
         self.tier.begin_token()
         for layer in range(self.num_layers):
@@ -288,6 +303,7 @@ class OffloadEngine:
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
         st.counts += np.bincount(s.status.reshape(-1), minlength=len(STATUS_NAMES))
+        st.layer_counts[layer] += token_layer_counts(s).sum(0)
         st.mass += float(s.mass.sum())
         return s
 
@@ -345,6 +361,7 @@ class OffloadEngine:
             slot, _evicted = cache.admit(e)
             if not was_resident:
                 self.copies.await_copy(layer, slot, e)
+                self.stats.layer_counts[layer, LANDED] += 1
             if self._install(landed) and not was_resident:
                 self._count_admitted(landed.copy.token)
 
@@ -363,6 +380,7 @@ class OffloadEngine:
             slot, _evicted = cache.admit(e)
             if not was_resident:
                 self.copies.await_copy(layer, slot, e)
+                self.stats.layer_counts[layer, LANDED] += 1
             self._assigned[layer].append(e)
         held, self._held[layer] = self._held[layer], []
         for landed in held:
