@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-import pytest
-
 import pyarrow as pa
+import pytest
 
 from moesub.grid import GridPoint, simulate
 from moesub.policy import FETCH, FORCED, HIT, HOST, SUB, Policy, scan

@@ -23,7 +23,7 @@ from moesub.config import (
     policy_spec,
     stage_policies,
 )
-from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec
+from moesub.config import priced_hardware, pricing_bytes, profile_spec
 from moesub.hardware import THIS_MACHINE
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose

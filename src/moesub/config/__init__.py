@@ -15,7 +15,9 @@ one concept:
   `stage_policies`;
 - `inputs`: checkpoint directories (config.json, tokenizer files) and every local input path
   (`input_paths`);
-- `geometry`: each model's (E, k) and every capacity rule (`check_capacities`).
+- `geometry`: each model's (E, k) and every capacity rule (`check_capacities`);
+- `hardware`: the profiles priced (`priced_hardware`), the user's own (`user_profiles`), the
+  bytes a model is priced at (`pricing_bytes`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from moesub.config.geometry import (
     model_geometry,
     read_checkpoint_geometry,
 )
+from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec, user_profiles
 from moesub.config.inputs import (
     TOKENIZER_FILES,
     check_checkpoint_dir,
@@ -93,11 +96,15 @@ __all__ = [
     "number_label",
     "policy_spec",
     "policy_subset",
+    "priced_hardware",
+    "pricing_bytes",
+    "profile_spec",
     "read_checkpoint_geometry",
     "schema_defaults",
     "schema_section",
     "stage_policies",
     "twin_spec",
+    "user_profiles",
     "validate_config",
 ]
 
@@ -119,4 +126,5 @@ def load_config(path: str | Path) -> dict[str, Any]:
     stage_policies(config, expand_policies(config))
     check_capacities(config)
     check_input_paths(config)
+    priced_hardware(config)
     return config
