@@ -32,9 +32,9 @@ WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "d
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
-    "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
-    "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
-    "regime", "analysis", "recommend", "report",
+    "model_embedded", "streams", "capture", "initial_sets", "simulate", "hardware_profile",
+    "price", "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench",
+    "generate", "regime", "analysis", "recommend", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -244,7 +244,51 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     # one job per (policy, fraction) and stage; the sweeps expand into named policies
     n_policies = len(mcfg.expand_policies(cfg))
     assert sum(rule == "simulate" for rule, _ in jobs) == n_policies * len(cfg["fractions"])
+    # one profile and one pricing per (model, hardware profile priced)
+    n_priced = len(cfg["models"]) * len(mcfg.priced_hardware(cfg))
+    assert sum(rule == "price" for rule, _ in jobs) == n_priced
+    assert sum(rule == "hardware_profile" for rule, _ in jobs) == n_priced
     assert not (wf / "results").exists()
+
+
+def mark_done(wf: Path, configfile: str) -> None:
+    """Every output of the DAG as an empty file marked up to date (`--touch`), without running
+    a job: what a finished run leaves for the rerun rules to judge."""
+    run = snakemake(wf, "--dry-run", "--configfile", configfile)
+    assert run.returncode == 0, run.stdout[-4000:]
+    for line in run.stdout.splitlines():
+        m = re.match(r"^\s+output: (.+)$", line)
+        for out in m.group(1).split(", ") if m else ():
+            (wf / out).parent.mkdir(parents=True, exist_ok=True)
+            if Path(out).suffix:
+                (wf / out).touch()
+            else:  # a directory() output (figures, the model)
+                (wf / out).mkdir(exist_ok=True)
+    run = snakemake(wf, "--touch", "--forceall", "--cores", "1", "--configfile", configfile)
+    assert run.returncode == 0, run.stdout[-4000:]
+
+
+def test_a_hardware_profile_reruns_no_replay(tmp_path):
+    """A profile added or edited in `hardware:` reruns its profile and pricing jobs and what
+    reads the priced runs, never a replay, the engine or its calibration."""
+    wf = copy_workflow(tmp_path / "wf")
+    mark_done(wf, TEST_CONFIG)
+    cfg = load_test_config()
+    cfg["hardware"] = {
+        "mine": {"description": "my desktop", "source": "estimate", "concurrent_host": True,
+                 "link_bandwidth_Bps": "25e9", "transfer_latency_s": 1e-5,
+                 "fast_memory_Bps": 6.0e11, "host_memory_Bps": 6.0e10},
+    }  # fmt: skip
+    (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    jobs = planned_jobs(wf, "--configfile", "mine.yaml")
+    assert jobs == {
+        ("hardware_profile", "results/embedded/hardware/mine.json"),
+        ("price", "results/embedded/priced/mine.parquet"),
+        ("analysis", "results/analysis/models.parquet"),
+        ("recommend", "results/embedded/recommendation.json"),
+        ("report", "results/report.html"),
+        ("all", ""),
+    }, sorted(jobs)
 
 
 def test_config_paths_are_inputs_of_their_rules(tmp_path):
@@ -449,6 +493,7 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
+    expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
 

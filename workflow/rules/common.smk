@@ -152,7 +152,9 @@ def profile_inputs(wildcards):
     """this_machine's profile comes from the calibration of the first engine device."""
     if wildcards.hardware == THIS_MACHINE:
         device = ENGINE_DEVICES[0]
-        return {"calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"}
+        return {
+            "calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"
+        }
     return {}
 
 
