@@ -292,6 +292,19 @@ def add_design_space(root: Path, inputs: dict, params: dict, model: str = MODEL)
         params["policies"][name] = normalize_policy(name, policy)
         rows.append(priced_row("simulator", name, time))
     write_priced(Path(root) / model, rows)
+    # the host-computing policies under the study's GPU profile: the host path hidden behind
+    # the GPU's (concurrent) against the sum
+    study = [
+        {**priced_row("simulator", n, t), "hardware": STUDY_HARDWARE,
+         "time_per_token_serial_s": t + hidden, "hidden_host_per_token_s": hidden}
+        for n, t, hidden in CONCURRENT
+    ]  # fmt: skip
+    inputs["priced"].append(str(write_priced(Path(root) / model, study, STUDY_HARDWARE)))
+
+
+STUDY_HARDWARE = "rtx3090_pcie4_ddr4"
+# (policy, ms per token with the host concurrent, host ms hidden by it) on the study profile
+CONCURRENT = (("host_compute", 0.004, 0.003), ("hybrid_015", 0.002, 0.0005))
 
 
 PRICED = "this_machine"
@@ -314,14 +327,14 @@ def priced_row(
     }  # fmt: skip
 
 
-def write_priced(root: Path, rows: list[dict]) -> Path:
-    """`rows` added to the model's `priced/this_machine.parquet` (what is there kept)."""
+def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
+    """`rows` added to the model's `priced/{hardware}.parquet` (what is there kept)."""
     import polars as pl
 
-    path = root / "priced" / f"{PRICED}.parquet"
-    new = pl.DataFrame(rows, schema_overrides={"device": pl.String, "cpu_share": pl.Float64,
-                                                "contended": pl.Boolean,
-                                                "measured_time_per_token_s": pl.Float64})  # fmt: skip
+    path = root / "priced" / f"{hardware}.parquet"
+    types = {"device": pl.String, "cpu_share": pl.Float64, "contended": pl.Boolean,
+             "measured_time_per_token_s": pl.Float64}  # fmt: skip
+    new = pl.DataFrame(rows, schema_overrides=types)
     if path.exists():
         new = pl.concat([pl.read_parquet(path), new], how="vertical_relaxed")
     return write_parquet(new, path)

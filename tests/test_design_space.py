@@ -328,6 +328,11 @@ def test_report_design_section(design):
     gap = 100 * design["ds"].loc["fetch_every_miss", "belady_gap"]
     assert f"{gap:+.1f} pts (fetch_every_miss_belady)" in section
     assert "the time vs Δppl front holds hybrid (1), study" in section
+    # the host-computing policies with and without concurrency on the study's profile
+    table = section[section.index('id="concurrency-table"') :]
+    table = table[: table.index("</table>")]
+    assert table.count("<tr") == 1 + 2  # header, host_compute and hybrid_015
+    assert "rtx3090_pcie4_ddr4" in table and "1.75x" in table and "1.25x" in table
 
 
 # ---- workflow ---------------------------------------------------------------------------------
