@@ -33,19 +33,20 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     model=alternation(MODELS),
     policy=alternation([*POLICIES, ALL_RESIDENT]),
-    fraction=r"[0-9.]+",
+    size=alternation(SIZES),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
     hardware=alternation(HARDWARE),
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
-    task=r"gsm8k|humaneval|code_completion",
+    task=alternation(TASKS),
 
 
 include: "workflow/rules/model.smk"
 include: "workflow/rules/streams.smk"
 include: "workflow/rules/capture.smk"
+include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
 include: "workflow/rules/price.smk"

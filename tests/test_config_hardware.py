@@ -4,13 +4,21 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import yaml
 
-from moesub.config import load_config, priced_hardware, profile_spec, user_profiles
+from moesub.config import (
+    load_config,
+    priced_hardware,
+    pricing_bytes,
+    pricing_geometry,
+    profile_spec,
+    user_profiles,
+)
 from moesub.config.validation import validate_config
-from moesub.hardware import SHIPPED, THIS_MACHINE
+from moesub.hardware import SHIPPED, THIS_MACHINE, reference_model_bytes
 
 BASE = """
 models: {m: {embedded: true}}
@@ -94,3 +102,25 @@ def test_profile_errors_name_the_key_at_parse_time(change, message, tmp_path):
     path.write_text(yaml.safe_dump(copy.deepcopy(cfg)))
     with pytest.raises(ValueError, match=message):
         load_config(path)
+
+
+def test_models_are_priced_at_their_pricing_geometry_and_expert_bits(tmp_path):
+    """The profiles price an expert as the budgets do (pricing geometry x expert_bits): the
+    embedded model as the reference model, a checkpoint by its config.json, its own
+    expert_bits over the top-level one; dense weights and the head stay bf16."""
+    cfg = {"models": {"e": {"embedded": True}}, "expert_bits": 4.5}
+    assert pricing_bytes(cfg, "e") == {
+        "expert_bytes": 1_769_472.0,  # 3 x 2048 x 512 x 4.5 / 8
+        "dense_bytes_per_layer": reference_model_bytes(16).dense_bytes_per_layer,
+        "head_bytes": reference_model_bytes(16).head_bytes,
+    }
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "hidden_size": 64,
+        "moe_intermediate_size": 32, "vocab_size": 100,
+    }))  # fmt: skip
+    cfg["models"]["c"] = {"path": str(ckpt), "expert_bits": 8}
+    got = pricing_bytes(cfg, "c")
+    assert got["expert_bytes"] == pricing_geometry(cfg, "c").expert_bytes(8) == 3 * 64 * 32
+    assert (got["dense_bytes_per_layer"], got["head_bytes"]) == (0.0, 100 * 64 * 2)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
-from moesub.capture import run_capture, write_initial_sets
+from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
     BenchParams,
     ExpertStore,
@@ -44,6 +44,7 @@ from moesub.policy import (
     SUB,
     TOKEN_LAYER_FIELDS,
     Policy,
+    capacity_for,
     scan,
 )
 from moesub.synthetic import synthetic_logits
@@ -234,7 +235,7 @@ def stage(tmp_path_factory):
     run_capture(
         root / "model", root / "streams.parquet", root / "tokens.parquet", root / "router.parquet"
     )
-    write_initial_sets(root / "router.parquet", [FRACTION], root / "initial.parquet")
+    run_expert_ranking(root / "router.parquet", root / "initial.parquet")
     return root
 
 
@@ -324,7 +325,7 @@ def test_substituting_policy_changes_nll(stage, tmp_path):
 
 def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     fem = {"rule": "fetch_all"}
-    with pytest.raises(ValueError, match=r"capacity C=\d+, outside \[k="):
+    with pytest.raises(ValueError, match=r"C_l=\d+, outside \[k="):
         run_engine(
             stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x", fem, 0.1,
             "cpu", tmp_path / "o.parquet",
@@ -332,6 +333,15 @@ def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="tokens_path"):
         run_engine(stage / "model", tmp_path / "no.parquet", stage / "initial.parquet", "x", fem,
                    FRACTION, "cpu", tmp_path / "o.parquet")  # fmt: skip
+    # per-layer slot counts are not in the engine yet: a planned layout says so before any work
+    C = capacity_for(FRACTION, E_M)
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": [C - 1, C + 1]}))
+    with pytest.raises(NotImplementedError, match="per-layer slot counts .* not run planned"):
+        run_engine(
+            stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x",
+            {**fem, "allocation": "planned"}, FRACTION, "cpu", tmp_path / "o.parquet",
+            allocation_path=tmp_path / "alloc.json",
+        )  # fmt: skip
     if not HAS_CUDA:
         with pytest.raises(ValueError, match="CUDA was requested"):
             engine_run(stage, "x", fem, tmp_path, device="cuda")
@@ -432,6 +442,18 @@ def test_benchmark_table(tmp_path, monkeypatch):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
         BenchParams.from_dict({"layer": 2})
+    # the config's pin specs resolve at the benchmark's C = 128 (k = 10): "C-k" leaves k slots,
+    # "C-5" too few; a planned allocation has no artefact here
+    pinned = {"rule": "first_choice", "eviction": "lru", "pin": "C-k"}
+    synthetic = {"routing": "synthetic"}
+    assert BenchParams.from_dict({**synthetic, "policies": {"keep": pinned}}).policies == {
+        "keep": pinned
+    }
+    with pytest.raises(ValueError, match=r"params.policies.keep: pin 'C-5' pins 123 of C_l=128"):
+        BenchParams.from_dict({**synthetic, "policies": {"keep": {**pinned, "pin": "C-5"}}})
+    with pytest.raises(ValueError, match="params.policies.p: a planned allocation"):
+        planned = {"p": {"rule": "fetch_all", "allocation": "planned"}}
+        BenchParams.from_dict({**synthetic, "policies": planned})
 
 
 # ----------------------------------------------------------------------------------- CUDA

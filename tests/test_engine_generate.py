@@ -361,7 +361,7 @@ def test_generate_stage_on_the_engine_and_the_emulator(tmp_path):
     tables = {}
     for backend in ("engine", "emulator"):
         out = run_generate(
-            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "ranking.parquet",
             "speed", SPEED, 0.375, tmp_path / f"{backend}.parquet",
             {"n": 3, "max_new_tokens": 8, "progress": False, "backend": backend},
             {"store_path": str(tmp_path / "experts.bin")},
@@ -377,6 +377,6 @@ def test_generate_stage_on_the_engine_and_the_emulator(tmp_path):
     assert meta["time_per_token_median_s"] > 0 and emeta["time_per_token_median_s"] is None
     with pytest.raises(ValueError, match="backend"):
         run_generate(
-            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "ranking.parquet",
             "speed", SPEED, 0.375, tmp_path / "x.parquet", {"backend": "gpu"},
         )  # fmt: skip

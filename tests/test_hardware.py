@@ -17,22 +17,20 @@ from moesub.hardware import (
     HardwareProfile,
     ModelBytes,
     UnitCosts,
-    expert_bytes,
     measured_profile,
     reference_model_bytes,
     this_machine,
 )
+from moesub.slots import REFERENCE_GEOMETRY
 
 BF16 = reference_model_bytes(16)
 
 
 def test_expert_bytes_of_the_reference_model():
-    assert expert_bytes(2048, 512, 16) == 6_291_456  # 6 MiB in bf16
+    assert BF16.expert_bytes == REFERENCE_GEOMETRY.expert_bytes(16) == 6_291_456  # 6 MiB
     assert reference_model_bytes(4.5).expert_bytes == 1_769_472
     assert BF16.dense_bytes_per_layer == 2 * REFERENCE_DENSE_WEIGHTS_PER_LAYER
     assert BF16.head_bytes == 2 * 151_936 * 2048
-    with pytest.raises(ValueError, match="bits"):
-        expert_bytes(2048, 512, 0)
 
 
 @pytest.mark.slow
@@ -54,7 +52,7 @@ def test_reference_weights_are_qwen3_next_80b_a3b():
     assert sum(dense) / len(dense) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
     assert model.lm_head.weight.numel() == REFERENCE_HEAD_WEIGHTS
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    assert experts == 48 * 512 * expert_bytes(2048, 512, 8)  # 8 bits: one byte per weight
+    assert experts == 48 * 512 * REFERENCE_GEOMETRY.expert_bytes(8)  # 8 bits: a byte a weight
 
 
 def test_the_study_profile_priced_for_bf16_experts():

@@ -25,15 +25,9 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moesub.slots import REFERENCE_GEOMETRY
+
 SOURCES = ("estimate", "measured")  # a profile from spec sheets, or from a calibration run
-
-
-def expert_bytes(hidden: int, width: int, bits: float) -> float:
-    """Bytes of one routed expert (gate, up and down: 3 x hidden x width weights) at `bits` per
-    weight (16 = bf16; 4.5 = a 4-bit quantization with its scales)."""
-    if hidden <= 0 or width <= 0 or bits <= 0:
-        raise ValueError(f"expert_bytes: hidden={hidden}, width={width}, bits={bits} must be > 0")
-    return 3 * hidden * width * bits / 8
 
 
 @dataclass(frozen=True)
@@ -54,11 +48,11 @@ class ModelBytes:
 
 
 # Qwen3-Next-80B-A3B (the reference model; counted from transformers' Qwen3NextConfig defaults,
-# which are that model's, on the meta device: docs/hardware.md): hidden 2048, expert width 512,
-# 48 MoE layers; the 36 linear-attention layers hold 37,918,912 non-expert weights each and the
-# 12 full-attention layers 31,463,936 (router, shared expert and its gate, norms included); the
-# LM head is 151,936 x 2048.
-REFERENCE_HIDDEN, REFERENCE_WIDTH, REFERENCE_LAYERS = 2048, 512, 48
+# which are that model's, on the meta device: docs/hardware.md): its experts are
+# `moesub.slots.REFERENCE_GEOMETRY` (48 MoE layers of 512, hidden 2048, expert width 512); the
+# 36 linear-attention layers hold 37,918,912 non-expert weights each and the 12 full-attention
+# layers 31,463,936 (router, shared expert and its gate, norms included); the LM head is
+# 151,936 x 2048.
 REFERENCE_DENSE_WEIGHTS_PER_LAYER = (36 * 37_918_912 + 12 * 31_463_936) / 48
 REFERENCE_HEAD_WEIGHTS = 151_936 * 2048
 
@@ -67,7 +61,7 @@ def reference_model_bytes(expert_bits: float = 16.0, dense_bits: float = 16.0) -
     """The reference model's bytes: experts at `expert_bits`, everything else at `dense_bits`
     (runtimes keep attention and the head at higher precision than the experts)."""
     return ModelBytes(
-        expert_bytes=expert_bytes(REFERENCE_HIDDEN, REFERENCE_WIDTH, expert_bits),
+        expert_bytes=REFERENCE_GEOMETRY.expert_bytes(expert_bits),
         dense_bytes_per_layer=REFERENCE_DENSE_WEIGHTS_PER_LAYER * dense_bits / 8,
         head_bytes=REFERENCE_HEAD_WEIGHTS * dense_bits / 8,
     )

@@ -8,7 +8,7 @@ Two entry points, one rule each:
   profile; a shipped or configured one: its keys), the model's bytes it is priced for, and the
   seconds of each event (`UnitCosts`).
 - `run_price`: `results/{model}/priced/{hardware}.parquet`, one row per priced run
-  (`PRICED_COLUMNS`): `source` simulator (one per simulated policy and fraction, the
+  (`PRICED_COLUMNS`): `source` simulator (one per simulated policy and cache size, the
   simulator's tokens) or engine (this_machine only: the engine runs' own tokens, with their
   measured time and CPU share beside). Every stream is priced from an idle link, as the caches
   restart. `time_per_token_serial_s` is the same counts priced without concurrency (the host's
@@ -31,11 +31,12 @@ import polars as pl
 from moesub.hardware import THIS_MACHINE, HardwareProfile, ModelBytes, UnitCosts, this_machine
 from moesub.io import read_metadata, require_file, write_json, write_parquet
 from moesub.pricing import BREAKDOWN, StreamTime, price_streams
+from moesub.slots import policy_fields
 from moesub.token_counts import stream_counts
 from moesub.vocabulary import Policy
 
 PRICED_COLUMNS = (
-    "hardware", "source", "device", "policy", "fraction", "tokens", "time_per_token_s",
+    "hardware", "source", "device", "policy", "fraction", "size", "tokens", "time_per_token_s",
     "time_per_token_serial_s", "hidden_host_per_token_s", *(f"{p}_s" for p in BREAKDOWN),
     "measured_time_per_token_s", "cpu_share", "contended",
 )  # fmt: skip
@@ -76,7 +77,7 @@ def read_unit_costs(path: str | os.PathLike) -> tuple[str, UnitCosts]:
 
 def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict) -> dict:
     """One priced run: its streams priced with and without the host's concurrency."""
-    delay = Policy.from_dict(meta["policy"]).delay
+    delay = Policy.from_dict(policy_fields(meta["policy"])).delay  # its pins: in the counts
     t: StreamTime = price_streams(counts, delay, costs)
     serial = (
         price_streams(counts, delay, replace(costs, concurrent_host=False))
@@ -90,6 +91,7 @@ def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict)
         "device": meta.get("device"),
         "policy": meta["name"],
         "fraction": float(meta["fraction"]),
+        "size": (meta.get("size") or {}).get("label"),
         "tokens": n,
         "time_per_token_s": t.time_per_token_s,
         "time_per_token_serial_s": serial.time_per_token_s,
@@ -104,7 +106,7 @@ def run_price(
     engine_outputs: Sequence[str | os.PathLike],
     out_path: str | os.PathLike,
 ) -> pl.DataFrame:
-    """Price every simulate counts file (`simulate/{policy}/f{fraction}.counts.parquet`) and
+    """Price every simulate counts file (`simulate/{policy}/{size}.counts.parquet`) and
     every engine output (its `token_layer_counts`; this_machine only) under the profile of
     `profile_path` (`write_profile`); write the table (module doc) atomically, return it."""
     hardware, costs = read_unit_costs(profile_path)
@@ -130,7 +132,7 @@ def run_price(
         rows.append(row)
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
-                  tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip
+                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip
     out = pl.DataFrame(rows, schema=schema)
     write_parquet(out, out_path, metadata={"hardware": hardware, "unit_costs": asdict(costs)})
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +39,17 @@ from moesub.models import (
     router_weights,
 )
 from moesub.params import check_dtype, torch_dtype
-from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_initial
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_layers
+from moesub.slots import CacheSize
 
 
 # --------------------------------------------------------------------------- inputs
-def check_run(name: Any, fraction: Any) -> float:
-    """A policy run's name (non-empty: it names the artefact) and cache fraction in (0, 1]."""
+def check_run(name: Any, size: Any) -> None:
+    """A policy run's name (non-empty: it names the artefact) and cache size: a fraction in
+    (0, 1] or a resolved size (`moesub.layout.CacheSize.to_dict`)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty policy name, got {name!r}")
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0.0 < float(fraction) <= 1.0
-    ):
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    return float(fraction)
+    CacheSize.of(size, 1)  # the form only: the model's E resolves it later
 
 
 def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
@@ -354,17 +350,19 @@ class BatchRouter:
 def make_caches(
     model,
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     coactivation: np.ndarray | None = None,
 ) -> list:
-    """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None);
-    `coactivation` (L, E, E): the table substitute_by='coactivation' ranks candidates by
+    """One fresh `LayerCache` per MoE layer: layer l's capacity, initial set and policy (its
+    pins: `Policy.for_layer`), from the forms `scan` takes (`moesub.policy.check_layers`: an int
+    or L capacities; None, an (L, C) array or L initial sets); `coactivation` (L, E, E): the
+    table substitute_by='coactivation' ranks candidates by
     (`moesub.coactivation.read_coactivation`), required by such a policy."""
     info = moe_info(model)
     policy = replay_policy(policy)
-    initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
     L, E = info.num_layers, info.num_experts
+    layers = check_layers(policy, info.top_k, capacity, initial, L, E)
     if policy.substitute_by == "coactivation":
         if coactivation is None:
             raise ValueError(
@@ -383,9 +381,9 @@ def make_caches(
         LayerCache(
             num_experts=E,
             k=info.top_k,
-            capacity=capacity,
-            policy=policy,
-            initial=None if initial is None else initial[layer],
+            capacity=layers.capacities[layer],
+            policy=policy.for_layer(layer),
+            initial=layers.initials[layer],
             coactivation=None if coactivation is None else coactivation[layer],
         )
         for layer in range(L)
@@ -395,8 +393,8 @@ def make_caches(
 def policy_router(
     model,
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     coactivation: np.ndarray | None = None,
     record: bool = False,
 ) -> PolicyRouter:
@@ -436,8 +434,8 @@ def greedy_decode(
     model,
     prompts: list[list[int]],
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     max_new_tokens: int,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     progress: bool = False,
@@ -479,4 +477,70 @@ def greedy_decode(
                 masses.append(0.0 if router is None else router.last_mass())
                 step_ids = torch.tensor([[nxt]], dtype=torch.long, device=device)
         results.append(DecodeResult(tokens=tokens, mass=masses, stopped=stopped))
+    return results
+
+
+@torch.inference_mode()
+def greedy_decode_batched(
+    model,
+    prompts: list[list[int]],
+    policy,
+    capacity: int | Sequence[int],
+    initial: np.ndarray | None,
+    max_new_tokens: int,
+    batch_size: int | None = None,
+    progress: bool = False,
+    coactivation: np.ndarray | None = None,
+) -> list[DecodeResult]:
+    """Greedy decoding of equal-length prompts, exactly `max_new_tokens` tokens each (no stop
+    token), `batch_size` prompts per forward (None: all) under `policy` (None = the exact model).
+
+    Each prompt is its own stream with its own fresh per-layer caches, as in `greedy_decode`:
+    a forward over B prompts hands each prompt's rows to its own `PolicyRouter`
+    (`BatchRouter`), so every cache decision is the one that prompt gets alone. Equal lengths
+    and no stop keep the batch rectangular (no padding, no row that steps a cache for
+    nothing). Only the forward's floating-point rounding depends on the batch's shape (the last
+    bits of a logit), so a prompt decoded alone can differ where two logits nearly tie: compare
+    policies decoded with the same batches.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+    if len({len(p) for p in prompts}) > 1 or any(len(p) == 0 for p in prompts):
+        raise ValueError(
+            "prompts: batched decoding needs non-empty prompts of one length, got lengths "
+            f"{sorted({len(p) for p in prompts})}"
+        )
+    if policy is not None:
+        policy = replay_policy(policy)
+    device = input_device(model)
+    size = batch_size or max(len(prompts), 1)
+    results = []
+    bar = tqdm(total=len(prompts) * max_new_tokens, desc="decode", unit="tok", disable=not progress)
+    for lo in range(0, len(prompts), size):
+        batch = prompts[lo : lo + size]
+        routers = (
+            None
+            if policy is None
+            else [policy_router(model, policy, capacity, initial, coactivation) for _ in batch]
+        )
+        tokens = np.zeros((len(batch), max_new_tokens), dtype=np.int64)  # (B, N)
+        masses = np.zeros((len(batch), max_new_tokens))  # (B, N) summed over layers
+        with router_context(model, None if routers is None else BatchRouter(routers)):
+            step_ids = torch.tensor(batch, dtype=torch.long, device=device)  # (B, P), then (B, 1)
+            cache = None
+            for i in range(max_new_tokens):
+                out = model(input_ids=step_ids, cache=cache, use_cache=True)
+                nxt = torch.argmax(out.logits[:, -1].to(torch.float64), dim=-1)  # (B,)
+                tokens[:, i] = nxt.cpu().numpy()
+                if routers is not None:
+                    masses[:, i] = [r.last_mass() for r in routers]
+                step_ids, cache = nxt[:, None], out.cache
+                bar.update(len(batch))
+        results += [
+            DecodeResult(tokens=t.tolist(), mass=m.tolist(), stopped=False)
+            for t, m in zip(tokens, masses, strict=True)
+        ]
+    bar.close()
     return results

@@ -1,6 +1,6 @@
 """Per-token-layer counts as table columns: what a policy did at every token-layer of a run.
 
-The simulator (`simulate/{policy}/f{fraction}.counts.parquet`) and the engine (its per-token
+The simulator (`simulate/{policy}/{size}.counts.parquet`) and the engine (its per-token
 table) record, per token, the (L, F) counts of `TOKEN_LAYER_FIELDS` (experts hit, fetched,
 substituted, computed by the host, force-fetched; prefetched; background copies requested;
 admissions landed): the pricing's input (`moesub.pricing`). In a table they are one column,

@@ -13,17 +13,24 @@ import re
 from moesub.config import (
     ALL_RESIDENT,
     ALL_RESIDENT_POLICY,
-    REGIME_FRACTION,
     check_capacities,
     check_input_paths,
+    check_pins,
     expand_policies,
     input_paths,
     canonical,
+    is_planned,
+    model_sizes,
     number_label,
     policy_spec,
+    priced_hardware,
+    pricing_bytes,
+    profile_spec,
+    regime_size,
+    size_labels,
     stage_policies,
+    stage_sizes,
 )
-from moesub.config import priced_hardware, pricing_bytes, profile_spec
 from moesub.hardware import THIS_MACHINE
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
@@ -37,12 +44,15 @@ check_input_paths(config)
 MODELS = list(config["models"])
 EMBEDDED_MODELS = [m for m in MODELS if config["models"][m].get("embedded")]
 CHECKPOINT_MODELS = [m for m in MODELS if not config["models"][m].get("embedded")]
-FRACTIONS = [number_label(f) for f in config["fractions"]]
-# Resident sets are needed for every cache fraction, Experiment B's resident set and the regime
-# (moesub.regime, at the study's 25% resident).
-INITIAL_SET_FRACTIONS = sorted(
-    set(config["fractions"]) | {config["expb"]["fraction"], REGIME_FRACTION}
-)
+# Cache sizes: labels f<fraction> and b<budget> (the {size} wildcard), each resolved per model
+# to C slots per layer (a budget through the model's pricing geometry and expert_bits).
+SIZES = size_labels(config)
+MODEL_SIZES = {m: model_sizes(config, m) for m in MODELS}  # model -> label -> CacheSize
+STAGE_SIZES = stage_sizes(
+    config
+)  # simulate: every size; emulate, engine, generate: theirs
+REGIME_SIZES = {m: regime_size(config, m) for m in MODELS}
+check_pins(config, POLICIES)
 
 STAGE_POLICIES = stage_policies(config, POLICIES)
 SIMULATE_POLICIES = STAGE_POLICIES["simulate"]
@@ -50,11 +60,10 @@ EMULATE_POLICIES = STAGE_POLICIES["emulate"]
 ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
 GENERATE_POLICIES = STAGE_POLICIES["generate"]
+PLANNED_POLICIES = [name for name, spec in POLICIES.items() if is_planned(spec)]
 ENGINE_DEVICES = config["engine"]["devices"]
 # Hardware profiles priced (hardware.price); this_machine is the calibration of the first device
 HARDWARE = priced_hardware(config)
-# The cache fraction the engine's calibration runs its miss mechanisms at
-CALIBRATION_FRACTION = config["fractions"][0]
 TASKS = list(config["generate"]["tasks"])
 # Experiment B: design -> its targets and decision rule (schema defaults filled in).
 EXPB_DESIGNS = config["expb"]["designs"]
@@ -141,6 +150,24 @@ def core_build_id(wildcards):
     return CORE_BUILD_ID
 
 
+def size_params(wildcards):
+    """The cache size resolved for this model (label, C, fraction; a budget's pricing)."""
+    return canonical(MODEL_SIZES[wildcards.model][wildcards.size].to_dict())
+
+
+def regime_params(wildcards):
+    """The size the model's regime is measured at (moesub.config.regime_size)."""
+    return canonical(REGIME_SIZES[wildcards.model].to_dict())
+
+
+def allocation_input(wildcards):
+    """A planned policy's per-layer slots at this size: an input of its jobs only."""
+    if is_planned(POLICIES.get(wildcards.policy, {})):
+        path = f"results/{wildcards.model}/allocation/{wildcards.policy}/{wildcards.size}.json"
+        return {"allocation": path}
+    return {}
+
+
 def coactivation_input(wildcards):
     """The model's co-activation table, an input only of policies that substitute by it."""
     if POLICIES.get(wildcards.policy, {}).get("substitute_by") == "coactivation":
@@ -176,19 +203,19 @@ def price_inputs(wildcards):
     inputs = {
         "profile": f"results/{wildcards.model}/hardware/{wildcards.hardware}.json",
         "simulate_counts": expand(
-            "results/{model}/simulate/{policy}/f{fraction}.counts.parquet",
+            "results/{model}/simulate/{policy}/{size}.counts.parquet",
             model=wildcards.model,
             policy=SIMULATE_POLICIES,
-            fraction=FRACTIONS,
+            size=STAGE_SIZES["simulate"],
         ),
     }
     if wildcards.hardware == THIS_MACHINE:
         inputs["engine"] = expand(
-            "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+            "results/{model}/engine/{device}/{policy}/{size}.parquet",
             model=wildcards.model,
             device=ENGINE_DEVICES[:1],
             policy=ENGINE_POLICIES,
-            fraction=FRACTIONS,
+            size=STAGE_SIZES["engine"],
         )
     return inputs
 
@@ -204,7 +231,7 @@ def engine_params(wildcards):
     """The engine section minus what the workflow consumes; the disk tier's expert file lives
     under results/ (for a real checkpoint too, never beside the user's checkpoint). Generation
     shares it (its jobs have no device wildcard: generate.device decides)."""
-    params = section("engine", exclude=["devices", "policies", "bench"])
+    params = section("engine", exclude=["devices", "policies", "sizes", "bench"])
     # dtype null: the engine picks it per device (moesub.engine.spec.engine_dtype)
     device = wildcards.device if "device" in wildcards.keys() else "generate"
     dtype = params.get("dtype") or f"auto-{device}"
@@ -269,7 +296,7 @@ def generate_reference(wildcards):
     if wildcards.policy == baseline or baseline not in GENERATE_POLICIES:
         return []
     return [
-        f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/f{wildcards.fraction}.parquet"
+        f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/{wildcards.size}.parquet"
     ]
 
 
@@ -280,8 +307,9 @@ def generate_params(wildcards):
         for k, v in config["generate"]["tasks"][wildcards.task].items()
         if k != "path"
     }
-    shared = section("generate", exclude=["tasks", "policies"])
-    params = {**shared, **task}
+    shared = section("generate", exclude=["tasks", "policies", "sizes"])
+    # the evaluation text (a task reading held-out text, the continuation, takes it from here)
+    params = {**shared, **task, "source": config["streams"]["source"]}
     reference = generate_reference(wildcards)
     if reference:
         params["reference_path"] = reference[0]
@@ -312,19 +340,19 @@ def report_params():
 
 def simulate_outputs():
     return expand(
-        "results/{model}/simulate/{policy}/f{fraction}.parquet",
+        "results/{model}/simulate/{policy}/{size}.parquet",
         model=MODELS,
         policy=SIMULATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["simulate"],
     )
 
 
 def emulate_outputs():
     return expand(
-        "results/{model}/emulate/{policy}/f{fraction}.parquet",
+        "results/{model}/emulate/{policy}/{size}.parquet",
         model=MODELS,
         policy=EMULATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["emulate"],
     )
 
 
@@ -348,7 +376,7 @@ def expb_inputs(wildcards):
     inputs = {
         "model": model_artefact(wildcards.model),
         "tokens": f"results/{wildcards.model}/capture/eval_tokens.parquet",
-        "initial_sets": f"results/{wildcards.model}/initial_sets.parquet",
+        "ranking": f"results/{wildcards.model}/expert_ranking.parquet",
     }
     if wildcards.design == "matched":
         inputs["router"] = f"results/{wildcards.model}/capture/eval_router.parquet"
@@ -369,11 +397,11 @@ def expb_params(wildcards):
 
 def engine_outputs():
     return expand(
-        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+        "results/{model}/engine/{device}/{policy}/{size}.parquet",
         model=MODELS,
         device=ENGINE_DEVICES,
         policy=ENGINE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["engine"],
     )
 
 
@@ -399,11 +427,11 @@ def bench_outputs():
 
 def generate_outputs():
     return expand(
-        "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",
+        "results/{model}/generate/{task}/{policy}/{size}.parquet",
         model=MODELS,
         task=TASKS,
         policy=GENERATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["generate"],
     )
 
 

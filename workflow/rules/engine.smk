@@ -9,7 +9,7 @@ rule calibrate:
     input:
         model=model_input,
         tokens="results/{model}/capture/calib_tokens.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
     output:
         "results/{model}/engine/{device}/calibration.json",
     log:
@@ -22,7 +22,7 @@ rule calibrate:
     params:
         model_dir=model_dir,
         engine=engine_params,
-        fraction=CALIBRATION_FRACTION,
+        size=regime_params,  # the regime's size (nearest a quarter of E)
         core=core_build_id,
     script:
         "../scripts/calibrate.py"
@@ -30,22 +30,23 @@ rule calibrate:
 
 rule engine:
     input:
+        unpack(allocation_input),
         model=model_input,
         tokens="results/{model}/capture/eval_tokens.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
     output:
-        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+        "results/{model}/engine/{device}/{policy}/{size}.parquet",
     log:
-        "logs/{model}/engine/{device}/{policy}_f{fraction}.log",
+        "logs/{model}/engine/{device}/{policy}_{size}.log",
     benchmark:
-        "results/benchmarks/{model}/engine/{device}/{policy}_f{fraction}.tsv"
+        "results/benchmarks/{model}/engine/{device}/{policy}_{size}.tsv"
     conda:
         engine_env
     threads: ALL_CORES
     params:
         model_dir=model_dir,
         policy=policy_params,
-        fraction=lambda wildcards: float(wildcards.fraction),
+        size=size_params,
         core=core_build_id,
         engine=engine_params,
     script:

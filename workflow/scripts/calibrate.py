@@ -10,8 +10,8 @@ calibrate(
     snakemake.params.model_dir,
     snakemake.wildcards.device,
     snakemake.input.tokens,
-    snakemake.input.initial_sets,
-    snakemake.params.fraction,
+    snakemake.input.ranking,
+    snakemake.params.size,
     snakemake.output[0],
     snakemake.params.engine,
 )

@@ -15,9 +15,12 @@ one concept:
   `stage_policies`;
 - `inputs`: checkpoint directories (config.json, tokenizer files) and every local input path
   (`input_paths`);
-- `geometry`: each model's (E, k) and every capacity rule (`check_capacities`);
+- `geometry`: each model's (E, k) and pricing geometry (what its experts weigh);
+- `sizes`: cache sizes (fractions, byte budgets) resolved per model (`model_sizes`), the sizes
+  each stage runs at (`stage_sizes`), the regime's (`regime_size`), pin specs at every size
+  (`check_pins`) and every other capacity rule (`check_capacities`);
 - `hardware`: the profiles priced (`priced_hardware`), the user's own (`user_profiles`), the
-  bytes a model is priced at (`pricing_bytes`).
+  bytes a model is priced at (`pricing_bytes`: its pricing geometry at its `expert_bits`).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from moesub.config.geometry import (
-    REGIME_FRACTION,
-    check_capacities,
     expb_min_capacity,
     model_geometry,
+    pricing_geometry,
     read_checkpoint_geometry,
+    read_pricing_geometry,
 )
 from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec, user_profiles
 from moesub.config.inputs import (
@@ -49,6 +52,7 @@ from moesub.config.policies import (
     expand_policies,
     is_exact_twin,
     is_offline,
+    is_planned,
     missing_admission_twins,
     normalize_policy,
     policy_spec,
@@ -63,6 +67,18 @@ from moesub.config.schema import (
     schema_defaults,
     schema_section,
 )
+from moesub.config.sizes import (
+    REGIME_FRACTION,
+    SIZE_STAGES,
+    check_capacities,
+    check_pins,
+    configured_sizes,
+    expert_bits,
+    model_sizes,
+    regime_size,
+    size_labels,
+    stage_sizes,
+)
 from moesub.config.validation import validate_config
 from moesub.vocabulary import ALL_RESIDENT, ALL_RESIDENT_POLICY
 
@@ -74,6 +90,7 @@ __all__ = [
     "POLICY_KEYS",
     "REGIME_FRACTION",
     "SCHEMA_PATH",
+    "SIZE_STAGES",
     "TOKENIZER_FILES",
     "V2_POLICY_KEYS",
     "canonical",
@@ -81,28 +98,38 @@ __all__ = [
     "check_checkpoint_dir",
     "check_input_paths",
     "check_name",
+    "check_pins",
     "check_options",
     "config_schema",
+    "configured_sizes",
     "expand_policies",
     "expb_min_capacity",
+    "expert_bits",
     "has_tokenizer",
     "input_paths",
     "is_exact_twin",
     "is_offline",
+    "is_planned",
     "load_config",
     "missing_admission_twins",
     "model_geometry",
+    "model_sizes",
     "normalize_policy",
     "number_label",
     "policy_spec",
     "policy_subset",
     "priced_hardware",
     "pricing_bytes",
+    "pricing_geometry",
     "profile_spec",
     "read_checkpoint_geometry",
+    "read_pricing_geometry",
+    "regime_size",
     "schema_defaults",
     "schema_section",
+    "size_labels",
     "stage_policies",
+    "stage_sizes",
     "twin_spec",
     "user_profiles",
     "validate_config",
@@ -123,8 +150,11 @@ def load_config(path: str | Path) -> dict[str, Any]:
         validate_config(config)
     except ValueError as e:
         raise ValueError(f"config file {str(path)!r}:\n{e}") from None
-    stage_policies(config, expand_policies(config))
+    policies = expand_policies(config)
+    stage_policies(config, policies)
     check_capacities(config)
+    check_pins(config, policies)
+    stage_sizes(config)
     check_input_paths(config)
     priced_hardware(config)
     return config

@@ -7,23 +7,22 @@ every profile defined in the section); every other key of the section defines a 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
+from moesub.config.geometry import read_head_weights, read_pricing_geometry
+from moesub.config.sizes import expert_bits
 from moesub.hardware import (
     SHIPPED,
     THIS_MACHINE,
     HardwareProfile,
     ModelBytes,
-    expert_bytes,
     reference_model_bytes,
 )
 
 SECTION_KEYS = ("price",)  # the section's own keys; every other key is a profile
-PRICING_BITS = 16  # experts and dense weights priced in bf16 on the profiles
+DENSE_BITS = 16  # non-expert weights priced in bf16 (runtimes keep them above the experts')
 
 
 def user_profiles(config: Mapping[str, Any]) -> dict[str, HardwareProfile]:
@@ -68,20 +67,19 @@ def profile_spec(config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def pricing_bytes(config: Mapping[str, Any], model: str) -> dict[str, float]:
-    """The bytes model `model` is priced at on the profiles (`ModelBytes` keys, bf16): the
-    embedded model at the reference model's (Qwen3-Next-80B-A3B, whose routing geometry it
-    copies); a checkpoint at its own expert shape (hidden x moe_intermediate_size x 3) and LM
-    head (vocab x hidden), its non-expert layer weights not counted (priced as free)."""
+    """The bytes model `model` is priced at on the profiles (`ModelBytes` keys): one expert at
+    the model's pricing geometry and `expert_bits` (what its budgets buy slots with,
+    `moesub.config.sizes`); the embedded model's dense layers and head at the reference model's
+    (whose routing geometry it copies), a checkpoint's LM head (vocab x hidden), both in bf16;
+    a checkpoint's non-expert layer weights are not counted (priced as free)."""
+    bits = expert_bits(config, model)
     spec = config["models"][model]
     if spec.get("embedded"):
-        return asdict(reference_model_bytes(PRICING_BITS))
-    cfg = json.loads((Path(spec["path"]) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    hidden = int(cfg["hidden_size"])
-    width = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        return asdict(reference_model_bytes(bits, DENSE_BITS))
+    where = f"models.{model}.path"
     return asdict(
         ModelBytes(
-            expert_bytes=expert_bytes(hidden, width, PRICING_BITS),
-            head_bytes=int(cfg["vocab_size"]) * hidden * PRICING_BITS / 8,
+            expert_bytes=read_pricing_geometry(spec["path"], where).expert_bytes(bits),
+            head_bytes=read_head_weights(spec["path"], where) * DENSE_BITS / 8,
         )
     )

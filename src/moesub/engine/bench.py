@@ -68,6 +68,7 @@ from moesub.engine.store import (
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.io import write_parquet
+from moesub.layout import build_layout
 from moesub.params import options_from
 from moesub.policy import (
     ALL_RESIDENT,
@@ -76,6 +77,7 @@ from moesub.policy import (
     Policy,
     check_capacity,
 )
+from moesub.slots import layer_pin, policy_fields
 
 # the benchmark's default policies: five of the study's, and the all-resident floor
 _FROM_STUDY = ("fetch_every_miss", "host_compute", "rule_015", "quality", "speed")
@@ -141,8 +143,18 @@ class BenchParams:
         if not p.policies:
             raise ValueError("params.policies: at least one policy is required")
         for name, spec in p.policies.items():
-            if name != ALL_RESIDENT:
-                Policy.from_dict(dict(spec))
+            if name == ALL_RESIDENT:
+                continue
+            if spec.get("allocation", "uniform") != "uniform":
+                raise ValueError(
+                    f"params.policies.{name}: a planned allocation needs the model's allocation "
+                    "artefact; the benchmark runs one slot count for every layer"
+                )
+            try:  # the pin spec resolved at the benchmark's C, as the runs will
+                Policy.from_dict(policy_fields(spec))
+                layer_pin(spec.get("pin", 0), p.capacity, p.top_k, spec.get("prefetch", 0))
+            except ValueError as e:
+                raise ValueError(f"params.policies.{name}: {e}") from None
         if p.routing == "trace" and not p.trace_dir:
             raise ValueError("params.routing='trace' needs params.trace_dir (a capture directory)")
         return p
@@ -203,7 +215,8 @@ class _Plan:
     p: BenchParams
     dev: torch.device
     logits: BenchLogits
-    initial: np.ndarray  # (L, C) int32 frequency-initial resident set
+    ranking: np.ndarray  # (L, E) int32 the experts by calibration frequency, hottest first
+    initial: np.ndarray  # (L, C) int32 frequency-initial resident set: the ranking's prefix
     hits: np.ndarray  # (T, L, E) the calibration logits, every selection resident
     router_w: list[torch.Tensor]  # per layer [E, H] on the device
     h0: torch.Tensor  # [1, H] on the device: every token's hidden state entering layer 0
@@ -233,8 +246,9 @@ class _Plan:
             layers = 1 if name == CAL_HITS_ONE_LAYER else None
         elif name in CALIBRATION_POLICIES:
             pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), self.logits.calibration
-        else:
-            pol = Policy.from_dict(dict(p.policies[name]))
+        else:  # the policy's pin spec resolved at C (`moesub.layout`)
+            spec = p.policies[name]
+            pol = build_layout(self.ranking, p.fraction, spec, p.top_k).policy(spec)
         engine = OffloadEngine(tier, E, p.top_k, self.capacity(name), pol, initial, ACT)
         return engine, trace, layers
 
@@ -264,14 +278,15 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
         for _ in range(L)
     ]
     h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
-    initial = frequency_initial(logits.initial, k, C)
+    ranking = frequency_initial(logits.initial, k, E)
+    initial = np.ascontiguousarray(ranking[:, :C])
     host = None
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
         host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
     order = round_order(list(p.policies) + cal_names, p.rounds)
     hits = hits_only(logits.calibration, initial)
-    return _Plan(p, dev, logits, initial, hits, router_w, h0, store, host, order)
+    return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, host, order)
 
 
 @dataclass

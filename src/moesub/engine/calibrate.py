@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +96,16 @@ def calibrate(
     model_dir: str | os.PathLike,
     device: str,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
-    fraction: float,
+    ranking_path: str | os.PathLike,
+    size: float | Mapping[str, Any],
     out_json: str | os.PathLike,
     params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fit this machine's profile to timed engine runs of the model at `model_dir` on `device`
     (module doc): `engine.calibrate_rounds` rounds of every mechanism over the first
     `engine.calibrate_streams` streams of the calibration token table `tokens_path` (their first
-    `engine.calibrate_tokens` tokens each), C = `fraction`'s slots from the initial sets. Writes
+    `engine.calibrate_tokens` tokens each), at cache size `size` (a resolved size or a fraction),
+    each layer's initial experts from the expert ranking at `ranking_path`. Writes
     the JSON to `out_json` (atomically) and returns it. Every input is checked before a run."""
     from moesub.artefacts import check_token_table, iter_streams
 
@@ -115,10 +116,10 @@ def calibrate(
             model_dir,
             ALL_RESIDENT if policy is None else name,
             policy,
-            fraction,
+            size,
             device,
             params,
-            initial_sets_path=None if policy is None else initial_sets_path,
+            ranking_path=None if policy is None else ranking_path,
         )  # fmt: skip
         for name, policy in MECHANISMS.items()
     }
@@ -155,7 +156,7 @@ def calibrate(
         "rounds": opts.calibrate_rounds,
         "device": device,
         "tier": tier,
-        "fraction": float(fraction),
+        "size": specs["cal_fetch"].size.to_dict(),
         "threads": torch.get_num_threads(),
         **cpu,
     }

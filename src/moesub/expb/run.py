@@ -4,9 +4,10 @@ Every expert is available (no cache dynamics). Per token and MoE layer the condi
 (`moesub.expb.select` for the study design, the plan of `moesub.expb.plan` for the matched one)
 are substituted; everything else is computed exactly. A substitute is the policy core's choice
 (`moesub.policy.forced_substitution`: the highest-logit resident expert not in this token's
-computed set) from a configurable resident set (default: the frequency-initial set at the
-configured fraction). Streams go through the model in the capture's batches (bit-identical NLL
-with the capture where nothing is substituted).
+computed set) from a configurable resident set (default: the first C experts of each layer's
+calibration ranking at `expb.fraction`: one static, uniform, unpinned set, whatever sizes and
+layouts the policies run at). Streams go through the model in the capture's batches
+(bit-identical NLL with the capture where nothing is substituted).
 
 Per token the artefact records the realized mass per token-layer (`layer_mass`, the live gate
 weights of what was substituted, and `mass`, their mean over the token's layers), the number of
@@ -26,7 +27,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
+from moesub.artefacts import Trace, check_token_table, iter_streams, layout_for, load_trace
 from moesub.config import check_options, expb_min_capacity, schema_defaults
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
@@ -39,7 +40,7 @@ from moesub.expb.select import STUDY_CONDITIONS, select_substitutions
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
-from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_substitution
+from moesub.policy import CORE_BUILD_ID, check_initial, forced_substitution
 from moesub.replay import (
     BatchRouter,
     check_geometry,
@@ -60,7 +61,7 @@ _DEFAULTS = schema_defaults("expb")  # workflow/schemas/config.schema.yaml
 class ExpBParams:
     """What an Experiment B job takes from config.yaml `expb:` (every key optional)."""
 
-    fraction: float = _DEFAULTS["fraction"]  # resident set = frequency-initial set at this fraction
+    fraction: float = _DEFAULTS["fraction"]  # resident set = ranking prefix at this fraction
     # "initial" | "all" (every expert may serve as a substitute)
     resident: str = _DEFAULTS["resident"]
     progress: bool = True
@@ -282,7 +283,7 @@ def _stream_subset(trace: Trace, streams: list[int]) -> Trace:
 def run_expb(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     design: str,
     condition: str,
     target_mass: float,
@@ -303,7 +304,7 @@ def run_expb(
     tokens_path = require_file(tokens_path, "tokens_path")
     opts = ExpBParams.from_dict(params)
     if opts.resident == "initial":
-        initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
+        ranking_path = require_file(ranking_path, "ranking_path")
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if condition not in CONDITIONS:
@@ -327,10 +328,13 @@ def run_expb(
         resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
         capacity = info.num_experts
     else:
-        capacity = check_capacity(opts.fraction, info.num_experts, info.top_k)
-        resident = initial_set_for(
-            initial_sets_path, opts.fraction, info.num_layers, info.num_experts, capacity
-        )
+        # one static resident set at expb.fraction, uniform, unpinned: the expert ranking's
+        # first C experts of every layer (no policy runs, so no pin or allocation applies)
+        layout = layout_for(
+            ranking_path, opts.fraction, {"rule": "fetch_all"}, info.top_k, info.num_layers,
+            info.num_experts,
+        )  # fmt: skip
+        capacity, resident = layout.size.capacity, layout.initial_array()
     meta: dict[str, Any] = {"design": design, "condition": condition, "target_mass": target_mass}
     plan = None
     if design == "matched":

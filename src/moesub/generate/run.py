@@ -7,6 +7,9 @@ config section), so each row carries real time per generated token beside its ac
 `admission="delay"` its tokens are the emulator's (`tests/test_engine_generate.py`).
 `backend="emulator"` decodes with `moesub.replay.greedy_decode` (no timing). The exact model's
 output, when no reference artefact is given, always comes from the emulator without a policy.
+A fixed-length task (the free continuation: equal-length prompts, no stop) decodes on the
+emulator in batches of prompts whatever the backend (`moesub.replay.greedy_decode_batched`:
+each prompt its own caches; its text is the engine's under admission "delay").
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from moesub.artefacts import initial_set_for
+from moesub.artefacts import layout_for
 from moesub.engine import EngineModel
 from moesub.engine.spec import resolve_engine
 from moesub.generate.base import Task, TaskItem, agreement, scored_length, truncate_at
@@ -33,9 +36,10 @@ from moesub.generate.tasks import task_named
 from moesub.io import write_parquet
 from moesub.models import check_checkpoint, load_model, load_tokenizer
 from moesub.params import torch_device
-from moesub.policy import CORE_BUILD_ID, check_capacity
-from moesub.replay import check_run, greedy_decode, policy_from_dict
+from moesub.policy import CORE_BUILD_ID
+from moesub.replay import check_run, greedy_decode, greedy_decode_batched, policy_from_dict
 from moesub.sandbox import probe_isolation
+from moesub.slots import policy_fields
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("policy", pa.string()),
         ("fraction", pa.float64()),
         ("output", pa.string()),  # decoded generation, cut at the task's stop sequence
-        ("correct", pa.bool_()),  # null: not scored (missing_reason says why)
+        ("correct", pa.bool_()),  # null: not scored (missing_reason says why) or not graded
         ("missing_reason", pa.string()),  # "" when scored; e.g. the sandbox's own failure
         ("agree_exact", pa.bool_()),  # same scored tokens as the exact model's greedy output
         ("agree_prefix_frac", pa.float64()),  # common prefix / longer of the two (scored tokens)
@@ -60,6 +64,9 @@ OUTPUT_SCHEMA = pa.schema(
         ("target", pa.string()),  # GSM8K: gold number; HumanEval: entry point; completion: line
         ("stopped", pa.bool_()),  # ended by a stop token before max_new_tokens
         ("tokens", pa.list_(pa.int32())),  # every generated token id (reference reuse)
+        # the task's numeric measures of the scored tokens (continuation: degeneration,
+        # moesub.generate.degeneration.DEGENERATION_MEASURES; NaN: undefined); empty: none
+        ("measures", pa.map_(pa.string(), pa.float64())),
         # engine backend (null on the emulator): per generated token, the median wall time of
         # the step that produced it, and the mean time blocked on synchronous fetches, late
         # prefetches and the host's experts
@@ -86,12 +93,19 @@ def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> 
 
 
 def decode_items(
-    model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts
-) -> list:
+    model, tokenizer, items: list[TaskItem], policy, capacity, initial, stop, opts,
+    fixed_length: bool = False,
+) -> list:  # fmt: skip
     """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
     (its own policy; `EngineDecodeResult`s) or a Hugging Face model (the emulator under
-    `policy`, None = the exact model; `moesub.replay.DecodeResult`s)."""
+    `policy`, None = the exact model; `moesub.replay.DecodeResult`s). `fixed_length`: exactly
+    `max_new_tokens` each, no stop, in batches of `opts.batch_size` prompts (emulator only)."""
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
+    if fixed_length:
+        return greedy_decode_batched(
+            model, prompts, policy, capacity, initial, opts.max_new_tokens, opts.batch_size,
+            opts.progress,
+        )  # fmt: skip
     if isinstance(model, EngineModel):
         return model.generate(prompts, opts.max_new_tokens, stop, opts.progress)
     return greedy_decode(
@@ -133,7 +147,7 @@ def generate_rows(
     name: str,
     policy,
     fraction: float,
-    capacity: int,
+    capacity: int | tuple[int, ...],
     initial,
     num_layers: int,
     opts: GenerateParams,
@@ -151,13 +165,18 @@ def generate_rows(
     stop = task.stop_ids(tokenizer)
 
     def decode_and_cut(policy, capacity, initial, model=model) -> tuple[list, list[str], list]:
-        """Decoded results, their stop-cut outputs, and how many tokens each output spans."""
-        results = decode_items(model, tokenizer, items, policy, capacity, initial, stop, opts)
+        """Decoded results, their stop-cut outputs, and how many tokens each output spans
+        (every token when the task has no stop sequence)."""
+        results = decode_items(
+            model, tokenizer, items, policy, capacity, initial, stop, opts, task.fixed_length
+        )
         outputs, n_scored = [], []
         for res in results:
             out = truncate_at(tokenizer.decode(res.tokens, skip_special_tokens=True), task.stops)
             outputs.append(out)
-            n_scored.append(scored_length(tokenizer, res.tokens, len(out)))
+            n_scored.append(
+                scored_length(tokenizer, res.tokens, len(out)) if task.stops else len(res.tokens)
+            )
         return results, outputs, n_scored
 
     results, outputs, n_scored = decode_and_cut(policy, capacity, initial)
@@ -177,7 +196,7 @@ def generate_rows(
         unit="problem",
         disable=not opts.progress,
     ):
-        s = task.score(item, out, opts)
+        s = task.score(item, out, res.tokens[:m], opts)
         exact, prefix = agreement(res.tokens[:m], ref[:m_ref])
         rows["task"].append(task.name)
         rows["problem_id"].append(item.problem_id)
@@ -197,6 +216,7 @@ def generate_rows(
         rows["target"].append(item.target)
         rows["stopped"].append(bool(res.stopped))
         rows["tokens"].append(list(res.tokens))
+        rows["measures"].append(s.measures)
         for col, value in step_times(res).items():
             rows[col].append(value)
     return pa.table(rows, schema=OUTPUT_SCHEMA)
@@ -207,15 +227,20 @@ def run_generate(
     model_dir: str | os.PathLike,
     task: str,
     data_path: str | os.PathLike | None,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     name: str,
     policy: Mapping[str, Any],
-    fraction: float,
+    size: float | Mapping[str, Any],
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
     engine_params: Mapping[str, Any] | None = None,
+    allocation_path: str | os.PathLike | None = None,
 ) -> Path:
-    """Generate one (task, policy, fraction): one row per problem (OUTPUT_SCHEMA) at `out_path`.
+    """Generate one (task, policy, size): one row per problem (OUTPUT_SCHEMA) at `out_path`.
+
+    `policy`: the config's policy dict; `size`: a resolved cache size or a fraction; the caches'
+    layout comes from the expert ranking at `ranking_path` (and a planned policy's
+    `allocation_path`; the engine backend does not run a planned layout yet).
 
     `data_path`: GSM8K JSONL; HumanEval JSONL(.gz) or None (the bundled copy); code completion:
     a corpus_files.parquet or None (the model's own). When the data is missing, an empty table
@@ -227,33 +252,41 @@ def run_generate(
     record = task_named(task)
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"model_dir: {model_dir} does not exist")
-    if not Path(initial_sets_path).is_file():
-        raise FileNotFoundError(f"initial_sets_path: {initial_sets_path} does not exist")
-    check_run(name, fraction)
-    pol = policy_from_dict(policy)
+    if not Path(ranking_path).is_file():
+        raise FileNotFoundError(f"ranking_path: {ranking_path} does not exist")
+    check_run(name, size)
+    policy_from_dict(policy_fields(policy))
     opts = GenerateParams.from_dict(params)
     if opts.reference_path is not None and not Path(opts.reference_path).is_file():
         raise FileNotFoundError(f"params.reference_path: {opts.reference_path} does not exist")
     info = check_checkpoint(model_dir)
-    capacity = check_capacity(fraction, info.num_experts, info.top_k)
+    layout = layout_for(
+        ranking_path, size, policy, info.top_k, info.num_layers, info.num_experts,
+        allocation_path,
+    )  # fmt: skip
+    pol = policy_from_dict(layout.policy(policy))
+    fraction = layout.size.fraction
     device = torch_device(opts.device)
     spec = None
-    if opts.backend == "engine":  # every engine input checked before any work
+    backend = "emulator" if record.fixed_length else opts.backend
+    if backend == "engine":  # every engine input checked before any work
         eng_params = {**(engine_params or {}), "admission": opts.admission}
         eng_params.setdefault("progress", opts.progress)
         spec = resolve_engine(
-            model_dir, name, pol, fraction, str(device), eng_params,
-            initial_sets_path=initial_sets_path,
+            model_dir, name, policy, layout.size, str(device), eng_params,
+            ranking_path=ranking_path, allocation_path=allocation_path,
         )  # fmt: skip
     meta: dict[str, Any] = {
         "task": task,
         "name": name,
-        "policy": pol.to_dict(),
-        "fraction": float(fraction),
+        "policy": dict(policy),
+        "fraction": fraction,
+        "size": layout.size.to_dict(),
+        "layout": layout.to_dict(),
         "data_path": None if data_path is None else str(data_path),
         "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
         "core_build_id": CORE_BUILD_ID,
-        "backend": opts.backend,
+        "backend": backend,
     }
     try:
         items = record.items(data_path, model_dir, opts)
@@ -262,9 +295,7 @@ def run_generate(
         meta["missing_data"] = str(exc)
         return write_parquet(OUTPUT_SCHEMA.empty_table(), out_path, metadata=meta)
 
-    initial = initial_set_for(
-        initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
-    )
+    capacity, initial = layout.capacities, layout.initial
     if spec is not None:
         tokenizer = load_tokenizer(model_dir)
         with EngineModel(model_dir, spec) as engine:
@@ -285,7 +316,7 @@ def run_generate(
         )  # fmt: skip
     if record.sandboxed:
         meta["sandbox"] = probe_isolation()
-    meta["capacity"] = capacity
+    meta["capacity"] = layout.size.capacity
     meta["num_moe_layers"] = info.num_layers
     meta["n"] = table.num_rows
     correct = [c for c in table.column("correct").to_pylist() if c is not None]

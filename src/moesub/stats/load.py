@@ -282,15 +282,33 @@ def model_row(
         "train_time_s": summary.get("train_time_s"),
     }
     caps: dict[float, int | None] = {}
+    labels: dict[float, str] = {}
+    pricing: set[str] = set()
     for kind in ("simulate", "emulate", "engine"):
         for info in infos[kind]:
             cap = info.meta.get("capacity")
             if cap is None and num_experts is not None:
                 cap = capacity_for(info.fraction, int(num_experts))
             caps.setdefault(float(info.fraction), None if cap is None else int(cap))
+            size = info.meta.get("size") or {}
+            labels.setdefault(float(info.fraction), size.get("label") or f"f{info.fraction:g}")
+            if size.get("budget"):
+                pricing.add(budget_pricing(size))
     row["fractions"] = sorted(caps)
     row["capacities"] = [caps[f] for f in sorted(caps)]
+    row["sizes"] = [labels[f] for f in sorted(caps)]  # f<fraction> | b<budget> (path labels)
+    row["pricing"] = "; ".join(sorted(pricing)) or None  # how each budget became C
     return row
+
+
+def budget_pricing(size: Mapping[str, Any]) -> str:
+    """How a budget size became slots per layer (its artefact metadata), in one line."""
+    b = size["budget"]
+    return (
+        f"{size['label']}: {b['budget']} at {b['expert_bits']:g} bits per weight = "
+        f"{b['expert_bytes']:.0f} B per expert -> C = {size['capacity']} per layer, priced at "
+        f"the {b['pricing']['source']}"
+    )
 
 
 def provenance(

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from moesub.io import write_json
 from moesub.stats.admission import admission
 from moesub.stats.claims import claims
+from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
 from moesub.stats.generation import generation
@@ -68,6 +69,7 @@ OUTPUT_FILES = (
     "layer_hit_rates",
     "engine_bench",
     "generation",
+    "degeneration",
     "regime",
     "design_space",
     "design_families",
@@ -114,6 +116,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
         gen = generation(db, infos["generate"], p)
+        degen = degeneration(db, infos["generate"], qual.table, p)
     prices, sim_total = priced(paths["priced"], sim.total)
     sim = sim._replace(total=sim_total)
     space = design_space(sim.total, sim.layers, qual.table, p)
@@ -129,6 +132,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *adm.tests,
             *units.tests,
             *gen.tests,
+            *degen.tests,
         ],
         p.alpha,
     )
@@ -147,6 +151,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "priced": prices,
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
+            "degeneration": degen.table,
             "regime": reg.table,
             "design_space": space.table,
             "design_families": space.families,
@@ -173,6 +178,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "speed_quality": speed.status,
             "sim_vs_engine": sve.status,
             "generation": gen.status,
+            "degeneration": degen.status,
             "regime": reg.status,
             "summary": summ.status,
             "claims": verdicts.status,
