@@ -40,6 +40,7 @@ wildcard_constraints:
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
+    cell=alternation(FACTORIAL_CELLS),
     task=alternation(TASKS),
 
 

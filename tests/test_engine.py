@@ -26,6 +26,7 @@ from moesub.engine import (
     summarize_engine,
     write_store,
 )
+from moesub.engine.bench_runs import read_bench_counts
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -41,6 +42,7 @@ from moesub.policy import (
     FETCH,
     HOST,
     STATUS_NAMES,
+    STUDY_POLICIES,
     SUB,
     TOKEN_LAYER_FIELDS,
     Policy,
@@ -438,6 +440,24 @@ def test_benchmark_table(tmp_path, monkeypatch):
     assert HardwareProfile.from_dict("this_machine", meta["profile"]).source == "measured"
     assert (df["est_time_per_token_s"] > 0).all() and df["contended"].dtype == pl.Boolean
     assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
+    # every run's per-token-layer counts beside the table: the validation runs' sum to their
+    # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)
+    counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
+    cmeta = read_metadata(tmp_path / "bench_token_layers.parquet")
+    assert cmeta["fields"] == list(TOKEN_LAYER_FIELDS) and cmeta["capacity"] == 8
+    assert cmeta["policies"]["speed"] == Policy(**STUDY_POLICIES["speed"]).to_dict()
+    assert set(counts) == set(by) | {"cal_hits", "cal_fetch", "cal_host", "cal_admit",
+                                     "cal_hits_1layer"}  # fmt: skip
+    for name, runs in counts.items():
+        (wall, c), L = runs[0], 1 if name == "cal_hits_1layer" else 2
+        assert len(runs) == 1 and wall.shape == (30 if name in by else 64,) and (wall > 0).all()
+        assert c.shape == (len(wall), L, len(TOKEN_LAYER_FIELDS)) and c.dtype == np.int16
+        assert (c[..., :5].sum(-1) == 4).all()  # k experts per token-layer
+        if name in by:
+            per_status = c[..., :5].sum((0, 1))
+            assert per_status[0] / per_status.sum() == pytest.approx(by[name]["hit_rate"])
+    speed = counts["speed"][0][1]
+    assert speed[..., TOKEN_LAYER_FIELDS.index("admission_requests")].sum() > 0
     with pytest.raises(ValueError, match=r"params\.fraction: .*C=5, outside \[k=10"):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):

@@ -21,7 +21,7 @@ import pytest
 from fixtures_artefacts import write_ranking
 from tiny_models import tiny_qwen3_next
 
-from moesub.artefacts import initial_set_for
+from moesub.artefacts import read_expert_ranking
 from moesub.config import schema_section
 from moesub.corpus import read_document
 from moesub.documents import load_documents
@@ -618,7 +618,7 @@ def test_batched_decoding_is_each_prompt_alone(stage):
     decoding each prompt alone (`greedy_decode`), for the exact model and two substituting
     policies, in one batch and in batches of 2 (the last one short)."""
     model, _ = load_model(stage / "model")
-    initial = initial_set_for(stage / "initial_sets.parquet", 0.375, L, E, C)
+    initial = read_expert_ranking(stage / "ranking.parquet", L, E)[:, :C]
     prompts = np.random.default_rng(0).integers(3, 300, (5, 12)).tolist()
     for policy in (None, HARSH, LFU_ADMIT):
         alone = greedy_decode(model, prompts, policy, C, initial, 10)
@@ -717,7 +717,7 @@ def test_run_generate_continuation(stage):
                                      "cont_sub2.parquet", **CONT))  # fmt: skip
     assert again.equals(harsh)
     missing = run_generate(
-        stage / "model", "continuation", stage / "no.txt", stage / "initial_sets.parquet", "fem",
+        stage / "model", "continuation", stage / "no.txt", stage / "ranking.parquet", "fem",
         EXACT, 0.375, stage / "out" / "missing_cont.parquet", CONT,
     )  # fmt: skip
     assert "no.txt" in read_metadata(missing)["missing_data"]

@@ -33,8 +33,9 @@ TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
     "model_embedded", "streams", "capture", "expert_ranking", "simulate", "hardware_profile",
-    "price", "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench",
-    "generate", "regime", "analysis", "recommend", "report",
+    "price", "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
+    "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
+    "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -144,7 +145,13 @@ def test_capacity_checks():
     cfg["expb"] = {"fraction": 0.08}
     with pytest.raises(ValueError, match=r"expb.fraction=0.08 .* 5 experts .* 2k - 1 = 7"):
         mcfg.check_capacities(cfg)
-    cfg["expb"] = {"fraction": 0.08, "resident": "all"}  # every expert may substitute
+    # every expert may substitute; the factorial design's ranks within k = 4 (default: 6)
+    cfg["expb"] = {"fraction": 0.08, "resident": "all"}
+    with pytest.raises(ValueError, match=r"factorial.high_ranks=\[6, 6\] reaches past .* k=4"):
+        mcfg.check_capacities(cfg)
+    cfg["expb"]["designs"] = {"factorial": {"low_ranks": [2, 2], "high_ranks": [3, 4]}}
+    assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
+    cfg["expb"]["designs"] = {"factorial": {"enabled": False}}
     assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
     # the engine benchmark's own geometry
     cfg["engine"] = {"bench": {"num_experts": 64, "top_k": 20, "fraction": 0.25}}
@@ -198,12 +205,18 @@ def _schema_keys(schema: dict, *path: str) -> set[str]:
 
 
 def test_expb_decision_rule_keys():
-    """The expb keys the workflow keeps from the expb jobs are the analysis' decision rule."""
-    from moesub.stats import ExpBRule
+    """The expb keys the workflow keeps from the expb jobs are the analysis' decision rule (the
+    factorial design's rule is `expb.designs.factorial`'s, minus what its jobs read)."""
+    from moesub.expb import FactorialSpec
+    from moesub.stats import ExpBRule, FactorialRule
 
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
-    rule = {f.name for f in dataclasses.fields(ExpBRule)}
+    rule = {f.name for f in dataclasses.fields(ExpBRule)} - {"factorial"}
     assert rule <= _schema_keys(schema, "expb")
+    factorial = _schema_keys(schema, "expb", "designs", "factorial")
+    plan = {f.name for f in dataclasses.fields(FactorialSpec)}
+    analysis = {f.name for f in dataclasses.fields(FactorialRule)} | {"enabled"}
+    assert plan | analysis == factorial and not plan & analysis
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,6 +451,15 @@ BAD_CONFIGS = {
     "expb_pool_below_2k_minus_1": (
         lambda c: c["expb"].update(fraction=0.08),
         "expb.fraction=0.08 gives Experiment B a substitute pool of 5 experts",
+    ),
+    # the factorial design's ranks are tail ranks of the router's top-k (k = 4)
+    "expb_factorial_rank_past_k": (
+        lambda c: c["expb"]["designs"]["factorial"].update(high_ranks=[3, 5]),
+        "expb.designs.factorial.high_ranks=[3, 5] reaches past the router's top-k",
+    ),
+    "expb_factorial_bad_band": (
+        lambda c: c["expb"]["designs"]["factorial"].update(light=[0.2]),
+        "config key expb.designs.factorial.light: [0.2] is not allowed",
     ),
     # cache sizes: budgets priced at the reference geometry (6 MiB bf16 experts, 48 layers)
     "budget_unparsable": (

@@ -13,6 +13,7 @@ import re
 from moesub.config import (
     ALL_RESIDENT,
     ALL_RESIDENT_POLICY,
+    FACTORIAL_CELLS,
     check_capacities,
     check_input_paths,
     check_pins,
@@ -65,11 +66,15 @@ ENGINE_DEVICES = config["engine"]["devices"]
 # Hardware profiles priced (hardware.price); this_machine is the calibration of the first device
 HARDWARE = priced_hardware(config)
 TASKS = list(config["generate"]["tasks"])
-# Experiment B: design -> its targets and decision rule (schema defaults filled in).
-EXPB_DESIGNS = config["expb"]["designs"]
+# Experiment B: design -> its targets and decision rule (schema defaults filled in); the study
+# and matched designs run at target masses, the factorial design runs cells.
+EXPB_DESIGNS = {d: s for d, s in config["expb"]["designs"].items() if d != "factorial"}
+EXPB_FACTORIAL = config["expb"]["designs"]["factorial"]
 # Experiment B keys the expb jobs do not read (the designs' targets and decision rules, the level
 # of the tests): changing a decision rule reruns only the analysis.
 EXPB_ANALYSIS_KEYS = ["designs", "alpha"]
+# the factorial design's keys its jobs do not read (whether it runs, its decision rule)
+EXPB_FACTORIAL_ANALYSIS_KEYS = ["enabled", "max_weight_gap"]
 
 
 def alternation(names):
@@ -322,6 +327,8 @@ def analysis_params():
         design: {k: v for k, v in spec.items() if k != "masses"}
         for design, spec in EXPB_DESIGNS.items()
     }
+    if EXPB_FACTORIAL["enabled"]:
+        expb_rules["factorial"] = {"max_weight_gap": EXPB_FACTORIAL["max_weight_gap"]}
     params = {
         **config["analysis"],
         "policies": POLICIES,
@@ -395,6 +402,39 @@ def expb_params(wildcards):
     return canonical(params)
 
 
+def expb_factorial_outputs():
+    if not EXPB_FACTORIAL["enabled"]:
+        return []
+    return expand(
+        "results/{model}/expb/factorial/{cell}.parquet",
+        model=MODELS,
+        cell=FACTORIAL_CELLS,
+    )
+
+
+def expb_factorial_feasibility_outputs():
+    if not EXPB_FACTORIAL["enabled"]:
+        return []
+    return expand("results/{model}/expb/factorial_feasibility.parquet", model=MODELS)
+
+
+def expb_factorial_spec():
+    """The factorial design's cells and count: its plan (feasibility and runs) reads these."""
+    return canonical(
+        {
+            k: v
+            for k, v in EXPB_FACTORIAL.items()
+            if k not in EXPB_FACTORIAL_ANALYSIS_KEYS
+        }
+    )
+
+
+def expb_factorial_params(wildcards):
+    """What a factorial run reads from `expb:` besides its spec (the shared settings, the seed
+    of the plan's hash)."""
+    return section("expb", exclude=EXPB_ANALYSIS_KEYS)
+
+
 def engine_outputs():
     return expand(
         "results/{model}/engine/{device}/{policy}/{size}.parquet",
@@ -448,6 +488,8 @@ def analysis_inputs():
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
         "expb_feasibility": expb_feasibility_outputs(),
+        "expb_factorial": expb_factorial_outputs(),
+        "expb_factorial_feasibility": expb_factorial_feasibility_outputs(),
         "calibration": calibration_outputs(),
         "engine": engine_outputs(),
         "engine_bench": bench_outputs(),

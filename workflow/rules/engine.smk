@@ -57,7 +57,8 @@ rule engine_bench:
     input:
         unpack(bench_inputs),
     output:
-        "results/engine_bench/{device}.parquet",
+        table="results/engine_bench/{device}.parquet",
+        token_layers="results/engine_bench/{device}_token_layers.parquet",
     log:
         "logs/engine_bench/{device}.log",
     benchmark:

@@ -43,7 +43,7 @@ from moesub.config.inputs import (
     has_tokenizer,
     input_paths,
 )
-from moesub.config.names import canonical, check_name, number_label
+from moesub.config.names import FACTORIAL_CELLS, canonical, check_name, number_label
 from moesub.config.policies import (
     ONLINE_STAGES,
     POLICY_DEFAULTS,
@@ -85,6 +85,7 @@ from moesub.vocabulary import ALL_RESIDENT, ALL_RESIDENT_POLICY
 __all__ = [
     "ALL_RESIDENT",
     "ALL_RESIDENT_POLICY",
+    "FACTORIAL_CELLS",
     "ONLINE_STAGES",
     "POLICY_DEFAULTS",
     "POLICY_KEYS",

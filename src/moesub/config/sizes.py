@@ -221,3 +221,10 @@ def _check_expb(
             f"have k - 1 substituted ranks, each replaced by a resident outside its k computed "
             f"experts): raise expb.fraction to >= {need / num_experts:.3g}"
         )
+    factorial = {**schema_defaults("expb.designs.factorial"),
+                 **((expb.get("designs") or {}).get("factorial") or {})}  # fmt: skip
+    if factorial["enabled"] and factorial["high_ranks"][1] > top_k:
+        raise ValueError(
+            f"expb.designs.factorial.high_ranks={factorial['high_ranks']} reaches past the "
+            f"router's top-k for model {name!r}, k={top_k}: ranks run 2..k (or set enabled: false)"
+        )

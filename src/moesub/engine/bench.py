@@ -20,6 +20,10 @@ does) and prices every policy's own per-token-layer counts, round by round (`moe
 of the measured means. The output holds one row per policy with time per token and its ratios
 to `fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and
 the runs' CPU share (`contended` below 0.8: another process took the CPU).
+Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
+each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
+validation and calibration runs alike. Policy v3 runs as everywhere: the policies' pins come
+resolved per layer.
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ from moesub.engine.bench_runs import (
     BenchRun,
     by_status,
     concat_runs,
+    counts_path_for,
     hits_only,
     run_policy,
     timed_tokens,
+    write_bench_counts,
 )
 from moesub.engine.calibrate import MECHANISMS, measure_expert_compute, round_order
 from moesub.engine.contention import CONTENDED_BELOW
@@ -234,21 +240,27 @@ class _Plan:
             return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers)
         return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
 
+    def policy(self, name: str) -> Policy:
+        """The policy run `name` runs (its pins resolved per layer)."""
+        if name in (ALL_RESIDENT, CAL_HITS, CAL_HITS_ONE_LAYER):
+            return ALL_RESIDENT_POLICY
+        if name in CALIBRATION_POLICIES:
+            return Policy.from_dict(CALIBRATION_POLICIES[name])
+        spec = self.p.policies[name]  # its pin spec resolved at C (`moesub.layout`)
+        return build_layout(self.ranking, self.p.fraction, spec, self.p.top_k).policy(spec)
+
     def engine(self, name: str, tier) -> tuple[OffloadEngine, np.ndarray, int | None]:
         """The engine of run `name` on its tier, with its logits (T, L, E) and the layers it
         drives (None: all)."""
         p, E, L = self.p, self.p.num_experts, self.p.layers
         trace, initial, layers = self.logits.validation, self.initial, None
         if name == ALL_RESIDENT:
-            pol, initial = ALL_RESIDENT_POLICY, np.tile(np.arange(E, dtype=np.int32), (L, 1))
+            initial = np.tile(np.arange(E, dtype=np.int32), (L, 1))
         elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
-            pol, trace = ALL_RESIDENT_POLICY, self.hits
-            layers = 1 if name == CAL_HITS_ONE_LAYER else None
+            trace, layers = self.hits, 1 if name == CAL_HITS_ONE_LAYER else None
         elif name in CALIBRATION_POLICIES:
-            pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), self.logits.calibration
-        else:  # the policy's pin spec resolved at C (`moesub.layout`)
-            spec = p.policies[name]
-            pol = build_layout(self.ranking, p.fraction, spec, p.top_k).policy(spec)
+            trace = self.logits.calibration
+        pol = self.policy(name)
         engine = OffloadEngine(tier, E, p.top_k, self.capacity(name), pol, initial, ACT)
         return engine, trace, layers
 
@@ -398,7 +410,10 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts)
 
 
 def run_benchmark(
-    params: Mapping[str, Any] | None, device: str, out_path: str | os.PathLike
+    params: Mapping[str, Any] | None,
+    device: str,
+    out_path: str | os.PathLike,
+    counts_path: str | os.PathLike | None = None,
 ) -> pl.DataFrame:
     """Real-size engine benchmark on `device` ('cpu' = disk->RAM tier, 'cuda' = pinned->GPU).
 
@@ -412,6 +427,9 @@ def run_benchmark(
     median over rounds of each run's mean time per token, which `est_time_per_token_s` (the
     cost model fitted in this run, priced on the policy's counters) is compared with:
     `sim_rel_error = (est - run median) / run median`.
+
+    Also writes every run's per-token-layer counts to `counts_path` (default
+    `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
     """
     p = BenchParams.from_dict(params)
     dev = require_cuda(device)
@@ -440,6 +458,10 @@ def run_benchmark(
         "sim_rel_error = (est - time_per_token_run_median_s) / the same",
         **info,
     }
+    write_bench_counts(
+        counts_path or counts_path_for(out_path), rounds.runs,
+        {name: plan.policy(name) for name in rounds.runs}, capacity=p.capacity,
+    )  # fmt: skip
     write_parquet(out, Path(out_path), metadata=meta)
     return out
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from moesub.config import FACTORIAL_CELLS
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import capacity_for
 
@@ -28,6 +29,8 @@ DATA_KINDS = (
     "emulate",
     "expb",
     "expb_feasibility",
+    "expb_factorial",
+    "expb_factorial_feasibility",
     "engine",
     "engine_bench",
     "generate",
@@ -59,6 +62,8 @@ STAGE_DIRS = {
     "emulate": "emulate",
     "expb": "expb",
     "expb_feasibility": "expb",
+    "expb_factorial": "expb",
+    "expb_factorial_feasibility": "expb",
     "engine": "engine",
     "generate": "generate",
     "calibration": "engine",
@@ -191,6 +196,15 @@ def file_info(path: str, kind: str) -> FileInfo:
                 f"(metadata or .../{{condition}}/m<mass>.parquet), got "
                 f"{info.condition!r}, {info.target_mass!r}"
             )
+    elif kind == "expb_factorial":
+        # the cell (.../expb/factorial/{cell}.parquet)
+        info.name = "factorial"
+        info.condition = str(meta.get("condition") or p.stem)
+        if info.condition not in FACTORIAL_CELLS:
+            raise ValueError(
+                f"inputs['expb_factorial']: {path!r} is not a factorial cell's run (condition "
+                f"{info.condition!r}; cells {list(FACTORIAL_CELLS)})"
+            )
     return info
 
 
@@ -239,7 +253,7 @@ def read_infos(paths: Mapping[str, list[str]]) -> dict[str, list[FileInfo]]:
                 )
             seen[key] = info.path
     seen = {}
-    for info in infos["expb"]:
+    for info in infos["expb"] + infos["expb_factorial"]:
         key = (info.name, info.condition, info.target_mass)
         if key in seen:
             raise ValueError(f"inputs['expb']: {seen[key]!r} and {info.path!r} are the same run")
