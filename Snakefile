@@ -36,6 +36,7 @@ wildcard_constraints:
     size=alternation(SIZES),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
+    hardware=alternation(HARDWARE),
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
@@ -50,6 +51,7 @@ include: "workflow/rules/traces.smk"
 include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
+include: "workflow/rules/price.smk"
 include: "workflow/rules/emulate.smk"
 include: "workflow/rules/expb.smk"
 include: "workflow/rules/engine.smk"

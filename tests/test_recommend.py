@@ -275,21 +275,33 @@ def test_report_opens_with_the_recommendation(study, tmp_path):
 
 
 def test_trace_model_recommendation_uses_simulate_and_the_mass_proxy():
-    """A trace model (no Δppl): the fastest simulated policy with its substituted mass, the
+    """A trace model (no Δppl): the fastest simulated policy on the study profile (not another
+    priced one) with its substituted mass, the
     fastest that substitutes nothing as lossless, r taken from another model's mass hypothesis
     (the one with an r, then the nearest fraction)."""
+    from moesub.hardware import STUDY_PROFILE
     from moesub.recommend import trace_recommendation
 
-    rows = [  # policy, simulated time, sub rate, mass
+    rows = [  # policy, simulated time on the study profile, sub rate, mass
         ("fetch_every_miss", 0.010, 0.0, 0.0),
         ("host_compute", 0.008, 0.0, 0.0),
         ("rule_015", 0.005, 0.2, 0.03),
     ]
     summary = pd.DataFrame(
         [
-            {"policy": p, "fraction": F, "sim_hit_rate": 0.5, "sim_time_per_token_s": t,
-             "sim_sub_rate": sub, "sim_mass_mean": m}
-            for p, t, sub, m in rows
+            {"policy": p, "fraction": F, "sim_hit_rate": 0.5, "sim_sub_rate": sub,
+             "sim_mass_mean": m}
+            for p, _, sub, m in rows
+        ]
+    )  # fmt: skip
+    # priced on the study profile and on another one, whose times would pick host_compute
+    other = {"host_compute": 0.1}  # time factor on a_profile
+    priced = pd.DataFrame(
+        [
+            {"hardware": hw, "source": "simulator", "policy": p, "fraction": F,
+             "time_per_token_s": t * (1 if hw == STUDY_PROFILE else other.get(p, 1))}
+            for hw in ("a_profile", STUDY_PROFILE)
+            for p, t, _, _ in rows
         ]
     )  # fmt: skip
     analysis = {
@@ -301,9 +313,12 @@ def test_trace_model_recommendation_uses_simulate_and_the_mass_proxy():
         ],
     }
     geometry = {"num_experts": 64, "top_k": 4, "num_layers": 10}
-    doc = trace_recommendation("traced", geometry, summary, [F], analysis, RecommendParams())
+    doc = trace_recommendation(
+        "traced", geometry, summary, priced, [F], analysis, RecommendParams()
+    )
     (e,) = doc["fractions"]
-    assert doc["source"] == "trace" and e["within_budget"] is None
+    assert doc["source"] == "trace" and doc["hardware"] == STUDY_PROFILE
+    assert e["within_budget"] is None
     assert e["fastest"]["policy"] == "rule_015" and e["fastest"]["speedup_vs_fetch_every_miss"] == 2
     assert e["fastest"]["substituted_mass"] == 0.03 and e["fastest"]["dppl_pct"] is None
     assert e["lossless"]["policy"] == "host_compute"

@@ -11,6 +11,7 @@ import pytest
 
 from moesub import config as mcfg
 from moesub.artefacts import load_trace, router_rows, router_writer
+from moesub.hardware import STUDY_PROFILE, THIS_MACHINE
 from moesub.synthetic import synthetic_logits
 from moesub.traces import TraceFormatError, rank_logits, ranked_topk, read_trace, write_trace
 from moesub.traces.base import probabilities_to_logits, softmax_probabilities
@@ -19,6 +20,7 @@ from moesub.traces.models import (
     export_trace,
     exported_source,
     import_trace,
+    trace_hardware,
     trace_policies,
 )
 
@@ -103,6 +105,19 @@ def test_ids_only_trace_skips_or_rejects_the_policies_needing_logits():
         trace_policies(cfg, "m", list(POLICIES), POLICIES, has_logits=False)
     cfg["models"]["m"]["policies"] = ["fetch_every_miss"]
     assert trace_policies(cfg, "m", list(POLICIES), POLICIES, False) == (["fetch_every_miss"], {})
+
+
+def test_trace_model_is_priced_on_every_profile_but_this_machine():
+    """this_machine is fitted to the engine's runs of the model, which a trace model has none
+    of; the other profiles price it at the reference model's bytes, as the embedded model."""
+    run, skipped = trace_hardware("m", [THIS_MACHINE, STUDY_PROFILE, "mine"])
+    assert run == [STUDY_PROFILE, "mine"] and list(skipped) == [THIS_MACHINE]
+    assert "no weights to run" in skipped[THIS_MACHINE]
+    assert trace_hardware("m", ["mine"]) == (["mine"], {})
+    with pytest.raises(ValueError, match="models.m: a trace model is priced on the profiles of "):
+        trace_hardware("m", [THIS_MACHINE])
+    cfg = {"models": {"m": {"trace": "x.mblt"}, "e": {"embedded": True}}}
+    assert mcfg.pricing_bytes(cfg, "m") == mcfg.pricing_bytes(cfg, "e")
 
 
 def test_export_round_trip(tmp_path, logits):

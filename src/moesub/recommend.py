@@ -3,7 +3,8 @@
 Read from the analysis outputs only (nothing is recomputed): per policy and fraction, Δppl % vs
 the analysis baseline (`fetch_every_miss`) with its stream-bootstrap BCa interval and the hit
 rate (`summary`), time per token and speedup vs the baseline (`speed_quality`), the per-stream
-mean ΔNLL (`per_input_points`, level `stream`) and the model's geometry (`models`).
+mean ΔNLL (`per_input_points`, level `stream`), the model's geometry (`models`) and, for a
+model given as a trace (no Δppl, no engine), the priced simulator runs (`priced`).
 
 Two choices per fraction, each the *fastest* candidate that qualifies:
 - `within_budget`: the upper CI bound of its Δppl is <= `dppl_budget_pct` (the boundary counts);
@@ -31,12 +32,13 @@ import numpy as np
 import pandas as pd
 
 from moesub.config import ALL_RESIDENT, schema_defaults
+from moesub.hardware import STUDY_PROFILE
 from moesub.io import write_json
 from moesub.vocabulary import capacity_for
 
 _DEFAULTS = schema_defaults("recommend")  # workflow/schemas/config.schema.yaml
 # the analysis outputs read (the analysis rule's named outputs; `analysis` is analysis.json)
-INPUTS = ("analysis", "summary", "speed_quality", "per_input_points", "models")
+INPUTS = ("analysis", "summary", "speed_quality", "per_input_points", "models", "priced")
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,12 @@ def recommend(
     def of_model(df: pd.DataFrame) -> pd.DataFrame:
         return df[df["model"] == model] if not df.empty else df
 
-    summary, sq, pip = (of_model(t[k]) for k in ("summary", "speed_quality", "per_input_points"))
+    summary, sq, pip, priced = (
+        of_model(t[k]) for k in ("summary", "speed_quality", "per_input_points", "priced")
+    )
     fractions = sorted({float(f) for f in m["fractions"]} | set(summary.get("fraction", [])))
     if m.get("source") == "trace":
-        return trace_recommendation(model, geometry, summary, fractions, t["analysis"], p)
+        return trace_recommendation(model, geometry, summary, priced, fractions, t["analysis"], p)
     entries = []
     for f in fractions:
         cands = candidates(summary, sq, pip, f, geometry["top_k"] * geometry["num_layers"])
@@ -283,20 +287,42 @@ def mass_proxy(analysis: Mapping[str, Any], model: str, fraction: float) -> dict
     }
 
 
+def trace_hardware(priced: pd.DataFrame) -> str | None:
+    """The profile a trace model's times are priced on: the study's where it was priced, else
+    the first by name (a trace model has no this_machine: no engine); None if none was."""
+    sim = priced[priced["source"] == "simulator"] if not priced.empty else priced
+    names = sorted(set(sim.get("hardware", [])))
+    if not names:
+        return None
+    return STUDY_PROFILE if STUDY_PROFILE in names else names[0]
+
+
 def trace_candidates(
-    summary: pd.DataFrame, fraction: float, baseline: str, calls_per_token: int
+    summary: pd.DataFrame,
+    priced: pd.DataFrame,
+    hardware: str | None,
+    fraction: float,
+    baseline: str,
+    calls_per_token: int,
 ) -> pd.DataFrame:
-    """A trace model's policies at `fraction` (the summary's simulate columns): hit rate,
-    substituted mass, the simulator's time and its speedup vs `baseline`'s."""
-    cols = ["policy", "sim_hit_rate", "sim_sub_rate", "sim_mass_mean", "sim_time_per_token_s"]
+    """A trace model's policies at `fraction`: hit rate and substituted mass (the summary's
+    simulate columns), the simulator's tokens priced on `hardware` (`priced`: the analysis'
+    priced runs) and the speedup vs `baseline`'s."""
+    cols = ["policy", "sim_hit_rate", "sim_sub_rate", "sim_mass_mean"]
     s = summary.reindex(columns=list(dict.fromkeys([*cols, "fraction", *summary.columns])))
     c = s[np.isclose(s["fraction"].astype(float), fraction)][cols].rename(
-        columns={
-            "sim_hit_rate": "hit_rate",
-            "sim_mass_mean": "substituted_mass",
-            "sim_time_per_token_s": "time_per_token_s",
-        }
+        columns={"sim_hit_rate": "hit_rate", "sim_mass_mean": "substituted_mass"}
     )
+    times = (
+        priced[
+            (priced["hardware"] == hardware)
+            & (priced["source"] == "simulator")
+            & np.isclose(priced["fraction"].astype(float), fraction)
+        ][["policy", "time_per_token_s"]]
+        if hardware is not None
+        else pd.DataFrame(columns=["policy", "time_per_token_s"])
+    )
+    c = c.merge(times, on="policy", how="left")
     base = c.loc[c["policy"] == baseline, "time_per_token_s"].astype(float)
     c["speedup_vs_fetch_every_miss"] = (
         float(base.iloc[0]) / c["time_per_token_s"].astype(float) if len(base) else math.nan
@@ -306,7 +332,7 @@ def trace_candidates(
     # no substitution: every selected expert computed exactly, lossless without measuring Δppl
     c["lossless"] = c["sim_sub_rate"].astype(float) == 0
     c["excluded"] = [
-        "no time per token vs the baseline (simulator)"
+        f"no time per token vs the baseline (simulator priced on {hardware})"
         if not _finite(r["speedup_vs_fetch_every_miss"])
         else None
         for r in c.to_dict("records")
@@ -322,16 +348,20 @@ def trace_recommendation(
     model: str,
     geometry: dict[str, int],
     summary: pd.DataFrame,
+    priced: pd.DataFrame,
     fractions: list[float],
     analysis: Mapping[str, Any],
     p: RecommendParams,
 ) -> dict[str, Any]:
     """A trace model's recommendation: per fraction the fastest policy (its substituted mass as
-    the quality proxy, labelled so) and the fastest lossless one (no substitution)."""
+    the quality proxy, labelled so) and the fastest lossless one (no substitution), priced on
+    one hardware profile (`trace_hardware`; the document's `hardware` names it)."""
     baseline = (analysis.get("params") or {}).get("baseline", "fetch_every_miss")
+    hardware = trace_hardware(priced)
+    calls = geometry["top_k"] * geometry["num_layers"]
     entries = []
     for f in fractions:
-        cands = trace_candidates(summary, f, baseline, geometry["top_k"] * geometry["num_layers"])
+        cands = trace_candidates(summary, priced, hardware, f, baseline, calls)
         ok = cands[cands["excluded"].isna()].sort_values(
             ["speedup_vs_fetch_every_miss", "substituted_mass", "policy"],
             ascending=[False, True, True],
@@ -355,6 +385,7 @@ def trace_recommendation(
     doc = {
         "model": model,
         "source": "trace",
+        "hardware": hardware,
         **geometry,
         "baseline": baseline,
         "ci_level": (analysis.get("params") or {}).get("ci_level"),
@@ -409,6 +440,7 @@ RECOMMENDATION_SCHEMA: dict[str, Any] = {
         "num_layers": {"type": "integer"},
         "baseline": {"type": "string"},
         "ci_level": _NUM,
+        "hardware": {"type": ["string", "null"]},
         "dppl_budget_pct": {"type": "number", "exclusiveMinimum": 0},
         "fractions": {
             "type": "array",

@@ -24,11 +24,15 @@ from moesub.config import (
     model_sizes,
     number_label,
     policy_spec,
+    priced_hardware,
+    pricing_bytes,
+    profile_spec,
     regime_size,
     size_labels,
     stage_policies,
     stage_sizes,
 )
+from moesub.hardware import THIS_MACHINE
 from moesub.regime.designs import designs_of
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
@@ -61,12 +65,17 @@ SIMULATE_POLICIES = STAGE_POLICIES["simulate"]
 # model -> the policies it simulates; a trace model's skipped ones -> why (the report says so)
 MODEL_POLICIES = {m: SIMULATE_POLICIES for m in CAPTURED_MODELS}
 TRACE_SKIPPED = {}
+# Hardware profiles priced (hardware.price); this_machine is the calibration of the first device,
+# so a trace model (no engine) is priced on the others (model -> its profiles; skipped -> why)
+HARDWARE = priced_hardware(config)
+MODEL_HARDWARE = {m: HARDWARE for m in CAPTURED_MODELS}
+TRACE_SKIPPED_HARDWARE = {}
 TRACE_SKIPPED_STAGES = (
-    "emulate, the engine, Experiment B and generation run the model's weights; a trace "
-    "model has its routing only"
+    "emulate, the engine (and its calibration), Experiment B and generation run the model's "
+    "weights; a trace model has its routing only"
 )
 if TRACE_MODELS:
-    from moesub.traces.models import trace_geometry, trace_policies
+    from moesub.traces.models import trace_geometry, trace_hardware, trace_policies
     from moesub.config import model_geometry
 
     for m in TRACE_MODELS:
@@ -74,6 +83,7 @@ if TRACE_MODELS:
         MODEL_POLICIES[m], TRACE_SKIPPED[m] = trace_policies(
             config, m, SIMULATE_POLICIES, POLICIES, has_logits
         )
+        MODEL_HARDWARE[m], TRACE_SKIPPED_HARDWARE[m] = trace_hardware(m, HARDWARE)
 EMULATE_POLICIES = STAGE_POLICIES["emulate"]
 ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
@@ -237,17 +247,6 @@ def coactivation_input(wildcards):
     return {}
 
 
-def cost_calibration(wildcards):
-    """The calibration the simulator's cost model starts from: the first engine device's; a
-    trace model has no engine (the cost model's defaults, with the `cost:` overrides).
-    """
-    if wildcards.model in TRACE_MODELS:
-        return {}
-    return {
-        "calibration": f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
-    }
-
-
 def trace_files(wildcards):
     """A trace model's trace file(s): an exported one is the export rule's output."""
     spec = config["models"][wildcards.model]
@@ -265,8 +264,54 @@ def trace_params(wildcards):
             "spec": spec,
             "skipped_policies": TRACE_SKIPPED[m],
             "skipped_stages": TRACE_SKIPPED_STAGES,
+            "skipped_hardware": TRACE_SKIPPED_HARDWARE[m],
         }
     )
+
+
+def profile_inputs(wildcards):
+    """this_machine's profile comes from the calibration of the first engine device."""
+    if wildcards.hardware == THIS_MACHINE:
+        device = ENGINE_DEVICES[0]
+        return {
+            "calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"
+        }
+    return {}
+
+
+def profile_params(wildcards):
+    """A profile's keys (None for this_machine): editing one profile reruns its jobs only."""
+    return canonical(profile_spec(config, wildcards.hardware))
+
+
+def model_bytes_params(wildcards):
+    """The bytes the model is priced at on the profiles that are not this machine's."""
+    if wildcards.hardware == THIS_MACHINE:
+        return None
+    return canonical(pricing_bytes(config, wildcards.model))
+
+
+def price_inputs(wildcards):
+    """The profile, every policy the model simulates' counts and (this_machine) the first
+    device's engine runs."""
+    inputs = {
+        "profile": f"results/{wildcards.model}/hardware/{wildcards.hardware}.json",
+        "simulate_counts": expand(
+            "results/{model}/simulate/{policy}/{size}.counts.parquet",
+            model=wildcards.model,
+            policy=MODEL_POLICIES[wildcards.model],
+            size=STAGE_SIZES["simulate"],
+        ),
+    }
+    if wildcards.hardware == THIS_MACHINE:
+        inputs["engine"] = expand(
+            "results/{model}/engine/{device}/{policy}/{size}.parquet",
+            model=wildcards.model,
+            device=ENGINE_DEVICES[:1],
+            policy=ENGINE_POLICIES,
+            size=STAGE_SIZES["engine"],
+        )
+    return inputs
 
 
 def engine_env(wildcards):
@@ -491,6 +536,14 @@ def engine_outputs():
     )
 
 
+def priced_outputs():
+    return [
+        f"results/{model}/priced/{hardware}.parquet"
+        for model in MODELS
+        for hardware in MODEL_HARDWARE[model]
+    ]
+
+
 def calibration_outputs():
     return expand(
         "results/{model}/engine/{device}/calibration.json",
@@ -527,6 +580,7 @@ def analysis_inputs():
             "results/{model}/regime_designs.parquet", model=MODELS
         ),
         "simulate": simulate_outputs(),
+        "priced": priced_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
         "expb_feasibility": expb_feasibility_outputs(),

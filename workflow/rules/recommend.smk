@@ -10,6 +10,7 @@ rule recommend:
         speed_quality=rules.analysis.output.speed_quality,
         per_input_points=rules.analysis.output.per_input_points,
         models=rules.analysis.output.models,
+        priced=rules.analysis.output.priced,
     output:
         "results/{model}/recommendation.json",
     log:

@@ -15,4 +15,5 @@ import_trace(
     snakemake.output.summary,
     skipped_policies=snakemake.params.trace["skipped_policies"],
     skipped_stages=snakemake.params.trace["skipped_stages"],
+    skipped_hardware=snakemake.params.trace["skipped_hardware"],
 )

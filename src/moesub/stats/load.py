@@ -36,9 +36,9 @@ DATA_KINDS = (
     "generate",
 )
 # Non-Parquet inputs the report shows (model summary JSON, engine calibration JSON), and the
-# per-model regime tables (results/{model}/regime.parquet, regime_designs.parquet), which the
-# regime part reads itself.
-EXTRA_KINDS = ("model_summary", "calibration", "regime", "regime_designs")
+# per-model tables the parts read themselves: the regime (results/{model}/regime.parquet,
+# regime_designs.parquet) and the priced runs (results/{model}/priced/{hardware}.parquet).
+EXTRA_KINDS = ("model_summary", "calibration", "regime", "regime_designs", "priced")
 PROVENANCE_KEYS = (
     "name",
     "policy",
@@ -67,6 +67,7 @@ STAGE_DIRS = {
     "engine": "engine",
     "generate": "generate",
     "calibration": "engine",
+    "priced": "priced",
 }
 
 
@@ -261,9 +262,11 @@ def read_infos(paths: Mapping[str, list[str]]) -> dict[str, list[FileInfo]]:
 
 
 def not_run(summary: Mapping[str, Any]) -> str | None:
-    """What the pipeline skipped for a trace model and why (its trace.json), as one line."""
+    """What the pipeline skipped for a trace model and why (its trace.json: stages, policies,
+    hardware profiles), as one line."""
     why = [summary["skipped_stages"]] if summary.get("skipped_stages") else []
     why += [f"policy {p}: {r}" for p, r in (summary.get("skipped_policies") or {}).items()]
+    why += [f"{h} not priced: {r}" for h, r in (summary.get("skipped_hardware") or {}).items()]
     return "; ".join(why) or None
 
 

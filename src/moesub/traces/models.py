@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from moesub.artefacts import load_trace, router_rows, router_writer
+from moesub.hardware import THIS_MACHINE
 from moesub.io import write_json
 from moesub.policy import Policy
 from moesub.slots import policy_fields
@@ -236,6 +237,26 @@ def trace_policies(
 
 
 # --------------------------------------------------------------------------------------------
+# hardware
+
+# why a trace model is not priced on this_machine (its trace.json and the models table say so)
+NO_ENGINE = "fitted to the engine's timed runs of the model; a trace model has no weights to run"
+
+
+def trace_hardware(name: str, priced: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the hardware profiles trace model `name` is priced on, profile -> why not the
+    others): every profile of `priced` (`hardware.price`) but this_machine; none left is a
+    config error."""
+    run = [h for h in priced if h != THIS_MACHINE]
+    if not run:
+        raise ValueError(
+            f"models.{name}: a trace model is priced on the profiles of hardware.price other "
+            f"than {THIS_MACHINE} ({NO_ENGINE}), and hardware.price lists {priced}"
+        )
+    return run, {THIS_MACHINE: NO_ENGINE} if THIS_MACHINE in priced else {}
+
+
+# --------------------------------------------------------------------------------------------
 # import
 
 
@@ -272,11 +293,12 @@ def import_trace(
     summary_out: str | os.PathLike,
     skipped_policies: Mapping[str, str] | None = None,
     skipped_stages: str | None = None,
+    skipped_hardware: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Trace model `name` (its config entry `spec`) -> the calibration and evaluation router
-    tables and the model summary (results/{model}/trace.json, which also records the policies
-    and stages the pipeline skips for it and why); every file checked before anything is
-    written."""
+    tables and the model summary (results/{model}/trace.json, which also records the policies,
+    stages and hardware profiles the pipeline skips for it and why); every file checked before
+    anything is written."""
     tm = TraceModel.from_config(name, spec)
     tr = read_model_trace(tm, tm.trace, _file_format(tm, tm.trace))
     spans = cut_streams(tr.streams, tm.stream_len)
@@ -327,6 +349,7 @@ def import_trace(
         "eval_tokens": eval_tokens,
         "skipped_policies": dict(skipped_policies or {}),
         "skipped_stages": skipped_stages,
+        "skipped_hardware": dict(skipped_hardware or {}),
     }
     write_json(summary, summary_out)
     return summary
