@@ -326,11 +326,18 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
     }  # fmt: skip
     (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
     jobs = planned_jobs(wf, "--configfile", "mine.yaml")
-    assert jobs == {
-        ("hardware_profile", "results/embedded/hardware/mine.json"),
-        ("price", "results/embedded/priced/mine.parquet"),
+    # both models, the trace model's too (priced on every profile but this_machine)
+    per_model = {
+        job
+        for m in ("embedded", "embedded_trace")
+        for job in (
+            ("hardware_profile", f"results/{m}/hardware/mine.json"),
+            ("price", f"results/{m}/priced/mine.parquet"),
+            ("recommend", f"results/{m}/recommendation.json"),
+        )
+    }
+    assert jobs == per_model | {
         ("analysis", "results/analysis/models.parquet"),
-        ("recommend", "results/embedded/recommendation.json"),
         ("report", "results/report.html"),
         ("all", ""),
     }, sorted(jobs)
@@ -660,7 +667,12 @@ def test_trace_model_simulates_as_the_embedded_model(full_run):
 
     res = full_run / "results"
     runs = sorted((res / "embedded" / "simulate").rglob("*.parquet"))
-    assert runs
+    counts = [p for p in runs if p.name.endswith(".counts.parquet")]
+    runs = [p for p in runs if p not in counts]
+    assert runs and len(counts) == len(runs)
+    for path in counts:  # per-token-layer counts (what the price rules price): equal exactly
+        twin = res / "embedded_trace" / path.relative_to(res / "embedded")
+        assert pd.read_parquet(path).equals(pd.read_parquet(twin)), twin
     counters = ["layer", "tokens", "hit", "fetch", "sub", "host", "hit_rate", "sub_rate"]
     for path in runs:
         twin = res / "embedded_trace" / path.relative_to(res / "embedded")
@@ -671,9 +683,19 @@ def test_trace_model_simulates_as_the_embedded_model(full_run):
         pd.testing.assert_frame_equal(
             pd.read_parquet(res / "embedded" / name), pd.read_parquet(res / "embedded_trace" / name)
         )
+    # the same counts at the same (reference) bytes: the same prices on every profile both
+    # have; this_machine (fitted to the engine) prices the embedded model only
+    priced = sorted(p.name for p in (res / "embedded_trace" / "priced").iterdir())
+    assert priced and f"{THIS_MACHINE}.parquet" not in priced
+    assert (res / "embedded" / "priced" / f"{THIS_MACHINE}.parquet").is_file()
+    for name in priced:
+        a, b = (pd.read_parquet(res / m / "priced" / name) for m in ("embedded", "embedded_trace"))
+        a = a[a["source"] == "simulator"].reset_index(drop=True)
+        pd.testing.assert_frame_equal(a, b, obj=name)
     summary = json.loads((res / "embedded_trace" / "trace.json").read_text())
     assert summary["format"] == "rtrace01" and summary["eval_streams"] == 2
     assert "Experiment B" in summary["skipped_stages"]
+    assert list(summary["skipped_hardware"]) == [THIS_MACHINE]
     rec = json.loads((res / "embedded_trace" / "recommendation.json").read_text())
     assert rec["source"] == "trace"
     for entry in rec["fractions"]:

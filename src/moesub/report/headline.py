@@ -73,7 +73,7 @@ def trace_lines(d: dict[str, Any], speed: Any) -> list[str]:
     lines = []
     for e in d["fractions"]:
         at = f"{d['model']} (router trace, simulated only): at {100 * e['fraction']:g}% resident "
-        at += f"(C = {e['capacity']}) "
+        at += f"(C = {e['capacity']}) priced on {d.get('hardware')}, "
         proxy = e.get("quality_proxy") or {}
         r = proxy.get("r")
         if r is not None:
