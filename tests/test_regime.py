@@ -11,7 +11,6 @@ import pytest
 from moesub.capture import run_expert_ranking
 from moesub.regime import (
     REFERENCES,
-    effective_experts,
     gate_weights_by_rank,
     measure_regime,
     regime_from_files,
@@ -31,14 +30,6 @@ def _routed(selections: list[list[int]], E: int, L: int = 1) -> np.ndarray:
         for r, e in enumerate(sel):
             z[t, :, e] = 10.0 - r
     return z
-
-
-def test_effective_experts_known_values():
-    assert effective_experts(np.ones(64)) == pytest.approx(64)
-    assert effective_experts(np.r_[5, np.zeros(63)]) == pytest.approx(1)
-    assert effective_experts(np.array([[3, 3, 0, 0], [1, 1, 1, 1]])) == pytest.approx([2, 4])
-    with pytest.raises(ValueError, match="at least one selection"):
-        effective_experts(np.zeros(4))
 
 
 def test_reuse_distances_by_hand():
@@ -174,14 +165,17 @@ def test_from_files_round_trip(tmp_path):
     run_expert_ranking(tmp_path / "calib.parquet", tmp_path / "init.parquet")
     run_regime(
         str(tmp_path / "eval.parquet"),
+        str(tmp_path / "calib.parquet"),
         str(tmp_path / "init.parquet"),
         0.25,
         tmp_path / "regime.parquet",
         tmp_path / "regime.json",
+        tmp_path / "regime_designs.parquet",
     )
     table = pl.read_parquet(tmp_path / "regime.parquet")
     direct = regime_from_files(tmp_path / "eval.parquet", tmp_path / "init.parquet", 0.25)
-    assert table.equals(direct.layers)
+    assert table.select(direct.layers.columns).equals(direct.layers)
+    assert pl.read_parquet(tmp_path / "regime_designs.parquet").is_empty()  # no designs
     assert direct.summary["capacity"] == 4
     assert direct.summary["fraction"] == 0.25
 

@@ -134,6 +134,24 @@ def is_concave(values: np.ndarray) -> bool:
     return bool((np.diff(values, 2) <= 0).all())
 
 
+def plan(
+    streams: list[np.ndarray],
+    top_k: int,
+    ranking: np.ndarray,
+    policy: Mapping[str, Any],
+    size: CacheSize,
+    lookahead: list[np.ndarray] | None = None,
+    coactivation: np.ndarray | None = None,
+) -> tuple[range, np.ndarray, tuple[int, ...], int]:
+    """One (policy, size)'s plan on `streams`: the capacities tried, the hit curves
+    (`hit_curves`), the best split of L x C slots and its hits (`best_split`)."""
+    L, E = ranking.shape
+    caps = capacity_range(policy, top_k, E, L, size.capacity)
+    hits = hit_curves(streams, top_k, ranking, policy, caps, lookahead, coactivation)
+    split, planned = best_split(hits, caps, L * size.capacity, size.capacity)
+    return caps, hits, split, planned
+
+
 def run_allocation(
     calib_router_path: str | os.PathLike,
     ranking_path: str | os.PathLike,
@@ -160,9 +178,7 @@ def run_allocation(
         if coactivation_path is None:
             raise ValueError(f"policy {name!r}: substitute_by='coactivation' needs its table")
         table = read_coactivation(coactivation_path, L, E)
-    caps = capacity_range(pol, k, E, L, size.capacity)
-    hits = hit_curves(trace.logits, k, ranking, pol, caps, trace.lookahead, table)
-    split, planned = best_split(hits, caps, L * size.capacity, size.capacity)
+    caps, hits, split, planned = plan(trace.logits, k, ranking, pol, size, trace.lookahead, table)
     layout = build_layout(ranking, size, pol, k, split)
     uniform = int(hits[size.capacity - caps.start].sum())
     calls = trace.num_tokens * k  # per layer

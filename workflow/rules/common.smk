@@ -33,6 +33,7 @@ from moesub.config import (
     stage_sizes,
 )
 from moesub.hardware import THIS_MACHINE
+from moesub.regime.designs import designs_of
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
 # timings other jobs would disturb): every core of this run (--cores). A cluster run has no
@@ -163,6 +164,37 @@ def size_params(wildcards):
 def regime_params(wildcards):
     """The size the model's regime is measured at (moesub.config.regime_size)."""
     return canonical(REGIME_SIZES[wildcards.model].to_dict())
+
+
+# The regime's designs (moesub.regime.designs): the simulated policies with pins or planned
+# slots only, so a change to another policy does not rerun the regime.
+REGIME_DESIGNS = designs_of({name: policy_dict(name) for name in SIMULATE_POLICIES})
+
+
+def regime_sizes(wildcards):
+    """Every cache size of the model, resolved (the regime's designs run at each)."""
+    return [canonical(s.to_dict()) for s in MODEL_SIZES[wildcards.model].values()]
+
+
+def regime_allocations(wildcards):
+    """design -> size label -> the allocation artefact of each planned design at every size."""
+    return {
+        name: {
+            size: f"results/{wildcards.model}/allocation/{name}/{size}.json"
+            for size in MODEL_SIZES[wildcards.model]
+        }
+        for name, spec in REGIME_DESIGNS.items()
+        if is_planned(spec)
+    }
+
+
+def regime_allocation_files(wildcards):
+    """The artefacts of `regime_allocations`: inputs of the regime job."""
+    return [
+        path
+        for paths in regime_allocations(wildcards).values()
+        for path in paths.values()
+    ]
 
 
 def allocation_input(wildcards):
@@ -483,6 +515,9 @@ def analysis_inputs():
             "results/{model}/capture/eval_tokens.parquet", model=MODELS
         ),
         "regime": expand("results/{model}/regime.parquet", model=MODELS),
+        "regime_designs": expand(
+            "results/{model}/regime_designs.parquet", model=MODELS
+        ),
         "simulate": simulate_outputs(),
         "priced": priced_outputs(),
         "emulate": emulate_outputs(),

@@ -10,8 +10,9 @@ opens offline. A part whose data is missing shows one message saying why.
 
 Modules: `load` (the analysis outputs, tolerant of absent tables and columns), `labels`
 (non-overlapping point labels), `figures`, `tables` (the table type, number formats, the policy,
-mass, generation and model tables), `experiments` (Experiment B, admission, regime tables),
-`headline` (the headline sentences), `render` (the entry point).
+mass, generation and model tables), `experiments` (Experiment B, admission tables), `regime`
+(the regime section: regime, skew and design tables), `headline` (the headline sentences),
+`render` (the entry point).
 """
 
 from moesub.report.figures import FIGURES

@@ -1,15 +1,15 @@
 """Tables of the three findings beside the policy table: Experiment B (both designs side by
 side, the two-sided statement first, the pre-registered one-sided rule beside it), the admission
 effect against exact twins (the primary estimand with its adjusted p, by segment and profile,
-and by bin), and each model's cache regime beside the reference figures."""
+and by bin); the regime section's tables are `moesub.report.regime`."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from moesub.report.claims import p_text, statement, test_of, test_words
-from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking, regime_wide
-from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct, text
+from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking
+from moesub.report.tables import Col, Row, Table, interval, make_table, num, text
 
 
 def expb_rules(out: AnalysisOutputs) -> list[str]:
@@ -235,46 +235,3 @@ def admission_bins_table(out: AnalysisOutputs) -> Table:
     ]
     order = out.by_model(adm, "policy", "fraction", "segment", "bin")
     return make_table("admission-bins", order.to_dict("records"), cols)
-
-
-def regime_table(out: AnalysisOutputs) -> Table:
-    """Per model and layer ('all': every layer), each figure beside its reference if any."""
-    reg = regime_wide(out)
-    if reg.empty:
-        return make_table("regime-table", [], [])
-
-    def ref(metric: str) -> Col:
-        def cell(r: Row) -> str:
-            vals = [num(r.get(f"{p}{metric}"), "{:.3f}") for p in ("ref_", "trace_ref_")]
-            return " / ".join(v for v in vals if v != "—") or "—"
-
-        return Col("reference (study / trace study)", cell)
-
-    reuse = [c for c in reg.columns if c.startswith("reuse_")]
-    cols = [
-        Col("model", text("model"), False),
-        Col("layer", lambda r: "all" if r.get("layer") == -1 else str(r.get("layer"))),
-        Col("hit rate (fetch_every_miss)", lambda r: num(r.get("hit_rate"), "{:.3f}")),
-        ref("hit_rate"),
-        Col("Belady bound", lambda r: num(r.get("belady_hit_rate"), "{:.3f}")),
-        Col("effective experts", lambda r: num(r.get("effective_experts"), "{:.0f}")),
-        Col("cache capacity C", lambda r: num(r.get("capacity"), "{:.0f}")),
-        Col("routing entropy, nats", lambda r: num(r.get("routing_entropy"), "{:.2f}")),
-        Col("ranks 2..k ≥ 0.15", lambda r: pct(r.get("heavy_lower_ranks"))),
-        Col("0.15 rule substitution rate", lambda r: pct(r.get("rule015_sub_rate"), 2)),
-        ref("rule015_sub_rate"),
-        *[
-            Col(f"reuse {c.removeprefix('reuse_').replace('_', '-')}", lambda r, c=c: pct(r.get(c)))
-            for c in reuse
-        ],
-    ]
-    order = out.by_model(reg.assign(_all=reg["layer"] == -1), "_all", "layer")
-    return make_table("regime-table", order.drop(columns="_all").to_dict("records"), cols)
-
-
-def regime_verdicts(out: AnalysisOutputs) -> list[str]:
-    return [
-        f"{r.get('model') or 'model'}: {r['verdict']}"
-        for r in out.doc.get("regime") or []
-        if r.get("verdict")
-    ]

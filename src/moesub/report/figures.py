@@ -13,6 +13,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+import pandas as pd
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -88,8 +89,9 @@ def fig_regime(fd: FigureData) -> plt.Figure:
     """Per model: hit rate and Belady bound per layer, effective experts, weights by rank, reuse."""
     reg = regime_wide(fd.out)
     models = fd.models(reg)
-    fig, axes = panels(len(models), 4, width=3.6)
-    for (a1, a2, a3, a4), model in zip(axes, models, strict=True):
+    skew = "top_coverage" in reg.columns
+    fig, axes = panels(len(models), 5 if skew else 4, width=3.6)
+    for (a1, a2, a3, a4, *a5), model in zip(axes, models, strict=True):
         g = rows_of(reg, model)
         lay = g[g["layer"] >= 0].sort_values("layer")
         where = f"{model}: " if model else ""
@@ -140,8 +142,32 @@ def fig_regime(fd: FigureData) -> plt.Figure:
         a4.set_xlabel("reuse distance, tokens")
         a4.set_ylabel("share of selections")
         a4.set_title(f"{where}reuse distance of expert selections", fontsize=8)
+        if a5:
+            skew_panel(a5[0], lay, where)
     fig.tight_layout()
     return fig
+
+
+def skew_panel(ax: plt.Axes, lay: pd.DataFrame, where: str) -> None:
+    """Per layer: top-C coverage of the model, the real model and the skew-matched trace (bars),
+    and what the calibration's first C cover of the evaluation selections (markers)."""
+    x = lay["layer"].to_numpy()
+    for i, (col, label) in enumerate(
+        (("top_coverage", "model"), ("real_top_coverage", "real model"),
+         ("matched_top_coverage", "skew-matched"))
+    ):  # fmt: skip
+        ax.bar(x + (i - 1) * 0.27, lay[col], width=0.27, label=f"top-C, {label}", color=f"C{i}")
+    for col, label, marker in (
+        ("initial_coverage", "calibration set, model", "o"),
+        ("matched_initial_coverage", "calibration set, skew-matched", "s"),
+    ):
+        ax.plot(x, lay[col], marker, color="black", mfc="none", ms=5, label=label)
+    ax.set_ylim(0, 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("share of selections covered")
+    ax.set_title(f"{where}static skew: top-C coverage (C = 25% of E)", fontsize=8)
+    ax.legend(fontsize=5)
 
 
 def fig_layers(fd: FigureData) -> plt.Figure:

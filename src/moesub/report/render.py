@@ -22,8 +22,6 @@ from moesub.report.experiments import (
     admission_table,
     expb_designs,
     expb_rules,
-    regime_table,
-    regime_verdicts,
 )
 from moesub.report.factorial import (
     factorial_cells_table,
@@ -41,6 +39,13 @@ from moesub.report.load import (
 )
 from moesub.report.plotting import FigureData
 from moesub.report.pricing import concurrency_table, sim_vs_engine_table
+from moesub.report.regime import (
+    designs_table,
+    regime_design_lines,
+    regime_table,
+    regime_verdicts,
+    skew_table,
+)
 from moesub.report.tables import (
     frame_table,
     generation_missing,
@@ -153,6 +158,9 @@ def render_report(
         "design_families": design_families_table(out),
         "design_lines": design_lines(out),
         "regime_verdicts": regime_verdicts(out),
+        "skew": skew_table(out),
+        "regime_designs": designs_table(out),
+        "regime_design_lines": regime_design_lines(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "sim_vs_engine_rows": sim_vs_engine_table(out),
         "concurrency": concurrency_table(out),

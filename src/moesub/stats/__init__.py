@@ -37,6 +37,10 @@ atomically (`moesub.io`), into `out_dir`:
   token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
   gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
   fraction): its best policy and its policies on each front;
+- `regime.parquet`: per (layer, metric) the model's cache regime (static-skew measures beside
+  the real reference model's among them); `regime_designs.parquet`: per (pinning or allocation
+  design, size) its hit rate and misses per token beside its counterpart's on the evaluation
+  trace and on the skew-matched trace, and how its gain changes under the real model's skew;
 - `tests.parquet`: every test, its family (pre-registered: Holm; exploratory:
   Benjamini-Hochberg), estimate, two-sided interval, t-based sensitivity interval, raw and
   adjusted two-sided p, direction in words, MDE (`moesub.stats.multiplicity`).

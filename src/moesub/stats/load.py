@@ -36,9 +36,9 @@ DATA_KINDS = (
     "generate",
 )
 # Non-Parquet inputs the report shows (model summary JSON, engine calibration JSON), and the
-# per-model tables the parts read themselves: the regime (results/{model}/regime.parquet) and
-# the priced runs (results/{model}/priced/{hardware}.parquet).
-EXTRA_KINDS = ("model_summary", "calibration", "regime", "priced")
+# per-model tables the parts read themselves: the regime (results/{model}/regime.parquet,
+# regime_designs.parquet) and the priced runs (results/{model}/priced/{hardware}.parquet).
+EXTRA_KINDS = ("model_summary", "calibration", "regime", "regime_designs", "priced")
 PROVENANCE_KEYS = (
     "name",
     "policy",
@@ -82,7 +82,7 @@ def model_of(path: str, kind: str) -> str:
             if len(parts) >= 3 and parts[-2] == "model"
             else (parts[-2] if len(parts) >= 2 else "")
         )
-    if kind == "regime":  # results/{model}/regime.parquet
+    if kind in ("regime", "regime_designs"):  # results/{model}/regime*.parquet
         return parts[-2] if len(parts) >= 2 else ""
     stage = STAGE_DIRS.get(kind)
     for i in range(len(parts) - 2, 0, -1):

@@ -75,6 +75,7 @@ OUTPUT_FILES = (
     "generation",
     "degeneration",
     "regime",
+    "regime_designs",
     "design_space",
     "design_families",
     "tests",
@@ -130,7 +131,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total, prices)
-    reg = regime(paths["regime"])
+    reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)
     tests = family_table(
         [
@@ -165,6 +166,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "generation": gen.table,
             "degeneration": degen.table,
             "regime": reg.table,
+            "regime_designs": reg.designs,
             "design_space": space.table,
             "design_families": space.families,
             "tests": tests,

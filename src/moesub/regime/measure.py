@@ -40,16 +40,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
 
-from moesub.artefacts import has_lookahead, layout_for, load_trace, topk_mask
+from moesub.artefacts import Trace, has_lookahead, layout_for, load_trace, topk_mask
 from moesub.grid import GridPoint, simulate
-from moesub.io import write_json, write_parquet
 from moesub.policy import STUDY_POLICIES, Policy, check_sizes
+from moesub.skew import effective_experts
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
 REFERENCES: dict[str, tuple[float, str]] = {
@@ -79,18 +78,6 @@ class Regime:
 
     layers: pl.DataFrame
     summary: dict[str, Any]
-
-
-def effective_experts(counts: np.ndarray) -> np.ndarray:
-    """exp(entropy) of selection counts (..., E) -> (...): E for uniform use, 1 for one expert."""
-    counts = np.asarray(counts, dtype=np.float64)
-    total = counts.sum(axis=-1, keepdims=True)
-    if (total <= 0).any():
-        raise ValueError("counts: every row needs at least one selection")
-    p = counts / total
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(p > 0, p * np.log(p), 0.0)
-    return np.exp(-plogp.sum(axis=-1))
 
 
 def reuse_distances(selected: np.ndarray) -> tuple[np.ndarray, int]:
@@ -310,14 +297,11 @@ def verdict(summary: dict[str, Any]) -> str:
     )
 
 
-def regime_from_files(
-    router_path: str | os.PathLike,
-    ranking_path: str | os.PathLike,
-    size: float | dict[str, Any],
+def trace_regime(
+    trace: Trace, ranking_path: str | os.PathLike | None, size: float | dict[str, Any]
 ) -> Regime:
-    """The regime of a captured trace at a cache `size` (a resolved size or a fraction), the
-    caches starting from the prefixes of the expert ranking at `ranking_path`."""
-    trace = load_trace(router_path, lookahead=has_lookahead(router_path))
+    """The regime of a loaded trace at a cache `size` (a resolved size or a fraction), the
+    caches starting from the prefixes of the expert ranking at `ranking_path` (None: by id)."""
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
     layout = layout_for(ranking_path, size, STUDY_POLICIES["fetch_every_miss"], k, L, E)
     capacity = layout.size.capacity
@@ -328,14 +312,11 @@ def regime_from_files(
     return regime
 
 
-def run_regime(
-    router_path: str,
-    ranking_path: str,
+def regime_from_files(
+    router_path: str | os.PathLike,
+    ranking_path: str | os.PathLike | None,
     size: float | dict[str, Any],
-    out_table: str | os.PathLike,
-    out_summary: str | os.PathLike,
-) -> None:
-    """Snakemake entry point: per-layer regime table (Parquet) + summary with verdict (JSON)."""
-    regime = regime_from_files(router_path, ranking_path, size)
-    write_parquet(regime.layers, out_table, metadata={"summary": regime.summary})
-    write_json(regime.summary, Path(out_summary))
+) -> Regime:
+    """The regime of a captured trace at a cache `size` (`trace_regime`)."""
+    trace = load_trace(router_path, lookahead=has_lookahead(router_path))
+    return trace_regime(trace, ranking_path, size)
