@@ -129,7 +129,8 @@ def test_evaluation_world_replays_as_the_simulate_stage(stage, tmp_path):
             alloc = stage["args"]["allocations"].get(name, {}).get(f"f{f}")
             out = tmp_path / f"{name}_{f}.parquet"
             run_simulate(str(stage["eval"]), str(stage["ranking"]), name, POLICIES[name], f,
-                         None, str(out), allocation_path=alloc)  # fmt: skip
+                         str(out), str(out.with_suffix(".counts.parquet")),
+                         allocation_path=alloc)  # fmt: skip
             sim = pl.read_parquet(out).filter(pl.col("layer") == -1)
             row = d.filter(
                 (pl.col("design") == name) & (pl.col("role") == "design")
