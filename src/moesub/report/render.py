@@ -24,7 +24,7 @@ from moesub.report.experiments import (
     regime_verdicts,
 )
 from moesub.report.figures import draw_figures
-from moesub.report.headline import headline, recommendation_lines
+from moesub.report.headline import headline
 from moesub.report.load import (
     ci_label,
     disabled_parts,
@@ -33,6 +33,7 @@ from moesub.report.load import (
     summarize_reasons,
 )
 from moesub.report.plotting import FigureData
+from moesub.report.recommendation import recommendation_lines, recommendation_table
 from moesub.report.tables import (
     frame_table,
     generation_missing,
@@ -115,7 +116,10 @@ def render_report(
         "title": str(params.get("title", "moesub report")),
         "ci": ci_label(out.ci_level),
         "baseline": out.baseline,
-        "recommendation": recommendation_lines(recommended, ci_label(out.ci_level), out.models),
+        "recommendation": recommendation_table(recommended, ci_label(out.ci_level), out.models),
+        "recommendation_lines": recommendation_lines(
+            recommended, ci_label(out.ci_level), out.models
+        ),
         "claims": claim_lines(out),
         "headline": headline(out),
         "families": family_lines(out),
