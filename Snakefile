@@ -34,6 +34,8 @@ wildcard_constraints:
     model=alternation(MODELS),
     policy=alternation([*POLICIES, ALL_RESIDENT]),
     fraction=r"[0-9.]+",
+    size=r"f[0-9.]+",
+    hardware=alternation(PLAN_HARDWARE),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
     split=r"eval|calib",
@@ -53,6 +55,7 @@ include: "workflow/rules/engine.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/analysis.smk"
 include: "workflow/rules/recommend.smk"
+include: "workflow/rules/plan.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -64,3 +67,4 @@ rule all:
     default_target: True
     input:
         "results/report.html",
+        plans(),

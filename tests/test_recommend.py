@@ -440,3 +440,44 @@ def test_report_opens_with_the_recommendation_table(study, tmp_path):
             tmp_path / "r1.html",
             recommendations=[tmp_path / "absent.json"],
         )
+
+
+def test_report_table_has_one_row_per_hardware_size_and_source():
+    from moesub.report.recommendation import recommendation_lines, recommendation_table
+
+    def ranking(hardware, size, source, policy, t, fastest=None):
+        c = {"policy": policy, "time_per_token_s": t, "time_lo_s": t, "time_hi_s": t,
+             "speedup_vs_fetch_every_miss": 0.03 / t, "slots_per_layer": [96, 160],
+             "pins_per_layer": [0, 0], "fastest": fastest or policy, "tied": [policy],
+             "non_default_fields": ["rule", "tau"]}  # fmt: skip
+        if fastest:
+            c["tied"] = sorted([policy, fastest])
+        return {"hardware": hardware, "size": size, "capacity": 128, "time_source": source,
+                "device": "cpu" if source == "engine" else None, "within_budget": c,
+                "lossless": None, "lossless_reason": "no candidate is lossless",
+                "timing": {"text": f"{source} timing"}}  # fmt: skip
+
+    doc = {"model": "m", "dppl_budget_pct": 1.0, "selection": None, "rankings": [
+        ranking("rtx3090", "b6GiB", "simulator", "rule_015", 0.02),
+        ranking("rtx3090", "b10GiB", "simulator", "rule_015", 0.01, fastest="quality"),
+        ranking("h100", "b6GiB", "simulator", "speed", 0.005),
+        ranking("this_machine", "b6GiB", "engine", "speed", 0.05),
+    ]}  # fmt: skip
+    t = recommendation_table([doc], "95% CI")
+    assert [r[:4] for r in t.rows] == [
+        ["rtx3090", "b6GiB (C = 128)", "simulator", "rule_015"],
+        ["rtx3090", "b10GiB (C = 128)", "simulator", "rule_015"],
+        ["h100", "b6GiB (C = 128)", "simulator", "speed"],
+        ["this_machine", "b6GiB (C = 128)", "engine (cpu)", "speed"],
+    ]
+    assert t.rows[0][4] == "96-160 (mean 128) / none pinned"
+    assert t.rows[0][5:7] == ["50", "1.50×"]
+    assert t.rows[0][11] == "none (see below)"
+    lines = recommendation_lines([doc], "95% CI")
+    assert "m: no split of the streams; nothing could be screened." in lines
+    assert "m: engine timing." in lines and "m: simulator timing." in lines
+    assert (
+        "m, rtx3090, b10GiB, simulator: within budget: quality is the fastest; rule_015 is within "
+        "its timing noise, and rule_015 has the fewest non-default fields (rule, tau): chosen."
+    ) in lines
+    assert "m, h100, b6GiB, simulator: no lossless choice: no candidate is lossless." in lines

@@ -23,6 +23,7 @@ from moesub.config import (
     policy_spec,
     stage_policies,
 )
+from moesub.vocabulary import capacity_for
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
 # timings other jobs would disturb): every core of this run (--cores). A cluster run has no
@@ -254,6 +255,27 @@ def analysis_params():
         "expb": {"alpha": config["expb"]["alpha"], "designs": expb_rules},
     }
     return canonical(params)
+
+
+# The hardware a plan is priced for: the machine the engine calibrated the simulator on.
+PLAN_HARDWARE = ["this_machine"]
+
+
+def plan_size(wildcards):
+    """The cache size of a plan (`size` = f<fraction>) resolved for its model."""
+    fraction = float(wildcards.size[1:])
+    E, _k = GEOMETRY[wildcards.model]
+    return {"label": wildcards.size, "capacity": capacity_for(fraction, E), "fraction": fraction}
+
+
+def plans():
+    """Every plan the pipeline writes: per model, hardware and cache size."""
+    return expand(
+        "results/{model}/plan/{hardware}/f{fraction}.json",
+        model=MODELS,
+        hardware=PLAN_HARDWARE,
+        fraction=FRACTIONS,
+    )
 
 
 def report_params():

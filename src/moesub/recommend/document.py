@@ -112,10 +112,13 @@ def _of_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
     return df[df["model"] == model] if not df.empty and "model" in df.columns else df
 
 
-def _choice(c: Choice, layers: int, capacity: int) -> dict[str, Any] | None:
+def _choice(
+    c: Choice, policies: Mapping[str, Mapping[str, Any]], layers: int, capacity: int
+) -> dict[str, Any] | None:
     if c.row is None:
         return None
     out = _plain(c.row, FIGURES)
+    out["fields"] = dict(policies.get(c.row["policy"]) or {})  # the config's policy
     out["slots_per_layer"] = [capacity] * layers  # uniform: every layer holds C experts
     out["pins_per_layer"] = [0] * layers
     out["fastest"] = c.fastest
@@ -157,7 +160,7 @@ def rankings(
             "timing": timing.to_dict(),
         }
         for kind, c in choose(ranked, budget_pct).items():
-            entry[kind] = _choice(c, geometry["num_layers"], capacity)
+            entry[kind] = _choice(c, policies, geometry["num_layers"], capacity)
             entry[f"{kind}_reason"] = c.reason
         entry["candidates"] = [
             _plain(r, (*FIGURES, "excluded"))
@@ -245,9 +248,17 @@ _CHOICE = {
         {"type": "null"},
         {
             **_FIGURES_SCHEMA,
-            "required": [*FIGURES, "slots_per_layer", "pins_per_layer", "fastest", "tied"],
+            "required": [
+                *FIGURES,
+                "fields",
+                "slots_per_layer",
+                "pins_per_layer",
+                "fastest",
+                "tied",
+            ],  # fmt: skip
             "properties": {
                 **_FIGURES_SCHEMA["properties"],
+                "fields": {"type": "object"},
                 "slots_per_layer": _COUNTS,
                 "pins_per_layer": _COUNTS,
                 "fastest": {"type": "string"},

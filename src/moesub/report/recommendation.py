@@ -150,12 +150,13 @@ def recommendation_lines(docs: list[Doc], ci: str, models: list[str] | None = No
                 if c is None:
                     lines.append(f"{where}: no {label} choice: {r.get(f'{kind}_reason')}.")
                 elif c.get("fastest") and c["fastest"] != c["policy"]:
-                    others = [t for t in c.get("tied") or [] if t != c["policy"]]
+                    others = [t for t in c.get("tied") or [] if t != c["fastest"]]
+                    verb = "is" if len(others) == 1 else "are"
                     fields = ", ".join(c.get("non_default_fields") or []) or "none"
                     lines.append(
-                        f"{where}: {label}, {c['fastest']} was the fastest, but "
-                        f"{', '.join(others)} and {c['policy']} are within the timing noise; "
-                        f"{c['policy']} has the fewest non-default fields ({fields})."
+                        f"{where}: {label}: {c['fastest']} is the fastest; {', '.join(others)} "
+                        f"{verb} within its timing noise, and {c['policy']} has the fewest "
+                        f"non-default fields ({fields}): chosen."
                     )
     return lines
 

@@ -30,6 +30,9 @@ atomically (`moesub.io`), into `out_dir`:
   token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
   gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
   fraction): its best policy and its policies on each front;
+- `selection.parquet`: per (policy, fraction, half of a seeded split of the evaluation
+  streams): Δppl % with its interval on that half's streams (the recommendation screens on
+  one half and reports the other);
 - `tests.parquet`: every test, its family (pre-registered: Holm; exploratory:
   Benjamini-Hochberg), estimate, two-sided interval, t-based sensitivity interval, raw and
   adjusted two-sided p, direction in words, MDE (`moesub.stats.multiplicity`).
@@ -62,7 +65,8 @@ Modules, one per part (each documents its decisions):
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
-  regime; `summary`: the per-(policy, fraction) summary;
+  regime; `summary`: the per-(policy, fraction) summary; `selection`: the recommendation's
+  split of the streams;
 - `params`: `AnalysisParams` (the config's `analysis:` plus policies) and `ExpBRule`;
 - `run`: `run_analysis`, `analyse_model` (the data flow of one model), the output files.
 
@@ -79,6 +83,7 @@ order and maps their tables onto `OUTPUT_FILES`:
     mass_hypothesis(quality.streams, emulate_files, p)
         -> MassHypothesis(points, results, tests, status)
     per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
+    selection(quality.streams, p) -> Selection(table, result, status)
     expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
     admission(tokens, emulate_files, p) -> Admission(table, totals, tests, status)
     simulate(db, simulate_files) -> Simulate(total, layers, status)
