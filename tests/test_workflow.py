@@ -34,7 +34,7 @@ TEST_CONFIG = "tests/config/config.yaml"
 STAGES = {
     "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
     "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
-    "regime", "analysis", "recommend", "report",
+    "regime", "analysis", "recommend", "plan", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -449,6 +449,7 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
+    expected |= {("plan", "this_machine")}  # and the plan reads the recommendation
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
 

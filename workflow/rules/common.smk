@@ -265,7 +265,11 @@ def plan_size(wildcards):
     """The cache size of a plan (`size` = f<fraction>) resolved for its model."""
     fraction = float(wildcards.size[1:])
     E, _k = GEOMETRY[wildcards.model]
-    return {"label": wildcards.size, "capacity": capacity_for(fraction, E), "fraction": fraction}
+    return {
+        "label": wildcards.size,
+        "capacity": capacity_for(fraction, E),
+        "fraction": fraction,
+    }
 
 
 def plans():

@@ -6,8 +6,12 @@ from moesub.recommend import INPUTS as RECOMMEND_INPUTS
 
 rule recommend:
     input:
+        **{
+            k: getattr(rules.analysis.output, k)
+            for k in RECOMMEND_INPUTS
+            if k != "analysis"
+        },
         analysis=rules.analysis.output.json,
-        **{k: getattr(rules.analysis.output, k) for k in RECOMMEND_INPUTS if k != "analysis"},
     output:
         "results/{model}/recommendation.json",
     log:
