@@ -481,3 +481,59 @@ def test_report_table_has_one_row_per_hardware_size_and_source():
         "its timing noise, and rule_015 has the fewest non-default fields (rule, tau): chosen."
     ) in lines
     assert "m, h100, b6GiB, simulator: no lossless choice: no candidate is lossless." in lines
+
+
+# ---- against the study's table ---------------------------------------------------------------
+
+
+def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
+    from moesub.hardware import PROFILES, STUDY_PROFILE, reference_model_bytes
+    from moesub.recommend.study import study_comparison
+    from moesub.report.recommendation import study_lines
+
+    spec = {
+        **BASE,
+        "quality": {"screen": 0.5, "report": 0.5, "all": 0.5, "sim": 0.012},
+        "speed": {"screen": 0.6, "report": 0.6, "all": 0.6, "sim": 0.011},
+        "rule_015": {"screen": 0.4, "report": 0.4, "all": 0.4, "sim": 0.013},
+        "host_compute": {**EXACT, "sim": 0.026},
+    }
+    t = tables(spec)
+    t["summary"]["sim_sub_rate"] = [0.0, 0.05, 0.06, 0.04, 0.0]  # spec order
+    (r,) = [x for x in rankings(t, POLICIES, GEOMETRY, BASELINES, 1.0) if x["device"] is None]
+    other = copy.deepcopy(r) | {"hardware": "rtx5090_pcie5_ddr5"}
+    study = {**copy.deepcopy(r), "hardware": STUDY_PROFILE}
+    costs = PROFILES[STUDY_PROFILE].price(reference_model_bytes(4.5))
+    s = study_comparison([other, study], costs, top_k=10)
+    got = {(c["policy"], c["reference"]): c["speedup"] for c in s["comparisons"]}
+    assert got == {
+        ("quality", "fetch_every_miss"): pytest.approx(0.030 / 0.012),
+        ("speed", "fetch_every_miss"): pytest.approx(0.030 / 0.011),
+        ("rule_015", "host_compute"): pytest.approx(0.026 / 0.013),
+    }
+    assert s["priced"] and s["size"] == "f0.25"
+    # this run's rates, the simulator's: fetch_every_miss hits 0.8, rule_015 substitutes 4%
+    assert s["miss_rate"] == pytest.approx(0.2) and s["sub_rate"] == 0.04
+    # where the time goes, by hand: m = 2 misses per token-layer
+    d, e, c, h = costs.dense_layer_s, costs.expert_s, costs.copy_s, costs.host_expert_s
+    assert s["fetch_layer_s"] == pytest.approx(d + 10 * e + 2 * c)
+    assert s["copy_share"] == pytest.approx(2 * c / (d + 10 * e + 2 * c))
+    assert s["copy_free_bound"] == pytest.approx((d + 10 * e + 2 * c) / (d + 10 * e))
+    assert s["copy_free_bound_at_study_rate"] == pytest.approx(
+        (d + 10 * e + 0.85 * c) / (d + 10 * e)
+    )
+    assert s["host_layer_s"] == pytest.approx(d + max(2 * h, 8 * e))  # concurrent host
+    lines = study_lines([{"model": "m", "study": s}])
+    assert lines[0] == (
+        f"m: quality vs fetch_every_miss on {STUDY_PROFILE} at 25% resident: 2.50× "
+        "(simulator); the study measured 2.5-3×."
+    )
+    assert "misses 20.0% of expert calls (the study's cache: 8.5%)" in lines[3]
+    assert "rule_015 substitutes 4.0% (the study's: 7.5%)" in lines[3]
+    assert f"a copy takes {1e6 * c:.3g} µs" in lines[4]
+    # without the study profile's ranking: no prediction, the rates still
+    s = study_comparison([other], None, top_k=10)
+    assert not s["priced"] and all(c["speedup"] is None for c in s["comparisons"])
+    assert s["miss_rate"] == pytest.approx(0.2) and s["unit_costs"] is None
+    lines = study_lines([{"model": "m", "study": s}])
+    assert lines[0].startswith(f"m: {STUDY_PROFILE} at 25% resident: no prediction")

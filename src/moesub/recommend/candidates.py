@@ -62,7 +62,9 @@ def quality_candidates(
     misses_per_token, bound, excluded`. `policies`: the config's, for the tie rule's fields."""
     summary, space = _at(tables["summary"], fraction), _at(tables["design_space"], fraction)
     names = sorted(set(summary.get("policy", [])) | set(space.get("policy", [])))
-    quality = summary.reindex(columns=["policy", *DPPL, "hit_rate"]).set_index("policy")
+    quality = summary.reindex(
+        columns=["policy", *DPPL, "hit_rate", "sub_rate", "sim_sub_rate"]
+    ).set_index("policy")
     space = space.reindex(
         columns=["policy", "family", "bound", "lossless", "hit_rate", "misses_per_token"]
     ).set_index("policy")
@@ -77,9 +79,12 @@ def quality_candidates(
             "family": None if s is None else s["family"],
             "non_default_fields": list(non_default_fields(policies.get(name, {}))),
             "bound": bool(s is not None and s["bound"]),
-            "hit_rate": _number(s["hit_rate"] if s is not None else None)
-            or _number(q["hit_rate"] if q is not None else None),
+            "hit_rate": _first(
+                None if s is None else s["hit_rate"], None if q is None else q["hit_rate"]
+            ),
             "misses_per_token": None if s is None else _number(s["misses_per_token"]),
+            # the simulator's (the replay of the evaluation streams), else emulate's
+            "sub_rate": None if q is None else _first(q["sim_sub_rate"], q["sub_rate"]),
         }
         emulated = q is not None and _number(q["dppl_pct"]) is not None
         if emulated:
@@ -99,7 +104,7 @@ def quality_candidates(
 
 
 QUALITY_COLUMNS = [
-    "policy", "family", "non_default_fields", "bound", "hit_rate", "misses_per_token",
+    "policy", "family", "non_default_fields", "bound", "hit_rate", "misses_per_token", "sub_rate",
     *DPPL, *(f"{h}_{k}" for h in HALVES for k in DPPL), "lossless", "dppl_source", "excluded",
 ]  # fmt: skip
 
@@ -124,6 +129,11 @@ def _excluded(r: Mapping[str, Any]) -> str | None:
     if r["screen_dppl_ci_hi"] is None:
         return "no Δppl interval on the screen half of the streams"
     return None
+
+
+def _first(*values: Any) -> float | None:
+    """The first of `values` that is a finite number."""
+    return next((x for x in map(_number, values) if x is not None), None)
 
 
 def _number(v: Any) -> float | None:

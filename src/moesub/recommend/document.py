@@ -34,6 +34,7 @@ from moesub.recommend.ranking import (
     speedups,
     with_intervals,
 )
+from moesub.recommend.study import STUDY_SPEEDUPS, study_comparison
 from moesub.vocabulary import capacity_for
 
 _DEFAULTS = schema_defaults("recommend")  # workflow/schemas/config.schema.yaml
@@ -74,7 +75,8 @@ FIGURES = (
     "policy", "family", "non_default_fields", "time_per_token_s", "time_lo_s", "time_hi_s",
     "tokens_per_s", "speedup_vs_fetch_every_miss", "speedup_vs_fetch_every_miss_lo",
     "speedup_vs_fetch_every_miss_hi", "speedup_vs_host_compute", "speedup_vs_host_compute_lo",
-    "speedup_vs_host_compute_hi", "hit_rate", "misses_per_token", "lossless", "dppl_source",
+    "speedup_vs_host_compute_hi", "hit_rate", "misses_per_token", "sub_rate", "lossless",
+    "dppl_source",
     "dppl_pct", "dppl_ci_lo", "dppl_ci_hi", "screen_dppl_pct", "screen_dppl_ci_lo",
     "screen_dppl_ci_hi", "report_dppl_pct", "report_dppl_ci_lo", "report_dppl_ci_hi",
 )  # fmt: skip
@@ -206,10 +208,12 @@ def recommend(
         "dppl_budget_pct": p.dppl_budget_pct,
         "selection": _selection(t["analysis"], model),
         "tie_rule": TIE_RULE,
-        "rankings": rankings(
-            tables, a_params.get("policies") or {}, geometry, baselines, p.dppl_budget_pct
-        ),
     }
+    doc["rankings"] = rankings(
+        tables, a_params.get("policies") or {}, geometry, baselines, p.dppl_budget_pct
+    )
+    # the study profile's seconds come with its pricing in this run (none yet: not priced)
+    doc["study"] = study_comparison(doc["rankings"], None, geometry["top_k"])
     jsonschema.validate(doc, RECOMMENDATION_SCHEMA)
     return doc
 
@@ -338,5 +342,23 @@ RECOMMENDATION_SCHEMA: dict[str, Any] = {
         },
         "tie_rule": {"type": "string"},
         "rankings": {"type": "array", "items": _RANKING},
+        "study": {
+            "type": "object",
+            "required": ["hardware", "fraction", "priced", "comparisons", "miss_rate", "sub_rate"],
+            "properties": {
+                "priced": {"type": "boolean"},
+                "comparisons": {
+                    "type": "array",
+                    "minItems": len(STUDY_SPEEDUPS),
+                    "items": {
+                        "type": "object",
+                        "required": ["policy", "reference", "study_low", "study_high", "speedup"],
+                        "properties": {"speedup": _NUM, "speedup_lo": _NUM, "speedup_hi": _NUM},
+                    },
+                },
+                "miss_rate": _NUM,
+                "sub_rate": _NUM,
+            },
+        },
     },
 }

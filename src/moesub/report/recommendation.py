@@ -168,3 +168,51 @@ def _policy(r: Row, kind: str) -> str:
 
 def _ids(ids: list[int]) -> str:
     return ", ".join(str(i) for i in ids)
+
+
+def study_lines(docs: list[Doc], models: list[str] | None = None) -> list[str]:
+    """Against the study's table (`moesub.recommend.study`), per model: the predicted speedups
+    beside the study's, then why they differ, from the run's rates and the profile's seconds."""
+    rank = {m: i for i, m in enumerate(models or [])}
+    lines = []
+    for d in sorted(docs, key=lambda d: rank.get(str(d.get("model")), len(rank))):
+        s, m = d.get("study"), d["model"]
+        if not s:
+            continue
+        at = f"{s['hardware']} at {100 * s['fraction']:g}% resident"
+        if not s["priced"]:
+            lines.append(f"{m}: {at}: no prediction: {s['reason']}.")
+        for c in s["comparisons"] if s["priced"] else []:
+            study = f"the study measured {c['study_low']:g}-{c['study_high']:g}×"
+            x = speedup("speedup")(c) if finite(c.get("speedup")) else "not predicted"
+            lines.append(
+                f"{m}: {c['policy']} vs {c['reference']} on {at}: {x} (simulator); {study}."
+            )
+        rates = []
+        if finite(s.get("miss_rate")):
+            rates.append(
+                f"fetch_every_miss misses {pct(s['miss_rate'])} of expert calls (the study's "
+                f"cache: {pct(s['study_miss_rate'])})"
+            )
+        if finite(s.get("sub_rate")):
+            rates.append(
+                f"rule_015 substitutes {pct(s['sub_rate'])} (the study's: "
+                f"{pct(s['study_sub_rate'])})"
+            )
+        if rates:
+            lines.append(f"{m}: at {100 * s['fraction']:g}% resident " + "; ".join(rates) + ".")
+        u = s.get("unit_costs")
+        if u and finite(s.get("copy_share")):
+            us = {k: f"{1e6 * float(u[k]):.3g} µs" for k in u if k != "concurrent_host"}
+            bound, at_study = s["copy_free_bound"], s["copy_free_bound_at_study_rate"]
+            lines.append(
+                f"{m}: on {s['hardware']} a copy takes {us['copy_s']}, an expert on the fast tier "
+                f"{us['expert_s']}, on the host {us['host_expert_s']}, a layer's dense work "
+                f"{us['dense_layer_s']}: copies are {pct(s['copy_share'])} of fetch_every_miss's "
+                f"mean layer, so a policy that copies less is at most "
+                f"{bound:.2f}× faster than it ({at_study:.2f}× at the study's miss rate); "
+                "host_compute's misses take "
+                f"{1e6 * s['host_path_s']:.3g} µs per layer on the host beside "
+                f"{1e6 * s['fast_path_s']:.3g} µs on the fast tier (mean counts)."
+            )
+    return lines

@@ -33,7 +33,11 @@ from moesub.report.load import (
     summarize_reasons,
 )
 from moesub.report.plotting import FigureData
-from moesub.report.recommendation import recommendation_lines, recommendation_table
+from moesub.report.recommendation import (
+    recommendation_lines,
+    recommendation_table,
+    study_lines,
+)
 from moesub.report.tables import (
     frame_table,
     generation_missing,
@@ -120,6 +124,7 @@ def render_report(
         "recommendation_lines": recommendation_lines(
             recommended, ci_label(out.ci_level), out.models
         ),
+        "study_lines": study_lines(recommended, out.models),
         "claims": claim_lines(out),
         "headline": headline(out),
         "families": family_lines(out),
