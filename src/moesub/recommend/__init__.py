@@ -11,7 +11,8 @@ Per ranking, two choices, each the fastest candidate that qualifies, ties to the
   `dppl_budget_pct` (the boundary counts); its Δppl is then quoted on the *report* half, the
   streams it was not chosen on, so the interval is not the winner of a search over them;
 - `lossless`: Δppl exactly 0, on every stream (emulated) or by construction (simulated only).
-No qualifying candidate: the choice is null with the reason.
+No qualifying candidate: the choice is null with the reason. Times come from every stream: the
+speed ranking reads no stream's Δppl, so the report half's Δppl stays out of the selection.
 
 Modules: `candidates` (what each policy costs in quality and time, from the analysis tables),
 `ranking` (time intervals, speedups, the choice and the tie rule), `document` (the JSON

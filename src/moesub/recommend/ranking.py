@@ -84,7 +84,7 @@ def simulator_timing(engine_bench: pd.DataFrame) -> Timing:
         "simulator model error",
         f"simulator estimate: the pricing is deterministic; its error against the engine bench "
         f"on {devices[0]} ranged {lo:+.1%} to {hi:+.1%} over {len(e)} policies, so an estimate "
-        f"t stands for [t / (1 {hi:+.3f}), t / (1 {lo:+.3f})] and two estimates tie unless "
+        f"t stands for [t / {1 + hi:.3f}, t / {1 + lo:.3f}] and two estimates tie unless "
         f"their ratio exceeds {(1 + hi) / (1 + lo):.3f}",
         lo_factor=1.0 / (1.0 + hi),
         hi_factor=1.0 / (1.0 + lo),
