@@ -24,6 +24,7 @@ from moesub.metrics import dppl_pct
 from moesub.recommend import (
     INPUTS,
     RECOMMENDATION_SCHEMA,
+    ModelFacts,
     RecommendParams,
     non_default_fields,
     rankings,
@@ -35,7 +36,7 @@ from moesub.stats import AnalysisParams
 from moesub.stats.selection import selection, split_streams
 
 F = 0.25
-GEOMETRY = {"num_experts": 512, "top_k": 10, "num_layers": 4}
+FACTS = ModelFacts(512, 10, 4, {F: ("f0.25", CAPACITY)}, {})
 BASELINES = ("fetch_every_miss", "host_compute")
 POLICIES = {
     "fetch_every_miss": {"rule": "fetch_all", "eviction": "lru"},
@@ -95,7 +96,7 @@ BASE = {"fetch_every_miss": {**EXACT, "sim": 0.030, "engine": 0.030}}
 
 def ranked(spec, budget=1.0, bench_errors=None, policies=POLICIES) -> dict[str, dict]:
     """time source -> its ranking of `spec` at F."""
-    out = rankings(tables(spec, bench_errors), policies, GEOMETRY, BASELINES, budget)
+    out = rankings(tables(spec, bench_errors), policies, FACTS, BASELINES, budget)
     assert len({r["time_source"] for r in out}) == len(out)
     return {r["time_source"]: r for r in out}
 
@@ -301,6 +302,31 @@ def test_budget_must_be_positive_number(bad):
         RecommendParams.from_mapping({"budget": 1.0})
 
 
+def test_sizes_and_per_layer_layouts_come_from_the_analysis():
+    from moesub.recommend import model_facts
+
+    # models.parquet's row (lists come back as arrays) and the simulate files' metadata
+    row = {"num_experts": 512, "top_k": 10, "num_layers": 4, "fractions": np.array([75 / 512, F]),
+           "sizes": np.array(["b6GiB", "f0.25"]), "capacities": np.array([75, 128])}  # fmt: skip
+    layout = {"capacities": [96, 160, 128, 128], "pins": [48, 80, 0, 0]}
+    provenance = [
+        {"kind": "simulate", "metadata": {"name": "planned", "fraction": F, "layout": layout}},
+        {"kind": "emulate", "metadata": {"name": "other", "fraction": F, "layout": layout}},
+    ]
+    facts = model_facts(row, provenance)
+    assert facts.size(75 / 512) == ("b6GiB", 75) and facts.size(F) == ("f0.25", 128)
+    assert facts.layout("other", F) == ([128] * 4, [0] * 4)  # an emulate file: not the source
+    spec = {**BASE, "planned": {"screen": 0.5, "report": 0.5, "all": 0.5, "sim": 0.01}}
+    sim = {r["time_source"]: r for r in rankings(tables(spec), {}, facts, BASELINES, 1.0)}
+    sim = sim["simulator"]
+    assert (sim["size"], sim["capacity"]) == ("f0.25", 128)
+    w, ll = sim["within_budget"], sim["lossless"]
+    assert (w["policy"], w["slots_per_layer"], w["pins_per_layer"]) == (
+        "planned", [96, 160, 128, 128], [48, 80, 0, 0],
+    )  # fmt: skip
+    assert (ll["slots_per_layer"], ll["pins_per_layer"]) == ([128] * 4, [0] * 4)
+
+
 # ---- end to end: the synthetic study's analysis ---------------------------------------------
 
 
@@ -500,7 +526,7 @@ def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
     }
     t = tables(spec)
     t["summary"]["sim_sub_rate"] = [0.0, 0.05, 0.06, 0.04, 0.0]  # spec order
-    (r,) = [x for x in rankings(t, POLICIES, GEOMETRY, BASELINES, 1.0) if x["device"] is None]
+    (r,) = [x for x in rankings(t, POLICIES, FACTS, BASELINES, 1.0) if x["device"] is None]
     other = copy.deepcopy(r) | {"hardware": "rtx5090_pcie5_ddr5"}
     study = {**copy.deepcopy(r), "hardware": STUDY_PROFILE}
     costs = PROFILES[STUDY_PROFILE].price(reference_model_bytes(4.5))

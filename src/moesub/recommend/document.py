@@ -114,15 +114,66 @@ def _of_model(df: pd.DataFrame, model: str) -> pd.DataFrame:
     return df[df["model"] == model] if not df.empty and "model" in df.columns else df
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a ranking needs of its model: E, k, L, its cache sizes (fraction -> size label and
+    slots per layer C) and the layout each simulated policy ran with ((policy, fraction) ->
+    per-layer capacities and pins; absent: uniform C without pins)."""
+
+    num_experts: int
+    top_k: int
+    num_layers: int
+    sizes: Mapping[float, tuple[str, int]]
+    layouts: Mapping[tuple[str, float], tuple[list[int], list[int]]]
+
+    def size(self, fraction: float) -> tuple[str, int]:
+        for f, size in self.sizes.items():
+            if math.isclose(f, fraction):
+                return size
+        return f"f{fraction:g}", capacity_for(fraction, self.num_experts)
+
+    def layout(self, policy: str, fraction: float) -> tuple[list[int], list[int]]:
+        for (name, f), layout in self.layouts.items():
+            if name == policy and math.isclose(f, fraction):
+                return layout
+        return [self.size(fraction)[1]] * self.num_layers, [0] * self.num_layers
+
+
+def model_facts(row: Mapping[str, Any], provenance: list[Mapping[str, Any]]) -> ModelFacts:
+    """`ModelFacts` from the model's row of `models.parquet` (its fractions, and where the
+    analysis has them its size labels and capacities) and the simulate files' metadata in
+    `analysis.json["provenance"]` (their `layout`)."""
+    E, k, L = (int(row[c]) for c in ("num_experts", "top_k", "num_layers"))
+    fractions = [float(f) for f in _listed(row.get("fractions"))]
+    labels = _listed(row.get("sizes")) or [f"f{f:g}" for f in fractions]
+    caps = _listed(row.get("capacities")) or [capacity_for(f, E) for f in fractions]
+    sizes = {f: (str(lab), int(c)) for f, lab, c in zip(fractions, labels, caps, strict=True)}
+    layouts = {}
+    for e in provenance:
+        meta = e.get("metadata") or {}
+        layout = meta.get("layout")
+        if e.get("kind") == "simulate" and layout and meta.get("fraction") is not None:
+            key = (str(meta.get("name")), float(meta["fraction"]))
+            layouts[key] = (
+                [int(c) for c in layout["capacities"]],
+                [int(p) for p in layout["pins"]],
+            )
+    return ModelFacts(E, k, L, sizes, layouts)
+
+
+def _listed(v: Any) -> list[Any]:
+    """A list cell of a table (a list, an array, or missing) as a list."""
+    return [] if v is None or (isinstance(v, float) and math.isnan(v)) else list(v)
+
+
 def _choice(
-    c: Choice, policies: Mapping[str, Mapping[str, Any]], layers: int, capacity: int
+    c: Choice, policies: Mapping[str, Mapping[str, Any]], facts: ModelFacts, fraction: float
 ) -> dict[str, Any] | None:
     if c.row is None:
         return None
     out = _plain(c.row, FIGURES)
     out["fields"] = dict(policies.get(c.row["policy"]) or {})  # the config's policy
-    out["slots_per_layer"] = [capacity] * layers  # uniform: every layer holds C experts
-    out["pins_per_layer"] = [0] * layers
+    out["slots_per_layer"], out["pins_per_layer"] = facts.layout(c.row["policy"], fraction)
     out["fastest"] = c.fastest
     out["tied"] = list(c.tied)
     return out
@@ -131,7 +182,7 @@ def _choice(
 def rankings(
     tables: Mapping[str, pd.DataFrame],
     policies: Mapping[str, Mapping[str, Any]],
-    geometry: Mapping[str, int],
+    facts: ModelFacts,
     baselines: tuple[str, str],
     budget_pct: float,
 ) -> list[dict[str, Any]]:
@@ -151,18 +202,18 @@ def rankings(
         ranked = speedups(ranked, base, "speedup_vs_fetch_every_miss")
         ranked = speedups(ranked, host, "speedup_vs_host_compute")
         ranked["tokens_per_s"] = 1.0 / ranked["time_per_token_s"]
-        capacity = capacity_for(float(fraction), geometry["num_experts"])
+        label, capacity = facts.size(float(fraction))
         entry: dict[str, Any] = {
             "hardware": hardware,
             "time_source": source,
             "device": None if pd.isna(device) else str(device),
-            "size": f"f{float(fraction):g}",
+            "size": label,
             "fraction": float(fraction),
             "capacity": capacity,
             "timing": timing.to_dict(),
         }
         for kind, c in choose(ranked, budget_pct).items():
-            entry[kind] = _choice(c, policies, geometry["num_layers"], capacity)
+            entry[kind] = _choice(c, policies, facts, float(fraction))
             entry[f"{kind}_reason"] = c.reason
         entry["candidates"] = [
             _plain(r, (*FIGURES, "excluded"))
@@ -192,7 +243,8 @@ def recommend(
     if models.empty or model not in set(models["model"]):
         raise ValueError(f"recommend: model {model!r} is not in the analysis' models table")
     m = models[models["model"] == model].iloc[0]
-    geometry = {k: int(m[k]) for k in ("num_experts", "top_k", "num_layers")}
+    provenance = [e for e in t["analysis"].get("provenance") or [] if e.get("model") == model]
+    facts = model_facts(m.to_dict(), provenance)
     tables = {k: _of_model(t[k], model) for k in INPUTS[1:] if k != "engine_bench"}
     tables["engine_bench"] = t["engine_bench"]  # shared by every model
     baselines = (
@@ -201,7 +253,9 @@ def recommend(
     )
     doc = {
         "model": model,
-        **geometry,
+        "num_experts": facts.num_experts,
+        "top_k": facts.top_k,
+        "num_layers": facts.num_layers,
         "baseline": baselines[0],
         "host_baseline": baselines[1],
         "ci_level": a_params.get("ci_level"),
@@ -210,10 +264,10 @@ def recommend(
         "tie_rule": TIE_RULE,
     }
     doc["rankings"] = rankings(
-        tables, a_params.get("policies") or {}, geometry, baselines, p.dppl_budget_pct
+        tables, a_params.get("policies") or {}, facts, baselines, p.dppl_budget_pct
     )
     # the study profile's seconds come with its pricing in this run (none yet: not priced)
-    doc["study"] = study_comparison(doc["rankings"], None, geometry["top_k"])
+    doc["study"] = study_comparison(doc["rankings"], None, facts.top_k)
     jsonschema.validate(doc, RECOMMENDATION_SCHEMA)
     return doc
 
