@@ -71,7 +71,8 @@ def phase_simulate(path: Path) -> dict:
 
     f = open_trace(path, "rtrace01", top_k=K)
     t0 = time.perf_counter()
-    grid = [GridPoint(n, Policy.from_dict(p), FRACTION) for n, p in POLICIES.items()]
+    E = f.num_experts
+    grid = [GridPoint.at_fraction(n, Policy.from_dict(p), FRACTION, E) for n, p in POLICIES.items()]
     table = simulate_trace(f, grid, chunk_tokens=1024, n_threads=2)
     out = {"simulate_s": time.perf_counter() - t0}
     for name in POLICIES:

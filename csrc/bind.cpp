@@ -23,10 +23,11 @@ using namespace moesub;
 template <typename T, size_t N>
 using Array = nb::ndarray<T, nb::ndim<N>, nb::c_contig, nb::device::cpu>;
 
-// A policy as moesub.policy.Policy._core_args() passes it: v1 fields, then v2.
-using PolicyArgs = std::tuple<int, double, int, double, int64_t, int, double, int, int>;
+// A policy as moesub.policy.Policy._core_args() passes it: v1 fields, then v2, then v3's
+// host_admit; the pin comes apart, per layer.
+using PolicyArgs = std::tuple<int, double, int, double, int64_t, int, double, int, int, int>;
 
-static PolicyParams make_policy(const PolicyArgs& a) {
+static PolicyParams make_policy(const PolicyArgs& a, int pin = 0) {
   PolicyParams p;
   p.rule = static_cast<Rule>(std::get<0>(a));
   p.tau = std::get<1>(a);
@@ -37,6 +38,8 @@ static PolicyParams make_policy(const PolicyArgs& a) {
   p.route_bias = std::get<6>(a);
   p.light_miss = static_cast<LightMiss>(std::get<7>(a));
   p.substitute_by = static_cast<SubstituteBy>(std::get<8>(a));
+  p.host_admit = std::get<9>(a);
+  p.pin = pin;
   return p;
 }
 
@@ -73,10 +76,10 @@ NB_MODULE(_core, m) {
   nb::class_<LayerCache>(m, "LayerCache")
       .def(
           "__init__",
-          [](LayerCache* self, int E, int k, int C, PolicyArgs policy,
+          [](LayerCache* self, int E, int k, int C, PolicyArgs policy, int pin,
              std::optional<Array<const int32_t, 1>> initial, bool external,
              std::optional<Array<const double, 2>> coactivation) {
-            const PolicyParams p = make_policy(policy);
+            const PolicyParams p = make_policy(policy, pin);
             if (p.eviction == Eviction::Belady)
               throw std::invalid_argument(
                   "policy eviction 'belady' needs the whole stream's future: scan and the "
@@ -85,7 +88,7 @@ NB_MODULE(_core, m) {
             if (coactivation) self->set_coactivation(coactivation->data());
           },
           nb::arg("num_experts"), nb::arg("k"), nb::arg("capacity"), nb::arg("policy"),
-          nb::arg("initial").none(), nb::arg("external_admission"),
+          nb::arg("pin"), nb::arg("initial").none(), nb::arg("external_admission"),
           nb::arg("coactivation").none())
       .def(
           "step",
@@ -93,11 +96,12 @@ NB_MODULE(_core, m) {
              std::optional<Array<const float, 2>> lookahead, Array<int32_t, 2> ids,
              Array<double, 2> weights, Array<int8_t, 2> status, Array<int32_t, 2> selected,
              Array<int32_t, 2> slot, Array<double, 1> mass, Array<double, 1> rerouted,
-             Array<int32_t, 1> prefetched) {
+             Array<int32_t, 1> prefetched, Array<int32_t, 1> requested,
+             Array<int32_t, 1> admitted) {
             std::vector<std::pair<int64_t, int32_t>> admissions;
             StepOut out{ids.data(), weights.data(), status.data(), selected.data(), slot.data(),
                         static_cast<int64_t>(ids.shape(1)), mass.data(), 1, rerouted.data(),
-                        prefetched.data(), &admissions};
+                        prefetched.data(), &admissions, requested.data(), admitted.data()};
             {
               nb::gil_scoped_release release;
               self.step(logits.data(), logits.shape(0), logits.shape(1), out,
@@ -108,7 +112,7 @@ NB_MODULE(_core, m) {
           },
           nb::arg("logits"), nb::arg("lookahead").none(), nb::arg("ids"), nb::arg("weights"),
           nb::arg("status"), nb::arg("selected"), nb::arg("slot"), nb::arg("mass"),
-          nb::arg("rerouted"), nb::arg("prefetched"))
+          nb::arg("rerouted"), nb::arg("prefetched"), nb::arg("requested"), nb::arg("admitted"))
       .def("admit", &LayerCache::admit, nb::arg("expert"))
       .def("resident", [](const LayerCache& self) { return self.resident(); })
       .def("counters", [](const LayerCache& self) { return counters_dict(self.counters()); })
@@ -117,18 +121,23 @@ NB_MODULE(_core, m) {
 
   // Whole-stream scan of a (T, L, E) trace into (T, L, k) outputs, token by token: the top-k of
   // all L rows of a token first (the trace is read front to back), then each layer's cache.
+  // Per layer l: capacities[l] slots, pins[l] pinned, initials[l] (capacities[l] experts).
   // A NaN/inf logit raises ValueError naming its (token, layer, expert); outputs are then junk.
   // Belady's eviction first reads every layer's future (a pass of top-k over the whole trace).
   m.def("scan",
-        [](Array<const float, 3> logits, int k, int C, PolicyArgs policy,
-           std::optional<Array<const int32_t, 2>> initial,
+        [](Array<const float, 3> logits, int k, std::vector<int> capacities, PolicyArgs policy,
+           std::vector<int> pins, std::vector<Array<const int32_t, 1>> initials,
            std::optional<Array<const float, 3>> lookahead,
            std::optional<Array<const double, 3>> coactivation, Array<int32_t, 3> ids,
            Array<double, 3> weights, Array<int8_t, 3> status, Array<int32_t, 3> selected,
-           Array<double, 2> mass, Array<double, 2> rerouted, Array<int32_t, 2> prefetched) {
+           Array<double, 2> mass, Array<double, 2> rerouted, Array<int32_t, 2> prefetched,
+           Array<int32_t, 2> requested, Array<int32_t, 2> admitted) {
           const int64_t T = logits.shape(0), L = logits.shape(1), E = logits.shape(2);
           const PolicyParams p = make_policy(policy);
-          const int32_t* init = initial ? initial->data() : nullptr;
+          if (static_cast<int64_t>(capacities.size()) != L ||
+              static_cast<int64_t>(pins.size()) != L ||
+              static_cast<int64_t>(initials.size()) != L)
+            throw std::invalid_argument("scan: need one capacity, pin and initial set per layer");
           const float* y = lookahead ? lookahead->data() : nullptr;
           const double* A = coactivation ? coactivation->data() : nullptr;
           nb::gil_scoped_release release;
@@ -145,7 +154,12 @@ NB_MODULE(_core, m) {
           std::vector<LayerCache> caches;
           std::vector<StepOut> outs;
           for (int64_t l = 0; l < L; ++l) {
-            caches.emplace_back(static_cast<int>(E), k, C, p, init ? init + l * C : nullptr, false);
+            if (static_cast<int64_t>(initials[l].shape(0)) != capacities[l])
+              throw std::invalid_argument("scan: an initial set's length is not its capacity");
+            PolicyParams pl = p;
+            pl.pin = pins[l];
+            caches.emplace_back(static_cast<int>(E), k, capacities[l], pl, initials[l].data(),
+                                false);
             if (A) caches.back().set_coactivation(A + l * E * E);
             if (!futures.empty()) caches.back().set_future(&futures[l]);
             StepOut out;
@@ -157,6 +171,8 @@ NB_MODULE(_core, m) {
             out.mass = mass.data() + l;
             out.rerouted = rerouted.data() + l;
             out.prefetched = prefetched.data() + l;
+            out.requested = requested.data() + l;
+            out.admitted = admitted.data() + l;
             out.mass_stride = L;
             outs.push_back(out);
           }
@@ -208,31 +224,53 @@ NB_MODULE(_core, m) {
                               sub_mask.data(), ids.data(), weights.data(), selected.data());
         });
 
-  // Grid simulation. Per grid point g: its policy (Policy._core_args()), capacity, initial set
-  // and belady flag; per stream an optional lookahead array; one optional (L, E, E) co-activation
-  // table. Fills counters (G, L, 10) int64 in Counters order (rerouted apart), rerouted (G, L)
-  // float64 sums, belady hits (G, L) and mass[g].
+  // Grid simulation. Per grid point g: its policy (Policy._core_args()), per layer its capacity,
+  // pin and initial set, its belady flag and optional token-layer counts (sum of T, L, F) int16;
+  // per stream an optional lookahead array; one optional (L, E, E) co-activation table. Fills
+  // counters (G, L, 10) int64 in Counters order (rerouted apart), rerouted (G, L) float64 sums,
+  // belady hits (G, L), mass[g] and counts[g].
   m.def("simulate_grid",
         [](std::vector<Array<const float, 3>> streams,
            std::vector<std::optional<Array<const float, 3>>> lookahead, int k,
-           std::vector<PolicyArgs> policies, std::vector<int> capacities,
-           std::vector<std::optional<Array<const int32_t, 2>>> initials, std::vector<bool> belady,
+           std::vector<PolicyArgs> policies, std::vector<std::vector<int>> capacities,
+           std::vector<std::vector<int>> pins,
+           std::vector<std::vector<Array<const int32_t, 1>>> initials, std::vector<bool> belady,
            std::optional<Array<const double, 3>> coactivation, std::vector<Array<double, 2>> mass,
+           std::vector<std::optional<Array<int16_t, 3>>> token_counts,
            Array<int64_t, 3> counters_out, Array<double, 2> rerouted_out,
            Array<int64_t, 2> belady_out, int n_threads) {
           const int L = static_cast<int>(streams.at(0).shape(1));
           const int E = static_cast<int>(streams.at(0).shape(2));
           std::vector<StreamView> views;
-          for (size_t i = 0; i < streams.size(); ++i)
+          int64_t total_T = 0;
+          for (size_t i = 0; i < streams.size(); ++i) {
             views.push_back({streams[i].data(), static_cast<int64_t>(streams[i].shape(0)),
                              lookahead.at(i) ? lookahead[i]->data() : nullptr});
+            total_T += views.back().T;
+          }
           std::vector<GridPoint> points(policies.size());
           std::vector<double*> mass_ptrs;
           for (size_t g = 0; g < policies.size(); ++g) {
             points[g].policy = make_policy(policies[g]);
-            points[g].capacity = capacities[g];
-            points[g].initial = initials[g] ? initials[g]->data() : nullptr;
+            points[g].capacity = capacities.at(g);
+            points[g].pin = pins.at(g);
+            for (const auto& init : initials.at(g)) points[g].initial.push_back(init.data());
+            if (static_cast<int>(points[g].capacity.size()) != L ||
+                static_cast<int>(points[g].pin.size()) != L ||
+                static_cast<int>(points[g].initial.size()) != L)
+              throw std::invalid_argument(
+                  "simulate_grid: need one capacity, pin and initial set per layer");
+            for (int l = 0; l < L; ++l)
+              if (static_cast<int>(initials[g][l].shape(0)) != points[g].capacity[l])
+                throw std::invalid_argument(
+                    "simulate_grid: an initial set's length is not its capacity");
             points[g].belady = belady[g];
+            points[g].counts = token_counts.at(g) ? token_counts[g]->data() : nullptr;
+            if (points[g].counts &&
+                (static_cast<int64_t>(token_counts[g]->shape(0)) != total_T ||
+                 static_cast<int>(token_counts[g]->shape(1)) != L ||
+                 static_cast<int>(token_counts[g]->shape(2)) != kTokenLayerFields))
+              throw std::invalid_argument("simulate_grid: token counts need shape (sum of T, L, F)");
             mass_ptrs.push_back(mass[g].data());
           }
           std::vector<Counters> counters(points.size() * L);

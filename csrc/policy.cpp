@@ -440,6 +440,12 @@ LayerCache::LayerCache(int E, int k, int C, PolicyParams p, const int32_t* initi
   if (p.eviction == Eviction::Belady && p.route_bias > 0.0)
     throw std::invalid_argument(
         "policy eviction 'belady' with route_bias > 0: the future selection depends on the cache");
+  if (p.pin < 0 || p.pin + std::max(k, p.prefetch) > C)
+    throw std::invalid_argument("policy pin: need 0 <= pin and pin + max(k, prefetch) <= capacity");
+  if (p.host_admit < 0 ||
+      (p.host_admit > 0 && p.rule != Rule::HostCompute && p.light_miss != LightMiss::Host))
+    throw std::invalid_argument(
+        "policy host_admit: must be >= 0, and > 0 only where misses are computed on the host");
   if (p.eviction == Eviction::Belady) upcoming_.assign(E, Future::kNever);
   for (int s = 0; s < C; ++s) {
     const int32_t e = initial ? initial[s] : s;
@@ -500,9 +506,10 @@ MOESUB_SIMD_CLONES static int32_t smallest_key(const K* key, const int32_t* expe
 }
 
 int32_t LayerCache::pick_victim() const {
-  const int32_t* expert = expert_in_slot_.data();
-  return wide_keys_ ? smallest_key<i64x4>(key64_.data(), expert, C_)
-                    : smallest_key<i32x8>(key32_.data(), expert, C_);
+  const int P = p_.pin;  // slots 0..pin-1 hold the pinned experts: never victims
+  const int32_t* expert = expert_in_slot_.data() + P;
+  return wide_keys_ ? smallest_key<i64x4>(key64_.data() + P, expert, C_ - P)
+                    : smallest_key<i32x8>(key32_.data() + P, expert, C_ - P);
 }
 
 std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
@@ -520,21 +527,33 @@ std::pair<int32_t, int32_t> LayerCache::insert(int32_t e) {
   return {slot, victim};
 }
 
-void LayerCache::apply_ready_admissions() {
+int32_t LayerCache::apply_ready_admissions() {
   // Requests are queued in token order with one delay, so the ready ones are a prefix of the
   // queue, all made delay tokens ago; among them the lower expert id goes first.
-  if (queue_.empty() || queue_.front().first > t_) return;
+  if (queue_.empty() || queue_.front().first > t_) return 0;
   auto ready = queue_.begin();
   while (ready != queue_.end() && ready->first <= t_) ++ready;
   std::sort(queue_.begin(), ready);
+  int32_t inserted = 0;
   for (auto it = queue_.begin(); it != ready; ++it) {
     const int32_t e = it->second;
     expert_[e].pending = false;
     if (expert_[e].slot >= 0) continue;
     insert(e);
-    ++counters_.admissions;
+    ++inserted;
   }
+  counters_.admissions += inserted;
   queue_.erase(queue_.begin(), ready);
+  return inserted;
+}
+
+// A background admission of e (beta's or a host upload): pending, queued with ready time
+// t + delay (or handed to the caller with external admission), counted as a request.
+void LayerCache::request_admission(int32_t e, const StepOut& out) {
+  expert_[e].pending = true;
+  ++counters_.admission_requests;
+  if (!external_) queue_.emplace_back(t_ + p_.delay, e);
+  if (out.admissions) out.admissions->emplace_back(t_, e);
 }
 
 void LayerCache::set_future(const Future* future) {
@@ -688,8 +707,9 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
         "policy eviction 'belady' needs the whole stream's future: scan and the simulator only");
   if (p_.route_bias > 0.0 && !(zmin <= z[sel0[0]]))
     throw std::invalid_argument("policy route_bias > 0 needs the row's smallest logit");
+  const int64_t requests_before = counters_.admission_requests;
   // 1. admissions that are ready
-  if (!external_) apply_ready_admissions();
+  const int32_t n_admitted = external_ ? 0 : apply_ready_admissions();
   // 1b. prefetch from the lookahead logits
   const int32_t n_prefetched = p_.prefetch > 0 ? prefetch(pref) : 0;
   // 2. selection: the caller's unbiased top-k (sel0, w0), re-selected with route_bias
@@ -770,13 +790,17 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
     m += w[r];
     acc_[e] += w[r];
     if (p_.beta > 0.0 && acc_[e] >= p_.beta && !expert_[e].pending) {
-      expert_[e].pending = true;
       acc_[e] = 0.0;
-      ++counters_.admission_requests;
-      if (!external_) queue_.emplace_back(t_ + p_.delay, e);
-      if (out.admissions) out.admissions->emplace_back(t_, e);
+      request_admission(e, out);
     }
   }
+  // host uploads: the HOST experts in rank order, each without a pending admission, at most
+  // host_admit of them (acc untouched)
+  for (int r = 0, left = p_.host_admit; r < k_ && left > 0; ++r)
+    if (st[r] == HOST && !expert_[sel[r]].pending) {
+      request_admission(sel[r], out);
+      --left;
+    }
   // 6. recency, which also unpins the computed residents; counters
   int64_t per_status[5] = {};
   for (int r = 0; r < k_; ++r) {
@@ -803,6 +827,16 @@ void LayerCache::step_selected(const float* z, const int32_t* sel0, const double
   if (out.mass) out.mass[i * out.mass_stride] = m;
   if (out.rerouted) out.rerouted[i * out.mass_stride] = rho;
   if (out.prefetched) out.prefetched[i * out.mass_stride] = n_prefetched;
+  const int32_t n_requested = static_cast<int32_t>(counters_.admission_requests - requests_before);
+  if (out.requested) out.requested[i * out.mass_stride] = n_requested;
+  if (out.admitted) out.admitted[i * out.mass_stride] = n_admitted;
+  if (out.counts) {
+    int16_t* c = out.counts + i * out.counts_stride;
+    for (int f = kCountHit; f <= kCountForced; ++f) c[f] = static_cast<int16_t>(per_status[f]);
+    c[kCountPrefetched] = static_cast<int16_t>(n_prefetched);
+    c[kCountRequests] = static_cast<int16_t>(n_requested);
+    c[kCountAdmissions] = static_cast<int16_t>(n_admitted);
+  }
   ++t_;
 }
 

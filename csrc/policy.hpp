@@ -37,6 +37,9 @@ struct PolicyParams {
   double route_bias = 0.0;   // lambda of cache-aware routing (step 2)
   LightMiss light_miss = LightMiss::Substitute;
   SubstituteBy substitute_by = SubstituteBy::Logit;
+  // v3; the defaults are v2
+  int pin = 0;         // the first `pin` slots (the initial set's first experts) are never victims
+  int host_admit = 0;  // HOST experts enqueued for background admission per token (after step 5)
 };
 
 // Per-layer counters, summed over every token the layer has processed.
@@ -46,6 +49,16 @@ struct Counters {
   int64_t prefetches = 0;  // experts inserted in step 1b
   double rerouted = 0.0;   // rerouted mass, summed over tokens
 };
+
+// What one token-layer did, as counts (moesub.vocabulary.TOKEN_LAYER_FIELDS, in this order).
+enum TokenLayerField : int {
+  kCountHit, kCountFetch, kCountSub, kCountHost, kCountForced,  // experts per status
+  kCountPrefetched,         // experts inserted in step 1b
+  kCountRequests,           // admission requests (beta admissions, host uploads)
+  kCountAdmissions,         // admissions landed (inserted) in step 1
+  kTokenLayerFields
+};
+static_assert(kCountHit == HIT && kCountForced == FORCED, "status counts come first, by code");
 
 // Where one step's per-token outputs go. Strides are in elements between consecutive tokens, so
 // a (T, L, k) array can be filled one layer at a time. Any pointer may be null (not wanted).
@@ -61,6 +74,10 @@ struct StepOut {
   double* rerouted = nullptr;   // rerouted mass per token (route_bias)
   int32_t* prefetched = nullptr;  // experts inserted in step 1b per token
   std::vector<std::pair<int64_t, int32_t>>* admissions = nullptr;  // (token, expert) enqueued
+  int32_t* requested = nullptr;   // admission requests per token (mass_stride apart)
+  int32_t* admitted = nullptr;    // admissions landed in step 1 per token (mass_stride apart)
+  int16_t* counts = nullptr;      // kTokenLayerFields per token, counts_stride apart
+  int64_t counts_stride = 0;
 };
 
 // A logit row held NaN or inf; `token` is the row's index within the call.
@@ -156,7 +173,9 @@ class LayerCache {
   // Eviction keys are kept per slot, so choosing a victim is a branch-free pass over C keys:
   // 32-bit where the eviction's keys fit (lru, belady: half the bytes per pass), 64-bit for lfu.
   // A resident in the current token's computed set is pinned: its key is the type's largest
-  // value until step 6.
+  // value until step 6. The policy's permanently pinned experts hold slots 0..pin-1 for the
+  // whole stream (they start there and are never evicted), so victims are sought in the slots
+  // from `pin` on: their keys are never read.
   static constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 2;  // freq, last use + 1 < 2^31
   int64_t eviction_key(int32_t expert) const;
   void set_key(int32_t slot, int64_t key) {
@@ -176,9 +195,10 @@ class LayerCache {
   // and the bias b; returns the rerouted mass
   double biased_selection(const float* z, const int32_t* sel0, const double* w0, double b,
                           int32_t* sel, double* w);
-  int32_t pick_victim() const;                    // resident with the smallest key, -1 if pinned
+  int32_t pick_victim() const;  // unpinned resident with the smallest key, -1 if all are pinned
   std::pair<int32_t, int32_t> insert(int32_t e);  // evicts the victim: (freed slot, victim)
-  void apply_ready_admissions();
+  int32_t apply_ready_admissions();  // step 1: experts inserted
+  void request_admission(int32_t e, const StepOut& out);  // enqueue e (the caller checked)
 
   int E_, k_, C_;
   PolicyParams p_;

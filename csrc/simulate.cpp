@@ -39,14 +39,18 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
   std::vector<StepOut> outs;
   for (size_t g = 0; g < points.size(); ++g) {
     const GridPoint& gp = points[g];
-    const int32_t* initial =
-        gp.initial ? gp.initial + static_cast<int64_t>(layer) * gp.capacity : nullptr;
-    caches.emplace_back(E, k, gp.capacity, gp.policy, initial, false);
+    PolicyParams policy = gp.policy;
+    policy.pin = gp.pin[layer];
+    caches.emplace_back(E, k, gp.capacity[layer], policy, gp.initial[layer], false);
     if (coactivation) caches.back().set_coactivation(coactivation + static_cast<int64_t>(layer) * E * E);
     if (gp.policy.eviction == Eviction::Belady) caches.back().set_future(&future);
     StepOut out;
     out.mass = mass[g] + offset * L + layer;
     out.mass_stride = L;
+    if (gp.counts) {
+      out.counts = gp.counts + (offset * L + layer) * kTokenLayerFields;
+      out.counts_stride = static_cast<int64_t>(L) * kTokenLayerFields;
+    }
     outs.push_back(out);
   }
   // the lookahead's top-n for the largest prefetch of the grid: each point takes its prefix
@@ -84,11 +88,8 @@ static void run_task(const StreamView& s, int64_t offset, int L, int E, int k,
   for (size_t g = 0; g < points.size(); ++g) {
     add(counters[g * L + layer], caches[g].counters());
     if (points[g].belady)
-      belady[g * L + layer] += belady_hits(logits, s.T, row_stride, E, k, points[g].capacity,
-                                           points[g].initial ? points[g].initial +
-                                                                   static_cast<int64_t>(layer) *
-                                                                       points[g].capacity
-                                                             : nullptr);
+      belady[g * L + layer] += belady_hits(logits, s.T, row_stride, E, k,
+                                           points[g].capacity[layer], points[g].initial[layer]);
   }
 }
 

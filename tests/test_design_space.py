@@ -19,7 +19,7 @@ from moesub.coactivation import read_coactivation, write_coactivation
 from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
-from moesub.policy import Policy, coactivation
+from moesub.policy import Policy, capacity_for, coactivation
 from moesub.simulate import run_simulate
 from moesub.synthetic import synthetic_logits
 
@@ -176,7 +176,8 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
         out = tmp_path / f"{name}.parquet"
         run_simulate(str(traces["eval_path"]), None, name, pol.to_dict(), 0.25, None, str(out),
                      coactivation_path=str(table_path))  # fmt: skip
-        want = simulate(traces["eval"], K, [GridPoint(name, pol, 0.25)], None, cost,
+        point = GridPoint.at_fraction(name, pol, 0.25, traces["eval"][0].shape[2])
+        want = simulate(traces["eval"], K, [point], cost,
                         lookahead=traces["look"], coactivation=A)  # fmt: skip
         got = pl.read_parquet(out)
         assert got.equals(want), name
@@ -196,10 +197,11 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
 def test_builtin_bound_only_for_demand_paging_of_v1_selections(traces):
     """The simulator's built-in Belady bound (fetch_all) is not a bound with prefetch (not
     demand paging) or route_bias (selections follow the cache): those rows carry none."""
+    C = capacity_for(0.25, traces["eval"][0].shape[2])
     grid = [
-        GridPoint("plain", Policy(), 0.25),
-        GridPoint("pre", Policy(prefetch=2), 0.25),
-        GridPoint("prior", Policy(route_bias=0.3), 0.25),
+        GridPoint("plain", Policy(), C),
+        GridPoint("pre", Policy(prefetch=2), C),
+        GridPoint("prior", Policy(route_bias=0.3), C),
     ]
     df = simulate(traces["eval"], K, grid, lookahead=traces["look"]).filter(pl.col("layer") == -1)
     bound = dict(zip(df["policy"], df["belady_hit_rate"], strict=True))

@@ -87,6 +87,6 @@ def test_initial_sets_and_simulation_on_the_captured_trace(captured):
     init = read_initial_set(root / "initial.parquet", 0.25)
     assert init.shape == (2, capacity_for(0.25, 64))
     trace = load_trace(root / "eval_router.parquet")
-    df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 0.25)], {16: init})
+    df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 16, init)])
     total = df.filter(df["layer"] == -1).row(0, named=True)
     assert 0 < total["hit_rate"] <= total["belady_hit_rate"] <= 1

@@ -151,8 +151,7 @@ def test_belady_is_optimal_floor(case):
 
     logits, k, C, _, _ = case
     T, L, E = logits.shape
-    frac = C / E
-    grid = [GridPoint(ev, Policy(eviction=ev), frac) for ev in EVICTIONS]
+    grid = [GridPoint(ev, Policy(eviction=ev), C) for ev in EVICTIONS]
     df = simulate([logits], k, grid).to_dicts()
     for row in df:
         if row["layer"] < 0 or row["capacity"] != C:

@@ -1,5 +1,6 @@
-"""Policy semantics v2 (prefetch, route_bias, light_miss, substitute_by, belady eviction): the
-C++ core against the plain-Python reference, v1 reproduced by every default, and bad input."""
+"""Policy semantics v2 (prefetch, route_bias, light_miss, substitute_by, belady eviction): what
+each field does, v1 reproduced by every default, and bad input. The core against the
+plain-Python reference for every field and combination: tests/test_policy_v3.py."""
 
 from __future__ import annotations
 
@@ -8,161 +9,10 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from policy_cases import assert_same, cases, run_both, tie_prone
 
 from moesub.grid import GridPoint, simulate
-from moesub.policy import (
-    EVICTIONS,
-    FETCH,
-    HIT,
-    HOST,
-    LIGHT_MISSES,
-    OFFLINE_EVICTIONS,
-    RULES,
-    SUB,
-    SUBSTITUTE_BY,
-    LayerCache,
-    Policy,
-    coactivation,
-    scan,
-)
-from moesub.policy_reference import reference_scan
-
-
-def tie_prone(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
-    """float16 rounding and a small range make exact ties common."""
-    return (rng.normal(size=shape) * scale).astype(np.float16).astype(np.float32)
-
-
-@st.composite
-def policies(draw, capacity: int, online: bool = False) -> Policy:
-    rule = draw(st.sampled_from(RULES))
-    light_miss = draw(st.sampled_from(LIGHT_MISSES))
-    no_admission = rule == "host_compute" or light_miss == "host"
-    evictions = EVICTIONS if online else EVICTIONS + OFFLINE_EVICTIONS
-    eviction = draw(st.sampled_from(evictions))
-    route_bias = 0.0 if eviction == "belady" else draw(st.sampled_from([0.0, 0.02, 0.1, 0.5, 3.0]))
-    return Policy(
-        rule=rule,
-        tau=draw(st.sampled_from([0.15, 0.3, 0.9] + ([] if rule == "threshold" else [0.0]))),
-        eviction=eviction,
-        beta=0.0 if no_admission else draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
-        delay=draw(st.integers(1, 3)),
-        prefetch=draw(st.one_of(st.integers(0, min(capacity, 3)), st.just(capacity))),
-        route_bias=route_bias,
-        light_miss=light_miss,
-        substitute_by=draw(st.sampled_from(SUBSTITUTE_BY)),
-    )
-
-
-SMALL_E = st.integers(2, 16)
-
-
-@st.composite
-def cases(draw, num_experts=SMALL_E, max_k=5, max_tokens=25, online=False):
-    """(logits, k, C, policy, initial, coactivation table, lookahead)."""
-    E = draw(num_experts)
-    k = draw(st.integers(1, min(E, max_k)))
-    C = draw(st.integers(k, E))
-    T = draw(st.integers(1, max_tokens))
-    L = draw(st.integers(1, 2))
-    policy = draw(policies(C, online))
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    logits = tie_prone(rng, (T, L, E), draw(st.sampled_from([0.3, 1.0, 4.0])))
-    initial = None
-    if draw(st.booleans()):
-        initial = np.stack([rng.permutation(E)[:C] for _ in range(L)]).astype(np.int32)
-    table = draw(st.sampled_from(["calibration", "coarse", "none"]))
-    if table == "calibration":  # the real thing: counted on another trace of the same shape
-        A = coactivation(tie_prone(rng, (30, L, E), 1.0), k)
-    elif table == "coarse":  # few distinct values: ties on A, broken by the logit, then the id
-        A = rng.integers(0, 3, size=(L, E, E)) / 2.0
-    else:
-        A = None if policy.substitute_by == "logit" else np.zeros((L, E, E))
-    # the predictor: the logits themselves, a noisy copy (often right), or unrelated
-    kind = draw(st.sampled_from(["exact", "noisy", "unrelated"]))
-    y = {
-        "exact": logits,
-        "noisy": (logits + tie_prone(rng, logits.shape, 0.5)).astype(np.float32),
-        "unrelated": tie_prone(rng, logits.shape, 1.0),
-    }[kind]
-    lookahead = y if policy.prefetch > 0 or draw(st.booleans()) else None
-    return logits, k, C, policy, initial, A, lookahead
-
-
-def assert_same(a, b):
-    np.testing.assert_array_equal(a.ids, b.ids)
-    np.testing.assert_array_equal(a.status, b.status)
-    np.testing.assert_array_equal(a.selected, b.selected)
-    np.testing.assert_array_equal(a.prefetched, b.prefetched)
-    np.testing.assert_allclose(a.weights, b.weights, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(a.mass, b.mass, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(a.rerouted, b.rerouted, rtol=0, atol=1e-12)
-
-
-def run_both(case):
-    logits, k, C, policy, initial, A, y = case
-    got = scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
-    want = reference_scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
-    return got, want
-
-
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_scan_matches_reference(case):
-    assert_same(*run_both(case))
-
-
-# E >= 32: the core's lane-filtered top-k for the selection and the prefetch set
-wide_cases = cases(num_experts=st.sampled_from([32, 45, 70]), max_k=10, max_tokens=15)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(wide_cases)
-def test_scan_matches_reference_wide_rows(case):
-    assert_same(*run_both(case))
-
-
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    cases(online=True, max_tokens=30),
-    st.lists(st.integers(1, 9), min_size=1, max_size=4),
-    st.booleans(),
-)
-def test_streaming_matches_whole_scan(case, chunks, external):
-    """LayerCache in chunks (lookahead rows with each chunk) = scan; with external admission,
-    admit() called when the delay expires reproduces the internal queue."""
-    logits, k, C, policy, initial, A, y = case
-    T, L, E = logits.shape
-    whole = scan(logits, k, C, policy, initial, coactivation=A, lookahead=y)
-    for layer in range(L):
-        cache = LayerCache(
-            E, k, C, policy, None if initial is None else initial[layer],
-            external_admission=external, coactivation=None if A is None else A[layer],
-        )  # fmt: skip
-        ready: list[tuple[int, int]] = []
-        t, i = 0, 0
-        while t < T:
-            n = 1 if external else min(chunks[i % len(chunks)], T - t)
-            for _r, e in sorted(x for x in ready if x[0] <= t):
-                cache.admit(e)
-            ready = [x for x in ready if x[0] > t]
-            rows = np.ascontiguousarray(logits[t : t + n, layer])
-            ys = None if y is None else np.ascontiguousarray(y[t : t + n, layer])
-            s = cache.step(rows, ys)
-            if external:  # the engine's part: the copy completes when the delay expires
-                ready += [(int(tt) + policy.delay, int(e)) for tt, e in s.admissions]
-            sl = (slice(t, t + n), layer)
-            np.testing.assert_array_equal(s.ids, whole.ids[sl])
-            np.testing.assert_array_equal(s.status, whole.status[sl])
-            np.testing.assert_array_equal(s.selected, whole.selected[sl])
-            np.testing.assert_array_equal(s.weights, whole.weights[sl])
-            np.testing.assert_array_equal(s.mass, whole.mass[sl])
-            np.testing.assert_array_equal(s.rerouted, whole.rerouted[sl])
-            np.testing.assert_array_equal(s.prefetched, whole.prefetched[sl])
-            t, i = t + n, i + 1
-        c = cache.counters()
-        assert c["prefetches"] == whole.prefetched[:, layer].sum()
-        assert c["rerouted"] == pytest.approx(whole.rerouted[:, layer].sum(), abs=1e-12)
+from moesub.policy import FETCH, HIT, HOST, SUB, LayerCache, Policy, coactivation, scan
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -307,7 +157,7 @@ def test_belady_eviction_of_fetch_all_is_the_v1_bound():
     rng = np.random.default_rng(5)
     initial = np.stack([rng.permutation(64)[:16] for _ in range(3)]).astype(np.int32)
     r = scan(x, 4, 16, Policy(eviction="belady"), initial)
-    df = simulate([x], 4, [GridPoint("f", Policy(), 0.25)], initial_sets={16: initial})
+    df = simulate([x], 4, [GridPoint("f", Policy(), 16, initial)])
     for row in df.filter(pl.col("layer") >= 0).to_dicts():
         assert (r.status[:, row["layer"]] == HIT).sum() == round(row["belady_hit_rate"] * 300 * 4)
     lru = scan(x, 4, 16, Policy(), initial)
@@ -359,7 +209,7 @@ def test_simulator_counts_v2_policies_like_scan():
         "buddy": Policy(rule="substitute_all", substitute_by="coactivation"),
         "belady": Policy(rule="first_choice", eviction="belady", prefetch=2),
     }
-    grid = [GridPoint(n, p, 0.25) for n, p in policies.items()]
+    grid = [GridPoint(n, p, 12) for n, p in policies.items()]
     df = simulate(streams, 4, grid, lookahead=ys, coactivation=A, n_threads=2)
     for name, p in policies.items():
         rs = [
@@ -431,9 +281,9 @@ def test_bad_v2_arrays():
     with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
         LayerCache(8, 2, 4, Policy(prefetch=1)).step(x[:, 0].copy())
     with pytest.raises(ValueError, match="lookahead: need one array per stream"):
-        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)], lookahead=[x, x])
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 4)], lookahead=[x, x])
     with pytest.raises(ValueError, match="lookahead: policy prefetch > 0 needs"):
-        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 0.5)])
+        simulate([x], 2, [GridPoint("p", Policy(prefetch=1), 4)])
     with pytest.raises(ValueError, match="coactivation: need at least one"):
         coactivation([], 2)
     with pytest.raises(ValueError, match=r"logits: contain NaN or inf.*\(2, 1, 5\)"):

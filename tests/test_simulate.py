@@ -34,8 +34,8 @@ def test_counters_match_scan_per_stream(streams):
     C = 16
     rng = np.random.default_rng(0)
     initial = np.stack([rng.permutation(64)[:C] for _ in range(3)]).astype(np.int32)
-    grid = [GridPoint(n, p, frac) for n, p in POLICIES.items()]
-    df = simulate(streams, k, grid, initial_sets={C: initial}, n_threads=3)
+    grid = [GridPoint(n, p, C, initial, frac) for n, p in POLICIES.items()]
+    df = simulate(streams, k, grid, n_threads=3)
     assert df.height == len(grid) * 4
     for name, p in POLICIES.items():
         rs = [scan(s, k, C, p, initial) for s in streams]  # caches restart at every stream
@@ -55,7 +55,7 @@ def test_counters_match_scan_per_stream(streams):
 
 
 def test_admissions_and_belady_columns(streams):
-    df = simulate(streams, 4, [GridPoint(n, p, 0.25) for n, p in POLICIES.items()])
+    df = simulate(streams, 4, [GridPoint.at_fraction(n, p, 0.25, 64) for n, p in POLICIES.items()])
     tot = {r["policy"]: r for r in df.filter(pl.col("layer") == -1).to_dicts()}
     assert tot["quality"]["admissions"] > 0 and tot["rule_015"]["admissions"] == 0
     assert tot["fetch_every_miss"]["belady_hit_rate"] >= tot["fetch_every_miss"]["hit_rate"]
@@ -64,7 +64,7 @@ def test_admissions_and_belady_columns(streams):
 
 
 def test_simulation_is_bit_reproducible(streams):
-    grid = [GridPoint(n, p, 0.3) for n, p in POLICIES.items()]
+    grid = [GridPoint.at_fraction(n, p, 0.3, 64) for n, p in POLICIES.items()]
     a = simulate(streams, 4, grid, n_threads=1)
     b = simulate(streams, 4, grid, n_threads=4)
     assert a.equals(b)
@@ -99,7 +99,7 @@ def test_cost_model_from_json(tmp_path):
 
 
 def test_bad_simulator_input(streams):
-    grid = [GridPoint("f", Policy(), 0.25)]
+    grid = [GridPoint("f", Policy(), 16)]
     with pytest.raises(ValueError, match="at least one"):
         simulate([], 4, grid)
     with pytest.raises(ValueError, match="same \\(L, E\\)"):
@@ -110,12 +110,16 @@ def test_bad_simulator_input(streams):
         simulate([bad], 4, grid)
     with pytest.raises(ValueError, match="float32"):
         simulate([streams[0].astype(np.float64)], 4, grid)
-    with pytest.raises(ValueError, match="capacity: C=2 is smaller than k=4"):
-        simulate(streams, 4, [GridPoint("f", Policy(), 2 / 64)])
+    with pytest.raises(ValueError, match="grid point 'f': capacity: C=2 is smaller than k=4"):
+        simulate(streams, 4, [GridPoint.at_fraction("f", Policy(), 2 / 64, 64)])
     with pytest.raises(ValueError, match="fraction"):
+        simulate(streams, 4, [GridPoint.at_fraction("f", Policy(), 1.5, 64)])
+    with pytest.raises(ValueError, match="capacity: must be an integer, got 1.5"):
         simulate(streams, 4, [GridPoint("f", Policy(), 1.5)])
-    with pytest.raises(ValueError, match="no resident set for capacity 16"):
-        simulate(streams, 4, grid, initial_sets={8: np.zeros((3, 8), np.int32)})
+    with pytest.raises(ValueError, match=r"grid point 'f': initial: expected shape \(3, 16\)"):
+        simulate(streams, 4, [GridPoint("f", Policy(), 16, np.zeros((3, 8), np.int32))])
+    with pytest.raises(ValueError, match="at least one grid point"):
+        simulate(streams, 4, [])
 
 
 def test_write_cost_model_applies_overrides(tmp_path):

@@ -100,7 +100,7 @@ def test_rtrace01_any_record_order(tmp_path, logits):
     np.testing.assert_array_equal(a.ids, b.ids)
     rng = np.random.default_rng(0)
     raw_rtrace(tmp_path / "c.bin", E, [recs[i] for i in rng.permutation(len(recs))])
-    grid = [GridPoint("fem", Policy(), 0.25)]
+    grid = [GridPoint.at_fraction("fem", Policy(), 0.25, E)]
     np.testing.assert_array_equal(
         simulate_trace(open_trace(tmp_path / "c.bin", top_k=K), grid, chunk_tokens=13)["hit"],
         simulate_trace(a, grid)["hit"],
@@ -422,13 +422,17 @@ def test_chunked_equals_whole_scan(tmp_path, logits, chunk_tokens):
     write_trace(tmp_path / "t.rtrace01", "rtrace01", logits=logits)
     f = open_trace(tmp_path / "t.rtrace01", top_k=K)
     tr = f.load()
-    grid = [GridPoint(n, p, frac) for n, p in POLICIES.items() for frac in (0.25, 0.5)]
     counts = selection_counts(
         Trace([0], [tr.logits], {"num_experts": E, "top_k": K, "num_layers": L})
     )
     initial = {capacity_for(f, E): frequency_sets(counts, capacity_for(f, E)) for f in (0.25, 0.5)}
-    got = simulate_trace(f, grid, initial, chunk_tokens=chunk_tokens, n_threads=2)
-    whole = simulate([tr.logits], K, grid, initial, belady=False)
+    grid = [
+        GridPoint.at_fraction(n, p, frac, E, initial[capacity_for(frac, E)])
+        for n, p in POLICIES.items()
+        for frac in (0.25, 0.5)
+    ]
+    got = simulate_trace(f, grid, chunk_tokens=chunk_tokens, n_threads=2)
+    whole = simulate([tr.logits], K, grid, belady=False)
     assert got.select("policy", "layer", *COUNTS).equals(whole.select("policy", "layer", *COUNTS))
     np.testing.assert_allclose(got["mass_mean"], whole["mass_mean"], rtol=1e-12, atol=1e-15)
     for g in grid:
@@ -443,7 +447,7 @@ def test_chunked_equals_whole_scan(tmp_path, logits, chunk_tokens):
 def test_chunked_restarts_per_stream(tmp_path, logits):
     moesub_router(tmp_path / "r.parquet", [logits[:90], logits[90:]], K)
     tr = read_trace(tmp_path / "r.parquet")
-    grid = [GridPoint(n, POLICIES[n], 0.25) for n in ("fetch_every_miss", "quality")]
+    grid = [GridPoint.at_fraction(n, POLICIES[n], 0.25, E) for n in ("fetch_every_miss", "quality")]
     got = simulate_trace(tr, grid, chunk_tokens=32)
     whole = simulate([logits[:90], logits[90:]], K, grid, belady=False)
     assert got.select("policy", "layer", *COUNTS).equals(whole.select("policy", "layer", *COUNTS))
@@ -455,7 +459,7 @@ def test_ids_only_trace_runs_the_rules_that_need_no_logits(tmp_path, logits):
     write_trace(tmp_path / "t.mblt", "mblt", logits=logits, top_k=K)
     ids_only = read_trace(tmp_path / "t.mblt")
     ok = ["fetch_every_miss", "lfu", "host_compute", "first_choice_host"]
-    grid = [GridPoint(n, POLICIES[n], 0.25) for n in ok]
+    grid = [GridPoint.at_fraction(n, POLICIES[n], 0.25, E) for n in ok]
     got = simulate_trace(ids_only, grid, chunk_tokens=50)
     whole = simulate([logits], K, grid, belady=False)
     assert got.select("policy", "layer", *COUNTS).equals(whole.select("policy", "layer", *COUNTS))
@@ -467,11 +471,11 @@ def test_ids_only_trace_runs_the_rules_that_need_no_logits(tmp_path, logits):
     ]:
         with pytest.raises(ValueError, match=f"grid point '{name}': the mblt trace holds expert "
                            f"ids only, and {why}"):  # fmt: skip
-            simulate_trace(ids_only, [GridPoint(name, POLICIES[name], 0.25)])
+            simulate_trace(ids_only, [GridPoint.at_fraction(name, POLICIES[name], 0.25, E)])
     with pytest.raises(ValueError, match="grid point 'p': prefetch reads lookahead logits"):
-        simulate_trace(ids_only, [GridPoint("p", Policy(prefetch=2), 0.25)])
+        simulate_trace(ids_only, [GridPoint.at_fraction("p", Policy(prefetch=2), 0.25, E)])
     with pytest.raises(ValueError, match="grid point 'b': eviction 'belady' needs the whole"):
-        simulate_trace(ids_only, [GridPoint("b", Policy(eviction="belady"), 0.25)])
+        simulate_trace(ids_only, [GridPoint.at_fraction("b", Policy(eviction="belady"), 0.25, E)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ only to test the core against.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from moesub.vocabulary import (
     STUDY_POLICIES,
     SUB,
     SUBSTITUTE_BY,
+    TOKEN_LAYER_FIELDS,
     Policy,
     capacity_for,
     check_capacity,
@@ -52,20 +55,25 @@ __all__ = [
     "STUDY_POLICIES",
     "SUB",
     "SUBSTITUTE_BY",
+    "TOKEN_LAYER_DTYPE",
+    "TOKEN_LAYER_FIELDS",
     "LayerCache",
     "LayerStep",
+    "Layers",
     "Policy",
     "ScanResult",
     "capacity_for",
     "check_capacity",
     "check_coactivation",
     "check_initial",
+    "check_layers",
     "check_lookahead",
     "check_scan_args",
     "check_sizes",
     "coactivation",
     "forced_substitution",
     "scan",
+    "token_layer_counts",
 ]
 
 CORE_BUILD_ID: str = _core.BUILD_ID
@@ -91,38 +99,103 @@ def _check_logits(logits: Any, ndim: int, finite: bool = True) -> np.ndarray:
     return np.ascontiguousarray(logits)
 
 
-def check_sizes(num_experts: int, k: int, capacity: int) -> None:
+def check_sizes(num_experts: int, k: int, capacity: int, layer: int | None = None) -> None:
+    """E, k and one layer's capacity C: integers with 1 <= k <= C <= E (`layer` names it)."""
     for name, v in (("num_experts", num_experts), ("k", k), ("capacity", capacity)):
-        if isinstance(v, bool) or int(v) != v:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or int(v) != v:
             raise ValueError(f"{name}: must be an integer, got {v!r}")
     if not 1 <= k <= min(num_experts, _core.MAX_TOP_K):
         raise ValueError(
             f"k: must be in [1, min(E, {_core.MAX_TOP_K})] with E={num_experts}, got {k}"
         )
+    where = "" if layer is None else f" in layer {layer}"
     if capacity < k:
-        raise ValueError(f"capacity: C={capacity} is smaller than k={k}")
+        raise ValueError(f"capacity: C={capacity}{where} is smaller than k={k}")
     if capacity > num_experts:
-        raise ValueError(f"capacity: C={capacity} exceeds the number of experts E={num_experts}")
+        raise ValueError(
+            f"capacity: C={capacity}{where} exceeds the number of experts E={num_experts}"
+        )
 
 
-def check_initial(initial: Any, shape: tuple[int, ...], num_experts: int) -> np.ndarray | None:
+def check_initial(
+    initial: Any, shape: tuple[int, ...], num_experts: int, layer: int | None = None
+) -> np.ndarray | None:
     """An initial resident set of `shape` ((L, C) or (C,)): integer expert ids in [0, E), no
-    repeat within a layer; contiguous int32 (None passes through: experts 0..C-1)."""
+    repeat within a layer; contiguous int32 (None passes through: experts 0..C-1). `layer`
+    names a (C,) set's layer in the errors."""
     if initial is None:
         return None
+    where = "" if layer is None else f" (layer {layer})"
     arr = np.asarray(initial)
     if arr.shape != shape:
-        raise ValueError(f"initial: expected shape {shape}, got {arr.shape}")
+        raise ValueError(f"initial: expected shape {shape}{where}, got {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"initial: expected integer expert ids, got dtype {arr.dtype}")
+        raise ValueError(f"initial: expected integer expert ids{where}, got dtype {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() >= num_experts):
-        raise ValueError(f"initial: expert ids must be in [0, {num_experts})")
+        raise ValueError(f"initial: expert ids must be in [0, {num_experts}){where}")
     rows = arr.reshape(-1, shape[-1])
     for i, row in enumerate(rows):
         if len(np.unique(row)) != len(row):
-            where = f" (layer {i})" if arr.ndim == 2 else ""
+            where = f" (layer {i})" if arr.ndim == 2 else where
             raise ValueError(f"initial: duplicate expert ids in the resident set{where}")
     return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Per MoE layer: its capacity, its pinned count and its initial resident set."""
+
+    capacities: tuple[int, ...]  # C_l
+    pins: tuple[int, ...]  # pin_l: slots 0..pin_l-1 (the initial set's first experts) stay
+    initials: list[np.ndarray]  # int32 (C_l,) each: the expert that starts in each slot
+
+
+def check_layers(
+    policy: Policy, k: int, capacity: Any, initial: Any, num_layers: int, num_experts: int
+) -> Layers:
+    """The per-layer cache of `scan`, `LayerCache`s and the grid, checked before any work.
+
+    `capacity`: an int (every layer) or a sequence of L ints, each with k <= C_l <= E.
+    `initial`: None (experts 0..C_l-1), an (L, C) array (all C_l equal), or a sequence of L 1-D
+    arrays of lengths C_l. The policy's pin (an int or L ints) and prefetch must fit every layer
+    (`Policy.check_fit`). Errors name the layer.
+    """
+    L, E = num_layers, num_experts
+    if isinstance(capacity, Sequence) or getattr(capacity, "ndim", 0) == 1:
+        capacities = tuple(capacity)
+        if len(capacities) != L:
+            raise ValueError(f"capacity: {len(capacities)} per-layer capacities for {L} layers")
+        for layer, C in enumerate(capacities):
+            check_sizes(E, k, C, layer)
+    else:
+        check_sizes(E, k, capacity)
+        capacities = (capacity,) * L
+    capacities = tuple(int(C) for C in capacities)
+    pins = _check_policy(policy).layer_pins(L)
+    for layer, C in enumerate(capacities):
+        policy.for_layer(layer).check_fit(k, C, layer)
+    if initial is None:
+        initials = [np.arange(C, dtype=np.int32) for C in capacities]
+    elif isinstance(initial, np.ndarray) and initial.ndim != 1:
+        if len(set(capacities)) > 1:
+            raise ValueError(
+                f"initial: per-layer capacities {capacities} need a sequence of L 1-D arrays, "
+                f"got an array of shape {initial.shape}"
+            )
+        initials = list(check_initial(initial, (L, capacities[0]), E))
+    else:
+        if not isinstance(initial, Sequence | np.ndarray):
+            raise ValueError(
+                "initial: expected None, an (L, C) array or a sequence of L 1-D arrays, got "
+                f"{type(initial).__name__}"
+            )
+        if len(initial) != L:
+            raise ValueError(f"initial: {len(initial)} per-layer sets for {L} layers")
+        initials = [
+            check_initial(row, (C,), E, layer)
+            for layer, (row, C) in enumerate(zip(initial, capacities, strict=True))
+        ]
+    return Layers(capacities, pins, initials)
 
 
 def _check_policy(policy: Any) -> Policy:
@@ -131,17 +204,9 @@ def _check_policy(policy: Any) -> Policy:
     return policy
 
 
-def _check_prefetch(policy: Policy, capacity: int) -> None:
-    if policy.prefetch > capacity:
-        raise ValueError(f"policy prefetch: n={policy.prefetch} exceeds the capacity C={capacity}")
-
-
-def check_lookahead(
-    policy: Policy, capacity: int, lookahead: Any, shape: tuple[int, ...]
-) -> np.ndarray | None:
+def check_lookahead(policy: Policy, lookahead: Any, shape: tuple[int, ...]) -> np.ndarray | None:
     """Prefetch's lookahead logits: float32 of the logits' shape, needed iff prefetch > 0 (the
     core checks them for NaN/inf as it reads them, like the logits). None if unused."""
-    _check_prefetch(policy, capacity)
     if lookahead is None:
         if policy.prefetch > 0:
             raise ValueError("lookahead: policy prefetch > 0 needs the lookahead logits")
@@ -187,10 +252,12 @@ class ScanResult:
     selected: np.ndarray  # int32 (T, L, k): the selection S by rank (v1: the router's top-k)
     rerouted: np.ndarray  # float64 (T, L): mass route_bias moved off the unbiased top-k
     prefetched: np.ndarray  # int32 (T, L): experts inserted by prefetch (step 1b)
+    requested: np.ndarray  # int32 (T, L): admission requests (beta admissions, host uploads)
+    admitted: np.ndarray  # int32 (T, L): admissions landed (experts inserted) in step 1
 
     @classmethod
     def empty(cls, T: int, L: int, k: int) -> ScanResult:
-        # One allocation carved into the five arrays: a large block gets huge pages, so filling
+        # One allocation carved into the arrays: a large block gets huge pages, so filling
         # it costs a few page faults instead of thousands (a sixth of a whole scan's time).
         specs = {
             "ids": ((T, L, k), np.int32),
@@ -200,6 +267,8 @@ class ScanResult:
             "selected": ((T, L, k), np.int32),
             "rerouted": ((T, L), np.float64),
             "prefetched": ((T, L), np.int32),
+            "requested": ((T, L), np.int32),
+            "admitted": ((T, L), np.int32),
         }
         sizes = [-(-math.prod(s) * np.dtype(d).itemsize // 64) * 64 for s, d in specs.values()]
         block = np.empty(sum(sizes), np.uint8)
@@ -214,60 +283,68 @@ class ScanResult:
 def check_scan_args(
     logits: Any,
     k: int,
-    capacity: int,
+    capacity: Any,
     policy: Any,
     initial: Any,
     lookahead: Any = None,
     coactivation: Any = None,
     finite: bool = True,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """The arguments of `scan` (and `reference_scan`), checked: (logits, initial, lookahead,
-    coactivation) as the core takes them."""
+) -> tuple[np.ndarray, Layers, np.ndarray | None, np.ndarray | None]:
+    """The arguments of `scan` (and `reference_scan`), checked: (logits, per-layer caches,
+    lookahead, coactivation) as the core takes them."""
     logits = _check_logits(logits, 3, finite)
     T, L, E = logits.shape
-    check_sizes(E, k, capacity)
-    _check_policy(policy)
-    init = check_initial(initial, (L, capacity), E)
-    y = check_lookahead(policy, capacity, lookahead, logits.shape)
-    return logits, init, y, check_coactivation(policy, coactivation, (L, E, E))
+    layers = check_layers(policy, k, capacity, initial, L, E)
+    y = check_lookahead(policy, lookahead, logits.shape)
+    return logits, layers, y, check_coactivation(policy, coactivation, (L, E, E))
 
 
 def scan(
     logits: np.ndarray,
     k: int,
-    capacity: int,
+    capacity: int | Sequence[int],
     policy: Policy,
-    initial: np.ndarray | None = None,
+    initial: np.ndarray | Sequence[np.ndarray] | None = None,
     coactivation: np.ndarray | None = None,
     lookahead: np.ndarray | None = None,
 ) -> ScanResult:
     """Replay a whole (T, L, E) float32 trace through the policy; every layer has its own cache.
 
-    `lookahead` (float32, the logits' shape) feeds prefetch; `coactivation` ((L, E, E), see
+    `capacity`: an int or one per layer; `initial`: None (experts 0..C_l-1), an (L, C) array or
+    L 1-D arrays of lengths C_l (the policy's pin counts from their front). `lookahead`
+    (float32, the logits' shape) feeds prefetch; `coactivation` ((L, E, E), see
     `coactivation()`) feeds substitute_by='coactivation'.
     """
     # the core checks for NaN/inf while it reads the logits (a separate pass costs a third of it)
-    logits, init, y, A = check_scan_args(
+    logits, layers, y, A = check_scan_args(
         logits, k, capacity, policy, initial, lookahead, coactivation, finite=False
     )
     r = ScanResult.empty(*logits.shape[:2], k)
     _core.scan(
-        logits,
-        k,
-        capacity,
-        policy._core_args(),
-        init,
-        y,
-        A,
-        r.ids,
-        r.weights,
-        r.status,
-        r.selected,
-        r.mass,
-        r.rerouted,
-        r.prefetched,
-    )
+        logits, k, layers.capacities, policy._core_args(), layers.pins, layers.initials, y, A,
+        r.ids, r.weights, r.status, r.selected, r.mass, r.rerouted, r.prefetched, r.requested,
+        r.admitted,
+    )  # fmt: skip
     return r
+
+
+# The dtype of token-layer counts (`token_layer_counts`, the grid's `token_counts`): every count
+# is at most E (admissions landing at once), and checked to fit.
+TOKEN_LAYER_DTYPE = np.int16
+
+
+def token_layer_counts(result: ScanResult | LayerStep) -> np.ndarray:
+    """What the policy did at each token-layer, (..., len(TOKEN_LAYER_FIELDS)) int16 in
+    `TOKEN_LAYER_FIELDS` order: (T, L, F) from a `ScanResult`, (T, F) from a `LayerStep`.
+
+    A `LayerStep` of external admission counts no landing (`admitted` is 0: the caller's
+    `admit()` calls land them, between tokens)."""
+    per_status = [(result.status == code).sum(-1) for code in range(len(STATUS_NAMES))]
+    fields = [*per_status, result.prefetched, result.requested, result.admitted]
+    out = np.stack(fields, axis=-1)
+    if out.size and out.max() > np.iinfo(TOKEN_LAYER_DTYPE).max:
+        raise ValueError(f"token-layer counts: a count exceeds {TOKEN_LAYER_DTYPE.__name__}")
+    return out.astype(TOKEN_LAYER_DTYPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +361,8 @@ class LayerStep:
     mass: np.ndarray  # float64 (T,)
     rerouted: np.ndarray  # float64 (T,)
     prefetched: np.ndarray  # int32 (T,)
+    requested: np.ndarray  # int32 (T,): admission requests (beta admissions, host uploads)
+    admitted: np.ndarray  # int32 (T,): admissions landed in step 1 (0 with external admission)
     admissions: np.ndarray  # int64 (n, 2): (token, expert) admission requests made in this call
 
 
@@ -292,7 +371,9 @@ class LayerCache:
 
     Stepping over a stream in chunks of any size gives exactly the result of one `scan`. With
     `external_admission=True` admissions are not applied after `delay` tokens: the caller copies
-    the expert in the background and calls `admit(expert)` when the copy has completed.
+    the expert in the background and calls `admit(expert)` when the copy has completed; beta's
+    admissions and host uploads (host_admit) alike. The policy's pin is an int
+    (`Policy.for_layer`): the first `pin` experts of `initial` stay resident.
     `coactivation` is the layer's (E, E) table (substitute_by='coactivation'); prefetch needs
     each step's lookahead rows. Eviction 'belady' needs the future and is rejected here.
     """
@@ -317,13 +398,14 @@ class LayerCache:
         self.num_experts, self.k, self.capacity = int(num_experts), int(k), int(capacity)
         init = check_initial(initial, (capacity,), num_experts)
         E = self.num_experts
-        _check_prefetch(policy, capacity)  # the lookahead itself comes with each step
+        policy.check_fit(self.k, self.capacity)  # the lookahead itself comes with each step
         self._coactivation = check_coactivation(policy, coactivation, (E, E))
         self._core = _core.LayerCache(
             E,
             self.k,
             self.capacity,
             policy._core_args(),
+            policy.pin,
             init,
             bool(external_admission),
             self._coactivation,  # kept on self: the core holds a pointer into it
@@ -335,7 +417,7 @@ class LayerCache:
         T, E = logits.shape
         if self.num_experts != E:
             raise ValueError(f"logits: expected {self.num_experts} experts per row, got {E}")
-        y = check_lookahead(self.policy, self.capacity, lookahead, logits.shape)
+        y = check_lookahead(self.policy, lookahead, logits.shape)
         k = self.k
         s = LayerStep(
             ids=np.empty((T, k), np.int32),
@@ -346,11 +428,13 @@ class LayerCache:
             mass=np.empty(T, np.float64),
             rerouted=np.empty(T, np.float64),
             prefetched=np.empty(T, np.int32),
+            requested=np.empty(T, np.int32),
+            admitted=np.empty(T, np.int32),
             admissions=np.empty((0, 2), np.int64),
         )
         adm = self._core.step(
             logits, y, s.ids, s.weights, s.status, s.selected, s.slot, s.mass, s.rerouted,
-            s.prefetched,
+            s.prefetched, s.requested, s.admitted,
         )  # fmt: skip
         if adm:
             s.admissions = np.asarray(adm, dtype=np.int64)

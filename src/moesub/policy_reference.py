@@ -7,6 +7,7 @@ it is slow and exists only so that the C++ core can be tested against the text.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -16,13 +17,13 @@ from moesub.policy import FETCH, FORCED, HIT, HOST, SUB, Policy, ScanResult, che
 def reference_scan(
     logits: np.ndarray,
     k: int,
-    capacity: int,
+    capacity: int | Sequence[int],
     policy: Policy,
-    initial: np.ndarray | None = None,
+    initial: np.ndarray | Sequence[np.ndarray] | None = None,
     coactivation: np.ndarray | None = None,
     lookahead: np.ndarray | None = None,
 ) -> ScanResult:
-    logits, init, y, A = check_scan_args(
+    logits, layers, y, A = check_scan_args(
         logits, k, capacity, policy, initial, lookahead, coactivation
     )
     if y is not None and not np.isfinite(y).all():
@@ -31,12 +32,11 @@ def reference_scan(
     L = logits.shape[1]
     out = ScanResult.empty(*logits.shape[:2], k)
     for layer in range(L):
-        row = list(range(capacity)) if init is None else [int(e) for e in init[layer]]
         _reference_layer(
             logits[:, layer],
             k,
-            policy,
-            row,
+            policy.for_layer(layer),
+            [int(e) for e in layers.initials[layer]],
             out,
             layer,
             None if y is None else y[:, layer],
@@ -71,8 +71,10 @@ def _reference_layer(
     coactivation: np.ndarray | None,
 ) -> None:
     """One layer of `reference_scan`: logits (T, E); `resident` is the initial set (mutated);
-    lookahead (T, E) for prefetch, coactivation (E, E) for substitute_by='coactivation'."""
+    the policy's pin is this layer's int; lookahead (T, E) for prefetch, coactivation (E, E) for
+    substitute_by='coactivation'."""
     T, E = logits.shape
+    pinned_for_good = set(resident[: policy.pin])  # never a victim in any step
     freq = [0] * E
     last = [-1] * E
     acc = [0.0] * E
@@ -95,7 +97,8 @@ def _reference_layer(
                 return (-next_use(e, now), e)
             return (last[e], e)
 
-        return min((e for e in resident if e not in pinned), key=key)
+        allowed = (e for e in resident if e not in pinned and e not in pinned_for_good)
+        return min(allowed, key=key)
 
     def insert(e: int, pinned: set[int], now: int) -> None:
         # the cache is always full: evict a victim and take its place
@@ -105,10 +108,12 @@ def _reference_layer(
     for t in range(T):
         z = [float(x) for x in logits[t]]
         # 1. admissions whose ready time has come, in (ready time, id) order
+        n_admitted = 0
         for _ready, e in sorted((r, e) for e, r in pending.items() if r <= t):
             del pending[e]
             if e not in resident:
                 insert(e, pinned=set(), now=t)
+                n_admitted += 1
         # 1b. prefetch the n largest lookahead logits; all of P is pinned meanwhile
         n_prefetched = 0
         if policy.prefetch > 0:
@@ -161,6 +166,7 @@ def _reference_layer(
                 acc[e] = 0.0
         # 5. substitute in rank order
         m = 0.0
+        n_requested = 0
         for r, e in enumerate(S):
             if status[r] != SUB:
                 continue
@@ -182,6 +188,13 @@ def _reference_layer(
             if policy.beta > 0 and acc[e] >= policy.beta and e not in pending:
                 pending[e] = t + policy.delay
                 acc[e] = 0.0
+                n_requested += 1
+        # host uploads: HOST experts in rank order without a pending admission, at most
+        # host_admit of them; acc untouched
+        uploads = [e for r, e in enumerate(S) if status[r] == HOST and e not in pending]
+        for e in uploads[: policy.host_admit]:
+            pending[e] = t + policy.delay
+            n_requested += 1
         # 6. recency
         for x in ids:
             last[x] = t
@@ -192,3 +205,5 @@ def _reference_layer(
         out.mass[t, layer] = m
         out.rerouted[t, layer] = rho
         out.prefetched[t, layer] = n_prefetched
+        out.requested[t, layer] = n_requested
+        out.admitted[t, layer] = n_admitted

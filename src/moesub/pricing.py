@@ -39,10 +39,8 @@ import numpy as np
 
 from moesub import _core
 from moesub.hardware import UnitCosts
+from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
-TOKEN_LAYER_FIELDS = (
-    "hit", "fetch", "sub", "host", "forced", "prefetched", "admission_requests", "admissions",
-)  # fmt: skip
 HIT, FETCH, SUB, HOST, FORCED, PREFETCHED, REQUESTS, LANDED = range(len(TOKEN_LAYER_FIELDS))
 # where a stream's seconds went; the parts sum to its time
 BREAKDOWN = (

@@ -197,11 +197,10 @@ def measure_regime(
     L, E = streams[0].shape[1:]
     check_sizes(E, k, capacity)
     grid = [
-        GridPoint(name, Policy.from_dict(STUDY_POLICIES[name]), capacity / E)
+        GridPoint(name, Policy.from_dict(STUDY_POLICIES[name]), capacity, initial)
         for name in ("fetch_every_miss", "rule_015")
     ]
-    initial_sets = None if initial is None else {capacity: initial}
-    sim = simulate(streams, k, grid, initial_sets, n_threads=1)
+    sim = simulate(streams, k, grid, n_threads=1)
     fem = sim.filter(pl.col("policy") == "fetch_every_miss")
     r015 = sim.filter(pl.col("policy") == "rule_015")
     stats = _routing_stats(streams, k)

@@ -50,13 +50,13 @@ def run_simulate(
     trace = load_trace(router_path, lookahead=pol.prefetch > 0)
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
     C = capacity_for(fraction, E)
-    initial = {C: read_initial_set(initial_sets_path, fraction)} if initial_sets_path else None
+    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
     cost = CostModel.from_json(cost_path) if cost_path else CostModel()
     table = (
         read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
     )
     df = simulate(
-        trace.logits, k, [GridPoint(name, pol, fraction)], initial, cost,
+        trace.logits, k, [GridPoint(name, pol, C, initial, fraction)], cost,
         lookahead=trace.lookahead, coactivation=table,
     )  # fmt: skip
     write_parquet(

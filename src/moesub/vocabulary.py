@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 # The core's status codes (csrc/policy.hpp `Status`); STATUS_NAMES[code] names each one in
 # every artefact's per-status counts.
 HIT, FETCH, SUB, HOST, FORCED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("hit", "fetch", "sub", "host", "forced")
+# What a policy did at one token-layer, as counts (the pricing's input, `moesub.policy.
+# token_layer_counts`): experts per status, experts inserted by prefetch (step 1b), background
+# copies requested (beta admissions and host uploads) and admissions landed (step 1).
+TOKEN_LAYER_FIELDS = (*STATUS_NAMES, "prefetched", "admission_requests", "admissions")
 RULES = ("fetch_all", "substitute_all", "first_choice", "threshold", "host_compute")
 EVICTIONS = ("lru", "lfu")  # online evictions: every stage, the streaming form included
 OFFLINE_EVICTIONS = ("belady",)  # needs the whole future: scan and the simulator only
@@ -59,13 +64,24 @@ def _integer(field: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _pin(value: Any) -> int | tuple[int, ...]:
+    """An int >= 0 (every layer) or a sequence of them (one per MoE layer, stored as a tuple)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if not value:
+            raise ValueError("policy pin: a per-layer pin needs one integer per MoE layer, got []")
+        return tuple(_integer("pin", v, 0) for v in value)
+    return _integer("pin", value, 0)
+
+
 @dataclass(frozen=True)
 class Policy:
     """A miss rule, an eviction order and (beta > 0) background admission; v2 adds prefetch,
-    cache-aware routing, host-computed light misses and co-activation substitutes (defaults: v1).
+    cache-aware routing, host-computed light misses and co-activation substitutes (defaults: v1);
+    v3 adds pinned experts and uploads of host-computed misses (defaults: v2).
 
     Every field's rule lives here, the config's included (`moesub.config.normalize_policy` only
-    fills defaults and builds a Policy). Numbers are stored as float, counts as int.
+    fills defaults and builds a Policy). Numbers are stored as float, counts as int. Rules that
+    need the cache's size (prefetch and pin against C) are `check_fit`'s, per layer.
     """
 
     rule: str = "fetch_all"
@@ -77,6 +93,10 @@ class Policy:
     route_bias: float = 0.0  # lambda: residents' logits + lambda * (max - min) in selection
     light_miss: str = "substitute"  # "host": what the rule would substitute runs on the host
     substitute_by: str = "logit"  # "coactivation": the resident most co-selected with the miss
+    # pinned: the first `pin` experts of each layer's initial set are never evicted; an int for
+    # every layer or a tuple of one int per MoE layer (`for_layer`)
+    pin: int | tuple[int, ...] = 0
+    host_admit: int = 0  # host-computed misses uploaded in the background per token-layer
 
     def __post_init__(self) -> None:
         _choice("rule", self.rule, RULES)
@@ -89,6 +109,8 @@ class Policy:
             "route_bias": _number("route_bias", self.route_bias),
             "delay": _integer("delay", self.delay, 1),
             "prefetch": _integer("prefetch", self.prefetch, 0),
+            "pin": _pin(self.pin),
+            "host_admit": _integer("host_admit", self.host_admit, 0),
         }
         for name, value in canonical.items():  # frozen: set through object
             object.__setattr__(self, name, value)
@@ -101,6 +123,11 @@ class Policy:
             raise ValueError(
                 "policy beta: with light_miss='host' nothing is substituted, so nothing is ever "
                 "admitted; beta must be 0"
+            )
+        if self.host_admit > 0 and not (self.rule == "host_compute" or self.light_miss == "host"):
+            raise ValueError(
+                "policy host_admit: uploads host-computed misses, so it needs a policy that "
+                "computes misses on the host (rule 'host_compute' or light_miss='host')"
             )
         if self.eviction == "belady" and self.route_bias > 0:
             raise ValueError(
@@ -119,8 +146,43 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def _core_args(self) -> tuple[int, float, int, float, int, int, float, int, int]:
-        """The fields as `moesub._core` takes them (choices by index)."""
+    def layer_pins(self, num_layers: int) -> tuple[int, ...]:
+        """`pin` of each of `num_layers` MoE layers (a per-layer pin must have that length)."""
+        if isinstance(self.pin, int):
+            return (self.pin,) * num_layers
+        if len(self.pin) != num_layers:
+            raise ValueError(
+                f"policy pin: {len(self.pin)} per-layer values for {num_layers} MoE layers"
+            )
+        return self.pin
+
+    def for_layer(self, layer: int) -> Policy:
+        """The policy of MoE layer `layer`, its pin an int (a per-layer pin's entry)."""
+        if isinstance(self.pin, int):
+            return self
+        if not 0 <= layer < len(self.pin):
+            raise ValueError(f"policy pin: no value for layer {layer} ({len(self.pin)} layers)")
+        return replace(self, pin=self.pin[layer])
+
+    def check_fit(self, k: int, capacity: int, layer: int | None = None) -> None:
+        """The policy fits a layer of `capacity` slots with top-`k` routing: prefetch <= C and
+        pin + max(k, prefetch) <= C (so a victim always exists). Needs an int pin
+        (`for_layer`); `layer` names the layer in the error."""
+        if not isinstance(self.pin, int):
+            raise ValueError("policy pin: a per-layer pin; take the layer's policy (for_layer)")
+        where = "" if layer is None else f" in layer {layer}"
+        if self.prefetch > capacity:
+            raise ValueError(
+                f"policy prefetch: n={self.prefetch} exceeds the capacity C={capacity}{where}"
+            )
+        if self.pin + max(k, self.prefetch) > capacity:
+            raise ValueError(
+                f"policy pin: pin={self.pin} + max(k={k}, prefetch={self.prefetch}) exceeds the "
+                f"capacity C={capacity}{where} (pin + max(k, prefetch) <= C leaves a victim)"
+            )
+
+    def _core_args(self) -> tuple[int, float, int, float, int, int, float, int, int, int]:
+        """The fields as `moesub._core` takes them (choices by index); the pin goes per layer."""
         return (
             RULES.index(self.rule),
             self.tau,
@@ -131,6 +193,7 @@ class Policy:
             self.route_bias,
             LIGHT_MISSES.index(self.light_miss),
             SUBSTITUTE_BY.index(self.substitute_by),
+            self.host_admit,
         )
 
 

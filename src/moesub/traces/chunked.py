@@ -16,15 +16,15 @@ from typing import Protocol
 import numpy as np
 import polars as pl
 
-from moesub.grid import COUNTER_NAMES, GridPoint, counter_row
-from moesub.policy import (
-    OFFLINE_EVICTIONS,
-    STATUS_NAMES,
-    LayerCache,
-    capacity_for,
-    check_initial,
-    check_sizes,
+from moesub.grid import (
+    COUNTER_NAMES,
+    GridPoint,
+    check_grid_point,
+    counter_row,
+    row_capacities,
+    table_fraction,
 )
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Layers
 from moesub.traces.base import TraceChunk, logits_needed, rank_logits
 
 
@@ -67,13 +67,12 @@ def check_grid(source: TraceSource, grid: list[GridPoint]) -> None:
 def simulate_trace(
     source: TraceSource,
     grid: list[GridPoint],
-    initial_sets: dict[int, np.ndarray] | None = None,
     chunk_tokens: int = 1024,
     n_threads: int | None = None,
 ) -> pl.DataFrame:
     """Replay `source` chunk by chunk for every grid point (caches restart per stream).
 
-    `initial_sets` maps a capacity to its (L, C) resident set (default experts 0..C-1).
+    Each grid point carries its per-layer capacities and initial sets (`moesub.grid.GridPoint`).
     Returns one row per grid point and layer plus a total row (layer = -1): the core's
     counters (`moesub.grid.COUNTER_NAMES`), hit_rate, sub_rate and mass_mean (substituted
     mass per token-layer).
@@ -82,15 +81,7 @@ def simulate_trace(
         raise ValueError("grid: need at least one grid point")
     check_grid(source, grid)
     E, k, L = source.num_experts, source.top_k, source.num_layers
-    capacities, initials = [], []
-    for g in grid:
-        C = capacity_for(g.fraction, E)
-        check_sizes(E, k, C)
-        init = None if initial_sets is None else initial_sets.get(C)
-        if initial_sets is not None and init is None:
-            raise ValueError(f"initial_sets: no resident set for capacity {C} ({g.name})")
-        capacities.append(C)
-        initials.append(check_initial(init, (L, C), E))
+    layers = [check_grid_point(g, k, L, E) for g in grid]
     counters = np.zeros((len(grid), L, len(COUNTER_NAMES)), np.int64)
     col = {name: i for i, name in enumerate(COUNTER_NAMES)}
     mass = np.zeros((len(grid), L), np.float64)
@@ -121,27 +112,35 @@ def simulate_trace(
                 retire()
                 caches = [
                     [
-                        LayerCache(E, k, C, g.policy, None if init is None else init[l])
+                        LayerCache(E, k, x.capacities[l], g.policy.for_layer(l), x.initials[l])
                         for l in range(L)
                     ]
-                    for g, C, init in zip(grid, capacities, initials, strict=True)
+                    for g, x in zip(grid, layers, strict=True)
                 ]
             rows = chunk.logits if chunk.logits is not None else rank_logits(chunk.ids, E)
             jobs = [pool.submit(step, gi, l, rows[l]) for gi in range(len(grid)) for l in range(L)]
             for job in jobs:
                 job.result()
         retire()
-    return _table(grid, capacities, counters, mass, k)
+    return _table(grid, layers, counters, mass, k, E)
 
 
 def _table(
-    grid: list[GridPoint], capacities: list[int], counters: np.ndarray, mass: np.ndarray, k: int
+    grid: list[GridPoint],
+    layers: list[Layers],
+    counters: np.ndarray,
+    mass: np.ndarray,
+    k: int,
+    num_experts: int,
 ) -> pl.DataFrame:
     rows = []
-    for gi, (g, C) in enumerate(zip(grid, capacities, strict=True)):
-        for layer in [*range(counters.shape[1]), -1]:
+    for gi, (g, x) in enumerate(zip(grid, layers, strict=True)):
+        fraction = table_fraction(g, x.capacities, num_experts)
+        layer_ids = [*range(counters.shape[1]), -1]
+        for layer, C in zip(layer_ids, row_capacities(x.capacities), strict=True):
             total = layer < 0
-            row = counter_row(g, C, layer, counters[gi].sum(0) if total else counters[gi, layer], k)
+            counts = counters[gi].sum(0) if total else counters[gi, layer]
+            row = counter_row(g, fraction, C, layer, counts, k)
             m = mass[gi].sum() if total else mass[gi, layer]
             rows.append({**row, "mass_mean": float(m) / row["tokens"]})
     return pl.DataFrame(rows)
