@@ -47,7 +47,7 @@ TIE_RULE = (
     "candidates whose time intervals overlap the fastest qualifying one's are tied; the tie goes "
     "to the simpler policy (fewer fields away from their defaults: rule fetch_all, eviction lru, "
     "no admission, prefetch, route bias, host-computed light misses, co-activation substitutes, "
-    "pins or planned allocation), then the faster, then the name"
+    "pins, host uploads or planned allocation), then the faster, then the name"
 )
 
 
