@@ -41,7 +41,7 @@ wildcard_constraints:
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
-    task=r"gsm8k|humaneval|code_completion",
+    task=alternation(TASKS),
 
 
 include: "workflow/rules/model.smk"

@@ -9,7 +9,8 @@ engine, engine bench, generate, model summary) and returns `(inputs, params)` fo
   ΔNLL `k_p * mass`, with `k_p` chosen so that Δppl % = `DPPL_PER_MASS * mean mass` exactly:
   r(mass, Δppl) = 1 across policies and r(mass, ΔNLL) = 1 across streams and documents;
 - engine time per token is the constant `TIME[p]`: speedups are exact ratios;
-- generation correctness is `problem_id < n_correct`.
+- generation correctness is `problem_id < n_correct`; continuation measures are
+  `continuation_measures`.
 """
 
 from __future__ import annotations
@@ -410,6 +411,51 @@ def write_generate(root: Path, task: str, name: str, n_problems: int = 20) -> Pa
     return write_parquet(rows, path)
 
 
+def continuation_measures(name: str, n_prompts: int = 20) -> list[dict[str, float]]:
+    """Per prompt i, exact by construction (m = MASS[name]): ends in a loop iff
+    i < 2 + round(10 m); rep4 = 0.1 + 0.01 i + m (i + 1) / 100 (distinct positive differences
+    from the baseline); longest repeat = 8 + i + round(20 m) (a constant difference)."""
+    m = MASS[name]
+    out = []
+    for i in range(n_prompts):
+        loop = i < 2 + round(10 * m)
+        out.append(
+            {
+                "rep4": 0.1 + 0.01 * i + m * (i + 1) / 100,
+                "longest_repeat": float(8 + i + round(20 * m)),
+                "ends_in_loop": float(loop),
+                "loop_period": 3.0 if loop else math.nan,
+                "loop_tokens": 40.0 if loop else 0.0,
+            }
+        )
+    return out
+
+
+def write_continuation(root: Path, name: str, n_prompts: int = 20) -> Path:
+    """A continuation artefact (generate schema, with measures; nothing graded)."""
+    m = MASS[name]
+    ids = np.arange(n_prompts)
+    rows = {
+        "task": ["continuation"] * n_prompts,
+        "problem_id": [f"doc{i}.py@{7 * i}" for i in ids],
+        "policy": [name] * n_prompts,
+        "fraction": np.full(n_prompts, FRACTION),
+        "output": [f"text {i}" for i in ids],
+        "correct": pa.nulls(n_prompts, pa.bool_()),
+        "missing_reason": [""] * n_prompts,
+        "agree_exact": np.full(n_prompts, m == 0),
+        "agree_prefix_frac": np.clip(1.0 - m * (0.5 + ids / n_prompts), 0.0, 1.0),
+        "mass_per_token_layer": m * (0.5 + ids / n_prompts),
+        "n_tokens": np.full(n_prompts, 128, dtype=np.int32),
+        "n_scored": np.full(n_prompts, 128, dtype=np.int32),
+        "measures": pa.array(
+            continuation_measures(name, n_prompts), type=pa.map_(pa.string(), pa.float64())
+        ),
+    }
+    path = root / "generate" / "continuation" / name / f"f{label(FRACTION)}.parquet"
+    return write_parquet(pa.table(rows), path)
+
+
 def write_engine_bench(root: Path, names: list[str]) -> Path:
     rows = [
         {
@@ -497,6 +543,7 @@ def make_study(
         )
         for task in ("gsm8k", "humaneval"):
             inputs["generate"].append(str(write_generate(root, task, name)))
+        inputs["generate"].append(str(write_continuation(root, name)))
     inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
     inputs["engine_bench"].append(str(write_engine_bench(root, names)))
     summary = {

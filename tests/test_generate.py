@@ -8,18 +8,22 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from tiny_models import tiny_qwen3_next
 
+from moesub.artefacts import initial_set_for
 from moesub.config import schema_section
 from moesub.corpus import read_document
+from moesub.documents import load_documents
 from moesub.generate import (
     GSM8K_SHOT_POOL,
     GSM8K_STOP,
@@ -49,9 +53,13 @@ from moesub.generate import (
     truncate_at,
 )
 from moesub.generate.completion import _file_problems
+from moesub.generate.continuation import continuation_items
+from moesub.generate.degeneration import measures
 from moesub.generate.humaneval import score_humaneval
 from moesub.generate.run import TIMING_COLUMNS
 from moesub.io import read_metadata, write_parquet
+from moesub.models import load_model
+from moesub.replay import greedy_decode, greedy_decode_batched
 from moesub.sandbox import SandboxResult
 from moesub.stats import run_analysis
 
@@ -264,7 +272,7 @@ def test_sandbox_failure_is_missing_not_wrong(tmp_path, monkeypatch):
         lambda *a, **kw: SandboxResult("error", None, "", "", 0.0, "sandbox", error="boom"),
     )
     item = types.SimpleNamespace(problem=TOY)
-    score = score_humaneval(item, "    return a + b\n", GenerateParams(timeout_s=5.0))
+    score = score_humaneval(item, "    return a + b\n", [], GenerateParams(timeout_s=5.0))
     assert score.correct is None and score.prediction == "error"
     assert "sandbox error: boom" in score.missing
 
@@ -434,6 +442,7 @@ def test_stop_cut_is_shared_by_scoring_and_agreement(stage):
     newline = TASKS["code_completion"].stop_ids(tok)
     assert tok.eos_token_id in newline and all("\n" in tok.decode([i]) for i in newline - {0})
     assert TASKS["gsm8k"].stop_ids(tok) == TASKS["humaneval"].stop_ids(tok) == {tok.eos_token_id}
+    assert TASKS["continuation"].stop_ids(tok) == set()  # fixed length: not even end of text
 
 
 @pytest.fixture(scope="module")
@@ -605,6 +614,121 @@ def test_task_records():
         task_named("mmlu")
 
 
+# --------------------------------------------------------------------------- free continuation
+CONT = dict(n=3, prompt_tokens=20, max_new_tokens=24, loop_window=8, loop_max_period=4)
+LFU_ADMIT = {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5, "delay": 1}
+
+
+def test_batched_decoding_is_each_prompt_alone(stage):
+    """`greedy_decode_batched` gives every prompt its own caches: the tokens and masses of
+    decoding each prompt alone (`greedy_decode`), for the exact model and two substituting
+    policies, in one batch and in batches of 2 (the last one short)."""
+    model, _ = load_model(stage / "model")
+    initial = initial_set_for(stage / "initial_sets.parquet", 0.375, L, E, C)
+    prompts = np.random.default_rng(0).integers(3, 300, (5, 12)).tolist()
+    for policy in (None, HARSH, LFU_ADMIT):
+        alone = greedy_decode(model, prompts, policy, C, initial, 10)
+        for size in (None, 2):
+            batched = greedy_decode_batched(model, prompts, policy, C, initial, 10, size)
+            for a, b in zip(alone, batched, strict=True):
+                assert b.tokens == a.tokens and not b.stopped and len(b.tokens) == 10
+                # same substitutions; the gate weights differ in the batch's rounding
+                assert b.mass == pytest.approx(a.mass, rel=1e-5, abs=1e-9)
+        if policy is HARSH:
+            assert sum(sum(r.mass) for r in alone) > 0  # substitution happened
+    assert greedy_decode_batched(model, prompts, HARSH, C, initial, 0)[0].tokens == []
+    with pytest.raises(ValueError, match="one length"):
+        greedy_decode_batched(model, [[3, 4], [5]], None, C, initial, 4)
+    with pytest.raises(ValueError, match="batch_size"):
+        greedy_decode_batched(model, prompts, None, C, initial, 4, 0)
+
+
+def test_continuation_prompts_are_held_out_and_seeded(stage, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stage / "model")
+    opts = GenerateParams(**CONT)
+    items = continuation_items(None, stage / "model", opts)
+    assert len(items) == 3
+    for it in items:  # prompt_tokens consecutive tokens of one held-out document, then its text
+        name, start = it.problem_id.rsplit("@", 1)
+        ids = tok(read_document(name), add_special_tokens=False)["input_ids"]
+        assert name in (*EVAL_FILES, "pydoc_data/topics.py#assert")
+        assert it.prompt_ids == ids[int(start) : int(start) + 20]
+        assert it.target == tok.decode(ids[int(start) + 20 : int(start) + 44])
+    again = continuation_items(None, stage / "model", opts)
+    other = continuation_items(None, stage / "model", dataclasses.replace(opts, seed=1))
+    assert [i.problem_id for i in again] == [i.problem_id for i in items]
+    assert [i.problem_id for i in other] != [i.problem_id for i in items]
+    assert len({i.problem_id.rsplit("@")[0] for i in items}) == 3  # one prompt per document
+    # a text file: its documents; a text source: only its eval split
+    text = tmp_path / "docs.jsonl"
+    files = [*EVAL_FILES, TRAIN_FILE]
+    text.write_text("".join(json.dumps({"text": read_document(f)}) + "\n" for f in files))
+
+    def documents(items) -> set[str]:
+        return {i.problem_id.split("@")[0] for i in items}
+
+    assert documents(continuation_items(text, stage / "model", opts)) <= {
+        f"docs.jsonl:{i}" for i in range(4)
+    }
+    source = {"kind": "text", "path": str(text), "calib_fraction": 0.5}
+    split = load_documents(stage / "model", source)
+    evaluated = {d.name for d in split["eval"]}
+    assert 0 < len(evaluated) < 4  # the calibration documents are never prompts
+    one = dataclasses.replace(opts, n=len(evaluated), source=source)
+    assert documents(continuation_items(None, stage / "model", one)) == evaluated
+    with pytest.raises(ValueError, match="held-out documents of at least"):
+        continuation_items(None, stage / "model", dataclasses.replace(opts, n=50))
+    with pytest.raises(ValueError, match="loop_window=30 exceeds max_new_tokens"):
+        continuation_items(None, stage / "model", dataclasses.replace(opts, loop_window=30))
+    with pytest.raises(ValueError, match="loop_max_period"):
+        continuation_items(None, stage / "model", dataclasses.replace(opts, loop_max_period=5))
+
+
+def test_run_generate_continuation(stage):
+    exact_path = generate(stage, "continuation", "fetch_every_miss", EXACT, "cont_exact.parquet",
+                          backend="engine", **CONT)  # fmt: skip
+    table = pq.read_table(exact_path)
+    assert table.schema.remove_metadata() == OUTPUT_SCHEMA
+    exact = pl.from_arrow(table)
+    meta = read_metadata(exact_path)
+    assert meta["backend"] == "emulator"  # batched on the emulator whatever the backend
+    assert exact.height == 3 and (exact["n_tokens"] == 24).all() and (exact["n_scored"] == 24).all()
+    assert not exact["stopped"].any() and exact["correct"].is_null().all()
+    assert (exact["missing_reason"] == "").all() and exact["agree_exact"].all()
+    for r in exact.iter_rows(named=True):  # the measures of the generated tokens
+        want = measures(r["tokens"], 8, 4)
+        got = r["measures"]  # a map column reads as a dict
+        assert got.keys() == want.keys()
+        assert all(got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])) for k in want)
+        assert (r["prediction"] != "") == (want["ends_in_loop"] == 1.0)
+    # under substitution, against the exact output (read from the reference, or decoded again)
+    harsh = pl.read_parquet(
+        generate(
+            stage,
+            "continuation",
+            "substitute_all",
+            HARSH,
+            "cont_sub.parquet",
+            reference_path=str(exact_path),
+            **CONT,
+        )
+    )
+    assert harsh["problem_id"].to_list() == exact["problem_id"].to_list()
+    assert (harsh["mass_per_token_layer"] > 0).all()
+    for h, x in zip(harsh.iter_rows(named=True), exact.iter_rows(named=True), strict=True):
+        assert (h["agree_exact"], h["agree_prefix_frac"]) == agreement(h["tokens"], x["tokens"])
+    again = pl.read_parquet(generate(stage, "continuation", "substitute_all", HARSH,
+                                     "cont_sub2.parquet", **CONT))  # fmt: skip
+    assert again.equals(harsh)
+    missing = run_generate(
+        stage / "model", "continuation", stage / "no.txt", stage / "initial_sets.parquet", "fem",
+        EXACT, 0.375, stage / "out" / "missing_cont.parquet", CONT,
+    )  # fmt: skip
+    assert "no.txt" in read_metadata(missing)["missing_data"]
+
+
 def test_params():
     assert GenerateParams.from_dict(None) == GenerateParams()
     assert GenerateParams.from_dict({"n": 4, "device": "auto", "timeout_s": 2}).n == 4
@@ -637,7 +761,9 @@ def artefact(root: Path, task: str, name: str, correct, agree, meta=None) -> Pat
         **{c: [0.01] * n for c in TIMING_COLUMNS},
     }
     path = root / "embedded" / "generate" / task / name / "f0.25.parquet"
-    table = pl.DataFrame(rows).to_arrow().cast(OUTPUT_SCHEMA)
+    none = pa.array([[]] * n, OUTPUT_SCHEMA.field("measures").type)  # graded: no measures
+    table = pl.DataFrame(rows).to_arrow().append_column("measures", none)
+    table = table.select(OUTPUT_SCHEMA.names).cast(OUTPUT_SCHEMA)
     return write_parquet(table, path, metadata=meta or {"task": task, "name": name})
 
 

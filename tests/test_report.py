@@ -611,9 +611,9 @@ def test_sections_for_designs_admission_generation_regime(two_models):
     assert "completion" in gen and "[23.0, 38.0]" in gen
     assert "a: fetch_every_miss hits 0.86 (a)" in html
     assert '<table id="regime-table">' in html
-    # per_input is missing; so is design_space (these outputs have no design tables: its
-    # section is rendered in tests/test_design_space.py)
-    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 2
+    # per_input is missing; so are design_space and degeneration (these outputs have no such
+    # tables: their sections are rendered in tests/test_design_space.py, test_degeneration.py)
+    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 3
 
 
 def test_wide_tables_scroll_inside_the_page(two_models):

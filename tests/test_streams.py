@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moesub import corpus, embedded, streams
+from moesub.documents import read_text_file
 from moesub.io import read_metadata, write_parquet
 from moesub.streams import build_streams
 
@@ -131,7 +132,7 @@ def test_text_source_txt(model_dir, tmp_path):
     path = tmp_path / "docs.txt"
     body = "\n\n".join(t for _, t in docs[:12]) + "\f" + "\n \n".join(t for _, t in docs[12:])
     path.write_text(body)
-    parsed = streams.read_text_file(path)
+    parsed = read_text_file(path)
     assert [d.text for d in parsed] == [t for _, t in docs]
     assert len({d.package for d in parsed}) == len(docs)  # each document its own package
     source = {"kind": "text", "path": str(path), "calib_fraction": 0.3}
@@ -161,9 +162,9 @@ def test_text_source_jsonl_and_parquet_with_packages(model_dir, tmp_path):
     # same documents, same order, same tokens whatever the container
     assert pq.read_table(ej).equals(pq.read_table(ep))
     with pytest.raises(ValueError, match="no column 'nope'"):
-        streams.read_text_file(parquet, text_field="nope")
+        read_text_file(parquet, text_field="nope")
     with pytest.raises(ValueError, match="no field 'nope'"):
-        streams.read_text_file(parquet.with_suffix(".jsonl"), package_field="nope")
+        read_text_file(parquet.with_suffix(".jsonl"), package_field="nope")
 
 
 def test_datasets_source_from_disk_and_offline_error(model_dir, tmp_path, monkeypatch):

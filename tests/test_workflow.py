@@ -265,6 +265,7 @@ def test_config_paths_are_inputs_of_their_rules(tmp_path):
             inputs.setdefault(m.group(1), set()).update(m.group(2).split(", "))
     assert "my_eval.jsonl" in inputs["streams"], inputs["streams"]
     assert cfg["generate"]["tasks"]["gsm8k"]["path"] in inputs["generate"], inputs["generate"]
+    assert "my_eval.jsonl" in inputs["generate"]  # the continuation's prompts come from it
     assert [key for key, _, _ in mcfg.input_paths(cfg)] == [
         "streams.source.path",
         "generate.tasks.gsm8k.path",

@@ -236,7 +236,8 @@ def generate_params(wildcards):
         if k != "path"
     }
     shared = section("generate", exclude=["tasks", "policies"])
-    params = {**shared, **task}
+    # the evaluation text (a task reading held-out text, the continuation, takes it from here)
+    params = {**shared, **task, "source": config["streams"]["source"]}
     reference = generate_reference(wildcards)
     if reference:
         params["reference_path"] = reference[0]

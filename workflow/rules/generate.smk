@@ -1,5 +1,6 @@
-# Stage 6 (generate): greedy generation (GSM8K, HumanEval, held-out code completion) under each
-# policy, on the offloading engine by default (generate.backend): rows carry time per token.
+# Stage 6 (generate): greedy generation (GSM8K, HumanEval, held-out code completion, free
+# continuation) under each policy, on the offloading engine by default (generate.backend): rows
+# carry time per token; the continuation decodes in batches on the emulator (no timing).
 
 
 rule generate:
@@ -7,6 +8,7 @@ rule generate:
         model=model_input,
         initial_sets="results/{model}/initial_sets.parquet",
         data=task_data,
+        source=streams_source,
         reference=generate_reference,
     output:
         "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",

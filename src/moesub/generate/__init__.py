@@ -18,7 +18,10 @@ prompted, where decoding stops, how an output is scored, whether scoring runs in
 - `humaneval`: pass@1 by running the problem's tests in `moesub.sandbox` (a sentinel proves
   that `check()` returned; a sandbox failure of its own leaves the problem unscored);
 - `completion` (task `code_completion`): the next line of held-out standard-library code,
-  exact match after whitespace normalization: a task the small embedded model can do.
+  exact match after whitespace normalization: a task the small embedded model can do;
+- `continuation`: free greedy continuation of held-out text, not graded but measured for
+  degeneration (`degeneration`: repeated 4-grams, the longest repeated span, ending in a loop);
+  fixed length (no stop), so its equal-length prompts decode in batches on the emulator.
 
 Missing data is not fatal for the pipeline: `run_generate` writes an empty artefact whose
 metadata says what is missing and how to provide it, so the report can show the message.
@@ -38,6 +41,13 @@ from moesub.generate.completion import (
     completion_items,
     heldout_code_files,
     normalize_line,
+)
+from moesub.generate.continuation import continuation_items
+from moesub.generate.degeneration import (
+    DEGENERATION_MEASURES,
+    longest_repeat,
+    repeated_ngram_share,
+    tail_loop,
 )
 from moesub.generate.gsm8k import (
     GSM8K_SHOT_POOL,
@@ -65,6 +75,7 @@ from moesub.generate.run import OUTPUT_SCHEMA, generate_rows, run_generate
 from moesub.generate.tasks import TASKS, task_named
 
 __all__ = [
+    "DEGENERATION_MEASURES",
     "GSM8K_SHOT_POOL",
     "GSM8K_STOP",
     "HUMANEVAL_STOP",
@@ -79,6 +90,7 @@ __all__ = [
     "check_humaneval",
     "code_line_starts",
     "completion_items",
+    "continuation_items",
     "extract_answer",
     "fetch_gsm8k",
     "generate_rows",
@@ -90,13 +102,16 @@ __all__ = [
     "heldout_code_files",
     "load_gsm8k",
     "load_humaneval",
+    "longest_repeat",
     "normalize_line",
     "normalize_number",
     "read_gsm8k",
     "read_humaneval",
+    "repeated_ngram_share",
     "run_generate",
     "scored_length",
     "subsample",
+    "tail_loop",
     "task_named",
     "truncate_at",
 ]

@@ -28,12 +28,16 @@ class TaskItem:
 @dataclass(frozen=True)
 class Score:
     """One stop-cut output, scored: whether it is correct (None: not scored, `missing` says
-    why, e.g. the sandbox itself failed) and what was predicted (GSM8K: the extracted number;
-    HumanEval: the run's status; code completion: the normalized line)."""
+    why, e.g. the sandbox itself failed; None with no `missing`: the task grades no answer, as
+    the free continuation), what was predicted (GSM8K: the extracted number; HumanEval: the
+    run's status; code completion: the normalized line; continuation: the loop, if any) and
+    the task's numeric measures of it (name -> value, NaN: undefined; continuation: its
+    degeneration, `moesub.generate.degeneration`)."""
 
     correct: bool | None
     prediction: str
     missing: str = ""
+    measures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -47,13 +51,21 @@ class Task:
     # data is missing (the stage then writes an empty artefact that says so)
     items: Callable[[str | os.PathLike | None, str | os.PathLike, GenerateParams], list[TaskItem]]
     stops: tuple[str, ...]  # the decoded output is cut at the first of these before scoring
-    score: Callable[[TaskItem, str, GenerateParams], Score]  # one stop-cut output
+    # (item, stop-cut output, its tokens, options) -> the output's Score
+    score: Callable[[TaskItem, str, Sequence[int], GenerateParams], Score]
     # tokenizer -> tokens that end decoding besides end-of-text (None: end-of-text only)
     stop_tokens: Callable[[Any], set[int]] | None = None
     sandboxed: bool = False  # scoring runs generated code: the artefact records the isolation
+    # every prompt has the same length and decoding runs max_new_tokens with no stop at all (not
+    # even end of text): the stage decodes the prompts in batches on the emulator
+    # (`moesub.replay.greedy_decode_batched`), since what is measured is the text, not time
+    fixed_length: bool = False
 
     def stop_ids(self, tokenizer) -> set[int]:
-        """The token ids that end decoding: end of text, and the task's own stop tokens."""
+        """The token ids that end decoding: end of text, and the task's own stop tokens (none
+        for a fixed-length task)."""
+        if self.fixed_length:
+            return set()
         stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         if self.stop_tokens is not None:
             stop |= self.stop_tokens(tokenizer)

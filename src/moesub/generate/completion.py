@@ -33,6 +33,7 @@ import hashlib
 import io
 import os
 import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,7 +196,9 @@ def newline_token_ids(tokenizer) -> set[int]:
     return {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
 
 
-def score_completion(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+def score_completion(
+    item: TaskItem, output: str, tokens: Sequence[int], opts: GenerateParams
+) -> Score:
     """Exact match after whitespace normalization; the prediction is the normalized line."""
     got = normalize_line(output)
     return Score(bool(got) and got == normalize_line(item.target), got)

@@ -168,7 +168,7 @@ def gsm8k_items(
     ]
 
 
-def score_gsm8k(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+def score_gsm8k(item: TaskItem, output: str, tokens: Sequence[int], opts: GenerateParams) -> Score:
     """Correct when the output's final number is the gold one; the prediction is that number."""
     pred = extract_answer(output)
     return Score(pred is not None and pred == item.target, pred or "")

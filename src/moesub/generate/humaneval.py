@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,9 @@ def humaneval_items(
     ]
 
 
-def score_humaneval(item: TaskItem, output: str, opts: GenerateParams) -> Score:
+def score_humaneval(
+    item: TaskItem, output: str, tokens: Sequence[int], opts: GenerateParams
+) -> Score:
     """pass@1 in the sandbox within `opts.timeout_s`; the prediction is the run's status, and a
     sandbox failure of its own leaves the problem unscored."""
     res = check_humaneval(item.problem, output, timeout_s=opts.timeout_s)

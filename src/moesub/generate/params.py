@@ -15,6 +15,7 @@ _DEFAULTS = schema_defaults("generate")
 _GSM8K = schema_defaults("generate.tasks.gsm8k")
 _HUMANEVAL = schema_defaults("generate.tasks.humaneval")
 _COMPLETION = schema_defaults("generate.tasks.code_completion")
+_CONTINUATION = schema_defaults("generate.tasks.continuation")
 # where the schema checks each option: the shared settings, then every task's own section
 _SECTIONS = (
     "generate",
@@ -43,8 +44,16 @@ class GenerateParams:
     # the engine's admission timing: "delay" (the emulator's decisions, so its tokens) or
     # "completion" (copies usable when they land)
     admission: str = _DEFAULTS["admission"]
+    # continuation: prompt length (tokens), prompts per forward, the loop's definition
+    prompt_tokens: int = _CONTINUATION["prompt_tokens"]
+    batch_size: int = _CONTINUATION["batch_size"]
+    loop_window: int = _CONTINUATION["loop_window"]  # the tail that must be periodic
+    loop_max_period: int = _CONTINUATION["loop_max_period"]  # its longest period (tokens)
     progress: bool = True
     reference_path: str | None = None  # a fetch_every_miss artefact to agree with (else decode)
+    # the evaluation text's source (config streams.source; continuation prompts when its path
+    # is null; None: the embedded model's corpus)
+    source: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> GenerateParams:

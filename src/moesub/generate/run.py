@@ -7,6 +7,9 @@ config section), so each row carries real time per generated token beside its ac
 `admission="delay"` its tokens are the emulator's (`tests/test_engine_generate.py`).
 `backend="emulator"` decodes with `moesub.replay.greedy_decode` (no timing). The exact model's
 output, when no reference artefact is given, always comes from the emulator without a policy.
+A fixed-length task (the free continuation: equal-length prompts, no stop) decodes on the
+emulator in batches of prompts whatever the backend (`moesub.replay.greedy_decode_batched`:
+each prompt its own caches; its text is the engine's under admission "delay").
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from moesub.io import write_parquet
 from moesub.models import check_checkpoint, load_model, load_tokenizer
 from moesub.params import torch_device
 from moesub.policy import CORE_BUILD_ID, check_capacity
-from moesub.replay import check_run, greedy_decode, policy_from_dict
+from moesub.replay import check_run, greedy_decode, greedy_decode_batched, policy_from_dict
 from moesub.sandbox import probe_isolation
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("policy", pa.string()),
         ("fraction", pa.float64()),
         ("output", pa.string()),  # decoded generation, cut at the task's stop sequence
-        ("correct", pa.bool_()),  # null: not scored (missing_reason says why)
+        ("correct", pa.bool_()),  # null: not scored (missing_reason says why) or not graded
         ("missing_reason", pa.string()),  # "" when scored; e.g. the sandbox's own failure
         ("agree_exact", pa.bool_()),  # same scored tokens as the exact model's greedy output
         ("agree_prefix_frac", pa.float64()),  # common prefix / longer of the two (scored tokens)
@@ -60,6 +63,9 @@ OUTPUT_SCHEMA = pa.schema(
         ("target", pa.string()),  # GSM8K: gold number; HumanEval: entry point; completion: line
         ("stopped", pa.bool_()),  # ended by a stop token before max_new_tokens
         ("tokens", pa.list_(pa.int32())),  # every generated token id (reference reuse)
+        # the task's numeric measures of the scored tokens (continuation: degeneration,
+        # moesub.generate.degeneration.DEGENERATION_MEASURES; NaN: undefined); empty: none
+        ("measures", pa.map_(pa.string(), pa.float64())),
         # engine backend (null on the emulator): per generated token, the median wall time of
         # the step that produced it, and the mean time blocked on synchronous fetches, late
         # prefetches and the host's experts
@@ -86,12 +92,19 @@ def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> 
 
 
 def decode_items(
-    model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts
-) -> list:
+    model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts,
+    fixed_length: bool = False,
+) -> list:  # fmt: skip
     """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
     (its own policy; `EngineDecodeResult`s) or a Hugging Face model (the emulator under
-    `policy`, None = the exact model; `moesub.replay.DecodeResult`s)."""
+    `policy`, None = the exact model; `moesub.replay.DecodeResult`s). `fixed_length`: exactly
+    `max_new_tokens` each, no stop, in batches of `opts.batch_size` prompts (emulator only)."""
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
+    if fixed_length:
+        return greedy_decode_batched(
+            model, prompts, policy, capacity, initial, opts.max_new_tokens, opts.batch_size,
+            opts.progress,
+        )  # fmt: skip
     if isinstance(model, EngineModel):
         return model.generate(prompts, opts.max_new_tokens, stop, opts.progress)
     return greedy_decode(
@@ -151,13 +164,18 @@ def generate_rows(
     stop = task.stop_ids(tokenizer)
 
     def decode_and_cut(policy, capacity, initial, model=model) -> tuple[list, list[str], list]:
-        """Decoded results, their stop-cut outputs, and how many tokens each output spans."""
-        results = decode_items(model, tokenizer, items, policy, capacity, initial, stop, opts)
+        """Decoded results, their stop-cut outputs, and how many tokens each output spans
+        (every token when the task has no stop sequence)."""
+        results = decode_items(
+            model, tokenizer, items, policy, capacity, initial, stop, opts, task.fixed_length
+        )
         outputs, n_scored = [], []
         for res in results:
             out = truncate_at(tokenizer.decode(res.tokens, skip_special_tokens=True), task.stops)
             outputs.append(out)
-            n_scored.append(scored_length(tokenizer, res.tokens, len(out)))
+            n_scored.append(
+                scored_length(tokenizer, res.tokens, len(out)) if task.stops else len(res.tokens)
+            )
         return results, outputs, n_scored
 
     results, outputs, n_scored = decode_and_cut(policy, capacity, initial)
@@ -177,7 +195,7 @@ def generate_rows(
         unit="problem",
         disable=not opts.progress,
     ):
-        s = task.score(item, out, opts)
+        s = task.score(item, out, res.tokens[:m], opts)
         exact, prefix = agreement(res.tokens[:m], ref[:m_ref])
         rows["task"].append(task.name)
         rows["problem_id"].append(item.problem_id)
@@ -197,6 +215,7 @@ def generate_rows(
         rows["target"].append(item.target)
         rows["stopped"].append(bool(res.stopped))
         rows["tokens"].append(list(res.tokens))
+        rows["measures"].append(s.measures)
         for col, value in step_times(res).items():
             rows[col].append(value)
     return pa.table(rows, schema=OUTPUT_SCHEMA)
@@ -238,7 +257,8 @@ def run_generate(
     capacity = check_capacity(fraction, info.num_experts, info.top_k)
     device = torch_device(opts.device)
     spec = None
-    if opts.backend == "engine":  # every engine input checked before any work
+    backend = "emulator" if record.fixed_length else opts.backend
+    if backend == "engine":  # every engine input checked before any work
         eng_params = {**(engine_params or {}), "admission": opts.admission}
         eng_params.setdefault("progress", opts.progress)
         spec = resolve_engine(
@@ -253,7 +273,7 @@ def run_generate(
         "data_path": None if data_path is None else str(data_path),
         "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
         "core_build_id": CORE_BUILD_ID,
-        "backend": opts.backend,
+        "backend": backend,
     }
     try:
         items = record.items(data_path, model_dir, opts)

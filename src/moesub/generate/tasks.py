@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from moesub.generate.base import Task
 from moesub.generate.completion import CODE_COMPLETION
+from moesub.generate.continuation import CONTINUATION
 from moesub.generate.gsm8k import GSM8K
 from moesub.generate.humaneval import HUMANEVAL
 
-TASKS: dict[str, Task] = {t.name: t for t in (GSM8K, HUMANEVAL, CODE_COMPLETION)}
+TASKS: dict[str, Task] = {t.name: t for t in (GSM8K, HUMANEVAL, CODE_COMPLETION, CONTINUATION)}
 
 
 def task_named(name: str) -> Task:

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from moesub.report.degeneration import fig_degeneration  # noqa: E402
 from moesub.report.design import fig_design  # noqa: E402
 from moesub.report.finding_figures import fig_admission, fig_expb, fig_mass  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide  # noqa: E402
@@ -213,9 +214,13 @@ def fig_generation(fd: FigureData) -> plt.Figure:
     gen = fd.table("generation")
     lo, hi = column(gen, "ci_low", "acc_ci_lo"), column(gen, "ci_high", "acc_ci_hi")
     agree = column(gen, "agreement", "agree_exact")
-    tasks = sorted(gen["task"].unique())
+    # the graded tasks (a free continuation has no accuracy: the degeneration figure shows it)
+    tasks = sorted(gen.loc[gen["accuracy"].notna(), "task"].unique())
     models = fd.models(gen)
-    fig, axes = panels(len(models), len(tasks), sharex=True)
+    fig, axes = panels(len(models), max(len(tasks), 1), sharex=True)
+    if not tasks:
+        axes[0, 0].set_title("no graded task ran (the continuation: see its degeneration)")
+        return fig
     for row, model in zip(axes, models, strict=True):
         for ax, task in zip(row, tasks, strict=True):
             g = rows_of(gen, model)
@@ -355,6 +360,17 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "generation",
         "Accuracy per task and policy with Wilson CIs; dots: agreement with fetch_every_miss.",
         fig_generation,
+    ),
+    (
+        "degeneration",
+        "Degeneration of free continuations",
+        "degeneration",
+        "degeneration",
+        "Share of free continuations that end in a loop (Wilson interval) and share of repeated "
+        "4-grams (bootstrap over prompts) against Δppl % (bootstrap over streams), one point "
+        "per emulated policy: a point high up at the left is text that loops where perplexity "
+        "barely moves.",
+        fig_degeneration,
     ),
     (
         "per_input",

@@ -134,7 +134,7 @@ def disabled_parts(config: Mapping[str, Any]) -> dict[str, str]:
         ("engine", "policies"): ([], ("engine", "sim_vs_engine")),
         ("emulate", "policies"): ([], ("quality", "mass_hypothesis", "per_input", "admission")),
         ("simulate", "policies"): ([], ("simulate", "design_space")),
-        ("generate", "tasks"): ({}, ("generation",)),
+        ("generate", "tasks"): ({}, ("generation", "degeneration")),
         ("expb", "designs"): ({}, ("expb",)),
     }
     out = {}
@@ -169,6 +169,18 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "layer_hit_rates": ("policy", "fraction", "layer", "hit_rate", "tokens"),
     "sim_vs_engine": ("policy", "time_mean_s", "est_time_per_token_s", "rel_error"),
     "generation": ("task", "policy", "n", "accuracy"),
+    "degeneration": (
+        "task",
+        "policy",
+        "fraction",
+        "measure",
+        "mean",
+        "ci_lo",
+        "ci_hi",
+        "dppl_pct",
+        "dppl_ci_lo",
+        "dppl_ci_hi",
+    ),  # fmt: skip
     "per_input": ("level", "policy", "unit", "dnll_mean"),
     "design_space": (
         "policy",

@@ -14,6 +14,7 @@ import jinja2
 
 from moesub.io import atomic_path
 from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
+from moesub.report.degeneration import degeneration_lines, degeneration_table
 from moesub.report.design import design_families_table, design_lines, design_space_table
 from moesub.report.experiments import (
     admission_bins_table,
@@ -51,7 +52,8 @@ from moesub.report.tables import (
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 TEMPLATE = "report.html.j2"
-SECTION_NOTES = ("expb", "admission", "generation", "regime")  # parts whose section shows notes
+# parts whose section shows notes
+SECTION_NOTES = ("expb", "admission", "generation", "degeneration", "regime")
 
 
 def machine_info() -> dict[str, Any]:
@@ -154,6 +156,8 @@ def render_report(
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),
         "generation_missing": generation_missing(out),
+        "degeneration": degeneration_table(out),
+        "degeneration_lines": degeneration_lines(out),
         "engine_bench": frame_table("bench-table", out.table("engine_bench")),
         "models": models_table(out),
         "absent": out.absent,

@@ -105,7 +105,10 @@ def summary_table(out: AnalysisOutputs, numbers: dict[str, int]) -> Table:
         return make_table("summary", [], [])
     ci = ci_label(out.ci_level)
     mass = "mass_per_token_layer" if "mass_per_token_layer" in s.columns else "mass_mean"
-    tasks = sorted(c[: -len("_accuracy")] for c in s.columns if c.endswith("_accuracy"))
+    # the graded tasks (a free continuation has no accuracy: its section is the degeneration's)
+    tasks = sorted(
+        c[: -len("_accuracy")] for c in s.columns if c.endswith("_accuracy") and s[c].notna().any()
+    )
 
     def rule(r: Row) -> str:
         out_ = str(first(r, "rule") or "—")

@@ -26,6 +26,9 @@ atomically (`moesub.io`), into `out_dir`:
 - `engine_bench.parquet`: the engine benchmark rows as measured;
 - `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
   r(mass, agreement);
+- `degeneration.parquet`: per (task, policy, fraction, measure) of the free continuations:
+  repeated 4-grams, longest repeated span, share ending in a loop, each with a CI over
+  prompts and a paired test against the baseline (raw p), beside the policy's Δppl;
 - `design_space.parquet`: per simulated (policy, fraction): family, hit rate, misses per
   token, estimated time per token, Δppl % with CI (emulated, or 0 for a lossless policy), the
   gap to its Belady bound, the Pareto fronts; `design_families.parquet`: per (family,
@@ -64,6 +67,7 @@ Modules, one per part (each documents its decisions):
 - `mass`: the mass hypothesis; `per_input`: its per-input form;
 - `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
+  `degeneration`: repetition and loops in free continuations;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
   regime; `summary`: the per-(policy, fraction) summary; `selection`: the recommendation's
   split of the streams;
@@ -89,6 +93,7 @@ order and maps their tables onto `OUTPUT_FILES`:
     simulate(db, simulate_files) -> Simulate(total, layers, status)
     engine(db, engine_files, p) -> Engine(table, status)
     generation(db, generate_files, p) -> Generation(table, tests, status)
+    degeneration(db, generate_files, quality.table, p) -> Degeneration(table, tests, status)
     design_space(simulate.total, simulate.layers, quality.table, p)
         -> DesignSpace(table, families, status)
     speed_quality(quality.table, engine.table, simulate.total, p) -> SpeedQuality(table, status)

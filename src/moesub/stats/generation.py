@@ -3,7 +3,9 @@
 Per group of problems (one generate artefact):
 
 - `n`: problems scored; `n_missing`: problems left unscored (e.g. the sandbox failed for its own
-  reasons; `missing_reasons` says why), never counted as wrong;
+  reasons; `missing_reasons` says why), never counted as wrong; a task that grades no answer
+  (the free continuation: `correct` null with no reason) has neither, only agreement and mass
+  (its degeneration is `moesub.stats.degeneration`);
 - `accuracy` over the scored problems with its Wilson score interval `ci_low`, `ci_high` at
   `ci_level`;
 - `agreement`: share of problems whose output equals the exact model's token for token within
@@ -81,12 +83,13 @@ def group_row(g: pd.DataFrame, base: pd.DataFrame | None, level: float, alpha: f
     """The statistics of one (task, policy, fraction) group of problems (module doc)."""
     scored = g[g["correct"].notna()]
     n, n_all = len(scored), len(g)
+    reason = g["missing_reason"].fillna("")
     k = int(scored["correct"].astype(bool).sum())
     a = int(g["agree_exact"].sum())
-    reasons = sorted({r for r in g["missing_reason"].fillna("") if r})
+    reasons = sorted({r for r in reason if r})
     row: dict[str, Any] = {
         "n": n,
-        "n_missing": n_all - n,
+        "n_missing": int((g["correct"].isna() & (reason != "")).sum()),
         "missing_reasons": "; ".join(reasons[:3]),
         "n_correct": k,
         "accuracy": k / n if n else None,

@@ -50,6 +50,7 @@ FAMILY = {
     "per_input": EXPLORATORY,  # r(mass, ΔNLL) across streams or documents, per policy
     "generation_accuracy": EXPLORATORY,  # accuracy vs the baseline (McNemar)
     "generation_agreement": EXPLORATORY,  # r(mass, agreement) across problems
+    "degeneration": EXPLORATORY,  # a continuation's repetition / loops vs the baseline's
 }
 SUPPORTS = "supports"
 AGAINST = "evidence against the hypothesis"

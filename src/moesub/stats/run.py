@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from moesub.io import write_json
 from moesub.stats.admission import admission
 from moesub.stats.claims import claims
+from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
 from moesub.stats.generation import generation
@@ -61,6 +62,7 @@ OUTPUT_FILES = (
     "layer_hit_rates",
     "engine_bench",
     "generation",
+    "degeneration",
     "regime",
     "design_space",
     "design_families",
@@ -110,6 +112,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
         gen = generation(db, infos["generate"], p)
+        degen = degeneration(db, infos["generate"], qual.table, p)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total)
@@ -123,6 +126,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *adm.tests,
             *units.tests,
             *gen.tests,
+            *degen.tests,
         ],
         p.alpha,
     )
@@ -140,6 +144,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "sim_vs_engine": sve.table,
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
+            "degeneration": degen.table,
             "regime": reg.table,
             "design_space": space.table,
             "design_families": space.families,
@@ -168,6 +173,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "speed_quality": speed.status,
             "sim_vs_engine": sve.status,
             "generation": gen.status,
+            "degeneration": degen.status,
             "regime": reg.status,
             "summary": summ.status,
             "claims": verdicts.status,
