@@ -33,20 +33,21 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     model=alternation(MODELS),
     policy=alternation([*POLICIES, ALL_RESIDENT]),
-    fraction=r"[0-9.]+",
-    size=r"f[0-9.]+",
+    size=alternation(SIZES),
     hardware=alternation(PLAN_HARDWARE),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
+    cell=alternation(FACTORIAL_CELLS),
     task=alternation(TASKS),
 
 
 include: "workflow/rules/model.smk"
 include: "workflow/rules/streams.smk"
 include: "workflow/rules/capture.smk"
+include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
 include: "workflow/rules/emulate.smk"

@@ -195,7 +195,7 @@ main() {
     skip install "no --wheelhouse: the environment's packages are used"
   fi
   stage build 120 build_core
-  stage engine-tests 90 run_pytest "$OUT/engine_tests.xml" -m "not cuda" tests/test_engine*.py
+  stage engine-tests 120 run_pytest "$OUT/engine_tests.xml" -m "not cuda" tests/test_engine*.py
   if [ $CPU_ONLY = 1 ]; then
     # no GPU: at least show that the whole suite imports here, as the GPU run's collection needs
     stage cuda-collect 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/

@@ -76,7 +76,7 @@ def resplit_view(model_dir: Path, out: Path, eval_fraction: float) -> Path:
 def evaluate(args: argparse.Namespace) -> None:
     import torch
 
-    from moesub.capture import run_capture, write_initial_sets
+    from moesub.capture import run_capture, run_expert_ranking
     from moesub.io import write_json, write_parquet
     from moesub.regime import regime_from_files
     from moesub.streams import build_streams
@@ -98,10 +98,10 @@ def evaluate(args: argparse.Namespace) -> None:
         run_capture(
             args.model_dir, path, out / f"{split}_tokens.parquet", out / f"{split}_router.parquet"
         )
-    write_initial_sets(out / "calib_router.parquet", [args.fraction], out / "initial_sets.parquet")
+    run_expert_ranking(out / "calib_router.parquet", out / "expert_ranking.parquet")
     regime = regime_from_files(
         out / "eval_router.parquet",
-        out / "initial_sets.parquet",
+        out / "expert_ranking.parquet",
         args.fraction,
     )
     summary = regime.summary

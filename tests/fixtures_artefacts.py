@@ -1,9 +1,10 @@
 """Small synthetic, schema-correct artefacts (docs/architecture.md "Column schemas") with known
 statistics, for tests of `moesub.stats` and `moesub.report`.
 
-`make_study(root)` writes a whole study (capture tokens, simulate, emulate, Experiment B,
-engine, engine bench, generate, model summary) and returns `(inputs, params)` for
-`run_analysis`. With `noise=0` and `admission_gain=0` its numbers are exact by construction:
+`make_study(root)` writes a whole study (capture tokens, simulate, emulate, Experiment B and
+its factorial design, engine, engine bench, generate, model summary) and returns
+`(inputs, params)` for `run_analysis`. With `noise=0` and `admission_gain=0` its numbers are
+exact by construction:
 
 - every policy p has per-token mass `m_p * g_s` (g_s a per-stream factor, mean 1) and per-token
   ΔNLL `k_p * mass`, with `k_p` chosen so that Δppl % = `DPPL_PER_MASS * mean mass` exactly:
@@ -386,6 +387,62 @@ def write_expb_case(root: Path, tok: dict[str, np.ndarray], case: str, primary: 
     return paths
 
 
+FACTORIAL_SPEC = {"low_ranks": [3, 3], "high_ranks": [6, 6], "light": [0.07, 0.09],
+                  "heavy": [0.095, 0.107], "share": 1.0}  # fmt: skip
+# (realized gate weight, rank) of each factorial cell's substituted expert
+FACTORIAL_CELLS = {"low_light": (0.082, 3), "low_heavy": (0.102, 3),
+                   "high_light": (0.079, 6), "high_heavy": (0.098, 6)}  # fmt: skip
+
+
+def write_expb_factorial(
+    root: Path, tok: dict[str, np.ndarray], d_cells: dict[str, np.ndarray], per_stream: int = 4
+) -> list[Path]:
+    """The factorial design's four runs and its calibration feasibility table: every stream
+    substitutes `per_stream` token-layers (layer 0 of its tokens 1..per_stream) in every cell,
+    and its summed ΔNLL is `d_cells[cell][s] * per_stream` (all on its token 1), so that the
+    stream's ΔNLL per substituted token-layer is exactly `d_cells[cell][s]`."""
+    s, pos = tok["stream"], tok["pos"]
+    n = s.size
+    planned = (pos >= 1) & (pos <= per_stream)
+    n_streams = int(s.max()) + 1
+    plan = {"token_layers": n * N_LAYERS, "count": per_stream * n_streams,
+            "realized_share": per_stream / (pos.max() + 1) / N_LAYERS,
+            "support": {c: 0.05 for c in FACTORIAL_CELLS},
+            "shared": {"weight_at_low": 0.0, "weight_at_high": 0.0, "rank_at_light": 1.0,
+                       "rank_at_heavy": 1.0}}  # fmt: skip
+    paths = []
+    for cell, (weight, rank) in FACTORIAL_CELLS.items():
+        nll = tok["nll"] + np.where(pos == 1, np.asarray(d_cells[cell])[s] * per_stream, 0.0)
+        layer_mass = np.zeros((n, N_LAYERS))
+        layer_mass[planned, 0] = weight
+        table = pa.table(
+            {
+                "stream": s,
+                "pos": pos,
+                "doc_id": tok["doc_id"],
+                "doc_start": tok["doc_start"],
+                "nll": _nll_array(nll),
+                "mass": layer_mass.mean(axis=1),
+                "layer_mass": pa.array(list(layer_mass), type=pa.list_(pa.float64(), N_LAYERS)),
+                "n_sub": planned.astype(np.int32),
+                "rank_sum": (rank * planned).astype(np.int32),
+                "n_planned": planned.astype(np.int32),
+            }
+        )
+        meta = {"design": "factorial", "condition": cell, "spec": FACTORIAL_SPEC, "seed": 0,
+                **{f"plan_{k}": v for k, v in plan.items()}}  # fmt: skip
+        paths.append(
+            write_parquet(table, root / "expb" / "factorial" / f"{cell}.parquet", metadata=meta)
+        )
+    feasibility = pa.table({"cell": list(FACTORIAL_CELLS), "support": [0.05] * 4})
+    meta = {"design": "factorial", "spec": FACTORIAL_SPEC, "seed": 0, "max_share": 0.06,
+            "all_cells": 0.0, **plan}  # fmt: skip
+    paths.append(
+        write_parquet(feasibility, root / "expb" / "factorial_feasibility.parquet", metadata=meta)
+    )
+    return paths
+
+
 def write_generate(root: Path, task: str, name: str, n_problems: int = 20) -> Path:
     m = MASS[name]
     n_correct = max(N_CORRECT[task] - round(10 * m), 0)
@@ -504,11 +561,14 @@ def make_study(
     noise: float = 0.0,
     admission_gain: float = 0.0,
     expb_case: str = "heavy_worse",
+    factorial_rank: float = 0.0,
     primary: float = 0.2,
     seed: int = 0,
     model: str = MODEL,
 ) -> tuple[dict[str, list[str]], dict]:
-    """Write a whole synthetic study under `root/model`; returns (inputs, params)."""
+    """Write a whole synthetic study under `root/model`; returns (inputs, params).
+    `factorial_rank`: how much more the factorial's high rank costs at a fixed weight (mean over
+    the streams, in ΔNLL per substituted token-layer)."""
     root = Path(root) / model
     names = list(POLICIES) if names is None else names
     policies = {n: normalize_policy(n, POLICIES[n]) for n in names}
@@ -545,6 +605,16 @@ def make_study(
             inputs["generate"].append(str(write_generate(root, task, name)))
         inputs["generate"].append(str(write_continuation(root, name)))
     inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
+    # the factorial design: a heavier substitution costs more, the rank `factorial_rank` more
+    # (the high rank's ΔNLL alternates around that, mean difference exact over an even count)
+    level = 0.01 * (1.0 + 0.1 * np.arange(n_streams))
+    weight = 0.004 * g  # heavy - light per stream
+    rank = factorial_rank + 0.0005 * (-1.0) ** np.arange(n_streams)
+    cells = {"low_light": level, "low_heavy": level + weight, "high_light": level + rank,
+             "high_heavy": level + weight + rank}  # fmt: skip
+    *runs, feasibility = write_expb_factorial(root, tok, cells)
+    inputs["expb_factorial"] = [str(p) for p in runs]
+    inputs["expb_factorial_feasibility"] = [str(feasibility)]
     inputs["engine_bench"].append(str(write_engine_bench(root, names)))
     summary = {
         "model": model,
@@ -562,6 +632,7 @@ def make_study(
             "designs": {
                 "study": {"primary": primary, "min_heavy_fraction": 0.5, "max_gap": 0.10},
                 "matched": {"primary": primary, "heavy_mass": 0.15},
+                "factorial": {"max_weight_gap": 0.1},
             },
         },
         "n_boot": 200,
@@ -569,3 +640,16 @@ def make_study(
     }
     json.dumps(params)  # the params must be plain JSON (as from config.yaml)
     return inputs, params
+
+
+def write_ranking(path: Path, initial: np.ndarray, num_experts: int) -> Path:
+    """An expert-ranking artefact whose layer l starts with `initial[l]` (in that order), the
+    other experts after it by id: every prefix of length <= C is a given initial set."""
+    from moesub.artefacts import write_expert_ranking
+
+    initial = np.asarray(initial)
+    counts = np.zeros((initial.shape[0], num_experts), np.int64)
+    for layer, row in enumerate(initial):
+        order = [*row.tolist(), *(e for e in range(num_experts) if e not in set(row.tolist()))]
+        counts[layer, order] = np.arange(num_experts, 0, -1)
+    return write_expert_ranking(counts, path, {})

@@ -1,4 +1,4 @@
-"""moesub.capture: exact capture on a tiny random Qwen3-Next, trace loading, initial sets."""
+"""moesub.capture: exact capture on a tiny random Qwen3-Next, trace loading, expert ranking."""
 
 from __future__ import annotations
 
@@ -11,18 +11,15 @@ from tiny_models import tiny_qwen3_next
 
 from moesub.artefacts import (
     Trace,
+    frequency_sets,
     load_trace,
-    read_initial_set,
+    read_expert_ranking,
     router_rows,
     selection_counts,
     topk_mask,
+    write_expert_ranking,
 )
-from moesub.capture import (
-    BackgroundWriter,
-    frequency_initial_sets,
-    run_capture,
-    write_initial_sets,
-)
+from moesub.capture import BackgroundWriter, run_capture, run_expert_ranking
 from moesub.io import read_metadata, write_parquet
 from moesub.models import moe_blocks
 
@@ -260,7 +257,7 @@ def test_topk_mask_ties_to_lower_id():
     )
 
 
-def test_frequency_initial_sets_ties():
+def test_expert_ranking_ties():
     # layer 0: expert 3 always first; experts 1 and 4 tie for the second place (count 1 each)
     z = np.full((2, 2, 5), -1.0, np.float32)
     z[:, 0, 3] = 5.0
@@ -270,43 +267,47 @@ def test_frequency_initial_sets_ties():
     tr = Trace(streams=[0], logits=[z], meta={"num_experts": 5, "top_k": 2, "num_layers": 2})
     counts = selection_counts(tr)
     assert counts.tolist() == [[0, 1, 0, 2, 1], [2, 0, 2, 0, 0]]
-    sets = frequency_initial_sets(tr, [2, 3])
-    assert sets[2].tolist() == [[3, 1], [0, 2]]
-    assert sets[3].tolist() == [[3, 1, 4], [0, 2, 1]]
-    assert sets[3].dtype == np.int32
-    with pytest.raises(ValueError, match="capacities"):
-        frequency_initial_sets(tr, [1])
+    ranking = frequency_sets(counts, 5)
+    assert ranking.tolist() == [[3, 1, 4, 0, 2], [0, 2, 1, 3, 4]] and ranking.dtype == np.int32
+    # every capacity's frequency set is the ranking's prefix
+    assert frequency_sets(counts, 2).tolist() == [[3, 1], [0, 2]]
+    assert frequency_sets(counts, 3).tolist() == [[3, 1, 4], [0, 2, 1]]
 
 
-def test_initial_sets_file_round_trip(tmp_path):
+def test_expert_ranking_file_round_trip(tmp_path):
     rng = np.random.default_rng(4)
     data = {0: rng.normal(size=(50, 3, 16)).astype(np.float32)}
     data[1] = rng.normal(size=(30, 3, 16)).astype(np.float32)
+    data[1][:, 1, 5] = data[1][:, 1, 6] = 9.0  # a tie within every token's top-3
     _write_trace(tmp_path / "calib.parquet", data, meta={"top_k": 3})
-    out = tmp_path / "sets.parquet"
-    write_initial_sets(tmp_path / "calib.parquet", [0.25, 0.5], out)
+    out = tmp_path / "ranking.parquet"
+    run_expert_ranking(tmp_path / "calib.parquet", out)
     t = pq.read_table(out)
-    assert t.schema.names == ["fraction", "capacity", "layer", "rank", "expert"]
-    assert [str(x) for x in t.schema.types] == ["double", "int32", "int16", "int32", "int32"]
-    expected = frequency_initial_sets(load_trace(tmp_path / "calib.parquet"), [4, 8])
-    for f, c in ((0.25, 4), (0.5, 8)):
-        got = read_initial_set(out, f)
-        assert got.shape == (3, c)
-        np.testing.assert_array_equal(got, expected[c])
-    # brute force: count top-3 membership, order by (-count, id)
-    z = np.concatenate([data[0], data[1]])
-    counts = _brute_topk(z, 3).sum(axis=0)
-    np.testing.assert_array_equal(
-        read_initial_set(out, 0.5), np.argsort(-counts, axis=1, kind="stable")[:, :8]
-    )
-    with pytest.raises(ValueError, match="no set for fraction 0.3"):
-        read_initial_set(out, 0.3)
-    with pytest.raises(ValueError, match=r"fraction 0.1 gives capacity C=2, outside \[k=3"):
-        write_initial_sets(tmp_path / "calib.parquet", [0.1], tmp_path / "x.parquet")
-    with pytest.raises(ValueError, match="fractions"):
-        write_initial_sets(tmp_path / "calib.parquet", [1.5], tmp_path / "x.parquet")
-    with pytest.raises(FileNotFoundError, match="nosets"):
-        read_initial_set(tmp_path / "nosets.parquet", 0.5)
+    assert t.schema.names == ["layer", "rank", "expert", "count"]
+    assert [str(x) for x in t.schema.types] == ["int16", "int32", "int32", "int64"]
+    assert read_metadata(out)["tokens"] == 80 and read_metadata(out)["num_experts"] == 16
+    ranking = read_expert_ranking(out, 3, 16)
+    # brute force: count top-3 membership, order by (-count, id); every C's frequency set (the
+    # capture's initial sets before the ranking) is the ranking's first C experts
+    counts = _brute_topk(np.concatenate([data[0], data[1]]), 3).sum(axis=0)  # (L, E)
+    for layer in range(3):
+        order = sorted(range(16), key=lambda e: (-counts[layer, e], e))
+        assert ranking[layer].tolist() == order
+        assert t.column("count").to_numpy()[layer * 16 : (layer + 1) * 16].tolist() == sorted(
+            counts[layer].tolist(), reverse=True
+        )
+        for c in range(3, 17):
+            assert frequency_sets(counts, c)[layer].tolist() == order[:c]
+    with pytest.raises(ValueError, match="48 rows .* the model.s 2 layers x 16 experts"):
+        read_expert_ranking(out, 2, 16)  # a ranking of another model
+    with pytest.raises(FileNotFoundError, match="noranking"):
+        read_expert_ranking(tmp_path / "noranking.parquet", 3, 16)
+    write_expert_ranking(counts, tmp_path / "ok.parquet", {})
+    table = pq.read_table(tmp_path / "ok.parquet")
+    twice = table.set_column(2, "expert", pa.array(np.zeros(48, np.int32)))
+    pq.write_table(twice, tmp_path / "twice.parquet")
+    with pytest.raises(ValueError, match="each expert 0..E-1 once"):
+        read_expert_ranking(tmp_path / "twice.parquet", 3, 16)
 
 
 def test_background_writer_writes_in_order_and_reraises():

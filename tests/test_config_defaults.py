@@ -23,21 +23,22 @@ SHIPPED_CONFIGS = ("config.yaml", "tests/config/config.yaml")
 
 # (schema section, "module:Class", keys of the section that are not options of the class)
 SECTIONS = [
-    ("policies.*", "moesub.policy:Policy", set()),
+    # the layout keys (moesub.slots.LAYOUT_KEYS): resolved per layer into the Policy
+    ("policies.*", "moesub.policy:Policy", {"pin", "allocation"}),
     ("models.*.loading", "moesub.models:ModelLoading", set()),
     ("embedded", "moesub.embedded:EmbeddedConfig", set()),
     ("streams", "moesub.streams:StreamsConfig", {"source"}),
     ("capture", "moesub.capture:CaptureParams", set()),
-    ("emulate", "moesub.emulate:EmulateParams", {"policies"}),
+    ("emulate", "moesub.emulate:EmulateParams", {"policies", "sizes"}),
     ("expb", "moesub.expb:ExpBParams", {"alpha", "designs"}),
     (
         "expb",
         "moesub.stats:ExpBRule",
         {"fraction", "resident", "seed", "max_streams", "dtype", "device", "designs"},
     ),  # fmt: skip
-    ("engine", "moesub.engine:EngineParams", {"devices", "policies", "bench"}),
+    ("engine", "moesub.engine:EngineParams", {"devices", "policies", "sizes", "bench"}),
     ("engine.bench", "moesub.engine:BenchParams", {"enabled", "policies", "trace_model"}),
-    ("generate", "moesub.generate:GenerateParams", {"tasks", "policies"}),
+    ("generate", "moesub.generate:GenerateParams", {"tasks", "policies", "sizes"}),
     ("generate.tasks.gsm8k", "moesub.generate:GenerateParams", {"path"}),
     ("generate.tasks.humaneval", "moesub.generate:GenerateParams", {"path"}),
     ("generate.tasks.code_completion", "moesub.generate:GenerateParams", {"path"}),

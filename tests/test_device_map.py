@@ -16,10 +16,11 @@ import polars as pl
 import pytest
 import torch
 import yaml
+from fixtures_artefacts import write_ranking
 from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub import config as mcfg
-from moesub.artefacts import load_trace, write_initial_set_table
+from moesub.artefacts import load_trace
 from moesub.capture import run_capture
 from moesub.emulate import run_emulate
 from moesub.io import write_parquet
@@ -52,7 +53,7 @@ def root(tmp_path_factory):
     write_parquet(random_streams([30, 30, 21], VOCAB, seed=7), root / "streams.parquet")
     rng = np.random.default_rng(1)
     initial = np.stack([rng.permutation(E)[:C] for _ in range(L)])  # (L, C)
-    write_initial_set_table({FRACTION: initial}, root / "initial_sets.parquet", {})
+    write_ranking(root / "ranking.parquet", initial, E)
     return root
 
 
@@ -87,7 +88,7 @@ def capture(root, name, loading=None):
 def emulate(root, tokens, policy, out, loading=None):
     params = {"progress": False} if loading is None else {"progress": False, "loading": loading}
     path = run_emulate(
-        root / "model", tokens, root / "initial_sets.parquet", "p", policy, FRACTION,
+        root / "model", tokens, root / "ranking.parquet", "p", policy, FRACTION,
         root / "out" / out, params,
     )  # fmt: skip
     return pl.read_parquet(path)

@@ -3,12 +3,16 @@ the stage entry point and its input checks. Tiny random Qwen3-Next model (E=16, 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import polars as pl
 import pytest
 import torch
+from fixtures_artefacts import write_ranking
 from tiny_models import tiny_qwen3_next
 
+from moesub.artefacts import load_trace, read_expert_ranking
 from moesub.capture import run_capture
 from moesub.emulate import (
     EmulateParams,
@@ -23,6 +27,7 @@ from moesub.models import stream_batches, stream_nll
 from moesub.policy import FETCH, STATUS_NAMES, SUB, Policy, scan
 from moesub.replay import computed_ids, greedy_decode
 from moesub.simulate import run_simulate
+from moesub.slots import pin_count
 
 VOCAB, E, K, L, C = 97, 16, 4, 4, 6
 SUBSTITUTING = Policy(rule="threshold", tau=0.15, eviction="lfu", beta=0.5)
@@ -193,16 +198,7 @@ def stage_inputs(tmp_path_factory, model, initial):
         root / "model", root / "streams.parquet", root / "tokens.parquet",
         root / "router.parquet", {"name": "tiny"},
     )  # fmt: skip
-    rows = []
-    for frac, cap in ((0.375, C), (0.5, 8)):
-        rng = np.random.default_rng(int(frac * 100))
-        for layer in range(L):
-            for rank, e in enumerate(initial[layer] if cap == C else rng.permutation(E)[:cap]):
-                rows.append((frac, cap, layer, rank, int(e)))
-    sets = pl.DataFrame(
-        rows, schema=["fraction", "capacity", "layer", "rank", "expert"], orient="row"
-    ).cast({"capacity": pl.Int32, "layer": pl.Int16, "rank": pl.Int32, "expert": pl.Int32})
-    write_parquet(sets, root / "initial_sets.parquet")
+    write_ranking(root / "ranking.parquet", initial, E)  # fraction 0.375: C = 6 = the prefix
     return root
 
 
@@ -210,7 +206,7 @@ def test_run_emulate_writes_table_and_metadata(stage_inputs, model, initial):
     root = stage_inputs
     pol = {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "beta": 0.5, "delay": 1}
     out = run_emulate(
-        root / "model", root / "tokens.parquet", root / "initial_sets.parquet", "quality", pol,
+        root / "model", root / "tokens.parquet", root / "ranking.parquet", "quality", pol,
         0.375, root / "out" / "quality.parquet", {"progress": False},
     )  # fmt: skip
     df = pl.read_parquet(out)
@@ -226,7 +222,7 @@ def test_run_emulate_writes_table_and_metadata(stage_inputs, model, initial):
     assert df.equals(ref)
 
     base = run_emulate(
-        root / "model", root / "tokens.parquet", root / "initial_sets.parquet",
+        root / "model", root / "tokens.parquet", root / "ranking.parquet",
         "fetch_every_miss", {"rule": "fetch_all"}, 0.375, root / "out" / "fem.parquet",
         {"progress": False},
     )  # fmt: skip
@@ -254,6 +250,53 @@ def test_fetch_every_miss_reproduces_run_capture_nll(stage_inputs):
 @pytest.mark.parametrize(
     "policy",
     [
+        {"rule": "fetch_all", "eviction": "lru"},
+        {"rule": "fetch_all", "eviction": "lru", "pin": "25%"},  # pins 1, 2, 1, 1
+        {"rule": "host_compute", "eviction": "lru", "host_admit": 2, "pin": 1},
+    ],
+)
+def test_per_layer_capacities_reproduce_the_capture(stage_inputs, tmp_path, policy):
+    """A planned layout (per-layer capacities 5, 8, 5, 6; sum L x C = 24) under a lossless
+    policy, with pins and host uploads, still computes the captured model bit for bit, and each
+    layer's cache holds its own capacity, ranking prefix and pins: the per-token counts are
+    those of one scan per layer at C_l over the captured router logits."""
+    root = stage_inputs
+    caps = [5, 8, 5, 6]
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": caps}))
+    planned = {**policy, "allocation": "planned"}
+    out = _run(
+        root, policy=planned, out_path=tmp_path / "planned.parquet",
+        allocation_path=tmp_path / "alloc.json",
+    )  # fmt: skip
+    got = pl.read_parquet(out)
+    captured = pl.read_parquet(root / "tokens.parquet")
+    a, b = (df["nll"].fill_null(np.nan).to_numpy() for df in (got, captured))
+    assert np.array_equal(a, b, equal_nan=True)
+    layout = read_metadata(out)["layout"]
+    pins = [pin_count(policy.get("pin", 0), c, K) for c in caps]
+    assert layout["capacities"] == caps and layout["pins"] == pins
+    trace = load_trace(root / "router.parquet")
+    ranking = read_expert_ranking(root / "ranking.parquet", L, E)
+    fields = {k: v for k, v in policy.items() if k != "pin"}
+    hits = []
+    for z in trace.logits:  # streams in id order, as the token table
+        per_layer = [
+            scan(
+                z[:, [layer]], K, c, Policy(**fields, pin=pin), initial=ranking[None, layer, :c]
+            ).status
+            for layer, (c, pin) in enumerate(zip(caps, pins, strict=True))
+        ]
+        hits.append((np.concatenate(per_layer, axis=1) == 0).sum(axis=(1, 2)))
+    np.testing.assert_array_equal(got["hit"].to_numpy(), np.concatenate(hits))
+    uniform = pl.read_parquet(_run(root, policy=policy, out_path=tmp_path / "uniform.parquet"))
+    assert not got["hit"].equals(uniform["hit"])  # the capacities differ from uniform C = 6
+    with pytest.raises(ValueError, match="planned per-layer capacities"):
+        _run(root, policy=planned, out_path=tmp_path / "x.parquet")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
         {"rule": "fetch_all", "prefetch": 2},
         {"rule": "threshold", "tau": 0.3, "eviction": "lfu", "light_miss": "host", "prefetch": 3},
     ],
@@ -266,7 +309,7 @@ def test_emulate_counts_prefetches_as_the_simulator(stage_inputs, tmp_path, poli
     root = stage_inputs
     emu = pl.read_parquet(_run(root, policy=policy, out_path=tmp_path / "emu.parquet"))
     run_simulate(
-        str(root / "router.parquet"), str(root / "initial_sets.parquet"), "p", policy, 0.375,
+        str(root / "router.parquet"), str(root / "ranking.parquet"), "p", policy, 0.375,
         None, str(tmp_path / "sim.parquet"),
     )  # fmt: skip
     total = (
@@ -282,8 +325,8 @@ def test_emulate_counts_prefetches_as_the_simulator(stage_inputs, tmp_path, poli
 def _run(root, **over):
     args = dict(
         model_dir=root / "model", tokens_path=root / "tokens.parquet",
-        initial_sets_path=root / "initial_sets.parquet", name="p",
-        policy={"rule": "fetch_all"}, fraction=0.375, out_path=root / "bad" / "x.parquet",
+        ranking_path=root / "ranking.parquet", name="p",
+        policy={"rule": "fetch_all"}, size=0.375, out_path=root / "bad" / "x.parquet",
         params={"progress": False},
     )  # fmt: skip
     args.update(over)
@@ -297,11 +340,11 @@ def test_run_emulate_rejects_bad_input(stage_inputs):
     with pytest.raises(ValueError, match="policy"):
         _run(root, policy={"rule": "threshold", "tua": 0.1})
     with pytest.raises(ValueError, match="fraction"):
-        _run(root, fraction=1.5)
+        _run(root, size=1.5)
     with pytest.raises(FileNotFoundError, match="tokens_path"):
         _run(root, tokens_path=root / "nope.parquet")
-    with pytest.raises(FileNotFoundError, match="initial_sets_path"):
-        _run(root, initial_sets_path=root / "nope.parquet")
+    with pytest.raises(FileNotFoundError, match="ranking_path"):
+        _run(root, ranking_path=root / "nope.parquet")
     with pytest.raises(ValueError, match="params"):
         _run(root, params={"batch": 3})
 
@@ -312,14 +355,10 @@ def test_run_emulate_rejects_bad_input(stage_inputs):
     with pytest.raises(ValueError, match="vocabulary"):
         _run(root, tokens_path=root / "big.parquet")
 
-    # an initial-set file written for another model (5 layers, E=32)
-    rows = [(0.375, C, layer, r, r + 20) for layer in range(5) for r in range(C)]
-    other = pl.DataFrame(
-        rows, schema=["fraction", "capacity", "layer", "rank", "expert"], orient="row"
-    ).cast({"capacity": pl.Int32, "layer": pl.Int16, "rank": pl.Int32, "expert": pl.Int32})
-    write_parquet(other, root / "other_sets.parquet")
-    with pytest.raises(ValueError, match="initial"):
-        _run(root, initial_sets_path=root / "other_sets.parquet")
+    # a ranking written for another model (5 layers, E=32)
+    write_ranking(root / "other_ranking.parquet", np.tile(np.arange(C) + 20, (5, 1)), 32)
+    with pytest.raises(ValueError, match="expert ranking"):
+        _run(root, ranking_path=root / "other_ranking.parquet")
 
     # a capture of another model (the token table records E/k/L of the model that made it)
     tokens = pl.read_parquet(root / "tokens.parquet")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
-from moesub.capture import run_capture, write_initial_sets
+from moesub.capture import run_capture, run_expert_ranking
 from moesub.cost import CostModel
 from moesub.engine import (
     BenchParams,
@@ -27,6 +27,7 @@ from moesub.engine import (
     summarize_engine,
     write_store,
 )
+from moesub.engine.bench_runs import read_bench_counts
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -36,7 +37,17 @@ from moesub.engine.stage import ROW_COLUMNS
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import read_metadata, write_parquet
-from moesub.policy import ALL_RESIDENT, FETCH, HOST, SUB, Policy, scan
+from moesub.policy import (
+    ALL_RESIDENT,
+    FETCH,
+    HOST,
+    STUDY_POLICIES,
+    SUB,
+    TOKEN_LAYER_FIELDS,
+    Policy,
+    capacity_for,
+    scan,
+)
 from moesub.synthetic import synthetic_logits
 
 ACT = torch.nn.functional.silu
@@ -224,7 +235,7 @@ def stage(tmp_path_factory):
     run_capture(
         root / "model", root / "streams.parquet", root / "tokens.parquet", root / "router.parquet"
     )
-    write_initial_sets(root / "router.parquet", [FRACTION], root / "initial.parquet")
+    run_expert_ranking(root / "router.parquet", root / "initial.parquet")
     return root
 
 
@@ -308,7 +319,7 @@ def test_substituting_policy_changes_nll(stage, tmp_path):
 
 def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     fem = {"rule": "fetch_all"}
-    with pytest.raises(ValueError, match=r"capacity C=\d+, outside \[k="):
+    with pytest.raises(ValueError, match=r"C_l=\d+, outside \[k="):
         run_engine(
             stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x", fem, 0.1,
             "cpu", tmp_path / "o.parquet",
@@ -316,6 +327,15 @@ def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="tokens_path"):
         run_engine(stage / "model", tmp_path / "no.parquet", stage / "initial.parquet", "x", fem,
                    FRACTION, "cpu", tmp_path / "o.parquet")  # fmt: skip
+    # per-layer slot counts are not in the engine yet: a planned layout says so before any work
+    C = capacity_for(FRACTION, E_M)
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": [C - 1, C + 1]}))
+    with pytest.raises(NotImplementedError, match="per-layer slot counts .* not run planned"):
+        run_engine(
+            stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x",
+            {**fem, "allocation": "planned"}, FRACTION, "cpu", tmp_path / "o.parquet",
+            allocation_path=tmp_path / "alloc.json",
+        )  # fmt: skip
     if not HAS_CUDA:
         with pytest.raises(ValueError, match="CUDA was requested"):
             engine_run(stage, "x", fem, tmp_path, device="cuda")
@@ -403,10 +423,40 @@ def test_benchmark_table(tmp_path, monkeypatch):
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
     CostModel(**meta["cost_model"])
+    # every run's per-token-layer counts beside the table: the validation runs' sum to their
+    # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)
+    counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
+    cmeta = read_metadata(tmp_path / "bench_token_layers.parquet")
+    assert cmeta["fields"] == list(TOKEN_LAYER_FIELDS) and cmeta["capacity"] == 8
+    assert cmeta["policies"]["speed"] == Policy(**STUDY_POLICIES["speed"]).to_dict()
+    assert set(counts) == set(by) | {"cal_hits", "cal_fetch", "cal_host", "cal_admit",
+                                     "cal_hits_1layer"}  # fmt: skip
+    for name, runs in counts.items():
+        (wall, c), L = runs[0], 1 if name == "cal_hits_1layer" else 2
+        assert len(runs) == 1 and wall.shape == (30 if name in by else 64,) and (wall > 0).all()
+        assert c.shape == (len(wall), L, len(TOKEN_LAYER_FIELDS)) and c.dtype == np.int16
+        assert (c[..., :5].sum(-1) == 4).all()  # k experts per token-layer
+        if name in by:
+            per_status = c[..., :5].sum((0, 1))
+            assert per_status[0] / per_status.sum() == pytest.approx(by[name]["hit_rate"])
+    speed = counts["speed"][0][1]
+    assert speed[..., TOKEN_LAYER_FIELDS.index("admission_requests")].sum() > 0
     with pytest.raises(ValueError, match=r"params\.fraction: .*C=5, outside \[k=10"):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
         BenchParams.from_dict({"layer": 2})
+    # the config's pin specs resolve at the benchmark's C = 128 (k = 10): "C-k" leaves k slots,
+    # "C-5" too few; a planned allocation has no artefact here
+    pinned = {"rule": "first_choice", "eviction": "lru", "pin": "C-k"}
+    synthetic = {"routing": "synthetic"}
+    assert BenchParams.from_dict({**synthetic, "policies": {"keep": pinned}}).policies == {
+        "keep": pinned
+    }
+    with pytest.raises(ValueError, match=r"params.policies.keep: pin 'C-5' pins 123 of C_l=128"):
+        BenchParams.from_dict({**synthetic, "policies": {"keep": {**pinned, "pin": "C-5"}}})
+    with pytest.raises(ValueError, match="params.policies.p: a planned allocation"):
+        planned = {"p": {"rule": "fetch_all", "allocation": "planned"}}
+        BenchParams.from_dict({**synthetic, "policies": planned})
 
 
 # ----------------------------------------------------------------------------------- CUDA

@@ -31,14 +31,19 @@ ACT = torch.nn.functional.silu
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def stage(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_generate")
+def make_stage(root):
+    """The tiny model saved under `root` and a random (L, C) initial set: (root, model, initial,
+    the generator that drew the set, for more draws)."""
     model = tiny_model()
     model.save_pretrained(root / "model")
     rng = np.random.default_rng(1)
     initial = np.stack([rng.permutation(E)[:C] for _ in range(L)]).astype(np.int32)
-    return root, model, initial
+    return root, model, initial, rng
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    return make_stage(tmp_path_factory.mktemp("engine_generate"))[:3]
 
 
 def params(root, **kw):
@@ -309,8 +314,17 @@ def test_route_bias_on_the_engine_equals_the_emulator(stage, name, policy):
     with open_engine(
         root / "model", name, policy, FRACTION, "cpu", initial, params(root, admission="delay")
     ) as eng:  # fmt: skip
-        r = eng.decode(seq)
-        res = eng.generate(PROMPTS, NEW)
+        _r, res = engine_equals_emulator(eng, model, seq, trace, pol, initial)
+    exact = greedy_decode(model, PROMPTS, None, C, None, NEW)
+    assert any(g.tokens != x.tokens for g, x in zip(res, exact, strict=True))  # it mattered
+
+
+def engine_equals_emulator(eng, model, seq, trace, pol, initial):
+    """admission="delay": teacher forcing `seq` on the engine gives the emulator's `trace`
+    (per-token status counts exactly, mass and NLL), greedy generation of PROMPTS its tokens and
+    mass. Returns the engine's (decode result, generation results)."""
+    r = eng.decode(seq)
+    res = eng.generate(PROMPTS, NEW)
     assert np.array_equal(r["counts"], trace.counts)
     np.testing.assert_allclose(r["mass"], trace.mass.sum(axis=1), rtol=0, atol=1e-5)
     np.testing.assert_allclose(r["nll"][1:], trace.nll[1:], rtol=0, atol=1e-4)
@@ -318,8 +332,7 @@ def test_route_bias_on_the_engine_equals_the_emulator(stage, name, policy):
     for g, x in zip(res, emu, strict=True):
         assert g.tokens == x.tokens
         np.testing.assert_allclose(g.mass, x.mass, rtol=0, atol=1e-5)
-    exact = greedy_decode(model, PROMPTS, None, C, None, NEW)
-    assert any(g.tokens != x.tokens for g, x in zip(res, exact, strict=True))  # it mattered
+    return r, res
 
 
 @pytest.mark.parametrize("admission", ["delay", "completion"])
@@ -357,7 +370,7 @@ def test_generate_stage_on_the_engine_and_the_emulator(tmp_path):
     tables = {}
     for backend in ("engine", "emulator"):
         out = run_generate(
-            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "ranking.parquet",
             "speed", SPEED, 0.375, tmp_path / f"{backend}.parquet",
             {"n": 3, "max_new_tokens": 8, "progress": False, "backend": backend},
             {"store_path": str(tmp_path / "experts.bin")},
@@ -373,6 +386,6 @@ def test_generate_stage_on_the_engine_and_the_emulator(tmp_path):
     assert meta["time_per_token_median_s"] > 0 and emeta["time_per_token_median_s"] is None
     with pytest.raises(ValueError, match="backend"):
         run_generate(
-            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "initial_sets.parquet",
+            root / "model", "gsm8k", root / "gsm8k.jsonl", root / "ranking.parquet",
             "speed", SPEED, 0.375, tmp_path / "x.parquet", {"backend": "gpu"},
         )  # fmt: skip

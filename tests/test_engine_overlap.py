@@ -35,8 +35,8 @@ def lookahead_of(trace: np.ndarray, seed: int = 1, noise: float = 0.7) -> np.nda
 def drive_overlap(engine, trace, lookahead, experts, hidden_dim, early=True, seed=0):
     """The model's order of calls: layer l+1's prefetch is issued before layer l's step (the
     tap on layer l's pre-MoE norm), layer 0's at the start of the token; `early=False` hands
-    the lookahead to `route` instead. Outputs checked against the full weights; returns the
-    statuses, computed ids (T, L, k) and the per-token stats."""
+    the lookahead to `route` instead. Outputs (on the tier's device) checked against the full
+    weights; returns the statuses, computed ids (T, L, k) and the per-token stats."""
     g = torch.Generator().manual_seed(seed)
     T, L, _ = trace.shape
     status, ids, stats = np.zeros((T, L, K), np.int8), np.zeros((T, L, K), np.int32), []
@@ -53,9 +53,10 @@ def drive_overlap(engine, trace, lookahead, experts, hidden_dim, early=True, see
             slot, host_ids = engine.step_ids(s)
             w = torch.from_numpy(s.weights).float()
             host = None if host_ids is None else HostInputs(host_ids, x, w)
-            out = engine.compute(layer, x, slot, w, host)
+            dev = engine.tier.slots[layer].gate_up.device  # the host's inputs stay on the host
+            out = engine.compute(layer, x.to(dev), slot, w.to(dev), host)
             ref = reference(x, s.ids, s.weights, experts, layer, E)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
             status[t, layer], ids[t, layer] = s.status[0], s.ids[0]
         stats.append(engine.end_token())
     return status, ids, stats
@@ -67,6 +68,18 @@ def disk_engine(tmp_path, policy, admission, staging=None):
     store = ExpertStore(tmp_path / "x.bin", expected=lay)
     tier = DiskTier(store, C, K, ACT, staging_buffers=staging)
     return OffloadEngine(tier, E, K, C, policy, None, ACT, admission=admission), experts, lay
+
+
+def fake_cuda_tier(tmp_path, capacity, pinned_layers: int | None):
+    """The CUDA tier on the CPU stand-in (8 staging buffers) over a random store of E experts:
+    `pinned_layers` layers in (counted) pinned memory, the others on disk (None: all pinned).
+    Returns (tier, experts, layout)."""
+    lay = small_layout(E=E)
+    experts = write_random(tmp_path / "x.bin", lay)
+    budget = None if pinned_layers is None else pinned_layers * E * lay.expert_bytes
+    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), budget, CountingAllocator())
+    cuda = FakeCuda()
+    return CudaTier(host, capacity, "cpu", ACT, 8, alloc=host.alloc, cuda=cuda), experts, lay
 
 
 POLICIES = {
@@ -137,12 +150,8 @@ def test_cuda_prefetch_on_a_fake_device(tmp_path, monkeypatch, name, admission, 
     decisions are the core's, the outputs the reference's."""
     monkeypatch.setattr(FakeEvent, "lag", lag)
     pol = POLICIES[name]
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    store = ExpertStore(tmp_path / "x.bin", expected=lay)
-    host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
-    cuda = FakeCuda()
-    tier = CudaTier(host, C, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=cuda)
+    tier, experts, lay = fake_cuda_tier(tmp_path, C, pinned_layers)
+    cuda = tier.cuda
     engine = OffloadEngine(tier, E, K, C, pol, None, ACT, admission=admission)
     trace = synthetic_logits(40, lay.num_layers, E, seed=6)
     y = lookahead_of(trace, seed=2)
@@ -170,10 +179,7 @@ def test_late_prefetch_is_waited_for_only_when_computed(tmp_path, monkeypatch):
     reference) and is filled once the copy lands (the next token, or when computed)."""
     monkeypatch.setattr(FakeEvent, "lag", 50)  # far later than the step
     pol = Policy(rule="fetch_all", prefetch=3)
-    lay = small_layout(E=E)
-    experts = write_random(tmp_path / "x.bin", lay)
-    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), None, CountingAllocator())
-    tier = CudaTier(host, C, "cpu", ACT, staging_buffers=8, alloc=host.alloc, cuda=FakeCuda())
+    tier, experts, lay = fake_cuda_tier(tmp_path, C, None)
     engine = OffloadEngine(tier, E, K, C, pol, None, ACT, admission="completion")
     trace = synthetic_logits(20, lay.num_layers, E, seed=7)
     try:

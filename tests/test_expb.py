@@ -7,6 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from fixtures_artefacts import write_ranking
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import random_streams, tiny_qwen3_next
@@ -192,17 +193,13 @@ def stage(tmp_path_factory, model, resident):
     root = tmp_path_factory.mktemp("expb")
     model.save_pretrained(root / "model")
     write_parquet(tokens([30, 20], seed=5), root / "tokens.parquet")
-    rows = [(0.5, C, layer, r, int(e)) for layer in range(L) for r, e in enumerate(resident[layer])]
-    sets = pl.DataFrame(
-        rows, schema=["fraction", "capacity", "layer", "rank", "expert"], orient="row"
-    ).cast({"capacity": pl.Int32, "layer": pl.Int16, "rank": pl.Int32, "expert": pl.Int32})
-    write_parquet(sets, root / "initial_sets.parquet")
+    write_ranking(root / "ranking.parquet", resident, E)  # fraction 0.5: the prefix C
     return root
 
 
 def test_run_expb(stage, model, resident):
     out = run_expb(
-        stage / "model", stage / "tokens.parquet", stage / "initial_sets.parquet", "study",
+        stage / "model", stage / "tokens.parquet", stage / "ranking.parquet", "study",
         "heavy", 0.1, stage / "out" / "heavy.parquet", {"fraction": 0.5, "progress": False},
     )  # fmt: skip
     df = pl.read_parquet(out)
@@ -220,7 +217,7 @@ def test_run_expb(stage, model, resident):
 
 
 def test_run_expb_rejects_bad_input(stage):
-    args = (stage / "model", stage / "tokens.parquet", stage / "initial_sets.parquet")
+    args = (stage / "model", stage / "tokens.parquet", stage / "ranking.parquet")
     out = stage / "bad.parquet"
     with pytest.raises(ValueError, match="condition"):
         run_expb(*args, "study", "medium", 0.1, out, {"fraction": 0.5})
@@ -230,8 +227,8 @@ def test_run_expb_rejects_bad_input(stage):
         run_expb(*args, "matched", "heavy", 0.1, out, {"fraction": 0.5})
     with pytest.raises(ValueError, match="target_mass"):
         run_expb(*args, "study", "heavy", 1.5, out, {"fraction": 0.5})
-    with pytest.raises(ValueError, match="fraction"):
-        run_expb(*args, "study", "heavy", 0.1, out, {"fraction": 0.25})  # no such set in the file
+    with pytest.raises(ValueError, match=r"C_l=2, outside \[k="):
+        run_expb(*args, "study", "heavy", 0.1, out, {"fraction": 0.1})  # fewer slots than k
     with pytest.raises(ValueError, match="resident"):
         run_expb(*args, "study", "heavy", 0.1, out, {"resident": "some"})
     with pytest.raises(FileNotFoundError, match="tokens_path"):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.artefacts import Trace, load_trace
-from moesub.capture import run_capture, write_initial_sets
+from moesub.capture import run_capture, run_expert_ranking
 from moesub.expb import (
     ForcedRouter,
     PlannedIds,
@@ -232,7 +232,7 @@ def stage(tmp_path_factory):
             root / "model", root / f"{split}_streams.parquet", root / f"{split}_tokens.parquet",
             root / f"{split}_router.parquet", {"batch_tokens": 128},
         )  # fmt: skip
-    write_initial_sets(root / "calib_router.parquet", [0.75], root / "initial_sets.parquet")
+    run_expert_ranking(root / "calib_router.parquet", root / "ranking.parquet")
     return root
 
 
@@ -253,7 +253,7 @@ def test_run_expb_matched(stage):
     top = pl.read_parquet(feas).filter(pl.col("configured"))["max_target"][0]
     target = round(0.5 * top, 4)
     params = {"fraction": 0.75, "progress": False, "heavy_mass": 0.1}
-    args = (stage / "model", stage / "eval_tokens.parquet", stage / "initial_sets.parquet")
+    args = (stage / "model", stage / "eval_tokens.parquet", stage / "ranking.parquet")
     kw = {"router_path": stage / "eval_router.parquet", "feasibility_path": feas}
     out = {
         c: pl.read_parquet(

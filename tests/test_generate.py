@@ -18,9 +18,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fixtures_artefacts import write_ranking
 from tiny_models import tiny_qwen3_next
 
-from moesub.artefacts import initial_set_for
+from moesub.artefacts import read_expert_ranking
 from moesub.config import schema_section
 from moesub.corpus import read_document
 from moesub.documents import load_documents
@@ -340,15 +341,7 @@ def tiny_checkpoint(root: Path) -> Path:
     }
     write_parquet(corpus, root / "model" / "corpus_files.parquet")
     rng = np.random.default_rng(0)
-    rows = [
-        (0.375, C, layer, rank, int(e))
-        for layer in range(L)
-        for rank, e in enumerate(rng.permutation(E)[:C])
-    ]
-    sets = pl.DataFrame(
-        rows, schema=["fraction", "capacity", "layer", "rank", "expert"], orient="row"
-    ).cast({"capacity": pl.Int32, "layer": pl.Int16, "rank": pl.Int32, "expert": pl.Int32})
-    write_parquet(sets, root / "initial_sets.parquet")
+    write_ranking(root / "ranking.parquet", np.stack([rng.permutation(E) for _ in range(L)]), E)
     return root
 
 
@@ -368,7 +361,7 @@ def generate(root: Path, task: str, name: str, policy: dict, out: str, **params)
         params.setdefault("shots", 1)
     data = root / "gsm8k.jsonl" if task == "gsm8k" else None
     return run_generate(
-        root / "model", task, data, root / "initial_sets.parquet", name, policy, 0.375,
+        root / "model", task, data, root / "ranking.parquet", name, policy, 0.375,
         root / "out" / out, params,
     )  # fmt: skip
 
@@ -562,7 +555,7 @@ def test_run_generate_humaneval(stage):
 def test_run_generate_missing_data_is_reported(stage, caplog):
     missing = stage / "no" / "gsm8k.jsonl"
     path = run_generate(
-        stage / "model", "gsm8k", missing, stage / "initial_sets.parquet", "fem", EXACT, 0.375,
+        stage / "model", "gsm8k", missing, stage / "ranking.parquet", "fem", EXACT, 0.375,
         stage / "out" / "missing.parquet", {"n": 2},
     )  # fmt: skip
     assert pq.read_table(path).num_rows == 0
@@ -571,7 +564,7 @@ def test_run_generate_missing_data_is_reported(stage, caplog):
     assert str(missing) in message and "fetch_gsm8k" in message
     assert str(missing) in caplog.text
     path = run_generate(
-        stage / "model", "code_completion", stage / "no.parquet", stage / "initial_sets.parquet",
+        stage / "model", "code_completion", stage / "no.parquet", stage / "ranking.parquet",
         "fem", EXACT, 0.375, stage / "out" / "missing_cc.parquet", {"n": 2},
     )  # fmt: skip
     assert "code_completion.path" in read_metadata(path)["missing_data"]
@@ -580,17 +573,18 @@ def test_run_generate_missing_data_is_reported(stage, caplog):
 def test_run_generate_rejects_bad_input(stage):
     good = dict(
         model_dir=stage / "model", task="gsm8k", data_path=stage / "gsm8k.jsonl",
-        initial_sets_path=stage / "initial_sets.parquet", name="p", policy=EXACT,
-        fraction=0.375, out_path=stage / "bad" / "x.parquet", params={"n": 1},
+        ranking_path=stage / "ranking.parquet", name="p", policy=EXACT,
+        size=0.375, out_path=stage / "bad" / "x.parquet", params={"n": 1},
     )  # fmt: skip
     cases = [
         ({"task": "mmlu"}, ValueError, "task"),
         ({"model_dir": stage / "nope"}, FileNotFoundError, "model_dir"),
-        ({"initial_sets_path": stage / "nope"}, FileNotFoundError, "initial_sets_path"),
+        ({"ranking_path": stage / "nope"}, FileNotFoundError, "ranking_path"),
         ({"name": ""}, ValueError, "name"),
         ({"policy": {"rule": "magic"}}, ValueError, "policy"),
-        ({"fraction": 1.5}, ValueError, "fraction"),
-        ({"fraction": 0.5}, ValueError, "fraction 0.5"),  # no initial set for it
+        ({"size": 1.5}, ValueError, "fraction"),
+        ({"size": 0.01}, ValueError, r"C_l=0, outside \[k="),  # fewer slots than k
+        ({"policy": {**EXACT, "pin": "C-1"}}, ValueError, "pin"),  # leaves k - 1 free slots
         ({"params": {"n": 0}}, ValueError, "params.n"),
         ({"params": {"bogus": 1}}, ValueError, "bogus"),
         ({"params": {"max_line_tokens": 0}}, ValueError, "max_line_tokens"),
@@ -624,7 +618,7 @@ def test_batched_decoding_is_each_prompt_alone(stage):
     decoding each prompt alone (`greedy_decode`), for the exact model and two substituting
     policies, in one batch and in batches of 2 (the last one short)."""
     model, _ = load_model(stage / "model")
-    initial = initial_set_for(stage / "initial_sets.parquet", 0.375, L, E, C)
+    initial = read_expert_ranking(stage / "ranking.parquet", L, E)[:, :C]
     prompts = np.random.default_rng(0).integers(3, 300, (5, 12)).tolist()
     for policy in (None, HARSH, LFU_ADMIT):
         alone = greedy_decode(model, prompts, policy, C, initial, 10)
@@ -723,7 +717,7 @@ def test_run_generate_continuation(stage):
                                      "cont_sub2.parquet", **CONT))  # fmt: skip
     assert again.equals(harsh)
     missing = run_generate(
-        stage / "model", "continuation", stage / "no.txt", stage / "initial_sets.parquet", "fem",
+        stage / "model", "continuation", stage / "no.txt", stage / "ranking.parquet", "fem",
         EXACT, 0.375, stage / "out" / "missing_cont.parquet", CONT,
     )  # fmt: skip
     assert "no.txt" in read_metadata(missing)["missing_data"]

@@ -10,8 +10,8 @@ import torch
 from test_embedded import TINY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moesub.artefacts import load_trace, read_initial_set
-from moesub.capture import run_capture, write_initial_sets
+from moesub.artefacts import load_trace, read_expert_ranking
+from moesub.capture import run_capture, run_expert_ranking
 from moesub.embedded import build_model
 from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
@@ -81,11 +81,11 @@ def test_reload_with_auto_classes_and_capture_matches_plain_forward(captured):
                 np.testing.assert_array_equal(trace.logits[i][:, layer], got)
 
 
-def test_initial_sets_and_simulation_on_the_captured_trace(captured):
+def test_expert_ranking_and_simulation_on_the_captured_trace(captured):
     root, _ = captured
-    write_initial_sets(root / "calib_router.parquet", [0.25], root / "initial.parquet")
-    init = read_initial_set(root / "initial.parquet", 0.25)
-    assert init.shape == (2, capacity_for(0.25, 64))
+    run_expert_ranking(root / "calib_router.parquet", root / "ranking.parquet")
+    init = read_expert_ranking(root / "ranking.parquet", 2, 64)[:, : capacity_for(0.25, 64)]
+    assert init.shape == (2, 16)
     trace = load_trace(root / "eval_router.parquet")
     df = simulate(trace.logits, 4, [GridPoint("fem", Policy(), 16, init)])
     total = df.filter(df["layer"] == -1).row(0, named=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from moesub.artefacts import (
@@ -16,7 +17,7 @@ from moesub.artefacts import (
     router_writer,
     selection_counts,
 )
-from moesub.capture import write_initial_sets
+from moesub.capture import run_expert_ranking
 from moesub.plan import (
     build_plan,
     model_identity,
@@ -35,7 +36,7 @@ RULE_015 = {"rule": "threshold", "tau": 0.15, "eviction": "lru"}
 
 @pytest.fixture()
 def model(tmp_path):
-    """A checkpoint's config.json, a calibration capture and its initial sets."""
+    """A checkpoint's config.json, a calibration capture and its expert ranking."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(
@@ -46,9 +47,9 @@ def model(tmp_path):
             "layer_indices": [1, 2, 3], "norm_topk_prob": True}  # fmt: skip
     with router_writer(router, E, meta, lookahead=False) as w:
         w.write_table(router_rows(0, synthetic_logits(200, L, E, seed=3)))
-    sets = tmp_path / "initial_sets.parquet"
-    write_initial_sets(router, [0.25], sets)
-    return {"dir": model_dir, "router": router, "sets": sets}
+    ranking = tmp_path / "expert_ranking.parquet"
+    run_expert_ranking(router, ranking)
+    return {"dir": model_dir, "router": router, "ranking": ranking}
 
 
 def choice(policy: str, **figures) -> dict:
@@ -76,7 +77,7 @@ def test_plan_round_trip_from_the_pipeline_artefacts(tmp_path, model):
     rec = recommendation(tmp_path, within=choice("rule_015"))
     out = tmp_path / "plan" / "this_machine" / "f0.25.json"
     plan = run_plan(rec, "tiny", "this_machine", SIZE, model["dir"], str(model["router"]),
-                    model["sets"], out)  # fmt: skip
+                    model["ranking"], out)  # fmt: skip
     assert read_plan(out) == plan
     assert plan.policy_name == "rule_015" and plan.choice == "within_budget"
     assert plan.policy == RULE_015 and plan.hardware == "this_machine"
@@ -96,10 +97,10 @@ def test_plan_round_trip_from_the_pipeline_artefacts(tmp_path, model):
 
 def test_pins_read_back_by_moesub_and_written_as_fitz_tec_writes_them(tmp_path, model):
     identity = model_identity("tiny", model["dir"], str(model["router"]))
-    initial = [list(range(i, i + C)) for i in range(L)]
+    ranking = np.stack([np.roll(np.arange(E), -i) for i in range(L)])  # layer i: i, i + 1, ...
     c = choice("pinned", slots_per_layer=[C] * L, pins_per_layer=[2, 0, 3])
-    plan = build_plan({"rankings": [_ranking(c)]}, "this_machine", SIZE, identity, initial,
-                      [2, 0, 3], "f0.25.json")  # fmt: skip
+    plan = build_plan({"rankings": [_ranking(c)]}, "this_machine", SIZE, identity, ranking,
+                      "f0.25.json")  # fmt: skip
     out = tmp_path / "f0.25.json"
     write_plan(plan, out)
     assert read_plan(out) == plan
@@ -125,23 +126,25 @@ def _ranking(within, lossless=None) -> dict:
 
 def test_plan_takes_the_simulator_ranking_else_the_lossless_choice(tmp_path, model):
     identity = model_identity("tiny", model["dir"], str(model["router"]))
-    initial = [list(range(C))] * L
+    ranking = np.tile(np.arange(E), (L, 1))
     lossless = choice("fetch_every_miss", fields={"rule": "fetch_all"}, lossless=True)
     plan = build_plan({"rankings": [_ranking(None, lossless)]}, "this_machine", SIZE, identity,
-                      initial, [0] * L, "f0.25.json")  # fmt: skip
+                      ranking, "f0.25.json")  # fmt: skip
     assert (plan.choice, plan.policy_name, plan.policy) == (
         "lossless", "fetch_every_miss", {"rule": "fetch_all"},
     )  # fmt: skip
     with pytest.raises(ValueError, match="no policy to run .* none is within"):
-        build_plan({"rankings": [_ranking(None)]}, "this_machine", SIZE, identity, initial,
-                   [0] * L, "f0.25.json")  # fmt: skip
+        build_plan({"rankings": [_ranking(None)]}, "this_machine", SIZE, identity, ranking,
+                   "f0.25.json")  # fmt: skip
     with pytest.raises(ValueError, match="no simulator ranking for hardware 'rtx'"):
-        build_plan({"rankings": [_ranking(lossless)]}, "rtx", SIZE, identity, initial,
-                   [0] * L, "f0.25.json")  # fmt: skip
-    with pytest.raises(ValueError, match=r"slots \[8, 8, 8\], the recommendation \[9, 9, 9\]"):
-        c = choice("p", slots_per_layer=[9] * L)
-        build_plan({"rankings": [_ranking(c)]}, "this_machine", SIZE, identity, initial,
-                   [0] * L, "f0.25.json")  # fmt: skip
+        build_plan({"rankings": [_ranking(lossless)]}, "rtx", SIZE, identity, ranking,
+                   "f0.25.json")  # fmt: skip
+    # a planned layout: each layer starts with its own C_l hottest experts
+    c = choice("p", slots_per_layer=[9, 8, 7], pins_per_layer=[1, 0, 0])
+    plan = build_plan({"rankings": [_ranking(c)]}, "this_machine", SIZE, identity, ranking,
+                      "f0.25.json")  # fmt: skip
+    assert [lp.initial for lp in plan.layers] == [tuple(range(n)) for n in (9, 8, 7)]
+    assert [lp.pinned for lp in plan.layers] == [(0,), (), ()]
 
 
 @pytest.mark.parametrize(
@@ -161,7 +164,7 @@ def test_read_plan_names_what_is_wrong(tmp_path, model, edit, message):
     rec = recommendation(tmp_path, within=choice("rule_015"))
     out = tmp_path / "f0.25.json"
     run_plan(rec, "tiny", "this_machine", SIZE, model["dir"], str(model["router"]),
-             model["sets"], out)  # fmt: skip
+             model["ranking"], out)  # fmt: skip
     doc = json.loads(out.read_text())
     bad = copy.deepcopy(doc)
     edit(bad)

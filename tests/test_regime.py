@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from moesub.capture import write_initial_sets
+from moesub.capture import run_expert_ranking
 from moesub.regime import (
     REFERENCES,
     effective_experts,
@@ -171,7 +171,7 @@ def test_from_files_round_trip(tmp_path):
         with router_writer(tmp_path / f"{name}.parquet", E, meta, lookahead=False) as w:
             for s, z in logits.items():
                 w.write_table(router_rows(s, z))
-    write_initial_sets(tmp_path / "calib.parquet", [0.25], tmp_path / "init.parquet")
+    run_expert_ranking(tmp_path / "calib.parquet", tmp_path / "init.parquet")
     run_regime(
         str(tmp_path / "eval.parquet"),
         str(tmp_path / "init.parquet"),

@@ -117,6 +117,43 @@ def test_report_is_self_contained_and_complete(rendered):
         assert path in html
 
 
+def test_factorial_section(rendered):
+    html = unescape(Path(rendered["html"]).read_text())
+    section = html[html.index('<h3 id="expb-factorial">') : html.index('id="admission-section"')]
+    lines = re.findall(r"<li>(.*?)</li>", section, re.S)
+    assert lines[0].startswith("tiny: feasibility on the calibration capture: token-layers")
+    assert "supporting all four cells 0.00%" in lines[0] and "32 token-layers per cell" in lines[0]
+    # make_study: heavy costs 0.004 * g more at both ranks (g > 0); the rank alternates +-0.0005
+    weight, rank = lines[1], lines[2]
+    assert weight.startswith("tiny: heavy − light at a fixed rank (mean over the rank buckets): +")
+    assert "(95% CI, t over 8 streams) ΔNLL per substituted token-layer, Holm p = " in weight
+    assert re.search(r"Holm p = [0-9.e-]+ \(raw [0-9.e-]+\): supports\.$", weight)
+    assert rank.startswith("tiny: high − low rank at a fixed weight")
+    assert re.search(r"\(raw 1\): no detectable effect \(MDE [0-9.e-]+, a normal-approx", rank)
+    # the headline quotes both, with their adjusted p
+    (head,) = [x for x in headline_items(html) if "Experiment B, factorial design" in x]
+    assert head.startswith("tiny: Experiment B, factorial design: heavy − light at a fixed rank")
+    assert head.count("Holm p = ") == 2 and weight[6:-1] in head and rank[6:-1] in head
+    tests = re.search(r'<table id="expb-factorial">(.*?)</table>', section, re.S).group(1)
+    names = re.findall(r"<td>(expb\.factorial\.\w+) \((pre-registered|exploratory)\)</td>", tests)
+    assert [n for n, _ in names] == [
+        f"expb.factorial.{t}"
+        for t in ("weight", "rank", "weight_at_low", "weight_at_high", "rank_at_light",
+                  "rank_at_heavy")
+    ]  # fmt: skip
+    assert [f for _, f in names] == ["pre-registered"] * 2 + ["exploratory"] * 4
+    assert "p adjusted (pre-registered: Holm; exploratory: BH)" in tests
+    assert tests.count("<td>supports</td>") == 3  # the weight pooled and at each rank
+    # and in the tests section, by family: the pooled pair pre-registered, the rest exploratory
+    pre = re.search(r'<table id="tests-pre-registered">(.*?)</table>', html, re.S).group(1)
+    assert pre.count('data-kind="expb_factorial_main"') == 2
+    explore = re.search(r'<table id="tests-exploratory">(.*?)</table>', html, re.S).group(1)
+    assert explore.count('data-kind="expb_factorial_bucket"') == 4
+    cells = re.search(r'<table id="expb-factorial-cells">(.*?)</table>', section, re.S).group(1)
+    assert "low rank (3), light [0.07, 0.09)" in cells and "high rank (6), heavy" in cells
+    assert "expb_factorial" in embedded_figures(Path(rendered["html"]).read_text())
+
+
 def test_missing_parts_render_with_messages(tmp_path):
     inputs, params = make_study(tmp_path / "r", names=["fetch_every_miss", "rule_015"])
     partial = {"simulate": inputs["simulate"], "capture_tokens": inputs["capture_tokens"]}
@@ -611,9 +648,10 @@ def test_sections_for_designs_admission_generation_regime(two_models):
     assert "completion" in gen and "[23.0, 38.0]" in gen
     assert "a: fetch_every_miss hits 0.86 (a)" in html
     assert '<table id="regime-table">' in html
-    # per_input is missing; so are design_space and degeneration (these outputs have no such
-    # tables: their sections are rendered in tests/test_design_space.py, test_degeneration.py)
-    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 3
+    # per_input is missing; so are design_space, expb_factorial and degeneration (these outputs
+    # have no such tables: their sections are rendered in tests/test_design_space.py, from
+    # make_study and in test_degeneration.py)
+    assert len(re.findall(r"<img ", html)) == len(FIGURES) - 4
 
 
 def test_wide_tables_scroll_inside_the_page(two_models):

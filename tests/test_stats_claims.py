@@ -20,6 +20,7 @@ from moesub.stats.claims import (
     UNDECIDED,
     Part,
     combine,
+    expb_parts,
     verdict_of_figure,
     verdict_of_test,
 )
@@ -62,6 +63,10 @@ def test_direction_words():
     assert direction(0.2, 0.3, 1, 0.05) == NO_EFFECT
     assert direction(0.05, 0.3, 1, 0.05) == NO_EFFECT  # p = alpha does not reject
     assert direction(None, 0.3, 1, 0.05) == NOT_TESTED
+    # a hypothesis of no effect (expected 0): a rejection either way is evidence against it
+    assert direction(0.01, 0.3, 0, 0.05) == AGAINST
+    assert direction(0.01, -0.3, 0, 0.05) == AGAINST
+    assert direction(0.2, 0.3, 0, 0.05) == NO_EFFECT
 
 
 def make_test(kind: str, p: float | None, estimate: float = 1.0, **kw) -> StatTest:
@@ -145,6 +150,48 @@ def test_combine():
     assert combine([n, n]) == NOT_MEASURED and combine([]) == NOT_MEASURED
 
 
+def test_experiment_b_parts_the_factorial_rank_decides_who_judges():
+    """The rule of `expb_parts`: a rank effect at a fixed weight (either sign) hands the claim
+    to the factorial's weight test, the designs quoted beside it; otherwise the designs judge
+    it and the factorial is quoted."""
+
+    def tests(design: str, weight: str, rank: str, rank_estimate: float = 0.002):
+        rows = [
+            row(design, 1.0, 0.5, 1.5, name="matched design, m* 0.004", kind="expb_primary"),
+            row(weight, 0.003, 0.001, 0.005, name="expb.factorial.weight",
+                kind="expb_factorial_main"),
+            row(rank, rank_estimate, -0.004, 0.006, name="expb.factorial.rank",
+                kind="expb_factorial_main"),
+        ]  # fmt: skip
+        return pd.DataFrame(rows).assign(fraction=None)  # Experiment B has no cache fraction
+
+    # no detectable rank effect: the designs judge; the factorial is quoted beside them
+    parts, beside = expb_parts(tests(SUPPORTS, NO_EFFECT, NO_EFFECT), "95% CI")
+    assert [q.verdict for q in parts] == [REPRODUCES]
+    assert parts[0].text.startswith("matched design, m* 0.004: ")
+    assert [b.split(": ")[0] for b in beside] == [
+        "factorial design, the weight at a fixed rank",
+        "factorial design, the rank at a fixed weight",
+    ]
+    # nor does the factorial's weight test overrule them then
+    parts, _ = expb_parts(tests(AGAINST, SUPPORTS, NO_EFFECT), "95% CI")
+    assert [q.verdict for q in parts] == [CONTRADICTS]
+    # the rank matters (either sign): the factorial's weight test is the one part
+    for sign in (1.0, -1.0):
+        parts, beside = expb_parts(tests(SUPPORTS, NO_EFFECT, AGAINST, sign * 0.004), "95% CI")
+        assert [q.verdict for q in parts] == [UNDECIDED]
+        assert parts[0].text.startswith("factorial design, the weight at a fixed rank: ")
+        assert "may be the rank's" in beside[0]
+        assert beside[1].startswith("confounded by the rank: matched design, m* 0.004: ")
+    parts, _ = expb_parts(tests(AGAINST, SUPPORTS, AGAINST), "95% CI")
+    assert combine(parts) == REPRODUCES
+    parts, _ = expb_parts(tests(SUPPORTS, AGAINST, AGAINST), "95% CI")
+    assert combine(parts) == CONTRADICTS
+    # no factorial: the designs alone, nothing beside them
+    only = tests(SUPPORTS, NO_EFFECT, AGAINST).iloc[:1]
+    assert expb_parts(only, "95% CI")[1] == [] and combine(expb_parts(only, "")[0]) == REPRODUCES
+
+
 def test_speedup_text_never_says_faster_below_one():
     assert speedup_text(2.5, "base") == "2.50× faster than base"
     assert speedup_text(0.96, "base") == "1.04× slower than base"
@@ -173,6 +220,25 @@ def test_experiment_b_claim_each_direction(tmp_path, case, verdict):
     assert claims["expb"]["verdict"] == verdict, claims["expb"]
     if case == "no_evidence":
         assert "evidence against the hypothesis" in claims["expb"]["details"]
+    # the fixture's factorial: no rank effect, so the designs judge, the factorial beside them
+    assert claims["expb"]["context"].startswith("factorial design, the weight at a fixed rank: ")
+    assert "factorial design, the rank at a fixed weight: " in claims["expb"]["context"]
+
+
+def test_experiment_b_claim_when_the_factorial_finds_a_rank_effect(tmp_path):
+    """A rank effect at a fixed weight (the fixture's factorial with the high rank costing
+    0.002 more on every stream, give or take): the matched design's "heavy worse" is quoted as
+    confounded, and the factorial's weight test (heavy costs more) reproduces the claim; the
+    designs' "light worse" no longer contradicts it."""
+    names = ["fetch_every_miss", "rule_015"]
+    for case in ("heavy_worse", "no_evidence"):
+        claims = claims_of(tmp_path / case, names=names, expb_case=case, matched_only=True,
+                           factorial_rank=0.002)  # fmt: skip
+        expb = claims["expb"]
+        assert expb["verdict"] == REPRODUCES, expb
+        assert expb["details"].startswith("factorial design, the weight at a fixed rank: ")
+        assert "may be the rank's" in expb["context"]
+        assert "confounded by the rank: matched design" in expb["context"]
 
 
 def test_admission_claim_inside_and_outside_the_studys_range(tmp_path):

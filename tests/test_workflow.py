@@ -32,9 +32,10 @@ WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "d
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
-    "model_embedded", "streams", "capture", "initial_sets", "simulate", "cost_model",
-    "calibrate", "emulate", "expb_feasibility", "expb", "engine", "engine_bench", "generate",
-    "regime", "analysis", "recommend", "plan", "report",
+    "model_embedded", "streams", "capture", "expert_ranking", "simulate", "cost_model",
+    "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
+    "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
+    "plan", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -144,7 +145,13 @@ def test_capacity_checks():
     cfg["expb"] = {"fraction": 0.08}
     with pytest.raises(ValueError, match=r"expb.fraction=0.08 .* 5 experts .* 2k - 1 = 7"):
         mcfg.check_capacities(cfg)
-    cfg["expb"] = {"fraction": 0.08, "resident": "all"}  # every expert may substitute
+    # every expert may substitute; the factorial design's ranks within k = 4 (default: 6)
+    cfg["expb"] = {"fraction": 0.08, "resident": "all"}
+    with pytest.raises(ValueError, match=r"factorial.high_ranks=\[6, 6\] reaches past .* k=4"):
+        mcfg.check_capacities(cfg)
+    cfg["expb"]["designs"] = {"factorial": {"low_ranks": [2, 2], "high_ranks": [3, 4]}}
+    assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
+    cfg["expb"]["designs"] = {"factorial": {"enabled": False}}
     assert mcfg.check_capacities(cfg) == {"m": (64, 4)}
     # the engine benchmark's own geometry
     cfg["engine"] = {"bench": {"num_experts": 64, "top_k": 20, "fraction": 0.25}}
@@ -198,12 +205,18 @@ def _schema_keys(schema: dict, *path: str) -> set[str]:
 
 
 def test_expb_decision_rule_keys():
-    """The expb keys the workflow keeps from the expb jobs are the analysis' decision rule."""
-    from moesub.stats import ExpBRule
+    """The expb keys the workflow keeps from the expb jobs are the analysis' decision rule (the
+    factorial design's rule is `expb.designs.factorial`'s, minus what its jobs read)."""
+    from moesub.expb import FactorialSpec
+    from moesub.stats import ExpBRule, FactorialRule
 
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
-    rule = {f.name for f in dataclasses.fields(ExpBRule)}
+    rule = {f.name for f in dataclasses.fields(ExpBRule)} - {"factorial"}
     assert rule <= _schema_keys(schema, "expb")
+    factorial = _schema_keys(schema, "expb", "designs", "factorial")
+    plan = {f.name for f in dataclasses.fields(FactorialSpec)}
+    analysis = {f.name for f in dataclasses.fields(FactorialRule)} | {"enabled"}
+    assert plan | analysis == factorial and not plan & analysis
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,12 +251,25 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     buddies = any(
         p.get("substitute_by") == "coactivation" for p in mcfg.expand_policies(cfg).values()
     )
-    assert rules == STAGES | {"all"} | ({"coactivation"} if buddies else set())
+    policies = mcfg.expand_policies(cfg)
+    planned = [name for name, spec in policies.items() if mcfg.is_planned(spec)]
+    extra = ({"coactivation"} if buddies else set()) | ({"allocation"} if planned else set())
+    assert rules == STAGES | {"all"} | extra
     outputs = {out for _, out in jobs}
     assert "results/report.html" in outputs
-    # one job per (policy, fraction) and stage; the sweeps expand into named policies
-    n_policies = len(mcfg.expand_policies(cfg))
-    assert sum(rule == "simulate" for rule, _ in jobs) == n_policies * len(cfg["fractions"])
+    # one job per (policy, size) and stage, at the stage's sizes (simulate: every size); the
+    # sweeps expand into named policies; one allocation per planned policy and size
+    sizes, stage = mcfg.stage_sizes(cfg), mcfg.stage_policies(cfg, policies)
+    assert sizes["simulate"] == mcfg.size_labels(cfg)
+    count = {rule: sum(r == rule for r, _ in jobs) for rule in rules}
+    assert count["simulate"] == len(policies) * len(sizes["simulate"])
+    assert count["emulate"] == len(stage["emulate"]) * len(sizes["emulate"])
+    assert count.get("allocation", 0) == len(planned) * len(sizes["simulate"])
+    assert {out for rule, out in jobs if rule == "simulate"} == {
+        f"results/embedded/simulate/{name}/{size}.parquet"
+        for name in policies
+        for size in sizes["simulate"]
+    }
     assert not (wf / "results").exists()
 
 
@@ -270,6 +296,43 @@ def test_config_paths_are_inputs_of_their_rules(tmp_path):
         "streams.source.path",
         "generate.tasks.gsm8k.path",
     ]
+
+
+def test_planned_policy_jobs_and_their_allocation(tmp_path):
+    """`sweeps.allocation` adds `<name>_planned`; its allocation job per size reads the
+    calibration capture and the expert ranking only (never the evaluation streams), and is an
+    input of that policy's jobs only; budgets are sizes of every stage that lists them."""
+    wf = copy_workflow(tmp_path / "wf")
+    cfg = load_test_config()
+    cfg["sweeps"] = {"allocation": ["rule_015"]}
+    cfg["emulate"]["sizes"] = [0.25, "3GiB"]
+    (wf / "planned.yaml").write_text(yaml.safe_dump(cfg))
+    run = snakemake(wf, "--dry-run", "--configfile", "planned.yaml")
+    assert run.returncode == 0, run.stdout[-3000:]
+    jobs: dict[str, list[tuple[set[str], str]]] = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", run.stdout):
+        m = re.match(r"(?:local)?rule (\w+):.*?\n\s+input: ([^\n]*)\n\s+output: ([^\n]*)", block,
+                     flags=re.S)  # fmt: skip
+        if m:
+            jobs.setdefault(m.group(1), []).append((set(m.group(2).split(", ")), m.group(3)))
+    alloc = "results/embedded/allocation/rule_015_planned/{}.json"
+    assert sorted(out for _, out in jobs["allocation"]) == [
+        alloc.format("b3GiB"), alloc.format("f0.25")
+    ]  # fmt: skip
+    for inputs, _ in jobs["allocation"]:
+        assert inputs == {
+            "results/embedded/capture/calib_router.parquet",
+            "results/embedded/expert_ranking.parquet",
+        }
+    for rule in ("simulate", "emulate"):
+        for inputs, out in jobs[rule]:
+            size = out.rsplit("/", 1)[1].removesuffix(".parquet")
+            planned = "/rule_015_planned/" in out
+            assert (alloc.format(size) in inputs) == planned, (rule, out)
+    assert {out for _, out in jobs["emulate"]} >= {
+        "results/embedded/emulate/rule_015_planned/b3GiB.parquet",
+        "results/embedded/emulate/quality/b3GiB.parquet",
+    }
 
 
 def _bad(cfg: dict, edit) -> dict:
@@ -346,12 +409,76 @@ BAD_CONFIGS = {
         lambda c: c["expb"].update(fraction=0.08),
         "expb.fraction=0.08 gives Experiment B a substitute pool of 5 experts",
     ),
+    # the factorial design's ranks are tail ranks of the router's top-k (k = 4)
+    "expb_factorial_rank_past_k": (
+        lambda c: c["expb"]["designs"]["factorial"].update(high_ranks=[3, 5]),
+        "expb.designs.factorial.high_ranks=[3, 5] reaches past the router's top-k",
+    ),
+    "expb_factorial_bad_band": (
+        lambda c: c["expb"]["designs"]["factorial"].update(light=[0.2]),
+        "instance['expb']['designs']['factorial']['light']",
+    ),
+    # cache sizes: budgets priced at the reference geometry (6 MiB bf16 experts, 48 layers)
+    "budget_unparsable": (
+        lambda c: c.update(budgets=["3GiB", "10 GiB"]),
+        "config key budgets[1]: '10 GiB' is not allowed\n  allowed: a string matching",
+    ),
+    "budget_below_k": (
+        lambda c: c.update(budgets=["3GiB", "1GiB"]),
+        "budgets[1]='1GiB' gives capacity C=3 < k=4 for model 'embedded'",
+    ),
+    "budget_above_E": (
+        lambda c: c.update(budgets=["100GiB"]),
+        "budgets[0]='100GiB' gives capacity C=355 > E=64 for model 'embedded'",
+    ),
+    "budget_same_size_as_a_fraction": (
+        lambda c: c.update(budgets=["4.5GiB"]),  # C = 16, as fractions[0]=0.25
+        "budgets[0]='4.5GiB' gives model 'embedded' C=16 slots per layer, as fractions[0]=0.25",
+    ),
+    "stage_size_not_configured": (
+        lambda c: c["emulate"].update(sizes=[0.5]),
+        "emulate.sizes[0]=0.5 is not a configured size",
+    ),
+    "regime_size_below_k": (
+        lambda c: c.update(regime={"size": 0.04}),
+        "regime.size=0.04 gives capacity C=3 < k=4",
+    ),
+    # pin specs and allocations: policy keys, resolved per layer
+    "pin_spec": (
+        lambda c: c["policies"]["quality"].update(pin="half"),
+        "config key policies.quality.pin: 'half' is not allowed",
+    ),
+    "pin_share_above_100": (
+        lambda c: c["policies"]["quality"].update(pin="150%"),
+        "policies.quality.pin: '150%' is not a pin spec",
+    ),
+    "pin_too_large_for_a_layer": (
+        lambda c: c["policies"]["fetch_every_miss"].update(pin=13),
+        "policies.fetch_every_miss.pin at size f0.25 of model 'embedded': pin 13 pins 13 of "
+        "C_l=16 slots, leaving fewer than max(k, prefetch) = 4",
+    ),
+    "allocation_key": (
+        lambda c: c["policies"]["quality"].update(allocation="sometimes"),
+        "config key policies.quality.allocation: 'sometimes' is not allowed\n"
+        "  allowed: one of uniform, planned",
+    ),
+    "allocation_sweep_base": (
+        lambda c: c.update(sweeps={"allocation": ["nope"]}),
+        "sweeps.allocation: 'nope' is not a policy",
+    ),
+    "planned_on_the_engine": (
+        lambda c: (
+            c.update(sweeps={"allocation": ["rule_015"]})
+            or c["engine"]["policies"].append("rule_015_planned")
+        ),
+        "engine.policies: ['rule_015_planned'] have planned per-layer slot counts",
+    ),
 }
 
 
 # Through the CLI (a few; each costs a Snakemake start): schema errors and a parse-time check.
 CLI_CASES = ("unknown_top_key", "unknown_policy_key", "wrong_type", "capacity_below_k",
-             "stream_source_typo", "expb_pool_below_2k_minus_1")  # fmt: skip
+             "stream_source_typo", "expb_pool_below_2k_minus_1", "budget_below_k")  # fmt: skip
 # A config error is a few lines (Snakemake's own validation printed the whole schema and config:
 # 1,970 lines for a misspelt top-level key, 73 for a misspelt policy field).
 MAX_ERROR_LINES = 10
@@ -393,6 +520,7 @@ def test_checkpoint_without_tokenizer_rejected_at_parse_time(tmp_path):
     wf = copy_workflow(tmp_path / "wf")
     cfg = load_test_config()
     cfg["models"]["real"] = {"path": str(ckpt)}
+    cfg["budgets"] = []  # a budget would need the checkpoint's expert shapes too
     (wf / "ckpt.yaml").write_text(yaml.safe_dump(cfg))
     message = (
         f"models.real.path: {str(ckpt)!r} has no tokenizer (none of tokenizer.json, "
@@ -465,7 +593,7 @@ def test_touching_capture_script_reruns_capture_not_model(full_run):
     finally:
         os.utime(script, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert "capture" in rules
-    assert {"initial_sets", "simulate", "emulate", "engine", "analysis", "report"} <= rules
+    assert {"expert_ranking", "simulate", "emulate", "engine", "analysis", "report"} <= rules
     # the real-size benchmark replays the captured trace (engine.bench.routing: trace)
     assert "engine_bench" in rules
     assert not rules & {"model_embedded", "streams", "calibrate"}

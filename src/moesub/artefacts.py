@@ -10,10 +10,11 @@
   (`lookahead`, float32: the layer's router one MoE layer earlier, `moesub.models.RouterHook`;
   traces captured before have no such column and still load for v1 policies).
   `router_writer` / `router_rows` write one, `load_trace` reads it back as a `Trace`.
-- **initial sets** (`initial_sets.parquet`, INITIAL_SET_COLUMNS): per cache fraction and layer
-  the C experts resident when a stream starts, in rank order. The frequency rule (the C experts
-  most often in a token's top-k, ties to the lower id) is `frequency_sets`;
-  `write_initial_set_table` writes them, `read_initial_set` / `initial_set_for` read one back.
+- **expert ranking** (`expert_ranking.parquet`, RANKING_COLUMNS): per MoE layer every expert in
+  the order of its selections on the calibration capture (most selected first, ties to the
+  lower id: `frequency_sets`), with its count. Every cache's initial experts are a prefix of
+  its layer's ranking (`moesub.layout`); `write_expert_ranking` writes it,
+  `read_expert_ranking` reads it back and `layout_for` resolves a stage's layout from it.
 
 Per-token decision counts are named by `moesub.policy.STATUS_NAMES` (the core's status codes).
 """
@@ -32,7 +33,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moesub.io import ParquetStreamWriter, read_metadata, write_parquet
-from moesub.policy import check_initial
+from moesub.layout import CacheLayout, build_layout, check_ranking, read_allocation
+from moesub.slots import CacheSize
+from moesub.vocabulary import Policy
 
 # --------------------------------------------------------------------------------------------
 # streams and token tables
@@ -373,9 +376,9 @@ def load_trace(router_path: str | os.PathLike, lookahead: bool = False) -> Trace
 
 
 # --------------------------------------------------------------------------------------------
-# initial resident sets
+# expert ranking (what every cache starts from)
 
-INITIAL_SET_COLUMNS = ("fraction", "capacity", "layer", "rank", "expert")
+RANKING_COLUMNS = ("layer", "rank", "expert", "count")
 
 
 def topk_mask(logits: np.ndarray, k: int) -> np.ndarray:
@@ -401,66 +404,76 @@ def selection_counts(trace: Trace, chunk_tokens: int = 4096) -> np.ndarray:
 
 
 def frequency_sets(counts: np.ndarray, capacity: int) -> np.ndarray:
-    """(L, C) int32 frequency initial set from (L, E) selection counts: per layer the C experts
-    selected most often, most selected first, ties to the lower id."""
+    """(L, C) int32 frequency set from (L, E) selection counts: per layer the C experts
+    selected most often, most selected first, ties to the lower id. With C = E it is the
+    layer's whole ranking, and every layout's initial set is a prefix of it."""
     order = np.argsort(-counts, axis=1, kind="stable")
     return order[:, :capacity].astype(np.int32)
 
 
-def write_initial_set_table(
-    sets: Mapping[float, np.ndarray], out_path: str | os.PathLike, metadata: Mapping[str, Any]
+def write_expert_ranking(
+    counts: np.ndarray, out_path: str | os.PathLike, metadata: Mapping[str, Any]
 ) -> Path:
-    """The initial-sets artefact from `{fraction: (L, C) experts in rank order}`, atomically."""
-    cols: dict[str, list[np.ndarray]] = {n: [] for n in INITIAL_SET_COLUMNS}
-    for f, experts in sets.items():
-        L, c = experts.shape
-        cols["fraction"].append(np.full(L * c, f, dtype=np.float64))
-        cols["capacity"].append(np.full(L * c, c, dtype=np.int32))
-        cols["layer"].append(np.repeat(np.arange(L, dtype=np.int16), c))
-        cols["rank"].append(np.tile(np.arange(c, dtype=np.int32), L))
-        cols["expert"].append(np.asarray(experts, dtype=np.int32).reshape(-1))
-    table = pa.table({n: np.concatenate(v) for n, v in cols.items()})
+    """The expert-ranking artefact from (L, E) selection counts, atomically: per layer every
+    expert in rank order (`frequency_sets(counts, E)`) with its count."""
+    L, E = counts.shape
+    order = frequency_sets(counts, E)  # (L, E)
+    table = pa.table(
+        {
+            "layer": np.repeat(np.arange(L, dtype=np.int16), E),
+            "rank": np.tile(np.arange(E, dtype=np.int32), L),
+            "expert": order.reshape(-1),
+            "count": np.take_along_axis(counts, order, axis=1).reshape(-1).astype(np.int64),
+        }
+    )
     return write_parquet(table, out_path, metadata=dict(metadata))
 
 
-def read_initial_set(path: str | os.PathLike, fraction: float) -> np.ndarray:
-    """The (L, C) int32 initial resident set for `fraction`, in rank order (most selected first)."""
+def read_expert_ranking(path: str | os.PathLike, num_layers: int, num_experts: int) -> np.ndarray:
+    """The (L, E) int32 expert ranking (per layer every expert, most selected first), checked
+    against the model's L and E."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"initial sets file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"expert ranking {str(path)!r} does not exist")
     names = pq.read_schema(path).names
-    if any(c not in names for c in INITIAL_SET_COLUMNS):
+    if any(c not in names for c in RANKING_COLUMNS):
+        raise ValueError(f"expert ranking {str(path)!r}: expected columns {list(RANKING_COLUMNS)}")
+    t = pq.read_table(path, columns=["layer", "rank", "expert"])
+    layer = t.column("layer").to_numpy().astype(np.int64)
+    rank = t.column("rank").to_numpy().astype(np.int64)
+    if len(layer) != num_layers * num_experts or layer.min() < 0 or layer.max() >= num_layers:
         raise ValueError(
-            f"initial sets file {str(path)!r}: expected columns {list(INITIAL_SET_COLUMNS)}"
+            f"expert ranking {str(path)!r}: {len(layer)} rows for layers "
+            f"{sorted(set(layer.tolist()))[:8]}, expected the model's {num_layers} layers x "
+            f"{num_experts} experts (a ranking of another model?)"
         )
-    t = pq.read_table(path, columns=list(INITIAL_SET_COLUMNS))
-    frac = t.column("fraction").to_numpy()
-    sel = np.isclose(frac, float(fraction), rtol=0, atol=1e-9)
-    if not sel.any():
-        raise ValueError(
-            f"initial sets file {str(path)!r}: no set for fraction {fraction!r}; "
-            f"available {sorted(set(frac.tolist()))}"
-        )
-    layer = t.column("layer").to_numpy()[sel].astype(np.int64)
-    rank = t.column("rank").to_numpy()[sel].astype(np.int64)
-    expert = t.column("expert").to_numpy()[sel].astype(np.int32)
-    C = int(t.column("capacity").to_numpy()[sel][0])
-    L = int(layer.max()) + 1
-    if len(expert) != L * C:
-        raise ValueError(
-            f"initial sets file {str(path)!r}: fraction {fraction}: {len(expert)} rows, "
-            f"expected {L} layers x capacity {C}"
-        )
-    out = np.full((L, C), -1, dtype=np.int32)
-    out[layer, rank] = expert
-    if (out < 0).any():
-        raise ValueError(f"initial sets file {str(path)!r}: fraction {fraction}: incomplete set")
-    return out
+    out = np.full((num_layers, num_experts), -1, dtype=np.int64)
+    out[layer, rank] = t.column("expert").to_numpy()
+    try:
+        return check_ranking(out, num_layers, num_experts)
+    except ValueError as e:
+        raise ValueError(f"expert ranking {str(path)!r}: {e}") from None
 
 
-def initial_set_for(
-    path: str | os.PathLike, fraction: float, num_layers: int, num_experts: int, capacity: int
-) -> np.ndarray:
-    """`read_initial_set`, checked against the model: (L, C) distinct expert ids in [0, E)."""
-    initial = read_initial_set(path, fraction)
-    return check_initial(initial, (num_layers, capacity), num_experts)
+def layout_for(
+    ranking_path: str | os.PathLike | None,
+    size: float | Mapping[str, Any] | CacheSize,
+    policy: Mapping[str, Any] | Policy,
+    top_k: int,
+    num_layers: int,
+    num_experts: int,
+    allocation_path: str | os.PathLike | None = None,
+) -> CacheLayout:
+    """Every stage's layout: `moesub.layout.build_layout` on the model's expert ranking
+    (`ranking_path`; None: experts by id, so each cache starts with experts 0..C_l-1) and, for a
+    planned policy, its allocation artefact (`allocation_path`)."""
+    ranking = (
+        np.tile(np.arange(num_experts, dtype=np.int32), (num_layers, 1))
+        if ranking_path is None
+        else read_expert_ranking(ranking_path, num_layers, num_experts)
+    )
+    allocation = None
+    if allocation_path is not None:
+        capacity = CacheSize.of(size, num_experts).capacity
+        allocation = read_allocation(allocation_path, num_layers, capacity)
+    return build_layout(ranking, size, policy, top_k, allocation)

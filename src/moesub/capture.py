@@ -1,4 +1,4 @@
-"""Exact capture (token table + router-logit table) and the frequency initial resident sets.
+"""Exact capture (token table + router-logit table) and the calibration's expert ranking.
 
 Capture runs the exact model (every expert resident) over the streams with teacher forcing:
 streams of equal length go through `moesub.models.stream_nll` (the same call the emulator
@@ -12,8 +12,9 @@ Router table rows are written in (stream, pos, layer) order, two rows of E float
 a background thread. Memory is bounded by one batch's logits and lookahead (2 x B x T x L x E
 float32) plus two pending row groups.
 
-`write_initial_sets` counts the calibration capture's top-k selections into the frequency
-initial sets. The artefacts' schemas, readers and writers are `moesub.artefacts`.
+`run_expert_ranking` counts the calibration capture's top-k selections into each layer's
+expert ranking, whose prefixes are every cache's initial experts (`moesub.layout`). The
+artefacts' schemas, readers and writers are `moesub.artefacts`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,20 +32,17 @@ import torch
 from tqdm.auto import tqdm
 
 from moesub.artefacts import (
-    Trace,
-    frequency_sets,
     load_trace,
     read_streams,
     router_rows,
     router_writer,
     selection_counts,
-    write_initial_set_table,
+    write_expert_ranking,
 )
 from moesub.config import schema_defaults
 from moesub.io import ParquetStreamWriter, write_parquet
 from moesub.models import ModelLoading
 from moesub.params import options_from, torch_device, torch_dtype
-from moesub.vocabulary import check_capacity
 
 _DEFAULTS = schema_defaults("capture")  # workflow/schemas/config.schema.yaml
 
@@ -247,40 +245,18 @@ def run_capture(
 
 
 # --------------------------------------------------------------------------------------------
-# initial resident sets
+# expert ranking
 
 
-def frequency_initial_sets(trace: Trace, capacities: Iterable[int]) -> dict[int, np.ndarray]:
-    """{C: (L, C) int32}: per layer the C experts selected most often, ties to the lower id."""
-    caps = [int(c) for c in capacities]
-    for c in caps:
-        if not (trace.top_k <= c <= trace.num_experts):
-            raise ValueError(f"capacities: {c} is outside [k={trace.top_k}, E={trace.num_experts}]")
-    counts = selection_counts(trace)
-    return {c: frequency_sets(counts, c) for c in caps}
-
-
-def write_initial_sets(
-    calib_router_path: str | os.PathLike,
-    fractions: Iterable[float],
-    out_path: str | os.PathLike,
-) -> None:
-    """Frequency initial resident sets for each cache fraction, from a calibration capture."""
-    fractions = [float(f) for f in fractions]
-    if not fractions:
-        raise ValueError("fractions: empty")
-    for f in fractions:
-        if not (0 < f <= 1):
-            raise ValueError(f"fractions: {f!r} is not in (0, 1]")
+def run_expert_ranking(calib_router_path: str | os.PathLike, out_path: str | os.PathLike) -> None:
+    """Per layer every expert ranked by its top-k selections on a calibration capture (most
+    selected first, ties to the lower id), with the counts (`moesub.artefacts.RANKING_COLUMNS`)."""
     trace = load_trace(calib_router_path)
-    E, k, L = trace.num_experts, trace.top_k, trace.num_layers
-    caps = {f: check_capacity(f, E, k) for f in fractions}
-    sets = frequency_initial_sets(trace, sorted(set(caps.values())))
     meta = {
-        "num_experts": E,
-        "top_k": k,
-        "num_layers": L,
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "num_layers": trace.num_layers,
         "source": str(calib_router_path),
         "tokens": trace.num_tokens,
     }
-    write_initial_set_table({f: sets[caps[f]] for f in fractions}, out_path, meta)
+    write_expert_ranking(selection_counts(trace), out_path, meta)

@@ -5,13 +5,15 @@ hook hands that layer's logits for the whole stream to the policy core (`moesub.
 one cache per layer, fresh from the initial resident set for every stream), and the experts are
 computed with the ids the core returns (a substitute in SUB slots, the original expert otherwise).
 
-This *layer-major* form is exact: caches are per layer, and a token's routing at layer `l` depends
-only on earlier tokens (at every layer) and on earlier layers (for the same token), all of which
-are already final when layer `l` runs over the whole stream. The v2 fields replay too: prefetch
-steps the caches with lookahead logits the hook recomputes from the emulated hidden states (not
-the captured ones: substitution changes them), route_bias computes the core's selection,
-light_miss='host' computes the expert as normal (lossless), substitute_by='coactivation' takes
-the model's co-activation table. Eviction 'belady' is offline-only and rejected.
+This *layer-major* form is exact: caches are per layer (each with its own capacity, initial
+experts and pins: the layout, `moesub.artefacts.layout_for`), and a token's routing at layer
+`l` depends only on earlier tokens (at every layer) and on earlier layers (for the same
+token), all of which are already final when layer `l` runs over the whole stream. The v2 fields
+replay too: prefetch steps the caches with lookahead logits the hook recomputes from the
+emulated hidden states (not the captured ones: substitution changes them), route_bias computes
+the core's selection, light_miss='host' computes the expert as normal (lossless),
+substitute_by='coactivation' takes the model's co-activation table. Eviction 'belady' is
+offline-only and rejected.
 `emulate_token_by_token` decodes one token at a time with the KV cache instead; it is kept only
 as the test oracle for that argument.
 The routers, cache set-up, model loading and greedy decoding this shares with Experiment B and
@@ -32,14 +34,14 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.artefacts import check_token_table, initial_set_for, iter_streams
+from moesub.artefacts import check_token_table, iter_streams, layout_for
 from moesub.coactivation import read_coactivation
 from moesub.config import schema_defaults
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.metrics import dppl_pct
 from moesub.models import ModelLoading, input_device, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
-from moesub.policy import CORE_BUILD_ID, STATUS_NAMES, check_capacity, check_initial
+from moesub.policy import CORE_BUILD_ID, STATUS_NAMES
 from moesub.replay import (
     BatchRouter,
     StreamTrace,
@@ -50,6 +52,7 @@ from moesub.replay import (
     replay_policy,
     router_context,
 )
+from moesub.slots import policy_fields
 
 # --------------------------------------------------------------------------- configuration
 _DEFAULTS = schema_defaults("emulate")  # workflow/schemas/config.schema.yaml
@@ -76,11 +79,12 @@ class EmulateParams:
 
 # --------------------------------------------------------------------------- layer-major emulation
 def emulate_batch(
-    model, ids: np.ndarray, policy, capacity: int, initial=None, record=False, coactivation=None
+    model, ids: np.ndarray, policy, capacity, initial=None, record=False, coactivation=None
 ) -> list[StreamTrace]:
     """Layer-major emulation of B equal-length streams `ids` (B, T) in one teacher-forced
-    forward (`stream_nll`); every stream has its own fresh per-layer caches. `coactivation`:
-    the (L, E, E) table substitute_by='coactivation' needs."""
+    forward (`stream_nll`); every stream has its own fresh per-layer caches (`capacity` and
+    `initial` per layer or for all: `moesub.replay.make_caches`). `coactivation`: the
+    (L, E, E) table substitute_by='coactivation' needs."""
     ids = np.asarray(ids, dtype=np.int64)
     routers = [
         policy_router(model, policy, capacity, initial, coactivation, record=record) for _ in ids
@@ -94,7 +98,7 @@ def emulate_stream(
     model,
     ids: Sequence[int] | np.ndarray,
     policy,
-    capacity: int,
+    capacity,
     initial=None,
     record=False,
     coactivation=None,
@@ -108,8 +112,8 @@ def emulate_streams(
     model,
     token_table: Any,
     policy,
-    capacity: int,
-    initial: np.ndarray | None = None,
+    capacity: int | Sequence[int],
+    initial: Any = None,
     progress: bool = True,
     max_streams: int | None = None,
     batch_tokens: int | None = None,
@@ -120,7 +124,8 @@ def emulate_streams(
     Columns: `stream, pos, doc_id, doc_start, nll, mass (sum over layers), layer_mass list[L],
     hit, fetch, sub, host, forced` (slot counts summed over layers), `prefetches` (experts
     inserted by prefetch, summed over layers: the simulator's counter of that name, per token).
-    Each stream starts from a fresh cache per layer holding `initial` (L, C). Streams are
+    Each stream starts from a fresh cache per layer holding its `initial` set (an (L, C) array
+    or L per-layer sets of the per-layer `capacity`: `moesub.replay.make_caches`). Streams are
     batched as the capture batched them (`batch_tokens`, from the capture's metadata; None = one
     stream per forward), which bit-identical NLL needs.
     """
@@ -128,7 +133,6 @@ def emulate_streams(
     info = moe_info(model)
     policy = replay_policy(policy)
     df = check_token_table(token_table, info.vocab_size)
-    initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
     streams = [rows for _stream, rows in iter_streams(df)][:max_streams]
     frames = []
     bar = tqdm(total=len(streams), desc="emulate", unit="stream", disable=not progress)
@@ -177,7 +181,7 @@ def stream_frame(
 # --------------------------------------------------------------------------- token-by-token
 @torch.inference_mode()
 def emulate_token_by_token(
-    model, ids: Sequence[int] | np.ndarray, policy, capacity: int, initial=None, coactivation=None
+    model, ids: Sequence[int] | np.ndarray, policy, capacity, initial=None, coactivation=None
 ) -> StreamTrace:
     """Test oracle: teacher-forced decoding one token at a time with the KV cache, the core
     called per token and layer. Must equal `emulate_stream` (ids, status, NLL)."""
@@ -200,30 +204,34 @@ def emulate_token_by_token(
 def run_emulate(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     name: str,
     policy: Mapping[str, Any],
-    fraction: float,
+    size: float | Mapping[str, Any],
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
     coactivation_path: str | os.PathLike | None = None,
+    allocation_path: str | os.PathLike | None = None,
 ) -> Path:
-    """Emulate one (model, policy, fraction): per-token Parquet (emulate schema) at `out_path`.
+    """Emulate one (model, policy, size): per-token Parquet (emulate schema) at `out_path`.
 
-    Every input is checked before the model runs: the policy dict (an offline eviction is
-    rejected), the fraction, the token ids against the model's vocabulary, the initial resident
-    set against the model's L/E/C, and the co-activation table (`coactivation_path`, the
-    model's coactivation.npz: required by, and only read for, substitute_by='coactivation').
+    `policy`: the config's policy dict (pin spec, allocation); `size`: a resolved cache size
+    (`moesub.layout.CacheSize.to_dict`) or a fraction; the layout comes from the expert ranking
+    at `ranking_path` (and a planned policy's `allocation_path`). Every input is checked before
+    the model runs: the policy (an offline eviction is rejected), the size, the token ids
+    against the model's vocabulary, the ranking against the model's L/E and the layout's
+    capacities and pins, and the co-activation table (`coactivation_path`, the model's
+    coactivation.npz: required by, and only read for, substitute_by='coactivation').
     """
 
     require_file(model_dir, "model_dir")
     tokens_path = require_file(tokens_path, "tokens_path")
-    initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
-    check_run(name, fraction)
-    pol = replay_policy(policy)
+    ranking_path = require_file(ranking_path, "ranking_path")
+    check_run(name, size)
+    replay_policy(policy_fields(policy))
     opts = EmulateParams.from_dict(params)
     table = None
-    if pol.substitute_by == "coactivation":
+    if policy.get("substitute_by") == "coactivation":
         if coactivation_path is None:
             raise ValueError(
                 f"policy {name!r}: substitute_by='coactivation' needs the co-activation table "
@@ -234,18 +242,18 @@ def run_emulate(
     model, info, tokens, dtype = load_for_capture(
         model_dir, tokens_path, opts.dtype, torch_device(opts.device), opts.loading
     )
-    capacity = check_capacity(fraction, info.num_experts, info.top_k)
-    initial = initial_set_for(
-        initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
-    )
+    layout = layout_for(
+        ranking_path, size, policy, info.top_k, info.num_layers, info.num_experts,
+        allocation_path,
+    )  # fmt: skip
     if table is not None:
         table = read_coactivation(coactivation_path, info.num_layers, info.num_experts)
     out = emulate_streams(
         model,
         tokens,
-        pol,
-        capacity,
-        initial,
+        layout.policy(policy),
+        layout.capacities,
+        layout.initial,
         progress=opts.progress,
         max_streams=opts.max_streams,
         batch_tokens=read_metadata(tokens_path).get("batch_tokens"),
@@ -254,8 +262,10 @@ def run_emulate(
     meta = {
         "policy": dict(policy),
         "name": name,
-        "fraction": float(fraction),
-        "capacity": capacity,
+        "fraction": layout.size.fraction,
+        "capacity": layout.size.capacity,
+        "size": layout.size.to_dict(),
+        "layout": layout.to_dict(),
         "core_build_id": CORE_BUILD_ID,
         "num_layers": info.num_layers,
         "dtype": dtype,

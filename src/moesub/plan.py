@@ -20,14 +20,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 
-from moesub.artefacts import read_initial_set
+from moesub.artefacts import read_expert_ranking
 from moesub.io import read_metadata, write_json
 from moesub.traces import read_pin_list, write_pin_list
 
@@ -221,13 +222,14 @@ def build_plan(
     hardware: str,
     size: Mapping[str, Any],
     model: ModelIdentity,
-    initial: Sequence[Sequence[int]],
-    pins: Sequence[int],
+    ranking: np.ndarray,
     plan_name: str,
 ) -> Plan:
     """The plan of one (hardware, size) from the recommendation `doc` (module doc): the chosen
-    policy's layout is `initial` (per MoE layer its C_l experts, hottest first) with `pins`
-    (per layer how many of them are pinned); `plan_name`: the plan file's name."""
+    policy's layout is its slots and pins per layer (`slots_per_layer`, `pins_per_layer`) over
+    the expert `ranking` ((L, E), hottest first: layer l starts with its first C_l experts and
+    pins the first pin_l of them, as every stage's layout does, `moesub.layout`); `plan_name`:
+    the plan file's name."""
     r = ranking_of(doc, hardware, size["label"])
     kind = next((k for k in CHOICES if r.get(k) is not None), None)
     if kind is None:
@@ -244,13 +246,14 @@ def build_plan(
             tuple(int(e) for e in ids),
             tuple(int(e) for e in ids[:pin]),
         )  # fmt: skip
-        for layer, (ids, pin) in enumerate(zip(initial, pins, strict=True))
-    )
-    if [lp.slots for lp in layers] != c["slots_per_layer"]:
-        raise ValueError(
-            f"plan: the layout of {c['policy']!r} has slots {[lp.slots for lp in layers]}, the "
-            f"recommendation {c['slots_per_layer']}"
+        for layer, (ids, pin) in enumerate(
+            zip(
+                (ranking[layer, :slots] for layer, slots in enumerate(c["slots_per_layer"])),
+                c["pins_per_layer"],
+                strict=True,
+            )
         )
+    )
     split = doc.get("selection") or {}
     sources = {
         "time": f"{r['timing']['text']}; priced for hardware {hardware!r}",
@@ -284,17 +287,16 @@ def run_plan(
     size: Mapping[str, Any],
     model_dir: str | os.PathLike,
     router_path: str,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     out_path: str | os.PathLike,
 ) -> Plan:
     """Snakemake entry point (rule plan): the plan of (`model`, `hardware`, `size`) from the
-    recommendation, the model's checkpoint and capture, and its initial sets; written with
+    recommendation, the model's checkpoint and capture, and its expert ranking; written with
     its pin list (`write_plan`)."""
     doc = json.loads(Path(recommendation_path).read_text())
     identity = model_identity(model, model_dir, router_path)
-    initial = read_initial_set(initial_sets_path, float(size["fraction"]))  # (L, C)
-    pins = [0] * identity.num_layers  # uniform layouts without pins: every policy today
-    plan = build_plan(doc, hardware, size, identity, initial.tolist(), pins, Path(out_path).name)
+    ranking = read_expert_ranking(ranking_path, identity.num_layers, identity.num_experts)
+    plan = build_plan(doc, hardware, size, identity, ranking, Path(out_path).name)
     write_plan(plan, out_path)
     return plan
 

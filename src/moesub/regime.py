@@ -3,9 +3,11 @@
 Every figure the pipeline reports about substitution depends on the regime the model routes in:
 how often `fetch_every_miss` already hits, how concentrated the routing is, how far apart a
 token's experts are reused, how heavy the lower ranks' gate weights are. This module measures
-those per MoE layer from a captured router trace (the evaluation streams) and the frequency
-initial resident sets (from the calibration capture), sets them beside the reference figures
-the study gives, and states in one line how the model's regime compares.
+those per MoE layer from a captured router trace (the evaluation streams) at one cache size
+(the configured size nearest the study's 25% resident, or `regime.size`: `moesub.config.
+regime_size`), the caches starting from the calibration capture's expert ranking, sets them
+beside the reference figures the study gives, and states in one line how the model's regime
+compares.
 
 Per layer (and ``layer = -1`` for all layers together):
 
@@ -44,11 +46,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from moesub.artefacts import has_lookahead, load_trace, read_initial_set, topk_mask
-from moesub.config import REGIME_FRACTION
+from moesub.artefacts import has_lookahead, layout_for, load_trace, topk_mask
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
-from moesub.policy import STUDY_POLICIES, Policy, check_capacity, check_sizes
+from moesub.policy import STUDY_POLICIES, Policy, check_sizes
 
 # Figures the study (or the public trace study it cites) gives, keyed by this module's column.
 REFERENCES: dict[str, tuple[float, str]] = {
@@ -311,28 +312,30 @@ def verdict(summary: dict[str, Any]) -> str:
 
 def regime_from_files(
     router_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike | None,
-    fraction: float = REGIME_FRACTION,
+    ranking_path: str | os.PathLike,
+    size: float | dict[str, Any],
 ) -> Regime:
-    """The regime of a captured trace at cache `fraction` (frequency initial sets if given)."""
+    """The regime of a captured trace at a cache `size` (a resolved size or a fraction), the
+    caches starting from the prefixes of the expert ranking at `ranking_path`."""
     trace = load_trace(router_path, lookahead=has_lookahead(router_path))
-    E, k = trace.num_experts, trace.top_k
-    capacity = check_capacity(fraction, E, k)
-    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
-    regime = measure_regime(trace.logits, k, capacity, initial, trace.lookahead)
-    regime.summary["fraction"] = fraction
+    E, k, L = trace.num_experts, trace.top_k, trace.num_layers
+    layout = layout_for(ranking_path, size, STUDY_POLICIES["fetch_every_miss"], k, L, E)
+    capacity = layout.size.capacity
+    regime = measure_regime(trace.logits, k, capacity, layout.initial_array(), trace.lookahead)
+    regime.summary["fraction"] = layout.size.fraction
+    regime.summary["size"] = layout.size.to_dict()
     regime.summary["model"] = trace.meta.get("model")
     return regime
 
 
 def run_regime(
     router_path: str,
-    initial_sets_path: str | None,
-    fraction: float,
+    ranking_path: str,
+    size: float | dict[str, Any],
     out_table: str | os.PathLike,
     out_summary: str | os.PathLike,
 ) -> None:
     """Snakemake entry point: per-layer regime table (Parquet) + summary with verdict (JSON)."""
-    regime = regime_from_files(router_path, initial_sets_path, fraction)
+    regime = regime_from_files(router_path, ranking_path, size)
     write_parquet(regime.layers, out_table, metadata={"summary": regime.summary})
     write_json(regime.summary, Path(out_summary))

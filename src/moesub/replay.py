@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +39,17 @@ from moesub.models import (
     router_weights,
 )
 from moesub.params import check_dtype, torch_dtype
-from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_initial
+from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, LayerCache, Policy, check_layers
+from moesub.slots import CacheSize
 
 
 # --------------------------------------------------------------------------- inputs
-def check_run(name: Any, fraction: Any) -> float:
-    """A policy run's name (non-empty: it names the artefact) and cache fraction in (0, 1]."""
+def check_run(name: Any, size: Any) -> None:
+    """A policy run's name (non-empty: it names the artefact) and cache size: a fraction in
+    (0, 1] or a resolved size (`moesub.layout.CacheSize.to_dict`)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty policy name, got {name!r}")
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0.0 < float(fraction) <= 1.0
-    ):
-        raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
-    return float(fraction)
+    CacheSize.of(size, 1)  # the form only: the model's E resolves it later
 
 
 def policy_from_dict(policy: Mapping[str, Any] | Any) -> Policy:
@@ -354,17 +350,19 @@ class BatchRouter:
 def make_caches(
     model,
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     coactivation: np.ndarray | None = None,
 ) -> list:
-    """One fresh `LayerCache` per MoE layer (initial row l, or experts 0..C-1 when None);
-    `coactivation` (L, E, E): the table substitute_by='coactivation' ranks candidates by
+    """One fresh `LayerCache` per MoE layer: layer l's capacity, initial set and policy (its
+    pins: `Policy.for_layer`), from the forms `scan` takes (`moesub.policy.check_layers`: an int
+    or L capacities; None, an (L, C) array or L initial sets); `coactivation` (L, E, E): the
+    table substitute_by='coactivation' ranks candidates by
     (`moesub.coactivation.read_coactivation`), required by such a policy."""
     info = moe_info(model)
     policy = replay_policy(policy)
-    initial = check_initial(initial, (info.num_layers, capacity), info.num_experts)
     L, E = info.num_layers, info.num_experts
+    layers = check_layers(policy, info.top_k, capacity, initial, L, E)
     if policy.substitute_by == "coactivation":
         if coactivation is None:
             raise ValueError(
@@ -383,9 +381,9 @@ def make_caches(
         LayerCache(
             num_experts=E,
             k=info.top_k,
-            capacity=capacity,
-            policy=policy,
-            initial=None if initial is None else initial[layer],
+            capacity=layers.capacities[layer],
+            policy=policy.for_layer(layer),
+            initial=layers.initials[layer],
             coactivation=None if coactivation is None else coactivation[layer],
         )
         for layer in range(L)
@@ -395,8 +393,8 @@ def make_caches(
 def policy_router(
     model,
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     coactivation: np.ndarray | None = None,
     record: bool = False,
 ) -> PolicyRouter:
@@ -436,8 +434,8 @@ def greedy_decode(
     model,
     prompts: list[list[int]],
     policy,
-    capacity: int,
-    initial: np.ndarray | None,
+    capacity: int | Sequence[int],
+    initial: Any,
     max_new_tokens: int,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     progress: bool = False,
@@ -487,7 +485,7 @@ def greedy_decode_batched(
     model,
     prompts: list[list[int]],
     policy,
-    capacity: int,
+    capacity: int | Sequence[int],
     initial: np.ndarray | None,
     max_new_tokens: int,
     batch_size: int | None = None,

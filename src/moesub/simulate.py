@@ -1,18 +1,19 @@
-"""The simulate stage: one (policy, fraction) replayed over a captured trace, priced by the cost
+"""The simulate stage: one (policy, cache size) replayed over a captured trace, priced by the cost
 model (`moesub.grid.simulate`, the C++ core's grid replay), and the cost-model rule's JSON (the
-engine's calibration with config overrides).
+engine's calibration with config overrides). The caches' layout (per-layer capacities, initial
+experts, pins) comes from `moesub.artefacts.layout_for`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, fields, replace
 
-from moesub.artefacts import load_trace, read_initial_set
+from moesub.artefacts import layout_for, load_trace
 from moesub.coactivation import read_coactivation
 from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.io import write_json, write_parquet
-from moesub.policy import CORE_BUILD_ID, Policy, capacity_for
+from moesub.policy import CORE_BUILD_ID
 
 
 def write_cost_model(calibration_path: str | None, overrides: dict, out_path: str) -> CostModel:
@@ -28,45 +29,52 @@ def write_cost_model(calibration_path: str | None, overrides: dict, out_path: st
 
 def run_simulate(
     router_path: str,
-    initial_sets_path: str | None,
+    ranking_path: str,
     name: str,
     policy: dict,
-    fraction: float,
+    size: float | dict,
     cost_path: str | None,
     out_path: str,
     coactivation_path: str | None = None,
+    allocation_path: str | None = None,
 ) -> None:
-    """Snakemake entry point: one (policy, fraction) over a captured trace -> Parquet.
+    """Snakemake entry point: one (policy, size) over a captured trace -> Parquet.
 
-    A prefetching policy reads the trace's lookahead logits; `coactivation_path` (the model's
-    coactivation.npz) is required by, and only read for, substitute_by='coactivation'.
+    `policy`: the config's policy dict (its pin spec and allocation resolved into the layout);
+    `size`: a resolved cache size (`moesub.layout.CacheSize.to_dict`) or a fraction;
+    `allocation_path`: the allocation artefact of a planned policy. A prefetching policy reads
+    the trace's lookahead logits; `coactivation_path` (the model's coactivation.npz) is
+    required by, and only read for, substitute_by='coactivation'.
     """
-    pol = Policy.from_dict(policy)
-    if pol.substitute_by == "coactivation" and coactivation_path is None:
+    if policy.get("substitute_by") == "coactivation" and coactivation_path is None:
         raise ValueError(
             f"policy {name!r}: substitute_by='coactivation' needs the co-activation table "
             "(coactivation_path)"
         )
-    trace = load_trace(router_path, lookahead=pol.prefetch > 0)
+    trace = load_trace(router_path, lookahead=int(policy.get("prefetch", 0)) > 0)
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
-    C = capacity_for(fraction, E)
-    initial = read_initial_set(initial_sets_path, fraction) if initial_sets_path else None
+    layout = layout_for(ranking_path, size, policy, k, L, E, allocation_path)
+    pol = layout.policy(policy)
+    C = layout.size.capacity
     cost = CostModel.from_json(cost_path) if cost_path else CostModel()
     table = (
         read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
     )
     df = simulate(
-        trace.logits, k, [GridPoint(name, pol, C, initial, fraction)], cost,
-        lookahead=trace.lookahead, coactivation=table,
+        trace.logits, k,
+        [GridPoint(name, pol, layout.capacities, layout.initial, layout.size.fraction)],
+        cost, lookahead=trace.lookahead, coactivation=table,
     )  # fmt: skip
     write_parquet(
         df,
         out_path,
         metadata={
-            "policy": pol.to_dict(),
+            "policy": dict(policy),
             "name": name,
-            "fraction": fraction,
+            "fraction": layout.size.fraction,
             "capacity": C,
+            "size": layout.size.to_dict(),
+            "layout": layout.to_dict(),
             "cost_model": asdict(cost),
             "core_build_id": CORE_BUILD_ID,
             "router_trace": str(router_path),

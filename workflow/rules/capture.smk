@@ -1,5 +1,6 @@
 # Stage 2 (capture): the exact model over the streams -> token table + router-logit table;
-# frequency-initial resident sets from the calibration capture.
+# the expert ranking (per layer every expert by its calibration selections) whose prefixes are
+# every cache's initial experts.
 
 
 rule capture:
@@ -23,16 +24,14 @@ rule capture:
         "../scripts/capture.py"
 
 
-rule initial_sets:
+rule expert_ranking:
     input:
         "results/{model}/capture/calib_router.parquet",
     output:
-        "results/{model}/initial_sets.parquet",
+        "results/{model}/expert_ranking.parquet",
     log:
-        "logs/{model}/initial_sets.log",
+        "logs/{model}/expert_ranking.log",
     conda:
         "../../envs/cpu.yaml"
-    params:
-        fractions=INITIAL_SET_FRACTIONS,
     script:
-        "../scripts/initial_sets.py"
+        "../scripts/expert_ranking.py"

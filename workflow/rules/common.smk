@@ -13,15 +13,21 @@ import re
 from moesub.config import (
     ALL_RESIDENT,
     ALL_RESIDENT_POLICY,
-    REGIME_FRACTION,
+    FACTORIAL_CELLS,
     check_capacities,
     check_input_paths,
+    check_pins,
     expand_policies,
     input_paths,
     canonical,
+    is_planned,
+    model_sizes,
     number_label,
     policy_spec,
+    regime_size,
+    size_labels,
     stage_policies,
+    stage_sizes,
 )
 from moesub.vocabulary import capacity_for
 
@@ -36,12 +42,15 @@ check_input_paths(config)
 MODELS = list(config["models"])
 EMBEDDED_MODELS = [m for m in MODELS if config["models"][m].get("embedded")]
 CHECKPOINT_MODELS = [m for m in MODELS if not config["models"][m].get("embedded")]
-FRACTIONS = [number_label(f) for f in config["fractions"]]
-# Resident sets are needed for every cache fraction, Experiment B's resident set and the regime
-# (moesub.regime, at the study's 25% resident).
-INITIAL_SET_FRACTIONS = sorted(
-    set(config["fractions"]) | {config["expb"]["fraction"], REGIME_FRACTION}
-)
+# Cache sizes: labels f<fraction> and b<budget> (the {size} wildcard), each resolved per model
+# to C slots per layer (a budget through the model's pricing geometry and expert_bits).
+SIZES = size_labels(config)
+MODEL_SIZES = {m: model_sizes(config, m) for m in MODELS}  # model -> label -> CacheSize
+STAGE_SIZES = stage_sizes(
+    config
+)  # simulate: every size; emulate, engine, generate: theirs
+REGIME_SIZES = {m: regime_size(config, m) for m in MODELS}
+check_pins(config, POLICIES)
 
 STAGE_POLICIES = stage_policies(config, POLICIES)
 SIMULATE_POLICIES = STAGE_POLICIES["simulate"]
@@ -49,13 +58,18 @@ EMULATE_POLICIES = STAGE_POLICIES["emulate"]
 ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
 GENERATE_POLICIES = STAGE_POLICIES["generate"]
+PLANNED_POLICIES = [name for name, spec in POLICIES.items() if is_planned(spec)]
 ENGINE_DEVICES = config["engine"]["devices"]
 TASKS = list(config["generate"]["tasks"])
-# Experiment B: design -> its targets and decision rule (schema defaults filled in).
-EXPB_DESIGNS = config["expb"]["designs"]
+# Experiment B: design -> its targets and decision rule (schema defaults filled in); the study
+# and matched designs run at target masses, the factorial design runs cells.
+EXPB_DESIGNS = {d: s for d, s in config["expb"]["designs"].items() if d != "factorial"}
+EXPB_FACTORIAL = config["expb"]["designs"]["factorial"]
 # Experiment B keys the expb jobs do not read (the designs' targets and decision rules, the level
 # of the tests): changing a decision rule reruns only the analysis.
 EXPB_ANALYSIS_KEYS = ["designs", "alpha"]
+# the factorial design's keys its jobs do not read (whether it runs, its decision rule)
+EXPB_FACTORIAL_ANALYSIS_KEYS = ["enabled", "max_weight_gap"]
 
 
 def alternation(names):
@@ -136,6 +150,24 @@ def core_build_id(wildcards):
     return CORE_BUILD_ID
 
 
+def size_params(wildcards):
+    """The cache size resolved for this model (label, C, fraction; a budget's pricing)."""
+    return canonical(MODEL_SIZES[wildcards.model][wildcards.size].to_dict())
+
+
+def regime_params(wildcards):
+    """The size the model's regime is measured at (moesub.config.regime_size)."""
+    return canonical(REGIME_SIZES[wildcards.model].to_dict())
+
+
+def allocation_input(wildcards):
+    """A planned policy's per-layer slots at this size: an input of its jobs only."""
+    if is_planned(POLICIES.get(wildcards.policy, {})):
+        path = f"results/{wildcards.model}/allocation/{wildcards.policy}/{wildcards.size}.json"
+        return {"allocation": path}
+    return {}
+
+
 def coactivation_input(wildcards):
     """The model's co-activation table, an input only of policies that substitute by it."""
     if POLICIES.get(wildcards.policy, {}).get("substitute_by") == "coactivation":
@@ -159,7 +191,7 @@ def engine_params(wildcards):
     """The engine section minus what the workflow consumes; the disk tier's expert file lives
     under results/ (for a real checkpoint too, never beside the user's checkpoint). Generation
     shares it (its jobs have no device wildcard: generate.device decides)."""
-    params = section("engine", exclude=["devices", "policies", "bench"])
+    params = section("engine", exclude=["devices", "policies", "sizes", "bench"])
     # dtype null: the engine picks it per device (moesub.engine.spec.engine_dtype)
     device = wildcards.device if "device" in wildcards.keys() else "generate"
     dtype = params.get("dtype") or f"auto-{device}"
@@ -224,7 +256,7 @@ def generate_reference(wildcards):
     if wildcards.policy == baseline or baseline not in GENERATE_POLICIES:
         return []
     return [
-        f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/f{wildcards.fraction}.parquet"
+        f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/{wildcards.size}.parquet"
     ]
 
 
@@ -235,7 +267,7 @@ def generate_params(wildcards):
         for k, v in config["generate"]["tasks"][wildcards.task].items()
         if k != "path"
     }
-    shared = section("generate", exclude=["tasks", "policies"])
+    shared = section("generate", exclude=["tasks", "policies", "sizes"])
     # the evaluation text (a task reading held-out text, the continuation, takes it from here)
     params = {**shared, **task, "source": config["streams"]["source"]}
     reference = generate_reference(wildcards)
@@ -250,6 +282,8 @@ def analysis_params():
         design: {k: v for k, v in spec.items() if k != "masses"}
         for design, spec in EXPB_DESIGNS.items()
     }
+    if EXPB_FACTORIAL["enabled"]:
+        expb_rules["factorial"] = {"max_weight_gap": EXPB_FACTORIAL["max_weight_gap"]}
     params = {
         **config["analysis"],
         "policies": POLICIES,
@@ -262,24 +296,13 @@ def analysis_params():
 PLAN_HARDWARE = ["this_machine"]
 
 
-def plan_size(wildcards):
-    """The cache size of a plan (`size` = f<fraction>) resolved for its model."""
-    fraction = float(wildcards.size[1:])
-    E, _k = GEOMETRY[wildcards.model]
-    return {
-        "label": wildcards.size,
-        "capacity": capacity_for(fraction, E),
-        "fraction": fraction,
-    }
-
-
 def plans():
     """Every plan the pipeline writes: per model, hardware and cache size."""
     return expand(
-        "results/{model}/plan/{hardware}/f{fraction}.json",
+        "results/{model}/plan/{hardware}/{size}.json",
         model=MODELS,
         hardware=PLAN_HARDWARE,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["simulate"],
     )
 
 
@@ -293,19 +316,19 @@ def report_params():
 
 def simulate_outputs():
     return expand(
-        "results/{model}/simulate/{policy}/f{fraction}.parquet",
+        "results/{model}/simulate/{policy}/{size}.parquet",
         model=MODELS,
         policy=SIMULATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["simulate"],
     )
 
 
 def emulate_outputs():
     return expand(
-        "results/{model}/emulate/{policy}/f{fraction}.parquet",
+        "results/{model}/emulate/{policy}/{size}.parquet",
         model=MODELS,
         policy=EMULATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["emulate"],
     )
 
 
@@ -329,7 +352,7 @@ def expb_inputs(wildcards):
     inputs = {
         "model": model_artefact(wildcards.model),
         "tokens": f"results/{wildcards.model}/capture/eval_tokens.parquet",
-        "initial_sets": f"results/{wildcards.model}/initial_sets.parquet",
+        "ranking": f"results/{wildcards.model}/expert_ranking.parquet",
     }
     if wildcards.design == "matched":
         inputs["router"] = f"results/{wildcards.model}/capture/eval_router.parquet"
@@ -348,13 +371,46 @@ def expb_params(wildcards):
     return canonical(params)
 
 
+def expb_factorial_outputs():
+    if not EXPB_FACTORIAL["enabled"]:
+        return []
+    return expand(
+        "results/{model}/expb/factorial/{cell}.parquet",
+        model=MODELS,
+        cell=FACTORIAL_CELLS,
+    )
+
+
+def expb_factorial_feasibility_outputs():
+    if not EXPB_FACTORIAL["enabled"]:
+        return []
+    return expand("results/{model}/expb/factorial_feasibility.parquet", model=MODELS)
+
+
+def expb_factorial_spec():
+    """The factorial design's cells and count: its plan (feasibility and runs) reads these."""
+    return canonical(
+        {
+            k: v
+            for k, v in EXPB_FACTORIAL.items()
+            if k not in EXPB_FACTORIAL_ANALYSIS_KEYS
+        }
+    )
+
+
+def expb_factorial_params(wildcards):
+    """What a factorial run reads from `expb:` besides its spec (the shared settings, the seed
+    of the plan's hash)."""
+    return section("expb", exclude=EXPB_ANALYSIS_KEYS)
+
+
 def engine_outputs():
     return expand(
-        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+        "results/{model}/engine/{device}/{policy}/{size}.parquet",
         model=MODELS,
         device=ENGINE_DEVICES,
         policy=ENGINE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["engine"],
     )
 
 
@@ -374,11 +430,11 @@ def bench_outputs():
 
 def generate_outputs():
     return expand(
-        "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",
+        "results/{model}/generate/{task}/{policy}/{size}.parquet",
         model=MODELS,
         task=TASKS,
         policy=GENERATE_POLICIES,
-        fraction=FRACTIONS,
+        size=STAGE_SIZES["generate"],
     )
 
 
@@ -394,6 +450,8 @@ def analysis_inputs():
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
         "expb_feasibility": expb_feasibility_outputs(),
+        "expb_factorial": expb_factorial_outputs(),
+        "expb_factorial_feasibility": expb_factorial_feasibility_outputs(),
         "calibration": calibration_outputs(),
         "engine": engine_outputs(),
         "engine_bench": bench_outputs(),

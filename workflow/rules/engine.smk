@@ -25,22 +25,23 @@ rule calibrate:
 
 rule engine:
     input:
+        unpack(allocation_input),
         model=model_input,
         tokens="results/{model}/capture/eval_tokens.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
     output:
-        "results/{model}/engine/{device}/{policy}/f{fraction}.parquet",
+        "results/{model}/engine/{device}/{policy}/{size}.parquet",
     log:
-        "logs/{model}/engine/{device}/{policy}_f{fraction}.log",
+        "logs/{model}/engine/{device}/{policy}_{size}.log",
     benchmark:
-        "results/benchmarks/{model}/engine/{device}/{policy}_f{fraction}.tsv"
+        "results/benchmarks/{model}/engine/{device}/{policy}_{size}.tsv"
     conda:
         engine_env
     threads: ALL_CORES
     params:
         model_dir=model_dir,
         policy=policy_params,
-        fraction=lambda wildcards: float(wildcards.fraction),
+        size=size_params,
         core=core_build_id,
         engine=engine_params,
     script:
@@ -51,7 +52,8 @@ rule engine_bench:
     input:
         unpack(bench_inputs),
     output:
-        "results/engine_bench/{device}.parquet",
+        table="results/engine_bench/{device}.parquet",
+        token_layers="results/engine_bench/{device}_token_layers.parquet",
     log:
         "logs/engine_bench/{device}.log",
     benchmark:

@@ -5,17 +5,18 @@
 
 rule generate:
     input:
+        unpack(allocation_input),
         model=model_input,
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
         data=task_data,
         source=streams_source,
         reference=generate_reference,
     output:
-        "results/{model}/generate/{task}/{policy}/f{fraction}.parquet",
+        "results/{model}/generate/{task}/{policy}/{size}.parquet",
     log:
-        "logs/{model}/generate/{task}/{policy}_f{fraction}.log",
+        "logs/{model}/generate/{task}/{policy}_{size}.log",
     benchmark:
-        "results/benchmarks/{model}/generate/{task}/{policy}_f{fraction}.tsv"
+        "results/benchmarks/{model}/generate/{task}/{policy}_{size}.tsv"
     conda:
         "../../envs/cpu.yaml"
     threads: 1
@@ -23,7 +24,7 @@ rule generate:
         model_dir=model_dir,
         data_path=task_path,
         policy=policy_params,
-        fraction=lambda wildcards: float(wildcards.fraction),
+        size=size_params,
         core=core_build_id,
         generate=generate_params,
         engine=engine_params,

@@ -8,7 +8,7 @@ rule plan:
         recommendation=rules.recommend.output[0],
         model=model_input,
         router="results/{model}/capture/calib_router.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
     output:
         plan="results/{model}/plan/{hardware}/{size}.json",
         pins="results/{model}/plan/{hardware}/{size}.pins.txt",
@@ -18,6 +18,6 @@ rule plan:
         "../../envs/cpu.yaml"
     params:
         model_dir=model_dir,
-        size=plan_size,
+        size=size_params,
     script:
         "../scripts/plan.py"

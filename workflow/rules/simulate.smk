@@ -1,5 +1,5 @@
 # Stage 3 (simulate): replay the captured router logits through the C++ policy core, one
-# (policy, fraction) per job, priced by the cost model calibrated on the engine; the
+# (policy, cache size) per job, priced by the cost model calibrated on the engine; the
 # co-activation table (calibration split) for policies with substitute_by: coactivation.
 
 
@@ -38,20 +38,21 @@ rule coactivation:
 rule simulate:
     input:
         unpack(coactivation_input),
+        unpack(allocation_input),
         router="results/{model}/capture/eval_router.parquet",
-        initial_sets="results/{model}/initial_sets.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
         cost="results/{model}/cost.json",
     output:
-        "results/{model}/simulate/{policy}/f{fraction}.parquet",
+        "results/{model}/simulate/{policy}/{size}.parquet",
     log:
-        "logs/{model}/simulate/{policy}_f{fraction}.log",
+        "logs/{model}/simulate/{policy}_{size}.log",
     benchmark:
-        "results/benchmarks/{model}/simulate/{policy}_f{fraction}.tsv"
+        "results/benchmarks/{model}/simulate/{policy}_{size}.tsv"
     conda:
         "../../envs/cpu.yaml"
     params:
         policy=policy_params,
-        fraction=lambda wildcards: float(wildcards.fraction),
+        size=size_params,
         core=core_build_id,
     script:
         "../scripts/simulate.py"

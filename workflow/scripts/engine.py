@@ -9,11 +9,12 @@ job_setup(snakemake.log[0], snakemake.threads)
 run_engine(
     snakemake.params.model_dir,
     snakemake.input.tokens,
-    snakemake.input.initial_sets,
+    snakemake.input.ranking,
     snakemake.wildcards.policy,
     snakemake.params.policy,
-    snakemake.params.fraction,
+    snakemake.params.size,
     snakemake.wildcards.device,
     snakemake.output[0],
     snakemake.params.engine,
+    allocation_path=snakemake.input.get("allocation"),
 )

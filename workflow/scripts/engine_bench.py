@@ -7,4 +7,9 @@ from moesub.logs import job_setup
 
 job_setup(snakemake.log[0], snakemake.threads)
 
-run_benchmark(snakemake.params.bench, snakemake.wildcards.device, snakemake.output[0])
+run_benchmark(
+    snakemake.params.bench,
+    snakemake.wildcards.device,
+    snakemake.output.table,
+    snakemake.output.token_layers,
+)

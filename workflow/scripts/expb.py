@@ -9,7 +9,7 @@ job_setup(snakemake.log[0], snakemake.threads)
 run_expb(
     snakemake.params.model_dir,
     snakemake.input.tokens,
-    snakemake.input.initial_sets,
+    snakemake.input.ranking,
     snakemake.wildcards.design,
     snakemake.wildcards.condition,
     snakemake.params.target_mass,

@@ -13,6 +13,6 @@ run_plan(
     snakemake.params.size,
     snakemake.params.model_dir,
     snakemake.input.router,
-    snakemake.input.initial_sets,
+    snakemake.input.ranking,
     snakemake.output.plan,
 )

@@ -8,8 +8,8 @@ job_setup(snakemake.log[0])
 
 run_regime(
     snakemake.input.router,
-    snakemake.input.initial_sets,
-    snakemake.params.fraction,
+    snakemake.input.ranking,
+    snakemake.params.size,
     snakemake.output.table,
     snakemake.output.summary,
 )

@@ -8,11 +8,12 @@ job_setup(snakemake.log[0])
 
 run_simulate(
     snakemake.input.router,
-    snakemake.input.initial_sets,
+    snakemake.input.ranking,
     snakemake.wildcards.policy,
     snakemake.params.policy,
-    snakemake.params.fraction,
+    snakemake.params.size,
     snakemake.input.cost,
     snakemake.output[0],
     coactivation_path=snakemake.input.get("coactivation"),
+    allocation_path=snakemake.input.get("allocation"),
 )

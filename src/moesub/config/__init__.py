@@ -15,7 +15,10 @@ one concept:
   `stage_policies`;
 - `inputs`: checkpoint directories (config.json, tokenizer files) and every local input path
   (`input_paths`);
-- `geometry`: each model's (E, k) and every capacity rule (`check_capacities`).
+- `geometry`: each model's (E, k) and pricing geometry (what its experts weigh);
+- `sizes`: cache sizes (fractions, byte budgets) resolved per model (`model_sizes`), the sizes
+  each stage runs at (`stage_sizes`), the regime's (`regime_size`), pin specs at every size
+  (`check_pins`) and every other capacity rule (`check_capacities`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from moesub.config.geometry import (
-    REGIME_FRACTION,
-    check_capacities,
     expb_min_capacity,
     model_geometry,
+    pricing_geometry,
     read_checkpoint_geometry,
+    read_pricing_geometry,
 )
 from moesub.config.inputs import (
     TOKENIZER_FILES,
@@ -37,7 +40,7 @@ from moesub.config.inputs import (
     has_tokenizer,
     input_paths,
 )
-from moesub.config.names import canonical, check_name, number_label
+from moesub.config.names import FACTORIAL_CELLS, canonical, check_name, number_label
 from moesub.config.policies import (
     ONLINE_STAGES,
     POLICY_DEFAULTS,
@@ -46,6 +49,7 @@ from moesub.config.policies import (
     expand_policies,
     is_exact_twin,
     is_offline,
+    is_planned,
     missing_admission_twins,
     normalize_policy,
     policy_spec,
@@ -60,17 +64,31 @@ from moesub.config.schema import (
     schema_defaults,
     schema_section,
 )
+from moesub.config.sizes import (
+    REGIME_FRACTION,
+    SIZE_STAGES,
+    check_capacities,
+    check_pins,
+    configured_sizes,
+    expert_bits,
+    model_sizes,
+    regime_size,
+    size_labels,
+    stage_sizes,
+)
 from moesub.config.validation import validate_config
 from moesub.vocabulary import ALL_RESIDENT, ALL_RESIDENT_POLICY
 
 __all__ = [
     "ALL_RESIDENT",
     "ALL_RESIDENT_POLICY",
+    "FACTORIAL_CELLS",
     "ONLINE_STAGES",
     "POLICY_DEFAULTS",
     "POLICY_KEYS",
     "REGIME_FRACTION",
     "SCHEMA_PATH",
+    "SIZE_STAGES",
     "TOKENIZER_FILES",
     "V2_POLICY_KEYS",
     "canonical",
@@ -78,25 +96,35 @@ __all__ = [
     "check_checkpoint_dir",
     "check_input_paths",
     "check_name",
+    "check_pins",
     "check_options",
     "config_schema",
+    "configured_sizes",
     "expand_policies",
     "expb_min_capacity",
+    "expert_bits",
     "has_tokenizer",
     "input_paths",
     "is_exact_twin",
     "is_offline",
+    "is_planned",
     "load_config",
     "missing_admission_twins",
     "model_geometry",
+    "model_sizes",
     "normalize_policy",
     "number_label",
     "policy_spec",
     "policy_subset",
+    "pricing_geometry",
     "read_checkpoint_geometry",
+    "read_pricing_geometry",
+    "regime_size",
     "schema_defaults",
     "schema_section",
+    "size_labels",
     "stage_policies",
+    "stage_sizes",
     "twin_spec",
     "validate_config",
 ]
@@ -116,7 +144,10 @@ def load_config(path: str | Path) -> dict[str, Any]:
         validate_config(config)
     except ValueError as e:
         raise ValueError(f"config file {str(path)!r}:\n{e}") from None
-    stage_policies(config, expand_policies(config))
+    policies = expand_policies(config)
+    stage_policies(config, policies)
     check_capacities(config)
+    check_pins(config, policies)
+    stage_sizes(config)
     check_input_paths(config)
     return config

@@ -1,7 +1,6 @@
-"""Each model's routing geometry (E, k) and every capacity rule the config must satisfy.
-
-C = `moesub.vocabulary.capacity_for(fraction, E)`; `check_capacities` checks every cache fraction
-of the config against every model at parse time, naming the key.
+"""Each model's routing geometry (E, k) and pricing geometry (what its experts weigh), read
+from the `embedded:` section or a checkpoint's config.json. The capacity rules built on them are
+`moesub.config.sizes`.
 """
 
 from __future__ import annotations
@@ -12,22 +11,26 @@ from pathlib import Path
 from typing import Any
 
 from moesub.config.inputs import check_checkpoint_dir
-from moesub.config.names import check_name
 from moesub.config.schema import schema_defaults
-from moesub.vocabulary import capacity_for
+from moesub.slots import REFERENCE_GEOMETRY, PricingGeometry
 
-# The cache fraction at which the study gives its regime figures (moesub.regime): 25% resident.
-REGIME_FRACTION = 0.25
-# HF config.json keys holding the number of routed experts / experts per token, by family.
+# HF config.json keys holding the number of routed experts / experts per token / an expert's
+# intermediate width, by family.
 _E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+_WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def _checkpoint_config(path: str | Path, where: str) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint's config.json path and its (text) config (text_config for multimodal)."""
+    cfg_path = check_checkpoint_dir(path, where) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    return cfg_path, cfg.get("text_config", cfg) if not any(k in cfg for k in _E_KEYS) else cfg
 
 
 def read_checkpoint_geometry(path: str | Path, where: str) -> tuple[int, int]:
     """(E, k) from a Hugging Face checkpoint's config.json (text_config for multimodal ones)."""
-    cfg_path = check_checkpoint_dir(path, where) / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg = cfg.get("text_config", cfg) if not any(k in cfg for k in _E_KEYS) else cfg
+    cfg_path, cfg = _checkpoint_config(path, where)
     num_experts = next((cfg[k] for k in _E_KEYS if cfg.get(k)), None)
     top_k = next((cfg[k] for k in _K_KEYS if cfg.get(k)), None)
     if num_experts is None or top_k is None:
@@ -36,6 +39,44 @@ def read_checkpoint_geometry(path: str | Path, where: str) -> tuple[int, int]:
             f"({'/'.join(_K_KEYS)}): not a Mixture-of-Experts model"
         )
     return int(num_experts), int(top_k)
+
+
+def read_pricing_geometry(path: str | Path, where: str) -> PricingGeometry:
+    """What a checkpoint's experts weigh, from its config.json: MoE layers (the decoder layers
+    less `mlp_only_layers`, those off `decoder_sparse_step` and the first `first_k_dense_replace`),
+    E, hidden_size and the expert width (moe_intermediate_size, else intermediate_size)."""
+    cfg_path, cfg = _checkpoint_config(path, where)
+    num_experts, _ = read_checkpoint_geometry(path, where)
+    width = next((cfg[k] for k in _WIDTH_KEYS if cfg.get(k)), None)
+    if not cfg.get("num_hidden_layers") or not cfg.get("hidden_size") or width is None:
+        raise ValueError(
+            f"{where}: {str(cfg_path)!r} lacks num_hidden_layers, hidden_size or an expert width "
+            f"({'/'.join(_WIDTH_KEYS)}): its experts cannot be priced for a budget"
+        )
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    layers = [
+        i for i in range(int(cfg["num_hidden_layers"]))
+        if i not in dense and (i + 1) % step == 0 and i >= first
+    ]  # fmt: skip
+    return PricingGeometry(
+        moe_layers=len(layers),
+        num_experts=num_experts,
+        hidden=int(cfg["hidden_size"]),
+        width=int(width),
+        source=f"config.json of {where} ({len(layers)} MoE layers, {num_experts} experts, "
+        f"hidden {int(cfg['hidden_size'])}, expert width {int(width)})",
+    )
+
+
+def pricing_geometry(config: Mapping[str, Any], name: str) -> PricingGeometry:
+    """Model `name`'s pricing geometry: a checkpoint's own config.json; the embedded model at
+    the reference geometry (`moesub.layout.REFERENCE_GEOMETRY`), whose routing it copies."""
+    spec = config["models"][name]
+    if spec.get("embedded"):
+        return REFERENCE_GEOMETRY
+    return read_pricing_geometry(spec["path"], f"models.{name}.path")
 
 
 def model_geometry(config: Mapping[str, Any], name: str) -> tuple[int, int]:
@@ -51,63 +92,3 @@ def expb_min_capacity(top_k: int) -> int:
     """The smallest resident set Experiment B can draw substitutes from: a token may have k - 1
     substituted ranks, each needing a resident not among its k computed experts (C >= 2k - 1)."""
     return 2 * top_k - 1
-
-
-def check_capacities(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-    """Every capacity rule of the pipeline, per model, naming the key; returns model -> (E, k).
-
-    C = `moesub.vocabulary.capacity_for(fraction, E)`. Every cache fraction (`fractions`,
-    `expb.fraction` and the regime's fixed 25%) must give k <= C <= E; Experiment B's substitute
-    pool (`expb.fraction`'s C, or E with `expb.resident: all`) must hold 2k - 1 experts; the
-    engine benchmark's own geometry (`engine.bench`) must give k <= C <= E.
-    """
-    geometry = {}
-    fractions = [(f"fractions[{i}]", f) for i, f in enumerate(config["fractions"])]
-    expb = config.get("expb") or {}
-    if expb.get("fraction") is not None:
-        fractions.append(("expb.fraction", expb["fraction"]))
-    fractions.append(("the regime's fixed fraction (moesub.regime)", REGIME_FRACTION))
-    for name in config["models"]:
-        check_name(name, f"models.{name}")
-        num_experts, top_k = model_geometry(config, name)
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"model {name!r}: top-k {top_k} must be in [1, E={num_experts}]")
-        source = (
-            "embedded.num_experts / embedded.num_experts_per_tok"
-            if config["models"][name].get("embedded")
-            else f"config.json of models.{name}.path"
-        )
-        model = f"model {name!r} (E={num_experts}, k={top_k} from {source})"
-        for label, fraction in fractions:
-            cap = capacity_for(fraction, num_experts)
-            if cap < top_k:
-                raise ValueError(
-                    f"{label}={fraction} gives capacity C={cap} < k={top_k} for {model}: "
-                    "C = floor(fraction * E + 0.5) must be >= k"
-                )
-            if cap > num_experts:
-                raise ValueError(f"{label}={fraction} gives C={cap} > E={num_experts}")
-        if expb:
-            every_expert = expb.get("resident") == "all"
-            fraction = expb.get("fraction", schema_defaults("expb")["fraction"])
-            pool = num_experts if every_expert else capacity_for(fraction, num_experts)
-            need = expb_min_capacity(top_k)
-            if pool < need:
-                key = "expb.resident: all" if every_expert else f"expb.fraction={fraction}"
-                raise ValueError(
-                    f"{key} gives Experiment B a substitute pool of {pool} experts per layer for "
-                    f"{model}; it needs C >= 2k - 1 = {need} (a token may have k - 1 substituted "
-                    f"ranks, each replaced by a resident outside its k computed experts): raise "
-                    f"expb.fraction to >= {need / num_experts:.3g}"
-                )
-        geometry[name] = (num_experts, top_k)
-    b = {**schema_defaults("engine.bench"), **((config.get("engine") or {}).get("bench") or {})}
-    if b["enabled"]:
-        cap = capacity_for(b["fraction"], b["num_experts"])
-        if not b["top_k"] <= cap <= b["num_experts"]:
-            raise ValueError(
-                f"engine.bench.fraction={b['fraction']} gives the benchmark capacity C={cap} "
-                f"outside [k={b['top_k']}, E={b['num_experts']}] (engine.bench.top_k, "
-                "engine.bench.num_experts)"
-            )
-    return geometry

@@ -8,6 +8,9 @@ from typing import Any
 
 # Names become path components and Snakemake wildcard values.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Experiment B's factorial cells, rank bucket x weight band (moesub.expb.factorial): the runs'
+# file names and the workflow's `cell` wildcard values.
+FACTORIAL_CELLS = ("low_light", "low_heavy", "high_light", "high_heavy")
 
 
 def check_name(name: str, where: str) -> None:

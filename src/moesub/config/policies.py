@@ -15,12 +15,14 @@ from typing import Any
 
 from moesub.config.names import check_name, number_label
 from moesub.config.schema import schema_defaults, schema_section
+from moesub.slots import LAYOUT_KEYS, check_pin_spec
 from moesub.vocabulary import ALL_RESIDENT, OFFLINE_EVICTIONS, Policy
 
 POLICY_KEYS = ("rule", "tau", "eviction", "beta", "delay")
-# v2's fields (docs/policy-semantics.md): a normalized policy carries one only where it differs
-# from the default, so every v1 policy keeps its exact params (and its jobs are not rerun)
-V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by")
+# v2's fields and v3's host_admit (docs/policy-semantics.md): a normalized policy carries one only
+# where it differs from the default, so every v1 policy keeps its exact params (and its jobs are
+# not rerun); v3's pin is a layout key (`moesub.slots.LAYOUT_KEYS`), resolved per layer
+V2_POLICY_KEYS = ("prefetch", "route_bias", "light_miss", "substitute_by", "host_admit")
 POLICY_DEFAULTS: dict[str, Any] = schema_defaults("policies.*")
 # Stages that run a model online (stage -> its config keys): an offline eviction (belady)
 # cannot run there.
@@ -30,37 +32,49 @@ ONLINE_STAGES = {
     "engine": ("engine",),
     "engine_bench": ("engine", "bench"),
 }
+# Stages that run the offloading engine (stage -> its config keys): one slot count per layer.
+ENGINE_STAGES = {
+    "engine": ("engine",),
+    "engine_bench": ("engine", "bench"),
+    "generate": ("generate",),
+}
 
 
-def policy_spec(policy: Policy) -> dict[str, Any]:
+def policy_spec(policy: Policy, layout: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A policy as the config holds it after `normalize_policy`: every v1 key
-    (`POLICY_KEYS`), plus each v2 key (`V2_POLICY_KEYS`) whose value is not its default.
+    (`POLICY_KEYS`), plus each v2 key (`V2_POLICY_KEYS`) and layout key (`pin`, `allocation`:
+    `moesub.layout.LAYOUT_KEYS`, from `layout`) whose value is not its default.
     These dicts are the Snakemake params of the policy's jobs."""
     fields = policy.to_dict()
     out = {key: fields[key] for key in POLICY_KEYS}
-    return out | {key: fields[key] for key in V2_POLICY_KEYS if fields[key] != POLICY_DEFAULTS[key]}
+    out |= {key: fields[key] for key in V2_POLICY_KEYS if fields[key] != POLICY_DEFAULTS[key]}
+    return out | {k: v for k, v in (layout or {}).items() if v != POLICY_DEFAULTS[k]}
 
 
 def normalize_policy(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """`policy_spec` of the `Policy` that `spec` (the schema's defaults filled) makes; the
-    Policy's errors are raised naming `policies.<name>.<key>`."""
+    """`policy_spec` of the `Policy` that `spec` (the schema's defaults filled) makes, with its
+    layout keys (pin spec, allocation) checked; errors are raised naming
+    `policies.<name>.<key>`."""
     where = f"policies.{name}"
     missing = [key for key in schema_section("policies.*")["required"] if key not in spec]
     if missing:
         raise ValueError(f"{where}: missing required key(s) {missing}")
+    fields = {**POLICY_DEFAULTS, **spec}
+    layout = {key: fields.pop(key) for key in LAYOUT_KEYS}
     try:
-        policy = Policy.from_dict({**POLICY_DEFAULTS, **spec})
-    except ValueError as e:  # "policy <field>: <problem>" -> "policies.<name>.<field>: ..."
+        check_pin_spec(layout["pin"])
+        policy = Policy.from_dict(fields)
+    except ValueError as e:  # "[policy ]<field>: <problem>" -> "policies.<name>.<field>: ..."
         field, _, problem = str(e).partition(": ")
         key = field.removeprefix("policy").strip()
         raise ValueError(f"{where}{'.' + key if key else ''}: {problem}") from None
-    return policy_spec(policy)
+    return policy_spec(policy, layout)
 
 
 def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
     """`candidate` is the no-admission twin of admission policy `policy`: same rule, eviction,
-    (for `threshold`) tau and v2 fields, beta 0. Only such a pair isolates the effect of
-    admission."""
+    (for `threshold`) tau, v2 fields and layout (pin, allocation), beta 0. Only such a pair
+    isolates the effect of admission."""
     return (
         candidate["beta"] == 0
         and candidate["rule"] == policy["rule"]
@@ -68,7 +82,7 @@ def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bo
         and (policy["rule"] != "threshold" or math.isclose(candidate["tau"], policy["tau"]))
         and all(
             candidate.get(key, POLICY_DEFAULTS[key]) == policy.get(key, POLICY_DEFAULTS[key])
-            for key in V2_POLICY_KEYS
+            for key in (*V2_POLICY_KEYS, *LAYOUT_KEYS)
         )
     )
 
@@ -76,7 +90,9 @@ def is_exact_twin(policy: Mapping[str, Any], candidate: Mapping[str, Any]) -> bo
 def twin_spec(policy: Mapping[str, Any]) -> str:
     """The config line of an admission policy's exact twin (for messages)."""
     tau = f", tau: {number_label(policy['tau'])}" if policy["rule"] == "threshold" else ""
-    v2 = "".join(f", {key}: {policy[key]}" for key in V2_POLICY_KEYS if key in policy)
+    v2 = "".join(
+        f", {key}: {policy[key]}" for key in (*V2_POLICY_KEYS, *LAYOUT_KEYS) if key in policy
+    )
     return f"{{rule: {policy['rule']}{tau}, eviction: {policy['eviction']}{v2}}}"
 
 
@@ -104,7 +120,8 @@ def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     `sweeps.beta = {base, values}` adds `<base>_beta<v>` = the `base` policy with `beta=v`;
     `sweeps.route_bias` adds `cache_prior_<v>` (route_bias v), `sweeps.prefetch` `prefetch_<v>`
     (prefetch v); `sweeps.belady = [names]` adds `<name>_belady` (eviction belady, the offline
-    bound of every policy listed, sweep policies included).
+    bound of every policy listed, sweep policies included); `sweeps.allocation = [names]` adds
+    `<name>_planned` (allocation planned: per-layer slots chosen on the calibration capture).
     A sweep name that collides with a named policy is an error (say it once).
     """
     named = config.get("policies") or {}
@@ -145,7 +162,21 @@ def expand_policies(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if name in out:
             raise ValueError(f"sweeps.belady: policy {name!r} already exists")
         out[name] = normalize_policy(name, {**out[base], "eviction": "belady"})
+    for base in sweeps.get("allocation") or []:
+        if base not in out:
+            raise ValueError(f"sweeps.allocation: {base!r} is not a policy in policies: or a sweep")
+        if out[base].get("allocation") == "planned":
+            raise ValueError(f"sweeps.allocation: {base!r} is already planned")
+        name = f"{base}_planned"
+        if name in out:
+            raise ValueError(f"sweeps.allocation: policy {name!r} already exists")
+        out[name] = normalize_policy(name, {**out[base], "allocation": "planned"})
     return out
+
+
+def is_planned(policy: Mapping[str, Any]) -> bool:
+    """The policy's per-layer slots are planned (`allocation: planned`)."""
+    return policy.get("allocation") == "planned"
 
 
 def is_offline(policy: Mapping[str, Any]) -> bool:
@@ -180,8 +211,10 @@ def stage_policies(
     `engine` and `engine_bench` may also list `all_resident`; `engine_bench` is None when its
     list is null (the library's own study set). `analysis.baseline` must be a policy. A null
     list of an online stage (`ONLINE_STAGES`) leaves the offline (belady) policies out; listing
-    one there is an error. Warns (UserWarning) for every emulated admission policy without its
-    exact twin.
+    one there is an error. So for planned policies (`allocation: planned`) in the engine's
+    stages (`ENGINE_STAGES`: the engine, its benchmark, generation on the engine backend): the
+    engine has one slot count for every layer (per-layer counts are not in it yet). Warns
+    (UserWarning) for every emulated admission policy without its exact twin.
     """
 
     def names(*keys: str) -> list[str] | None:
@@ -212,6 +245,20 @@ def stage_policies(
             )
         if out[stage] is not None:
             out[stage] = [n for n in out[stage] if n not in offline]
+    backend = (config.get("generate") or {}).get("backend", "engine")
+    for stage, keys in ENGINE_STAGES.items():
+        if stage == "generate" and backend != "engine":
+            continue
+        planned = [n for n in out[stage] or [] if n in policies and is_planned(policies[n])]
+        if planned and names(*keys, "policies") is not None:
+            raise ValueError(
+                f"{'.'.join(keys)}.policies: {planned} have planned per-layer slot counts, which "
+                "the engine does not run yet (one slot count for every layer); list them under "
+                "simulate and emulate"
+                + (" (or set generate.backend: emulator)" if stage == "generate" else "")
+            )
+        if out[stage] is not None:
+            out[stage] = [n for n in out[stage] if n not in planned]
     baseline = names("analysis", "baseline")
     if baseline is not None:
         policy_subset(policies, [baseline], "analysis.baseline")

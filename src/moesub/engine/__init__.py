@@ -11,6 +11,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
   side stream).
 - `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
   the slots awaiting them, waiting on them, the bytes installed), whatever they are for.
+- `token_stats`: `TokenStats`, what one token cost (waits, bytes) and what each layer's policy
+  did (per token-layer counts in `TOKEN_LAYER_FIELDS` layout).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
 - `spec`: the `engine:` options (`EngineParams`) and an engine's checked inputs (`EngineSpec`).
 - `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,13 @@ from moesub.engine.store import (
     open_or_write_store,
     tensor_fingerprint,
 )
-from moesub.engine.tiers import DISK_STAGING_BUFFERS, DiskTier, expert_runs, require_cuda
+from moesub.engine.tiers import (
+    DISK_STAGING_BUFFERS,
+    DiskTier,
+    expert_runs,
+    layer_capacities,
+    require_cuda,
+)
 from moesub.models import RouterHook, moe_family
 from moesub.policy import HOST, check_capacity
 from moesub.replay import place_ranked, rerouted_rows, rerouted_weights
@@ -258,7 +265,7 @@ def build_engine_model(
     model_dir: str | os.PathLike,
     device: str,
     opts: EngineParams,
-    capacity: int | None,
+    capacity: int | Sequence[int] | None,
     measure_bandwidth: bool = False,
     prefetch: int = 0,
 ) -> EngineSetup:
@@ -266,8 +273,8 @@ def build_engine_model(
     drop them from the model, then build the tier from the store: the disk tier reads the file;
     the CUDA tier reads it layer by layer straight into pinned memory (as many layers as
     `opts.pinned_budget_gb` holds; the others stay on disk). Allocates `capacity` slots per
-    layer (default k) and swaps in `EngineExperts`. `prefetch`: the policy's, for the number
-    of staging buffers (`staging_for`).
+    layer (an int, or one per layer; default k) and swaps in `EngineExperts`. `prefetch`: the
+    policy's, for the number of staging buffers (`staging_for`).
 
     Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
     released before the tier allocates anything, so the host never holds two copies of them."""
@@ -281,10 +288,13 @@ def build_engine_model(
     model, _tok = load_model(model_dir, dtype=DTYPES[dtype_key], device="cpu")
     info, family = moe_info(model), moe_family(model)
     E, k = info.num_experts, info.top_k
-    try:  # C as a fraction of E: capacity_for(C / E, E) is C
-        C = k if capacity is None else check_capacity(capacity / E, E, k)
-    except ValueError as e:
-        raise ValueError(f"cache capacity {capacity} (E={E}, k={k}): {e}") from e
+    caps = layer_capacities(k if capacity is None else capacity, info.num_layers)
+    for layer, C in enumerate(caps):
+        try:  # C as a fraction of E: capacity_for(C / E, E) is C
+            check_capacity(C / E, E, k)
+        except ValueError as e:
+            where = "" if isinstance(capacity, int) else f" of layer {layer}"
+            raise ValueError(f"cache capacity {C}{where} (E={E}, k={k}): {e}") from e
     blocks = moe_blocks(model)
     act = family.expert_act(blocks[0])
     weights = [family.expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
@@ -304,10 +314,10 @@ def build_engine_model(
     gc.collect()
     try:
         if dev.type == "cpu":
-            tier: DiskTier | CudaTier = DiskTier(store, C, info.top_k, act, staging)
+            tier: DiskTier | CudaTier = DiskTier(store, caps, info.top_k, act, staging)
         else:
             budget = None if opts.pinned_budget_gb is None else int(opts.pinned_budget_gb * 2**30)
-            tier = CudaTier(HostExperts(store, budget), C, dev, act, staging)
+            tier = CudaTier(HostExperts(store, budget), caps, dev, act, staging)
     except BaseException:
         store.close()
         raise

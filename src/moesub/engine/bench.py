@@ -18,6 +18,10 @@ calibration runs (`moesub.engine.calibrate.fit_token_costs`) and prices every po
 `sim_rel_error` compares it with the engine's time per token (the median over rounds of each
 run's mean). The output holds one row per policy with time per token and its ratios to
 `fetch_every_miss` and `host_compute`, and the simulator's prediction with its relative error.
+Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
+each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
+validation and calibration runs alike, so that the pricing can be fitted and checked on the
+engine's own tokens. Policy v3 runs as everywhere: the policies' pins come resolved per layer.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from moesub.engine.bench_runs import (
     BenchRun,
     by_status,
     concat_runs,
+    counts_path_for,
     hits_only,
     rms_norm,
     run_policy,
     token_counts,
+    write_bench_counts,
 )
 from moesub.engine.calibrate import (
     TokenCounts,
@@ -73,6 +79,7 @@ from moesub.engine.store import (
 )
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.io import write_parquet
+from moesub.layout import build_layout
 from moesub.params import options_from
 from moesub.policy import (
     ALL_RESIDENT,
@@ -81,6 +88,7 @@ from moesub.policy import (
     Policy,
     check_capacity,
 )
+from moesub.slots import layer_pin, policy_fields
 
 # the benchmark's default policies: five of the study's, and the all-resident floor
 _FROM_STUDY = ("fetch_every_miss", "host_compute", "rule_015", "quality", "speed")
@@ -146,8 +154,18 @@ class BenchParams:
         if not p.policies:
             raise ValueError("params.policies: at least one policy is required")
         for name, spec in p.policies.items():
-            if name != ALL_RESIDENT:
-                Policy.from_dict(dict(spec))
+            if name == ALL_RESIDENT:
+                continue
+            if spec.get("allocation", "uniform") != "uniform":
+                raise ValueError(
+                    f"params.policies.{name}: a planned allocation needs the model's allocation "
+                    "artefact; the benchmark runs one slot count for every layer"
+                )
+            try:  # the pin spec resolved at the benchmark's C, as the runs will
+                Policy.from_dict(policy_fields(spec))
+                layer_pin(spec.get("pin", 0), p.capacity, p.top_k, spec.get("prefetch", 0))
+            except ValueError as e:
+                raise ValueError(f"params.policies.{name}: {e}") from None
         if p.routing == "trace" and not p.trace_dir:
             raise ValueError("params.routing='trace' needs params.trace_dir (a capture directory)")
         return p
@@ -234,7 +252,8 @@ class _Plan:
     p: BenchParams
     dev: torch.device
     logits: BenchLogits
-    initial: np.ndarray  # (L, C) int32 frequency-initial resident set
+    ranking: np.ndarray  # (L, E) int32 the experts by calibration frequency, hottest first
+    initial: np.ndarray  # (L, C) int32 frequency-initial resident set: the ranking's prefix
     hits: np.ndarray  # (T, L, E) the calibration logits, every selection resident
     router_w: list[torch.Tensor]  # per layer [E, H] on the device
     h0: torch.Tensor  # [1, H] on the device: every token's hidden state entering layer 0
@@ -252,20 +271,27 @@ class _Plan:
             return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers)
         return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
 
+    def policy(self, name: str) -> Policy:
+        """The policy run `name` runs (its pins resolved per layer)."""
+        if name in (ALL_RESIDENT, CAL_HITS, CAL_HITS_ONE_LAYER):
+            return ALL_RESIDENT_POLICY
+        if name in CALIBRATION_POLICIES:
+            return Policy.from_dict(CALIBRATION_POLICIES[name])
+        spec = self.p.policies[name]  # its pin spec resolved at C (`moesub.layout`)
+        return build_layout(self.ranking, self.p.fraction, spec, self.p.top_k).policy(spec)
+
     def engine(self, name: str, tier) -> tuple[OffloadEngine, np.ndarray, int | None]:
         """The engine of run `name` on its tier, with its logits (T, L, E) and the layers it
         drives (None: all)."""
         p, E, L = self.p, self.p.num_experts, self.p.layers
         trace, initial, layers = self.logits.validation, self.initial, None
         if name == ALL_RESIDENT:
-            pol, initial = ALL_RESIDENT_POLICY, np.tile(np.arange(E, dtype=np.int32), (L, 1))
+            initial = np.tile(np.arange(E, dtype=np.int32), (L, 1))
         elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
-            pol, trace = ALL_RESIDENT_POLICY, self.hits
-            layers = 1 if name == CAL_HITS_ONE_LAYER else None
+            trace, layers = self.hits, 1 if name == CAL_HITS_ONE_LAYER else None
         elif name in CALIBRATION_POLICIES:
-            pol, trace = Policy.from_dict(CALIBRATION_POLICIES[name]), self.logits.calibration
-        else:
-            pol = Policy.from_dict(dict(p.policies[name]))
+            trace = self.logits.calibration
+        pol = self.policy(name)
         engine = OffloadEngine(tier, E, p.top_k, self.capacity(name), pol, initial, ACT)
         return engine, trace, layers
 
@@ -295,14 +321,15 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
         for _ in range(L)
     ]
     h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
-    initial = frequency_initial(logits.initial, k, C)
+    ranking = frequency_initial(logits.initial, k, E)
+    initial = np.ascontiguousarray(ranking[:, :C])
     host = None
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
         host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
     order = _round_order(list(p.policies) + cal_names, p.rounds)
     hits = hits_only(logits.calibration, initial)
-    return _Plan(p, dev, logits, initial, hits, router_w, h0, store, host, order)
+    return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, host, order)
 
 
 @dataclass
@@ -398,7 +425,10 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], cost: dict) -> pl
 
 
 def run_benchmark(
-    params: Mapping[str, Any] | None, device: str, out_path: str | os.PathLike
+    params: Mapping[str, Any] | None,
+    device: str,
+    out_path: str | os.PathLike,
+    counts_path: str | os.PathLike | None = None,
 ) -> pl.DataFrame:
     """Real-size engine benchmark on `device` ('cpu' = disk->RAM tier, 'cuda' = pinned->GPU).
 
@@ -412,6 +442,9 @@ def run_benchmark(
     median over rounds of each run's mean time per token, which `est_time_per_token_s` (the
     cost model fitted in this run, priced on the policy's counters) is compared with:
     `sim_rel_error = (est - run median) / run median`.
+
+    Also writes every run's per-token-layer counts to `counts_path` (default
+    `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
     """
     p = BenchParams.from_dict(params)
     dev = require_cuda(device)
@@ -439,6 +472,10 @@ def run_benchmark(
         "tokens), sim_rel_error = (est - time_per_token_run_median_s) / the same",
         **info,
     }
+    write_bench_counts(
+        counts_path or counts_path_for(out_path), rounds.runs,
+        {name: plan.policy(name) for name in rounds.runs}, capacity=p.capacity,
+    )  # fmt: skip
     write_parquet(out, Path(out_path), metadata=meta)
     return out
 

@@ -4,22 +4,28 @@
 `run_policy` drives an `OffloadEngine` token by token over logits (T, L, E): per layer a
 real-size router matmul on the fast device whose result reaches the host (the synchronization
 a real router imposes), the policy core's step on the given logits, the experts computed from
-the slots (and the host's). `BenchRun` holds the per-token wall times and counters;
-`by_status` names the status counts, `token_counts` gives the cost-model fit's regressors.
+the slots (and the host's). `BenchRun` holds the per-token wall times and counters, per
+token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `token_counts`
+gives the cost-model fit's regressors, `counts_frame` / `read_bench_counts` the per-token-layer
+table the benchmark writes beside its own (what the pricing reads).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import polars as pl
 import torch
 from tqdm.auto import tqdm
 
 from moesub.engine.calibrate import TokenCounts
 from moesub.engine.runtime import HostInputs, OffloadEngine
-from moesub.policy import STATUS_NAMES
+from moesub.io import require_file, write_parquet
+from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +46,7 @@ class BenchRun:
     syncs: np.ndarray  # (T,) host waits for the device per token
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
+    layer_counts: np.ndarray  # (T, L, F) what each layer's policy did (`TOKEN_LAYER_FIELDS`)
 
 
 @torch.inference_mode()
@@ -62,6 +69,7 @@ def run_policy(
     wall, wait = np.zeros(n), np.zeros(n)
     bsync, bbg = np.zeros(n, np.int64), np.zeros(n, np.int64)
     counts = np.zeros((n, len(STATUS_NAMES)), np.int64)
+    layer_counts = np.zeros((n, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
     admitted = admit_latency = 0
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
@@ -87,13 +95,15 @@ def run_policy(
             i = t - warmup
             wall[i], wait[i] = dt, st.fetch_wait_s
             bsync[i], bbg[i] = st.bytes_sync, st.bytes_bg
-            counts[i], syncs[i] = st.counts, st.syncs
+            counts[i], syncs[i], layer_counts[i] = st.counts, st.syncs, st.layer_counts[:L]
             admissions[i] = st.admissions
             admitted += st.admitted
             admit_latency += st.admit_latency
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
-    return BenchRun(wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency)
+    return BenchRun(
+        wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency, layer_counts
+    )
 
 
 def concat_runs(runs: list[BenchRun]) -> BenchRun:
@@ -107,6 +117,7 @@ def concat_runs(runs: list[BenchRun]) -> BenchRun:
         syncs=np.concatenate([r.syncs for r in runs]),
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
+        layer_counts=np.concatenate([r.layer_counts for r in runs]),
     )
 
 
@@ -129,3 +140,61 @@ def by_status(counts: np.ndarray) -> dict[str, np.ndarray]:
 def token_counts(r: BenchRun) -> TokenCounts:
     c = by_status(r.counts)
     return TokenCounts(r.wall_s, c["fetch"] + c["forced"], c["host"], r.admissions)
+
+
+def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:
+    """One run's per-token-layer counts as rows `policy, round, token, layer`, the
+    `TOKEN_LAYER_FIELDS` counts (int16) and the token's wall time `wall_s` (each layer's row)."""
+    T, L, _F = run.layer_counts.shape
+    flat = run.layer_counts.reshape(T * L, -1)
+    return pl.DataFrame(
+        {
+            "policy": np.full(T * L, name),
+            "round": np.full(T * L, round_, np.int16),
+            "token": np.repeat(np.arange(T, dtype=np.int32), L),
+            "layer": np.tile(np.arange(L, dtype=np.int16), T),
+            **{f: flat[:, i] for i, f in enumerate(TOKEN_LAYER_FIELDS)},
+            "wall_s": np.repeat(run.wall_s, L),
+        }
+    )
+
+
+def counts_path_for(out_path: str | os.PathLike) -> Path:
+    """Where the benchmark's per-token-layer counts go by default: beside its table,
+    `<stem>_token_layers.parquet`."""
+    out = Path(out_path)
+    return out.with_name(f"{out.stem}_token_layers.parquet")
+
+
+def write_bench_counts(
+    path: str | os.PathLike,
+    runs: dict[str, list[BenchRun]],
+    policies: dict[str, Policy],
+    capacity: int,
+) -> Path:
+    """Every run's per-token-layer counts (`counts_frame` rows, one run per round), atomically;
+    metadata: the fields, each run's policy as run (pins resolved) and the slots per layer."""
+    frames = [counts_frame(name, i, r) for name, rs in runs.items() for i, r in enumerate(rs)]
+    meta = {
+        "fields": list(TOKEN_LAYER_FIELDS),
+        "policies": {name: pol.to_dict() for name, pol in policies.items()},
+        "capacity": capacity,
+    }
+    return write_parquet(pl.concat(frames), path, metadata=meta)
+
+
+def read_bench_counts(path: str | os.PathLike) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """The benchmark's per-token-layer table (`counts_frame` rows): per run name, one
+    `(wall_s (T,), counts (T, L, F) int16)` per round, in round order (each round's run starts
+    from fresh caches, as a stream does)."""
+    df = pl.read_parquet(require_file(path, "path"))
+    out: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for (name, _round), rows in df.sort("policy", "round", "token", "layer").group_by(
+        "policy", "round", maintain_order=True
+    ):
+        T, L = rows["token"].n_unique(), rows["layer"].n_unique()
+        counts = rows.select(TOKEN_LAYER_FIELDS).to_numpy().astype(TOKEN_LAYER_DTYPE)
+        out.setdefault(name, []).append(
+            (rows["wall_s"].to_numpy()[::L].copy(), counts.reshape(T, L, len(TOKEN_LAYER_FIELDS)))
+        )
+    return out

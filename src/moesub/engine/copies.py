@@ -12,13 +12,18 @@ hold it for later, or drop it.
 A slot the policy core has given an expert whose copy has not landed *awaits* that copy: no
 kernel may read it until it is installed. `install` fills a slot only if it still awaits that
 very expert (else the copy is dropped: the expert was evicted or fetched meanwhile).
+
+Pinned slots (policy `pin`: the core keeps layer l's pinned experts in slots 0..pin_l-1 for the
+whole stream) are never given to a copy: `await_copy` and `filled` (a synchronous fetch) refuse
+them, so no staging install, prefetch or fetch can overwrite a pinned expert even if a caller
+asked for it.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 COPY_TIMEOUT_S = 60.0  # longest wait for a background copy before giving up
@@ -45,12 +50,18 @@ class Landed:
 
 class BackgroundCopies:
     """The background copies of one tier (all layers). `on_landed(landed)` is called for every
-    completed copy, in the tier's completion order, whenever a layer is polled."""
+    completed copy, in the tier's completion order, whenever a layer is polled. `pins`: per
+    layer, the number of pinned slots (0 for every layer when omitted)."""
 
-    def __init__(self, tier, on_landed: Callable[[Landed], None]) -> None:
+    def __init__(
+        self, tier, on_landed: Callable[[Landed], None], pins: Sequence[int] | None = None
+    ) -> None:
         self.tier = tier
         self.num_layers = len(tier.slots)
         self.on_landed = on_landed
+        self.pins = tuple(pins) if pins is not None else (0,) * self.num_layers
+        if len(self.pins) != self.num_layers:
+            raise ValueError(f"pins: {len(self.pins)} values for {self.num_layers} layers")
         self.reset()
 
     def reset(self) -> None:
@@ -102,12 +113,21 @@ class BackgroundCopies:
             time.sleep(POLL_S)
 
     # ---------------------------------------------------------------------------- slots
+    def _unpinned(self, layer: int, slot: int, what: str) -> None:
+        if slot < self.pins[layer]:
+            raise RuntimeError(
+                f"{what}: slot {slot} of layer {layer} holds a pinned expert (slots "
+                f"0..{self.pins[layer] - 1}); it is never reused"
+            )
+
     def await_copy(self, layer: int, slot: int, expert: int) -> None:
         """`slot` now belongs to `expert`, whose copy has not landed: no kernel may read it."""
+        self._unpinned(layer, slot, f"a background copy of expert {expert}")
         self._awaiting[layer][slot] = expert
 
     def filled(self, layer: int, slot: int) -> None:
         """`slot` was filled otherwise (a synchronous fetch): it awaits no copy any more."""
+        self._unpinned(layer, slot, "a synchronous fetch")
         self._awaiting[layer].pop(slot, None)
 
     def any_awaiting(self, layer: int, slots: Collection[int]) -> bool:

@@ -1,4 +1,4 @@
-"""The CUDA tier: C slots per layer on the GPU; behind them every expert in host memory (pinned,
+"""The CUDA tier: C_l slots for layer l on the GPU; behind them every expert in host memory (pinned,
 within a budget) or, past the budget, in the expert store on disk (`HostExperts`).
 
 Streams and events, all on the tier's own device (never the current device, so `cuda:1` works):
@@ -40,6 +40,7 @@ from moesub.engine.tiers import (
     HostSync,
     SlotBuffers,
     host_ids_to_local,
+    layer_capacities,
     read_experts,
     require_cuda,
 )
@@ -49,19 +50,20 @@ BOUNCE_BUFFERS = 8  # pinned buffers for synchronous fetches of layers on disk
 READ_BUFFERS = 16  # pinned buffers the I/O thread reads admissions of layers on disk into
 
 
-def default_staging_buffers(num_layers: int, capacity: int, expert_bytes: int) -> int:
+def default_staging_buffers(capacities: Sequence[int], expert_bytes: int) -> int:
     """Enough GPU staging buffers that admissions do not queue behind each other: one per slot
     of every layer, at most STAGING_BYTES of them (and at least 4)."""
-    return max(4, min(num_layers * capacity, STAGING_BYTES // max(expert_bytes, 1)))
+    return max(4, min(sum(capacities), STAGING_BYTES // max(expert_bytes, 1)))
 
 
 class CudaTier:
-    """Experts in host memory (`HostExperts`), C slots per layer on the GPU."""
+    """Experts in host memory (`HostExperts`), C_l slots for layer l on the GPU
+    (`layer_capacities`)."""
 
     def __init__(
         self,
         host: HostExperts,
-        capacity: int,
+        capacity: int | Sequence[int],
         device: str | torch.device,
         act: Callable[[torch.Tensor], torch.Tensor],
         staging_buffers: int | None = None,
@@ -79,7 +81,8 @@ class CudaTier:
         else:
             dev = torch.device(device)
         lay = host.layout
-        n = staging_buffers or default_staging_buffers(lay.num_layers, capacity, lay.expert_bytes)
+        caps = layer_capacities(capacity, lay.num_layers)
+        n = staging_buffers or default_staging_buffers(caps, lay.expert_bytes)
         if n < 1:
             raise ValueError(f"staging_buffers must be >= 1, got {n}")
         self.device, self.act, self.host, self.layout, self.alloc = dev, act, host, lay, alloc
@@ -92,10 +95,10 @@ class CudaTier:
         self.side = self.cuda.Stream(device=dev)
         self.slots = [
             SlotBuffers(
-                torch.empty((capacity, *lay.gate_up_shape), dtype=dt, device=dev),
-                torch.empty((capacity, *lay.down_shape), dtype=dt, device=dev),
+                torch.empty((C, *lay.gate_up_shape), dtype=dt, device=dev),
+                torch.empty((C, *lay.down_shape), dtype=dt, device=dev),
             )
-            for _ in range(lay.num_layers)
+            for C in caps
         ]
         self.staging = [
             (
@@ -126,7 +129,7 @@ class CudaTier:
     @property
     def description(self) -> str:
         return (
-            f"{self.kind}: {self.host.describe()}; C slots per layer on {self.device} "
+            f"{self.kind}: {self.host.describe()}; C_l slots per layer l on {self.device} "
             f"({self.cuda.get_device_name(self.device)}), admissions on a side CUDA stream "
             f"({len(self.staging)} staging buffers), expert kernel {self.path}; host_compute "
             "misses computed on the CPU from the host weights"
@@ -302,8 +305,9 @@ class CudaTier:
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
         """Misses computed on the CPU from the host weights (pinned: no copy; on disk: a fresh
-        read); hidden [N, H] and weights [N, k] already on the host (`to_host`). The result
-        goes back through the layer's pinned buffer without a wait. -> (out on the GPU, bytes)."""
+        read); hidden [N, H] and weights [N, k] already on the host (`to_host`). The weighted
+        rows [N, k, H] (`expert_forward(per_rank=True)`) go back through the layer's pinned
+        buffer without a wait. -> (rows on the GPU, bytes)."""
         nbytes = 0
         if self.host.on_disk(layer):
             lay = self.layout
@@ -315,7 +319,7 @@ class CudaTier:
         else:
             ids = host_ids
             gu, dn = self.host.layer(layer)
-        out = expert_forward(hidden, ids, weights, gu, dn, self.act)
+        out = expert_forward(hidden, ids, weights, gu, dn, self.act, per_rank=True)
         buf = self._pinned(("host_out", layer), out.shape, out.dtype)
         buf.copy_(out)
         with self.cuda.stream(self.compute):
@@ -337,7 +341,7 @@ class CudaTier:
         return (layer, hidden, host_ids, weights)
 
     def host_end(self, job: tuple) -> tuple[torch.Tensor, int]:
-        """`host_forward` of `host_begin`'s inputs: (out on the GPU, bytes read)."""
+        """`host_forward` of `host_begin`'s inputs: (rows [N, k, H] on the GPU, bytes read)."""
         return self.host_forward(*job)
 
     def token_sync(self) -> None:

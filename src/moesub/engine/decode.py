@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from moesub.engine.adapter import EngineSetup
-from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
+from moesub.engine.runtime import OffloadEngine
+from moesub.engine.token_stats import NUM_FIELDS, SCALAR_STATS, TokenStats
 from moesub.policy import STATUS_NAMES
 
 
@@ -47,8 +48,10 @@ def decode_tokens(
     Returns per-step arrays over the S steps run (`wall_s` and every scalar of
     `runtime.TokenStats`: `fetch_wait_s, admit_wait_s, prefetch_wait_s, host_wait_s, bytes_sync,
     bytes_bg, bytes_prefetch, bytes_host, mass, admissions, admitted, admit_latency, prefetches,
-    prefetch_in_time, syncs` (S,), `counts` (S, len(STATUS_NAMES)), `nll` (S,) NaN where no
-    input followed), plus `generated` (tokens), `stopped` and `admissions` (the total). Generated
+    prefetch_in_time, syncs` (S,), `counts` (S, len(STATUS_NAMES)), `layer_counts` (S, L,
+    len(TOKEN_LAYER_FIELDS)) what each layer's policy did (zeros for a prefill's rows), `nll`
+    (S,) NaN where no input followed), plus `generated` (tokens), `stopped` and `admissions`
+    (the total). Generated
     token i came from step P-1+i; the last generated token is never fed (S = P + n - 1, or
     P + n when a stop token ended it). A step's wall time runs from its start (admissions
     installed) to the end of its compute on the device (`OffloadEngine.end_token`: the compute
@@ -63,6 +66,7 @@ def decode_tokens(
     cols = {"wall_s": np.zeros(S, np.float64)}
     cols.update({c: np.zeros(S, type(getattr(blank, c))) for c in SCALAR_STATS})
     counts = np.zeros((S, len(STATUS_NAMES)), np.int64)
+    layer_counts = np.zeros((S, engine.num_layers, NUM_FIELDS), np.int64)
     nll = np.full(S, np.nan)
     generated: list[int] = []
     stopped = False
@@ -98,7 +102,7 @@ def decode_tokens(
         cols["wall_s"][t] = time.perf_counter() - t0
         for c in SCALAR_STATS:
             cols[c][t] = getattr(st, c)
-        counts[t] = st.counts
+        counts[t], layer_counts[t] = st.counts, st.layer_counts
         if t + 1 >= P and max_new_tokens:
             if token in stop_ids:
                 stopped = True
@@ -108,6 +112,7 @@ def decode_tokens(
                 break
     n = t + 1  # steps run
     out: dict[str, Any] = {c: v[:n] for c, v in cols.items()}
-    out.update(counts=counts[:n], nll=nll[:n], generated=generated, stopped=stopped)
+    out.update(counts=counts[:n], layer_counts=layer_counts[:n], nll=nll[:n])
+    out.update(generated=generated, stopped=stopped)
     out["admissions"] = int(out["admissions"].sum())  # the total over the decode
     return out

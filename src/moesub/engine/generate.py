@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from moesub.engine.adapter import EngineRouter, PrefetchHook, build_engine_model
 from moesub.engine.decode import decode_tokens
-from moesub.engine.runtime import SCALAR_STATS, OffloadEngine, TokenStats
+from moesub.engine.runtime import OffloadEngine
 from moesub.engine.spec import EngineSpec, resolve_engine
+from moesub.engine.token_stats import SCALAR_STATS, TokenStats
 from moesub.models import RouterHook
 from moesub.policy import STATUS_NAMES, Policy
 

@@ -6,7 +6,9 @@ engine's expert layout, into which each family's adapter puts its experts,
 `moesub.models.MoEFamily.expert_weights`; the groups are cache slots on the fast tier, or
 experts of a host tensor), weighted by `weights[n, j]` and summed over j in slot order as
 transformers' experts implementations do, so that with every expert resident the result matches
-the stock model.
+the stock model. `per_rank=True` returns the weighted rows before that sum: a caller that
+computes some ranks elsewhere (the host's experts) adds its rows (zeros elsewhere, so the sum is
+exact) and sums once, bit for bit what one call over every rank gives.
 
 `ids` is a host array (the engine decides on the host, so it knows them without asking the
 device): which entries are computed, and with which weights, is planned there, so the kernel
@@ -93,8 +95,10 @@ def expert_forward(
     act: Callable[[torch.Tensor], torch.Tensor],
     path: str = "per_expert",
     upload: Upload | None = None,
+    per_rank: bool = False,
 ) -> torch.Tensor:
-    """hidden [N, H], ids (N, k) host array (group index, -1 = skip), weights [N, k] -> [N, H].
+    """hidden [N, H], ids (N, k) host array (group index, -1 = skip), weights [N, k] -> [N, H]
+    (`per_rank`: the weighted rows [N, k, H], zero where skipped, before their sum over k).
 
     gate_up [G, 2I, H] (gate half first), down [G, H, I], hidden and weights on their device.
     `path` is the tier's many-token path (`path_for` picks the call's); `upload` moves the
@@ -125,7 +129,7 @@ def expert_forward(
                 ys[r] = y[0]
             else:
                 ys.index_copy_(0, idx, y)
-        return ys.view(N, k, H).sum(dim=1)
+        return ys.view(N, k, H) if per_rank else ys.view(N, k, H).sum(dim=1)
     out = hidden.new_zeros(N * k, H)
     S = len(plan.rows)
     if S:
@@ -139,4 +143,4 @@ def expert_forward(
         y = _GROUPED_MM(act(gate) * up, down.transpose(1, 2), offs=offs)  # (S, H)
         y = y * weights.reshape(-1).index_select(0, rows).to(y.dtype).unsqueeze(-1)
         out.index_copy_(0, rows, y.to(out.dtype))
-    return out.view(N, k, H).sum(dim=1)
+    return out.view(N, k, H) if per_rank else out.view(N, k, H).sum(dim=1)

@@ -38,7 +38,21 @@ slots the core chose.
 
 Host experts (`host_compute`, `light_miss="host"`): `compute` starts the host's experts on the
 tier (a worker thread on the disk tier; on CUDA the CPU computes while the GPU runs the slot
-kernels queued before) and waits for both (`TokenStats.host_wait_s`).
+kernels queued before) and waits for both (`TokenStats.host_wait_s`). The layer's output is the
+sum over ranks of the weighted rows wherever each was computed (`expert_forward(per_rank=True)`),
+so a lossless policy computes bit for bit what every expert in a slot would. `host_admit`
+(policy v3): the core hands the uploads of host-computed experts over as admissions; each is a
+background copy like beta's (disk: the I/O thread reads the expert again; CUDA: pinned memory ->
+GPU on the side stream), admitted under either timing below.
+
+Policy v3 (docs/policy-semantics.md): each layer has its own capacity `C_l` (the tier's slots of
+that layer) and initial set; `pin` keeps the first `pin_l` experts of layer l's initial set in
+slots 0..pin_l-1 for the whole stream. The core never evicts them, and the copies' ledger
+(`BackgroundCopies`) refuses any copy or fetch into those slots.
+
+Per token the engine counts what each layer's policy did in `TOKEN_LAYER_FIELDS` layout
+(`TokenStats.layer_counts`, the pricing's input): the core's step (statuses, prefetched,
+requested) and the admissions that landed (inserted) at the layer during the token.
 
 Prompt prefill (generation): `route_prefill` steps a prompt's rows through the core one row at
 a time (token-by-token decisions; admissions at the core's delay, as the emulator's prefill),
@@ -49,45 +63,30 @@ the slots from the core's residency and requests the admissions still pending.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from moesub.engine.copies import BackgroundCopies, Landed
 from moesub.engine.kernels import expert_forward
-from moesub.policy import FETCH, FORCED, HOST, STATUS_NAMES, LayerCache, LayerStep, Policy
+from moesub.engine.token_stats import LANDED, NUM_FIELDS, TokenStats
+from moesub.policy import (
+    FETCH,
+    FORCED,
+    HOST,
+    LayerCache,
+    LayerStep,
+    Policy,
+    check_layers,
+    token_layer_counts,
+)
 
 ADMISSION_TIMINGS = ("completion", "delay")
-ADMISSION, PREFETCH = "admission", "prefetch"  # what a background copy is for
-
-
-@dataclass
-class TokenStats:
-    """What one token cost, summed over layers."""
-
-    fetch_wait_s: float = 0.0  # blocked on synchronous copies
-    admit_wait_s: float = 0.0  # blocked on background copies due now (admission="delay" only)
-    prefetch_wait_s: float = 0.0  # blocked on prefetch copies not landed when needed (late)
-    host_wait_s: float = 0.0  # blocked on the host's experts (reads + compute) after the fast
-    # tier's experts of the same layer
-    bytes_sync: int = 0  # synchronous fetches
-    bytes_bg: int = 0  # background admissions installed during this token
-    bytes_prefetch: int = 0  # prefetch copies installed during this token
-    bytes_host: int = 0  # read from disk for the host's experts
-    # slots per status code (`STATUS_NAMES` order), summed over layers
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(len(STATUS_NAMES), np.int64))
-    mass: float = 0.0  # substituted gate mass, summed over layers
-    admissions: int = 0  # admission requests made during this token
-    admitted: int = 0  # background copies installed during this token
-    admit_latency: int = 0  # tokens from request to install, summed over those installed
-    prefetches: int = 0  # prefetch copies issued for this token's steps (step 1b insertions)
-    prefetch_in_time: int = 0  # of those, landed before their layer's step
-    syncs: int = 0  # host waits for the device (`HostSync`), router reads and token end
-
-
-SCALAR_STATS = tuple(f.name for f in fields(TokenStats) if f.name != "counts")
+# what a background copy is for (host uploads are admissions: the core hands them over alike,
+# and a policy makes only one kind)
+ADMISSION, PREFETCH = "admission", "prefetch"
 
 
 @dataclass(frozen=True)
@@ -106,42 +105,43 @@ def top_n(y: np.ndarray, n: int) -> np.ndarray:
 
 
 class OffloadEngine:
-    """Per-layer policy caches + a memory tier (`DiskTier` or `CudaTier`)."""
+    """Per-layer policy caches + a memory tier (`DiskTier` or `CudaTier`).
+
+    `capacity`: an int (every layer) or L ints `C_l`, the tier's slots per layer; `initial`:
+    None (experts 0..C_l-1), an (L, C) array or L 1-D arrays of lengths C_l, as `scan` takes
+    them (`moesub.policy.check_layers`: the policy's pins and prefetch must fit every layer)."""
 
     def __init__(
         self,
         tier,
         num_experts: int,
         k: int,
-        capacity: int,
+        capacity: int | Sequence[int],
         policy: Policy,
-        initial: np.ndarray | None,
+        initial: np.ndarray | Sequence[np.ndarray] | None,
         act: Callable[[torch.Tensor], torch.Tensor],
         admission: str = "completion",
     ) -> None:
         if admission not in ADMISSION_TIMINGS:
             raise ValueError(f"admission={admission!r}: expected one of {ADMISSION_TIMINGS}")
-        if policy.prefetch > capacity:
+        self.num_layers = len(tier.slots)
+        layers = check_layers(policy, k, capacity, initial, self.num_layers, num_experts)
+        slots = tuple(s.capacity for s in tier.slots)
+        if slots != layers.capacities:
             raise ValueError(
-                f"policy prefetch: n={policy.prefetch} exceeds the capacity C={capacity}"
+                f"capacity: the tier holds {list(slots)} slots per layer, the policy's caches "
+                f"{list(layers.capacities)}"
             )
         self.admission = admission
         self.tier = tier
-        self.num_layers = len(tier.slots)
-        self.num_experts, self.k, self.capacity = num_experts, k, capacity
+        self.num_experts, self.k = num_experts, k
+        self.capacities, self.pins, self.initial = layers.capacities, layers.pins, layers.initials
         self.policy = policy
         self.act = act
-        if initial is None:
-            initial = np.tile(np.arange(capacity, dtype=np.int32), (self.num_layers, 1))
-        initial = np.asarray(initial, dtype=np.int32)
-        if initial.shape != (self.num_layers, capacity):
-            raise ValueError(
-                f"initial resident set: shape {initial.shape}, expected "
-                f"(L={self.num_layers}, C={capacity})"
-            )
-        self.initial = initial
-        self.copies = BackgroundCopies(tier, self._on_landed)
+        self.copies = BackgroundCopies(tier, self._on_landed, self.pins)
         self.caches: list[LayerCache] = []
+        self._held: list[list[Landed]] = []  # per layer: admissions landed, not applied
+        self._pf_landed: list[dict[int, Landed]] = []  # per layer: prefetches landed early
         self.stats = TokenStats()
         self.token = 0  # tokens begun since the last reset
         self.prefilling = False  # a prompt's rows are being routed (until end_prefill)
@@ -151,21 +151,22 @@ class OffloadEngine:
     def reset(self, load: bool = True) -> None:
         """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed
         (`load=False`: not yet, a prefill follows and `end_prefill` loads them)."""
+        self._drop_landed()
         self.copies.reset()
         self.prefilling = False
         L = self.num_layers
-        self._held: list[list[Landed]] = [[] for _ in range(L)]  # admissions landed, not applied
+        self._held = [[] for _ in range(L)]
         self._due: list[list[tuple[int, int]]] = [[] for _ in range(L)]  # (ready token, expert)
         self._assigned: list[list[int]] = [[] for _ in range(L)]  # delay: admitted, not landed
         self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched for the next step
-        self._pf_landed: list[dict[int, Landed]] = [{} for _ in range(L)]  # landed before it
+        self._pf_landed = [{} for _ in range(L)]
         self._lookahead: list[np.ndarray | None] = [None] * L
         self.caches = [
             LayerCache(
                 self.num_experts,
                 self.k,
-                self.capacity,
-                self.policy,
+                self.capacities[layer],
+                self.policy.for_layer(layer),
                 self.initial[layer],
                 external_admission=True,
             )  # fmt: skip
@@ -176,14 +177,17 @@ class OffloadEngine:
                 self.tier.load(layer, cache.resident())
         self.tier.synchronize()
         self.tier.take_wait_s()
-        self.stats = TokenStats()
+        self.stats = self._fresh_stats()
         self.token = 0
+
+    def _fresh_stats(self) -> TokenStats:
+        return TokenStats(layer_counts=np.zeros((self.num_layers, NUM_FIELDS), np.int64))
 
     def begin_token(self) -> None:
         """Start a token: with admission="completion", every admission copy that has completed
         (all layers) is installed now, which also frees its staging buffer for new requests."""
         self.token += 1
-        self.stats = TokenStats()
+        self.stats = self._fresh_stats()
         self._syncs_at_begin = self.tier.syncs.count
         self.tier.begin_token()
         for layer in range(self.num_layers):
@@ -287,7 +291,7 @@ class OffloadEngine:
             st.admissions += 1
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
-        st.counts += np.bincount(s.status.reshape(-1), minlength=len(STATUS_NAMES))
+        st.layer_counts[layer] += token_layer_counts(s)[0]  # landings: `_land`
         st.mass += float(s.mass.sum())
         return s
 
@@ -336,33 +340,38 @@ class OffloadEngine:
         self.stats.admitted += 1
         self.stats.admit_latency += self.token - request_token
 
+    def _land(self, layer: int, e: int) -> bool:
+        """The core admits `e` (step 1); its slot awaits the copy unless `e` was resident
+        already (fetched or prefetched meanwhile: then nothing lands). True if it landed."""
+        cache = self.caches[layer]
+        was_resident = e in cache.resident()
+        slot, _evicted = cache.admit(e)
+        if was_resident:
+            return False
+        self.copies.await_copy(layer, slot, e)
+        self.stats.layer_counts[layer, LANDED] += 1
+        return True
+
     def _admit_held(self, layer: int) -> None:
         """admission="completion": every landed admission copy of this layer, in that order."""
-        cache, held, self._held[layer] = self.caches[layer], self._held[layer], []
+        held, self._held[layer] = self._held[layer], []
         for landed in held:
-            e = landed.copy.expert
-            was_resident = e in cache.resident()  # fetched or prefetched meanwhile
-            slot, _evicted = cache.admit(e)
-            if not was_resident:
-                self.copies.await_copy(layer, slot, e)
-            if self._install(landed) and not was_resident:
+            landed_now = self._land(layer, landed.copy.expert)
+            if self._install(landed) and landed_now:
                 self._count_admitted(landed.copy.token)
 
     def _assign_due(self, layer: int) -> None:
         """admission="delay": the requests due at this token get their slots from the core, in
         (ready, expert) order, as the core applies them with a fixed delay (a later admission
         may evict an earlier one); copies that landed already are installed at once."""
-        cache, t = self.caches[layer], self.caches[layer].t
+        t = self.caches[layer].t
         pending = self._due[layer]
         due = sorted(r for r in pending if r[0] <= t)
         if not due:
             return
         self._due[layer] = [r for r in pending if r[0] > t]
         for _ready, e in due:
-            was_resident = e in cache.resident()
-            slot, _evicted = cache.admit(e)
-            if not was_resident:
-                self.copies.await_copy(layer, slot, e)
+            self._land(layer, e)
             self._assigned[layer].append(e)
         held, self._held[layer] = self._held[layer], []
         for landed in held:
@@ -439,14 +448,14 @@ class OffloadEngine:
         slots = tier.slots[layer]
         out = expert_forward(
             hidden, slot_ids, weights, slots.gate_up, slots.down, self.act, tier.path,
-            upload=lambda a: tier.upload(layer, a),
+            upload=lambda a: tier.upload(layer, a), per_rank=job is not None,
         )  # fmt: skip
         if job is not None:
             t0 = time.perf_counter()
-            host_out, nbytes = tier.host_end(job)
+            host_rows, nbytes = tier.host_end(job)
             self.stats.host_wait_s += time.perf_counter() - t0
             self.stats.bytes_host += nbytes
-            out = out + host_out.to(out.dtype)
+            out = (out + host_rows.to(out.dtype)).sum(dim=1)  # each rank's row is in one of them
         return out
 
     def step_ids(self, s: LayerStep) -> tuple[np.ndarray, np.ndarray | None]:
@@ -457,5 +466,16 @@ class OffloadEngine:
             host = np.where(s.status == HOST, s.selected, -1).astype(np.int64)
         return slot, host
 
+    def _drop_landed(self) -> None:
+        """Landed copies the engine holds (admissions not yet applied, prefetches whose step
+        has not run) give their staging buffers back (a stream's end, or closing)."""
+        for landed in [c for held in self._held for c in held] + [
+            c for pf in self._pf_landed for c in pf.values()
+        ]:
+            self.copies.discard(landed)
+        self._held = [[] for _ in self._held]
+        self._pf_landed = [{} for _ in self._pf_landed]
+
     def close(self) -> None:
+        self._drop_landed()
         self.tier.close()

@@ -16,7 +16,8 @@ from moesub.engine.runtime import ADMISSION_TIMINGS
 from moesub.engine.tiers import require_cuda
 from moesub.io import require_file
 from moesub.params import options_from
-from moesub.policy import ALL_RESIDENT, ALL_RESIDENT_POLICY, Policy, check_capacity
+from moesub.policy import ALL_RESIDENT, ALL_RESIDENT_POLICY, Policy
+from moesub.slots import CacheSize
 
 _DEFAULTS = schema_defaults("engine")  # workflow/schemas/config.schema.yaml
 
@@ -73,52 +74,77 @@ class EngineSpec:
     name: str
     policy: Policy
     policy_meta: dict[str, Any]  # the policy as given (artefact metadata)
-    fraction: float
-    capacity: int  # C (E for all_resident)
+    size: CacheSize  # the cache size (C = E for all_resident)
     initial: np.ndarray  # int32 (L, C) resident set every stream / prompt starts from
     device: torch.device
     opts: EngineParams
     info: Any  # moesub.models.MoEInfo
+    layout: dict[str, Any] | None = None  # the layout's metadata (None: no ranking given)
+
+    @property
+    def fraction(self) -> float:
+        return self.size.fraction
+
+    @property
+    def capacity(self) -> int:
+        return self.size.capacity
 
 
 def resolve_engine(
     model_dir: str | os.PathLike,
     name: str,
     policy: Mapping[str, Any] | Policy | None,
-    fraction: float,
+    size: float | Mapping[str, Any],
     device: str,
     params: Mapping[str, Any] | None = None,
     initial: np.ndarray | None = None,
-    initial_sets_path: str | os.PathLike | None = None,
+    ranking_path: str | os.PathLike | None = None,
+    allocation_path: str | os.PathLike | None = None,
 ) -> EngineSpec:
     """Check an engine's inputs without loading the model: the policy (ignored for
-    `all_resident`), the fraction against the checkpoint's E and k, the engine options, the
-    device, and the initial resident set: `initial` (L, C), read from `initial_sets_path` when
-    given, or experts 0..C-1 when both are None (as `moesub.emulate`)."""
+    `all_resident`), the cache size (a resolved size or a fraction) against the checkpoint's E
+    and k, the engine options, the device, and the initial resident set: the layout from the
+    expert ranking at `ranking_path` (`moesub.artefacts.layout_for`: the policy's pins), else
+    `initial` (L, C), or experts 0..C-1 when both are None (as `moesub.emulate`).
+
+    The engine holds one slot count for every layer: a layout with per-layer capacities
+    (`allocation: planned`) is an error here until the engine takes per-layer slot counts."""
+    from moesub.artefacts import layout_for
     from moesub.models import check_checkpoint
-    from moesub.policy import check_initial
+    from moesub.policy import check_capacity, check_initial
     from moesub.replay import check_run, policy_from_dict
 
     require_file(model_dir, "model_dir")
-    check_run(name, fraction)
+    check_run(name, size)
     all_resident = name == ALL_RESIDENT
-    pol = ALL_RESIDENT_POLICY if all_resident else policy_from_dict(policy)
     opts = EngineParams.from_dict(params)
     dev = require_cuda(device)
     opts = replace(opts, dtype=engine_dtype(opts, dev))
     info = check_checkpoint(model_dir)
     E, k, L = info.num_experts, info.top_k, info.num_layers
+    layout = None
     if all_resident:
-        capacity, initial = E, np.tile(np.arange(E, dtype=np.int32), (L, 1))
+        pol = ALL_RESIDENT_POLICY
+        size = CacheSize(ALL_RESIDENT, E, 1.0)
+        initial = np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    elif ranking_path is not None:
+        require_file(ranking_path, "ranking_path")
+        spec = policy.to_dict() if isinstance(policy, Policy) else dict(policy or {})
+        built = layout_for(ranking_path, size, spec, k, L, E, allocation_path)
+        if not built.uniform:
+            raise NotImplementedError(
+                f"engine: policy {name!r} has per-layer slot counts {list(built.capacities)} "
+                "(allocation: planned); the engine holds one slot count for every layer, so it "
+                "does not run planned layouts yet (simulate and emulate do)"
+            )
+        pol = policy_from_dict(built.policy(spec))
+        size, initial, layout = built.size, built.initial_array(), built.to_dict()
     else:
-        capacity = check_capacity(float(fraction), E, k)
-        if initial_sets_path is not None:
-            from moesub.artefacts import read_initial_set
-
-            require_file(initial_sets_path, "initial_sets_path")
-            initial = read_initial_set(initial_sets_path, fraction)
-        initial = check_initial(initial, (L, capacity), E)
+        pol = policy_from_dict(policy)
+        size = CacheSize.of(size, E)
+        check_capacity(size.fraction, E, k)
+        initial = check_initial(initial, (L, size.capacity), E)
         if initial is None:
-            initial = np.tile(np.arange(capacity, dtype=np.int32), (L, 1))
+            initial = np.tile(np.arange(size.capacity, dtype=np.int32), (L, 1))
     meta = pol.to_dict() if all_resident or isinstance(policy, Policy) else dict(policy)
-    return EngineSpec(name, pol, meta, float(fraction), capacity, initial, dev, opts, info)
+    return EngineSpec(name, pol, meta, size, initial, dev, opts, info, layout)

@@ -59,24 +59,27 @@ def mean_of(df: pl.DataFrame, column: str) -> float:
 def run_engine(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     name: str,
     policy: Mapping[str, Any],
-    fraction: float,
+    size: float | Mapping[str, Any],
     device: str,
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
+    allocation_path: str | os.PathLike | None = None,
 ) -> Path:
     """Decode every stream of a capture token table with the real offloading engine.
 
     Writes one row per token (`ROW_COLUMNS`: `stream, pos, wall_s, fetch_wait_s, bytes_sync,
     bytes_bg, hit, fetch, sub, host, forced, nll` and the overlap's `OVERLAP_COLUMNS`, plus
     `mass` and `syncs`: host waits for the device) with
-    metadata `policy, name, fraction, capacity, device, tier, ...`, the admissions' latency in
-    tokens (request to install) and a `summary` (median / p90 time per token, perplexity).
-    `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
-    Each stream starts from fresh caches holding the initial set (as in emulate). Every input is
-    checked before decoding; the output is written atomically at the end.
+    metadata `policy, name, fraction, capacity, size, layout, device, tier, ...`, the
+    admissions' latency in tokens (request to install) and a `summary` (median / p90 time per
+    token, perplexity). `name == "all_resident"` holds every expert in fast memory (the floor
+    on time per token). Each stream starts from fresh caches holding the layout's initial sets
+    (the expert ranking's prefixes, as in emulate; `moesub.engine.spec.resolve_engine`: a
+    planned layout is not run yet). Every input is checked before decoding; the output is
+    written atomically at the end.
     """
     from moesub.artefacts import check_token_table, iter_streams
     from moesub.policy import CORE_BUILD_ID
@@ -84,8 +87,9 @@ def run_engine(
     require_file(model_dir, "model_dir")
     tokens_path = require_file(tokens_path, "tokens_path")
     spec = resolve_engine(
-        model_dir, name, policy, fraction, device, params,
-        initial_sets_path=None if name == ALL_RESIDENT else initial_sets_path,
+        model_dir, name, policy, size, device, params,
+        ranking_path=None if name == ALL_RESIDENT else ranking_path,
+        allocation_path=allocation_path,
     )  # fmt: skip
     opts = spec.opts
     tokens = check_token_table(pl.read_parquet(tokens_path), spec.info.vocab_size)
@@ -129,6 +133,8 @@ def run_engine(
         "name": name,
         "fraction": spec.fraction,
         "capacity": int(spec.capacity),
+        "size": spec.size.to_dict(),
+        "layout": spec.layout,
         "device": str(setup.device),
         "tier": setup.tier.description,
         "tier_kind": setup.tier.kind,

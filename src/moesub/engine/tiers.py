@@ -1,7 +1,8 @@
 """Fast-tier expert slots and the disk tier (the CUDA tier is `moesub.engine.cuda_tier`).
 
-A tier owns, per MoE layer, `C` preallocated expert slots in fast memory (`SlotBuffers`) and the
-way experts reach them from the slow tier. Every tier has the same interface, which
+A tier owns, per MoE layer `l`, `C_l` preallocated expert slots in fast memory (`SlotBuffers`;
+the capacity is one int for every layer or one per layer, `layer_capacities`) and the way
+experts reach them from the slow tier. Every tier has the same interface, which
 `OffloadEngine` drives: `load`, `fetch`, `request` / `completed` / `install` / `discard`
 (background copies: admissions and prefetches), `begin_token`, `to_host` / `upload` (the
 router's values to the host, index arrays to the device), `host_begin` / `host_end` (the host's
@@ -11,10 +12,12 @@ experts, concurrently with the fast tier's), `token_sync`, `take_wait_s`,
 
 `DiskTier` (CPU-only machines): the slow tier is an `ExpertStore` file, the fast tier RAM.
 Synchronous fetches are blocking uncached reads straight into the slot; background admissions
-are read by an I/O thread into staging buffers, and installed into the slot the policy core
-names once the read has really completed. The host's experts (host_compute, light_miss="host")
-are computed on the CPU by a worker thread, each from a fresh uncached read of the expert ("host
-weights" live on disk), while the main thread computes the slots' experts.
+(and the uploads of host-computed experts, `host_admit`: the I/O thread reads the expert again
+rather than keeping the host worker's read) are read by an I/O thread into staging buffers, and
+installed into the slot the policy core names once the read has really completed. The host's
+experts (host_compute, light_miss="host") are computed on the CPU by a worker thread, each from
+a fresh uncached read of the expert ("host weights" live on disk), while the main thread
+computes the slots' experts.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ class SlotBuffers:
     @property
     def capacity(self) -> int:
         return self.gate_up.shape[0]
+
+
+def layer_capacities(capacity: int | Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Slots per layer: `capacity` an int (every layer) or a sequence of `num_layers` ints."""
+    if isinstance(capacity, Sequence) or getattr(capacity, "ndim", 0) == 1:
+        caps = tuple(int(c) for c in capacity)
+        if len(caps) != num_layers:
+            raise ValueError(f"capacity: {len(caps)} per-layer slot counts for {num_layers} layers")
+    else:
+        caps = (int(capacity),) * num_layers
+    if min(caps) < 1:
+        raise ValueError(f"capacity: every layer needs at least one slot, got {list(caps)}")
+    return caps
 
 
 def host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,14 +234,14 @@ DISK_STAGING_BUFFERS = 4  # the I/O thread reads one expert at a time: a few buf
 
 
 class DiskTier:
-    """Experts on disk (`ExpertStore`), C slots per layer in RAM."""
+    """Experts on disk (`ExpertStore`), C_l slots in RAM for layer l (`layer_capacities`)."""
 
     kind = "disk->RAM"
 
     def __init__(
         self,
         store: ExpertStore,
-        capacity: int,
+        capacity: int | Sequence[int],
         k: int,
         act: Callable[[torch.Tensor], torch.Tensor],
         staging_buffers: int | None = None,
@@ -236,10 +252,9 @@ class DiskTier:
         dt = lay.torch_dtype
         self.slots = [
             SlotBuffers(
-                aligned_empty((capacity, *lay.gate_up_shape), dt),
-                aligned_empty((capacity, *lay.down_shape), dt),
+                aligned_empty((C, *lay.gate_up_shape), dt), aligned_empty((C, *lay.down_shape), dt)
             )
-            for _ in range(lay.num_layers)
+            for C in layer_capacities(capacity, lay.num_layers)
         ]
         # scratch for host_compute misses: up to k experts of one token, read fresh every time
         self._host_gu = aligned_empty((k, *lay.gate_up_shape), dt)
@@ -314,14 +329,15 @@ class DiskTier:
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
         """Misses computed on the CPU, each from a fresh uncached disk read: host_ids (N, k)
-        expert or -1, hidden [N, H] and weights [N, k] on the host -> (out [N, H], bytes)."""
+        expert or -1, hidden [N, H] and weights [N, k] on the host -> (weighted rows [N, k, H],
+        zero where host_ids is -1, `expert_forward(per_rank=True)`; bytes read)."""
         local, experts = host_ids_to_local(host_ids)
         n = 0
         for j, e in enumerate(experts.tolist()):
             n += self.store.read_into(layer, e, self._host_gu[j], self._host_dn[j])
         out = expert_forward(
             hidden, local, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
-            self.act,
+            self.act, per_rank=True,
         )  # fmt: skip
         return out, n
 
@@ -342,7 +358,7 @@ class DiskTier:
         return self._host.submit(run)
 
     def host_end(self, job: Future) -> tuple[torch.Tensor, int]:
-        """Wait for `host_begin`'s result: (out [N, H], bytes read)."""
+        """Wait for `host_begin`'s result: (weighted rows [N, k, H], bytes read)."""
         return job.result()
 
     def token_sync(self) -> None:

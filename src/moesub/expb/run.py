@@ -1,12 +1,15 @@
-"""Forced-substitution emulation of one Experiment B (design, condition, target mass).
+"""Forced-substitution emulation of one Experiment B run: a (design, condition, target mass) of
+the study and matched designs, or a cell of the factorial design.
 
 Every expert is available (no cache dynamics). Per token and MoE layer the condition's experts
-(`moesub.expb.select` for the study design, the plan of `moesub.expb.plan` for the matched one)
-are substituted; everything else is computed exactly. A substitute is the policy core's choice
+(`moesub.expb.select` for the study design, the plan of `moesub.expb.plan` for the matched one,
+of `moesub.expb.factorial` for a factorial cell) are substituted; everything else is computed
+exactly. A substitute is the policy core's choice
 (`moesub.policy.forced_substitution`: the highest-logit resident expert not in this token's
-computed set) from a configurable resident set (default: the frequency-initial set at the
-configured fraction). Streams go through the model in the capture's batches (bit-identical NLL
-with the capture where nothing is substituted).
+computed set) from a configurable resident set (default: the first C experts of each layer's
+calibration ranking at `expb.fraction`: one static, uniform, unpinned set, whatever sizes and
+layouts the policies run at). Streams go through the model in the capture's batches
+(bit-identical NLL with the capture where nothing is substituted).
 
 Per token the artefact records the realized mass per token-layer (`layer_mass`, the live gate
 weights of what was substituted, and `mass`, their mean over the token's layers), the number of
@@ -26,8 +29,16 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.artefacts import Trace, check_token_table, initial_set_for, iter_streams, load_trace
+from moesub.artefacts import Trace, check_token_table, iter_streams, layout_for, load_trace
 from moesub.config import check_options, expb_min_capacity, schema_defaults
+from moesub.expb.factorial import (
+    CELLS,
+    FactorialPlan,
+    FactorialSpec,
+    check_feasible,
+    factorial_plan,
+)
+from moesub.expb.factorial import feasibility_table as factorial_feasibility_table
 from moesub.expb.plan import (
     FEASIBILITY_GRID,
     MatchedPlan,
@@ -39,7 +50,7 @@ from moesub.expb.select import STUDY_CONDITIONS, select_substitutions
 from moesub.io import read_metadata, require_file, write_parquet
 from moesub.models import RouterHook, moe_info, stream_batches, stream_nll
 from moesub.params import options_from, torch_device
-from moesub.policy import CORE_BUILD_ID, check_capacity, check_initial, forced_substitution
+from moesub.policy import CORE_BUILD_ID, check_initial, forced_substitution
 from moesub.replay import (
     BatchRouter,
     check_geometry,
@@ -60,7 +71,7 @@ _DEFAULTS = schema_defaults("expb")  # workflow/schemas/config.schema.yaml
 class ExpBParams:
     """What an Experiment B job takes from config.yaml `expb:` (every key optional)."""
 
-    fraction: float = _DEFAULTS["fraction"]  # resident set = frequency-initial set at this fraction
+    fraction: float = _DEFAULTS["fraction"]  # resident set = ranking prefix at this fraction
     # "initial" | "all" (every expert may serve as a substitute)
     resident: str = _DEFAULTS["resident"]
     progress: bool = True
@@ -97,8 +108,8 @@ class StudyRule:
 
 @dataclass
 class PlannedIds:
-    """The matched design: the planned experts (T, L, k) ids, -1 = none, substituted where they
-    are still in the live top-k at rank >= 2."""
+    """The matched and factorial designs: the planned experts (T, L, k) ids, -1 = none,
+    substituted where they are still in the live top-k at rank >= 2."""
 
     ids: np.ndarray  # (T, L, k) int32
 
@@ -162,22 +173,24 @@ def expb_streams(
     condition: str,
     resident: np.ndarray,
     target_mass: float | None = None,
-    plan: MatchedPlan | None = None,
+    plan: MatchedPlan | FactorialPlan | None = None,
     progress: bool = True,
     max_streams: int | None = None,
     batch_tokens: int | None = None,
 ) -> tuple[pl.DataFrame, np.ndarray]:
     """Forced-substitution emulation of every stream: (per-token table, realized (N_tok, L)).
 
-    The study design with `target_mass`, the matched design with `plan` (its streams must be the
-    emulated ones). Columns: `stream, pos, doc_id, doc_start, nll, mass` (mean realized mass
-    per token-layer over the token's layers), `layer_mass` list[L] (realized mass per
-    token-layer), `n_sub` (substituted experts, summed over layers), `rank_sum` (their ranks,
-    summed), `n_planned` (experts the plan or rule chose, summed; n_planned - n_sub were dropped).
+    The study design with `target_mass`, the matched design or a factorial cell with `plan` (its
+    streams must be the emulated ones; `condition` names one of its `ids`). Columns: `stream,
+    pos, doc_id, doc_start, nll, mass` (mean realized mass per token-layer over the token's
+    layers), `layer_mass` list[L] (realized mass per token-layer), `n_sub` (substituted experts,
+    summed over layers), `rank_sum` (their ranks, summed), `n_planned` (experts the plan or rule
+    chose, summed; n_planned - n_sub were dropped).
     """
     info = moe_info(model)
-    if condition not in CONDITIONS:
-        raise ValueError(f"condition must be one of {CONDITIONS}, got {condition!r}")
+    conditions = CONDITIONS if plan is None else tuple(plan.ids)
+    if condition not in conditions:
+        raise ValueError(f"condition must be one of {conditions}, got {condition!r}")
     if (target_mass is None) == (plan is None):
         raise ValueError("pass target_mass (study design) or plan (matched design), not both")
     df = check_token_table(token_table, info.vocab_size)
@@ -282,7 +295,7 @@ def _stream_subset(trace: Trace, streams: list[int]) -> Trace:
 def run_expb(
     model_dir: str | os.PathLike,
     tokens_path: str | os.PathLike,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     design: str,
     condition: str,
     target_mass: float,
@@ -303,7 +316,7 @@ def run_expb(
     tokens_path = require_file(tokens_path, "tokens_path")
     opts = ExpBParams.from_dict(params)
     if opts.resident == "initial":
-        initial_sets_path = require_file(initial_sets_path, "initial_sets_path")
+        ranking_path = require_file(ranking_path, "ranking_path")
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if condition not in CONDITIONS:
@@ -323,14 +336,7 @@ def run_expb(
     model, info, tokens, dtype = load_for_capture(
         model_dir, tokens_path, opts.dtype, torch_device(opts.device)
     )
-    if opts.resident == "all":
-        resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
-        capacity = info.num_experts
-    else:
-        capacity = check_capacity(opts.fraction, info.num_experts, info.top_k)
-        resident = initial_set_for(
-            initial_sets_path, opts.fraction, info.num_layers, info.num_experts, capacity
-        )
+    resident, capacity = _resident_set(opts, info, ranking_path)
     meta: dict[str, Any] = {"design": design, "condition": condition, "target_mass": target_mass}
     plan = None
     if design == "matched":
@@ -361,15 +367,111 @@ def run_expb(
         max_streams=opts.max_streams,
         batch_tokens=read_metadata(tokens_path).get("batch_tokens"),
     )
-    meta.update(
-        mass_unit="per token-layer",
-        realized_mass_mean=float(realized.mean()),
-        realized_share_substituted=float((realized > 0).mean()),
-        resident=opts.resident,
-        fraction=float(opts.fraction) if opts.resident == "initial" else 1.0,
-        capacity=capacity,
-        num_layers=info.num_layers,
-        core_build_id=CORE_BUILD_ID,
-        dtype=dtype,
+    meta.update(_run_meta(opts, info, realized, capacity, dtype))
+    return write_parquet(out, out_path, metadata=meta)
+
+
+def _resident_set(opts: ExpBParams, info, ranking_path) -> tuple[np.ndarray, int]:
+    """(resident (L, C) int32, C): the experts substitutes are drawn from."""
+    if opts.resident == "all":
+        resident = np.tile(np.arange(info.num_experts, dtype=np.int32), (info.num_layers, 1))
+        return resident, info.num_experts
+    # one static resident set at expb.fraction, uniform, unpinned: the expert ranking's first C
+    # experts of every layer (no policy runs, so no pin or allocation applies)
+    layout = layout_for(
+        ranking_path, opts.fraction, {"rule": "fetch_all"}, info.top_k, info.num_layers,
+        info.num_experts,
+    )  # fmt: skip
+    return layout.initial_array(), layout.size.capacity
+
+
+def _run_meta(opts: ExpBParams, info, realized: np.ndarray, capacity: int, dtype: str) -> dict:
+    """Metadata every run records: realized mass (N_tok, L), the resident set, the build."""
+    return {
+        "mass_unit": "per token-layer",
+        "realized_mass_mean": float(realized.mean()),
+        "realized_share_substituted": float((realized > 0).mean()),
+        "resident": opts.resident,
+        "fraction": float(opts.fraction) if opts.resident == "initial" else 1.0,
+        "capacity": capacity,
+        "num_layers": info.num_layers,
+        "core_build_id": CORE_BUILD_ID,
+        "dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------- the factorial design
+def run_factorial_feasibility(
+    router_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    spec: Mapping[str, Any] | None,
+    seed: int,
+) -> Path:
+    """The factorial design's plan on the calibration router logits -> Parquet at `out_path`
+    (one row per cell; metadata: the spec and the plan's figures). Raises ValueError naming
+    `expb.designs.factorial` when a cell has no support (then nothing is written)."""
+    trace = load_trace(require_file(router_path, "router_path"))
+    factorial = FactorialSpec.from_dict(spec)
+    plan = factorial_plan(trace, factorial, seed)
+    check_feasible(plan, factorial, "the calibration capture")
+    meta = {"design": "factorial", "spec": factorial.as_dict(), "seed": seed, **plan.summary()}
+    meta.update({k: trace.meta[k] for k in ("num_experts", "top_k", "num_layers")})
+    return write_parquet(factorial_feasibility_table(plan, factorial), out_path, metadata=meta)
+
+
+def run_factorial(
+    model_dir: str | os.PathLike,
+    tokens_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
+    router_path: str | os.PathLike,
+    feasibility_path: str | os.PathLike,
+    cell: str,
+    out_path: str | os.PathLike,
+    spec: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Path:
+    """One cell of the factorial design -> per-token Parquet at `out_path` (the expb schema).
+
+    The plan is made on the evaluation capture's router table (`router_path`) before the model
+    loads; the calibration feasibility table (`feasibility_path`) must be the one of this spec.
+    Metadata: design, condition (= the cell), the spec, the plan's figures (`plan_*`), the run's.
+    """
+    require_file(model_dir, "model_dir")
+    tokens_path = require_file(tokens_path, "tokens_path")
+    router_path = require_file(router_path, "router_path")
+    opts = ExpBParams.from_dict(params)
+    factorial = FactorialSpec.from_dict(spec)
+    if cell not in CELLS:
+        raise ValueError(f"cell must be one of {CELLS}, got {cell!r}")
+    if opts.resident == "initial":
+        ranking_path = require_file(ranking_path, "ranking_path")
+    feasible = read_metadata(require_file(feasibility_path, "feasibility_path"))
+    if feasible.get("spec") != factorial.as_dict() or feasible.get("seed") != opts.seed:
+        raise ValueError(
+            f"feasibility_path: made for {feasible.get('spec')} (seed {feasible.get('seed')}), "
+            f"not for this run's {factorial.as_dict()} (seed {opts.seed}): rerun the feasibility"
+        )
+    streams = sorted(pl.read_parquet(tokens_path, columns=["stream"])["stream"].unique())
+    trace = load_trace(router_path)
+    plan = factorial_plan(_stream_subset(trace, streams[: opts.max_streams]), factorial, opts.seed)
+    check_feasible(plan, factorial, "the evaluation capture")
+    meta: dict[str, Any] = {"design": "factorial", "condition": cell, "spec": factorial.as_dict()}
+    meta.update({f"plan_{k}": v for k, v in plan.summary().items()}, seed=opts.seed)
+    model, info, tokens, dtype = load_for_capture(
+        model_dir, tokens_path, opts.dtype, torch_device(opts.device)
     )
+    check_geometry(trace.meta, info, "router_path")
+    del trace
+    resident, capacity = _resident_set(opts, info, ranking_path)
+    out, realized = expb_streams(
+        model,
+        tokens,
+        cell,
+        resident,
+        plan=plan,
+        progress=opts.progress,
+        max_streams=opts.max_streams,
+        batch_tokens=read_metadata(tokens_path).get("batch_tokens"),
+    )
+    meta.update(_run_meta(opts, info, realized, capacity, dtype))
     return write_parquet(out, out_path, metadata=meta)

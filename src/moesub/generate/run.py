@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from moesub.artefacts import initial_set_for
+from moesub.artefacts import layout_for
 from moesub.engine import EngineModel
 from moesub.engine.spec import resolve_engine
 from moesub.generate.base import Task, TaskItem, agreement, scored_length, truncate_at
@@ -36,9 +36,10 @@ from moesub.generate.tasks import task_named
 from moesub.io import write_parquet
 from moesub.models import check_checkpoint, load_model, load_tokenizer
 from moesub.params import torch_device
-from moesub.policy import CORE_BUILD_ID, check_capacity
+from moesub.policy import CORE_BUILD_ID
 from moesub.replay import check_run, greedy_decode, greedy_decode_batched, policy_from_dict
 from moesub.sandbox import probe_isolation
+from moesub.slots import policy_fields
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _encode(tokenizer, items: list[TaskItem], max_prompt_tokens: int | None) -> 
 
 
 def decode_items(
-    model, tokenizer, items: list[TaskItem], policy, capacity: int, initial, stop, opts,
+    model, tokenizer, items: list[TaskItem], policy, capacity, initial, stop, opts,
     fixed_length: bool = False,
 ) -> list:  # fmt: skip
     """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
@@ -146,7 +147,7 @@ def generate_rows(
     name: str,
     policy,
     fraction: float,
-    capacity: int,
+    capacity: int | tuple[int, ...],
     initial,
     num_layers: int,
     opts: GenerateParams,
@@ -226,15 +227,20 @@ def run_generate(
     model_dir: str | os.PathLike,
     task: str,
     data_path: str | os.PathLike | None,
-    initial_sets_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
     name: str,
     policy: Mapping[str, Any],
-    fraction: float,
+    size: float | Mapping[str, Any],
     out_path: str | os.PathLike,
     params: Mapping[str, Any] | None = None,
     engine_params: Mapping[str, Any] | None = None,
+    allocation_path: str | os.PathLike | None = None,
 ) -> Path:
-    """Generate one (task, policy, fraction): one row per problem (OUTPUT_SCHEMA) at `out_path`.
+    """Generate one (task, policy, size): one row per problem (OUTPUT_SCHEMA) at `out_path`.
+
+    `policy`: the config's policy dict; `size`: a resolved cache size or a fraction; the caches'
+    layout comes from the expert ranking at `ranking_path` (and a planned policy's
+    `allocation_path`; the engine backend does not run a planned layout yet).
 
     `data_path`: GSM8K JSONL; HumanEval JSONL(.gz) or None (the bundled copy); code completion:
     a corpus_files.parquet or None (the model's own). When the data is missing, an empty table
@@ -246,15 +252,20 @@ def run_generate(
     record = task_named(task)
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"model_dir: {model_dir} does not exist")
-    if not Path(initial_sets_path).is_file():
-        raise FileNotFoundError(f"initial_sets_path: {initial_sets_path} does not exist")
-    check_run(name, fraction)
-    pol = policy_from_dict(policy)
+    if not Path(ranking_path).is_file():
+        raise FileNotFoundError(f"ranking_path: {ranking_path} does not exist")
+    check_run(name, size)
+    policy_from_dict(policy_fields(policy))
     opts = GenerateParams.from_dict(params)
     if opts.reference_path is not None and not Path(opts.reference_path).is_file():
         raise FileNotFoundError(f"params.reference_path: {opts.reference_path} does not exist")
     info = check_checkpoint(model_dir)
-    capacity = check_capacity(fraction, info.num_experts, info.top_k)
+    layout = layout_for(
+        ranking_path, size, policy, info.top_k, info.num_layers, info.num_experts,
+        allocation_path,
+    )  # fmt: skip
+    pol = policy_from_dict(layout.policy(policy))
+    fraction = layout.size.fraction
     device = torch_device(opts.device)
     spec = None
     backend = "emulator" if record.fixed_length else opts.backend
@@ -262,14 +273,16 @@ def run_generate(
         eng_params = {**(engine_params or {}), "admission": opts.admission}
         eng_params.setdefault("progress", opts.progress)
         spec = resolve_engine(
-            model_dir, name, pol, fraction, str(device), eng_params,
-            initial_sets_path=initial_sets_path,
+            model_dir, name, policy, layout.size, str(device), eng_params,
+            ranking_path=ranking_path, allocation_path=allocation_path,
         )  # fmt: skip
     meta: dict[str, Any] = {
         "task": task,
         "name": name,
-        "policy": pol.to_dict(),
-        "fraction": float(fraction),
+        "policy": dict(policy),
+        "fraction": fraction,
+        "size": layout.size.to_dict(),
+        "layout": layout.to_dict(),
         "data_path": None if data_path is None else str(data_path),
         "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
         "core_build_id": CORE_BUILD_ID,
@@ -282,9 +295,7 @@ def run_generate(
         meta["missing_data"] = str(exc)
         return write_parquet(OUTPUT_SCHEMA.empty_table(), out_path, metadata=meta)
 
-    initial = initial_set_for(
-        initial_sets_path, fraction, info.num_layers, info.num_experts, capacity
-    )
+    capacity, initial = layout.capacities, layout.initial
     if spec is not None:
         tokenizer = load_tokenizer(model_dir)
         with EngineModel(model_dir, spec) as engine:
@@ -305,7 +316,7 @@ def run_generate(
         )  # fmt: skip
     if record.sandboxed:
         meta["sandbox"] = probe_isolation()
-    meta["capacity"] = capacity
+    meta["capacity"] = layout.size.capacity
     meta["num_moe_layers"] = info.num_layers
     meta["n"] = table.num_rows
     correct = [c for c in table.column("correct").to_pylist() if c is not None]

@@ -21,6 +21,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moesub.report.degeneration import fig_degeneration  # noqa: E402
 from moesub.report.design import fig_design  # noqa: E402
+from moesub.report.factorial import fig_factorial  # noqa: E402
 from moesub.report.finding_figures import fig_admission, fig_expb, fig_mass  # noqa: E402
 from moesub.report.load import column, finite, lacking, regime_wide  # noqa: E402
 from moesub.report.plotting import (  # noqa: E402
@@ -325,6 +326,18 @@ FIGURES: list[tuple[str, str, str, str, str, Callable[[FigureData], plt.Figure]]
         "effect (heavy − light, in that design's units) with its CI per target, on its own "
         "scale; an invalid target is a red x and does not set the scale of valid ones.",
         fig_expb,
+    ),
+    (
+        "expb_factorial",
+        "Experiment B: factorial design",
+        "expb_factorial_cells",
+        "expb_factorial",
+        "Left: each cell's ΔNLL per substituted token-layer against the realized gate weight of "
+        "the substituted expert, one line per rank bucket (the slope: weight at a fixed rank; "
+        "the gap between the lines: rank at a fixed weight). Right: every test's estimate with "
+        "its t interval over streams (the one its t-test inverts); grey: ± the minimum "
+        "detectable effect.",
+        fig_factorial,
     ),
     (
         "regime",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from moesub.metrics import speedup_text
 from moesub.report.claims import test_of, test_words
+from moesub.report.factorial import factorial_headline
 from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking
 from moesub.report.tables import Row, interval, num
 
@@ -150,4 +151,10 @@ def segment_text(t: Row | None) -> str:
 
 def headline(out: AnalysisOutputs) -> list[str]:
     """The headline numbers as sentences; every sentence starts with its model's name."""
-    return [*mass_lines(out), *expb_lines(out), *policy_lines(out), *admission_lines(out)]
+    return [
+        *mass_lines(out),
+        *expb_lines(out),
+        *factorial_headline(out),
+        *policy_lines(out),
+        *admission_lines(out),
+    ]

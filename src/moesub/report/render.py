@@ -24,6 +24,11 @@ from moesub.report.experiments import (
     regime_table,
     regime_verdicts,
 )
+from moesub.report.factorial import (
+    factorial_cells_table,
+    factorial_lines,
+    factorial_tests_table,
+)
 from moesub.report.figures import draw_figures
 from moesub.report.headline import headline
 from moesub.report.load import (
@@ -53,7 +58,7 @@ from moesub.report.tables import (
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 TEMPLATE = "report.html.j2"
 # parts whose section shows notes
-SECTION_NOTES = ("expb", "admission", "generation", "degeneration", "regime")
+SECTION_NOTES = ("expb", "expb_factorial", "admission", "generation", "degeneration", "regime")
 
 
 def machine_info() -> dict[str, Any]:
@@ -145,6 +150,9 @@ def render_report(
         "expb_alpha": (out.params.get("expb") or {}).get("alpha", out.params.get("alpha")),
         "expb_designs": expb_side,
         "expb_all": expb_all,
+        "expb_factorial_lines": factorial_lines(out),
+        "expb_factorial_tests": factorial_tests_table(out),
+        "expb_factorial_cells": factorial_cells_table(out),
         "admission": admission_table(out),
         "admission_bins": admission_bins_table(out),
         "regime": regime_table(out),

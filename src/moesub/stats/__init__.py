@@ -18,6 +18,10 @@ atomically (`moesub.io`), into `out_dir`:
 - `expb.parquet`: per (design, target mass): Experiment B's decision, realized masses per
   token-layer, effect with CI, rank confound; `expb_streams.parquet`: per (design, target mass,
   stream): realized masses, ΔNLL, the paired difference;
+- `expb_factorial.parquet`: per test of the factorial design (weight at a fixed rank, rank at a
+  fixed weight; pooled and per bucket): estimate in ΔNLL per substituted token-layer with CI,
+  raw p, MDE, verdict, the cells' balance; `expb_factorial_cells.parquet`: per cell;
+  `expb_factorial_streams.parquet`: per (cell, stream);
 - `admission.parquet`: per (policy, fraction, segment, bin of tokens since the document start):
   ΔNLL vs the exact twin with CI and bias;
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
@@ -65,7 +69,8 @@ Modules, one per part (each documents its decisions):
 - `quality`: per-policy quality and the 0.15 rule's contrast (Δppl and speedup themselves are
   `moesub.metrics`);
 - `mass`: the mass hypothesis; `per_input`: its per-input form;
-- `expb`: Experiment B; `admission`: admission vs its twin; `timing`: simulate, engine,
+- `expb`: Experiment B (study, matched); `expb_factorial`: its factorial design; `admission`:
+  admission vs its twin; `timing`: simulate, engine,
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
   `degeneration`: repetition and loops in free continuations;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
@@ -89,6 +94,8 @@ order and maps their tables onto `OUTPUT_FILES`:
     per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
     selection(quality.streams, p) -> Selection(table, result, status)
     expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
+    expb_factorial(tokens, factorial_files, feasibility_paths, p)
+        -> ExpBFactorial(table, cells, streams, results, tests, status)
     admission(tokens, emulate_files, p) -> Admission(table, totals, tests, status)
     simulate(db, simulate_files) -> Simulate(total, layers, status)
     engine(db, engine_files, p) -> Engine(table, status)
@@ -131,7 +138,7 @@ from moesub.stats.load import (
     model_of,
     split_by_model,
 )
-from moesub.stats.params import AnalysisParams, ExpBRule
+from moesub.stats.params import AnalysisParams, ExpBRule, FactorialRule
 from moesub.stats.power import paired_mde, proportion_mde, wilcoxon_min_p
 from moesub.stats.run import OUTPUT_FILES, run_analysis
 from moesub.stats.timing import pareto_front
@@ -142,6 +149,7 @@ __all__ = [
     "OUTPUT_FILES",
     "AnalysisParams",
     "ExpBRule",
+    "FactorialRule",
     "Interval",
     "boot_counts",
     "boot_indices",

@@ -9,7 +9,17 @@ The claims (`CLAIMS`) and what decides each:
 - `mass`: among fetch-first policies, more substituted mass goes with a higher Δppl (study:
   r ~ 0.92): the pre-registered r > 0 (`mass_hypothesis`); the within-cluster r is quoted;
 - `expb`: at equal mass, a few heavy substitutions hurt more than many light ones: each
-  design's pre-registered two-sided test at its primary m* (`expb_primary`);
+  design's pre-registered two-sided test at its primary m* (`expb_primary`). The study and
+  matched designs cannot separate a substitution's rank from its weight (their heavy expert is
+  nearly always the better-ranked one); the factorial design can (`expb_factorial_main`,
+  pre-registered). The rule (`expb_parts`): when the factorial's rank test finds that the rank
+  matters at a fixed weight (evidence against "only the weight matters": Holm p < alpha, either
+  sign, since a rank effect can make or mask a heavy-light difference), the designs' results
+  may be the rank's: they are quoted beside the verdict, and the factorial's weight test at a
+  fixed rank is the claim's one part. Otherwise (no detectable rank effect, the rank test
+  invalid or not run) the designs decide and the factorial's tests are quoted beside them: one
+  substitution at a fixed rank is another estimand than the equal-mass comparison, so it does
+  not overrule the designs;
 - `admission`: admission (beta 0.5) cut perplexity 0.3-1.5%: the pre-registered tests of
   `quality` and `speed` against their exact twins (`admission_study`), and their intervals
   against that range;
@@ -43,6 +53,7 @@ from typing import Any, NamedTuple
 import pandas as pd
 
 from moesub.metrics import dppl_pct, speedup, speedup_text
+from moesub.stats.expb_factorial import PREFIX
 from moesub.stats.intervals import level_label
 from moesub.stats.load import missing
 from moesub.stats.multiplicity import AGAINST, NO_EFFECT, SUPPORTS
@@ -53,6 +64,10 @@ CONTRADICTS = "contradicts"
 UNDECIDED = "cannot decide"
 NOT_MEASURED = "not measured by this run"
 SPEED_POLICIES = ("quality", "speed")
+FACTORIAL_WORDS = {
+    f"{PREFIX}weight": "factorial design, the weight at a fixed rank",
+    f"{PREFIX}rank": "factorial design, the rank at a fixed weight",
+}
 
 
 @dataclass(frozen=True)
@@ -199,6 +214,23 @@ def tests_of(tests: pd.DataFrame, kind: str) -> list[dict[str, Any]]:
     return [] if tests.empty else tests[tests["kind"] == kind].to_dict("records")
 
 
+def expb_parts(tests: pd.DataFrame, ci: str) -> tuple[list[Part], list[str]]:
+    """Experiment B's parts and the lines quoted beside them (module doc: the factorial's rank
+    test decides whether the designs or the factorial's weight test judge the claim)."""
+    designs = [verdict_of_test(t, ci) for t in tests_of(tests, "expb_primary")]
+    main = {  # named in words: the claim's text is read on its own
+        t["name"].removeprefix(PREFIX): {**t, "name": FACTORIAL_WORDS[t["name"]]}
+        for t in tests_of(tests, "expb_factorial_main")
+    }
+    rank, weight = main.get("rank"), main.get("weight")
+    if rank is None or weight is None or rank["direction"] != AGAINST:
+        return designs, [verdict_of_test(t, ci).text for t in main.values()]
+    beside = [f"{verdict_of_test(rank, ci).text}, so the designs' heavy − light differences "
+              "may be the rank's"]  # fmt: skip
+    beside += [f"confounded by the rank: {q.text}" for q in designs]
+    return [verdict_of_test(weight, ci)], beside
+
+
 def speedup_parts(
     policy: str,
     ref: str,
@@ -280,10 +312,11 @@ def claims(
     def as_dppl(x: Any) -> str:  # a ΔNLL on the perplexity scale
         return fmt(dppl_pct(float(x)), "+.2f") if x is not None else "—"
 
+    expb, expb_beside = expb_parts(tests, ci)
     parts: dict[str, list[Part]] = {
         "rule_015": [verdict_of_test(t, ci) for t in tests_of(tests, "dppl_contrast")],
         "mass": [verdict_of_test(t, ci) for t in tests_of(tests, "mass_hypothesis")],
-        "expb": [verdict_of_test(t, ci) for t in tests_of(tests, "expb_primary")],
+        "expb": expb,
         "admission": [
             verdict_of_test(t, ci, cut, as_dppl, "Δppl % ")
             for t in tests_of(tests, "admission_study")
@@ -301,6 +334,7 @@ def claims(
         ),
     }
     context = {
+        "expb": expb_beside,
         "mass": [verdict_of_test(t, ci).text for t in tests_of(tests, "mass_within_clusters")],
         "rule_015": [
             f"{r['policy']} (f {r['fraction']:g}) Δppl {fmt(r['dppl_pct'], '+.2f')}%"

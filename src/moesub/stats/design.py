@@ -30,7 +30,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from moesub.config import POLICY_DEFAULTS
 from moesub.policy import OFFLINE_EVICTIONS, STATUS_NAMES, Policy
+from moesub.slots import LAYOUT_KEYS, policy_fields
 from moesub.stats.load import missing
 from moesub.stats.params import AnalysisParams
 from moesub.stats.timing import pareto_front
@@ -95,7 +97,7 @@ def design_space(
         if spec is None:
             unknown.append(r["policy"])
             continue
-        rows.append(_row(r, Policy.from_dict(dict(spec)), layers))
+        rows.append(_row(r, spec, layers))
     if not rows:
         why = f"no known policy among the simulated {unknown}"
         return DesignSpace(pd.DataFrame(), pd.DataFrame(), missing(why))
@@ -121,7 +123,10 @@ def design_space(
     return DesignSpace(ds.drop(columns=["bound_key"]), _families(ds), status)
 
 
-def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:
+def _row(r: dict[str, Any], spec: dict[str, Any], layers: pd.DataFrame) -> dict[str, Any]:
+    p = Policy.from_dict(policy_fields(spec))
+    # the layout (pin spec, allocation) is part of what a policy and its bound share
+    layout = tuple((key, spec.get(key, POLICY_DEFAULTS[key])) for key in LAYOUT_KEYS)
     per_layer = layers[(layers["policy"] == r["policy"]) & (layers["fraction"] == r["fraction"])]
     n_layers = len(per_layer) or 1
     tokens = float(r["tokens"]) / n_layers  # the total row counts token-layers
@@ -142,6 +147,7 @@ def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:
         "route_bias": p.route_bias,
         "light_miss": p.light_miss,
         "substitute_by": p.substitute_by,
+        **dict(layout),
         "bound": p.eviction in OFFLINE_EVICTIONS,
         "lossless": lossless(p),
         "hit_rate": float(r["hit_rate"]),
@@ -154,7 +160,7 @@ def _row(r: dict[str, Any], p: Policy, layers: pd.DataFrame) -> dict[str, Any]:
         # what the simulator sees of a quality loss: gate mass substituted or rerouted
         "moved_mass_per_token_layer": float(r["mass_mean"]) + _float(r.get("rerouted_mean"), 0.0),
         "est_time_per_token_s": float(r["est_time_per_token_s"]),
-        "bound_key": bound_key(p),
+        "bound_key": (*bound_key(p), *layout),
         "builtin_belady": _float(r.get("belady_hit_rate")),
         # the simulator's built-in bound (fetch_all) holds for demand paging of v1's selections
         "v1_selection": p.prefetch == 0 and p.route_bias == 0,

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from moesub.config import FACTORIAL_CELLS
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import capacity_for
 
@@ -28,6 +29,8 @@ DATA_KINDS = (
     "emulate",
     "expb",
     "expb_feasibility",
+    "expb_factorial",
+    "expb_factorial_feasibility",
     "engine",
     "engine_bench",
     "generate",
@@ -58,6 +61,8 @@ STAGE_DIRS = {
     "emulate": "emulate",
     "expb": "expb",
     "expb_feasibility": "expb",
+    "expb_factorial": "expb",
+    "expb_factorial_feasibility": "expb",
     "engine": "engine",
     "generate": "generate",
     "calibration": "engine",
@@ -189,6 +194,15 @@ def file_info(path: str, kind: str) -> FileInfo:
                 f"(metadata or .../{{condition}}/m<mass>.parquet), got "
                 f"{info.condition!r}, {info.target_mass!r}"
             )
+    elif kind == "expb_factorial":
+        # the cell (.../expb/factorial/{cell}.parquet)
+        info.name = "factorial"
+        info.condition = str(meta.get("condition") or p.stem)
+        if info.condition not in FACTORIAL_CELLS:
+            raise ValueError(
+                f"inputs['expb_factorial']: {path!r} is not a factorial cell's run (condition "
+                f"{info.condition!r}; cells {list(FACTORIAL_CELLS)})"
+            )
     return info
 
 
@@ -237,7 +251,7 @@ def read_infos(paths: Mapping[str, list[str]]) -> dict[str, list[FileInfo]]:
                 )
             seen[key] = info.path
     seen = {}
-    for info in infos["expb"]:
+    for info in infos["expb"] + infos["expb_factorial"]:
         key = (info.name, info.condition, info.target_mass)
         if key in seen:
             raise ValueError(f"inputs['expb']: {seen[key]!r} and {info.path!r} are the same run")
@@ -280,15 +294,33 @@ def model_row(
         "train_time_s": summary.get("train_time_s"),
     }
     caps: dict[float, int | None] = {}
+    labels: dict[float, str] = {}
+    pricing: set[str] = set()
     for kind in ("simulate", "emulate", "engine"):
         for info in infos[kind]:
             cap = info.meta.get("capacity")
             if cap is None and num_experts is not None:
                 cap = capacity_for(info.fraction, int(num_experts))
             caps.setdefault(float(info.fraction), None if cap is None else int(cap))
+            size = info.meta.get("size") or {}
+            labels.setdefault(float(info.fraction), size.get("label") or f"f{info.fraction:g}")
+            if size.get("budget"):
+                pricing.add(budget_pricing(size))
     row["fractions"] = sorted(caps)
     row["capacities"] = [caps[f] for f in sorted(caps)]
+    row["sizes"] = [labels[f] for f in sorted(caps)]  # f<fraction> | b<budget> (path labels)
+    row["pricing"] = "; ".join(sorted(pricing)) or None  # how each budget became C
     return row
+
+
+def budget_pricing(size: Mapping[str, Any]) -> str:
+    """How a budget size became slots per layer (its artefact metadata), in one line."""
+    b = size["budget"]
+    return (
+        f"{size['label']}: {b['budget']} at {b['expert_bits']:g} bits per weight = "
+        f"{b['expert_bytes']:.0f} B per expert -> C = {size['capacity']} per layer, priced at "
+        f"the {b['pricing']['source']}"
+    )
 
 
 def provenance(

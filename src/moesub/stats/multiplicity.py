@@ -2,12 +2,14 @@
 direction of each result in words.
 
 A part that tests something returns `StatTest` records: what is compared, the hypothesis in words
-and the sign it predicts, the estimate with its two-sided interval, the two-sided p-value and a
-minimum detectable effect (a normal-approximation sensitivity figure, `moesub.stats.power`).
+and the sign it predicts (or 0: it predicts no effect), the estimate with its two-sided interval,
+the two-sided p-value and a minimum detectable effect (a normal-approximation sensitivity
+figure, `moesub.stats.power`).
 `FAMILY` names the family of each kind of test; a new kind is one line there:
 
-- `pre-registered`: the tests of the study's claims (`moesub.stats.claims`); Holm's step-down
-  adjustment, which holds the chance of any false rejection in the family at `alpha`;
+- `pre-registered`: the tests of the study's claims (`moesub.stats.claims`) and the factorial
+  Experiment B's pooled contrasts; Holm's step-down adjustment, which holds the chance of any
+  false rejection in the family at `alpha`;
 - `exploratory`: every other test with a p-value; Benjamini-Hochberg, which holds the expected
   share of false rejections among the rejections at `alpha`.
 
@@ -16,9 +18,9 @@ design, a missing twin) stays in the table with its reason and is not counted in
 
 Direction, from the adjusted p-value and the sign of the estimate: "supports" (adjusted p <
 alpha, the sign the hypothesis predicts), "evidence against the hypothesis" (adjusted p <
-alpha, the other sign), else "no detectable effect" with the MDE beside it. The p-values are
-two-sided and each comes from the test its interval inverts, so an unadjusted interval that
-excludes 0 has p < 1 - ci_level.
+alpha, the other sign; for a hypothesis of no effect, either sign), else "no detectable effect"
+with the MDE beside it. The p-values are two-sided and each comes from the test its interval
+inverts, so an unadjusted interval that excludes 0 has p < 1 - ci_level.
 
 Entry point: `family_table(tests, alpha) -> pd.DataFrame` (`tests.parquet`).
 """
@@ -45,6 +47,8 @@ FAMILY = {
     "admission_study": PRE_REGISTERED,  # the study's admission policies vs their exact twins
     "mass_within_clusters": EXPLORATORY,  # r(mass, Δppl) within clusters of mass
     "expb_target": EXPLORATORY,  # Experiment B at the other target masses
+    "expb_factorial_main": PRE_REGISTERED,  # factorial: weight at fixed rank, rank at fixed weight
+    "expb_factorial_bucket": EXPLORATORY,  # factorial: the same per rank bucket / weight band
     "admission_other": EXPLORATORY,  # other admission policies vs their exact twins
     "admission_profile": EXPLORATORY,  # admission gain early / late after a topic change
     "per_input": EXPLORATORY,  # r(mass, ΔNLL) across streams or documents, per policy
@@ -61,9 +65,10 @@ NOT_TESTED = "not tested"
 @dataclass(frozen=True)
 class StatTest:
     """One test: `kind` (a `FAMILY` key), `name` (what is compared), `hypothesis` (in words)
-    and `expected` (+1 / -1: the sign of `estimate` it predicts), `estimand` (what `estimate`
-    is, with units), the two-sided interval and p-value, the t-based sensitivity interval, the
-    MDE and the smallest p the design can reach, n units; `reason` when there is no p-value
+    and `expected` (+1 / -1: the sign of `estimate` it predicts; 0: it predicts no effect),
+    `estimand` (what `estimate` is, with units), the two-sided interval and p-value, the
+    t-based sensitivity interval, the MDE and the smallest p the design can reach, n units;
+    `reason` when there is no p-value
     (`measured` False when the run lacks the data, e.g. a twin that was not emulated);
     `sensitivity`: a line on a second analysis of the same hypothesis (not in the family)."""
 
@@ -92,8 +97,8 @@ class StatTest:
     def __post_init__(self) -> None:
         if self.kind not in FAMILY:
             raise ValueError(f"test kind {self.kind!r} has no family; add it to FAMILY")
-        if self.expected not in (1, -1):
-            raise ValueError(f"test {self.name!r}: expected must be +1 or -1")
+        if self.expected not in (1, -1, 0):
+            raise ValueError(f"test {self.name!r}: expected must be +1, -1 or 0")
 
 
 def from_interval(iv: Interval) -> dict[str, Any]:
@@ -143,7 +148,7 @@ def direction(p_adjusted: float | None, estimate: float | None, expected: int, a
         return NOT_TESTED
     if p_adjusted >= alpha:
         return NO_EFFECT
-    return SUPPORTS if np.sign(estimate) == expected else AGAINST
+    return SUPPORTS if expected != 0 and np.sign(estimate) == expected else AGAINST
 
 
 def family_table(tests: Sequence[StatTest], alpha: float) -> pd.DataFrame:

@@ -1,6 +1,6 @@
 """What the analysis needs from the config, checked before any work: `AnalysisParams` (the
 config's `analysis:` plus the policies) and `ExpBRule` (Experiment B's pre-registered decision
-rules, config `expb:`)."""
+rules, config `expb:`; the factorial design's is `FactorialRule`)."""
 
 from __future__ import annotations
 
@@ -43,12 +43,32 @@ _RULE_DEFAULTS = {
 
 
 @dataclass(frozen=True)
+class FactorialRule:
+    """The factorial design's validity rule (config `expb.designs.factorial`): a rank contrast
+    is valid only if its two cells' realized mean weights differ by <= `max_weight_gap`
+    (relative to the smaller)."""
+
+    max_weight_gap: float = schema_defaults("expb.designs.factorial")["max_weight_gap"]
+
+    @classmethod
+    def from_mapping(cls, spec: Mapping[str, Any], where: str) -> FactorialRule:
+        if not isinstance(spec, Mapping) or set(spec) - {"max_weight_gap"}:
+            raise ValueError(f"{where} must be a mapping with at most the key 'max_weight_gap'")
+        gap = number(spec.get("max_weight_gap", cls.max_weight_gap), f"{where}['max_weight_gap']")
+        if gap < 0:
+            raise ValueError(f"{where}['max_weight_gap']={gap} must be >= 0")
+        return cls(max_weight_gap=gap)
+
+
+@dataclass(frozen=True)
 class ExpBRule:
-    """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests
-    and one `DesignRule` per configured design."""
+    """Experiment B's pre-registered decision rules (config `expb:`): the level of the tests,
+    one `DesignRule` per configured target-mass design and the factorial design's rule (None:
+    not configured)."""
 
     alpha: float = schema_defaults("expb")["alpha"]
     designs: dict[str, DesignRule] = field(default_factory=dict)
+    factorial: FactorialRule | None = None
 
     @classmethod
     def from_mapping(cls, spec: Mapping[str, Any]) -> ExpBRule:
@@ -61,6 +81,10 @@ class ExpBRule:
         designs = spec.get("designs")
         if not isinstance(designs, Mapping) or not designs:
             raise ValueError(f"{where}['designs'] must map design names (study, matched) to rules")
+        factorial = designs.get("factorial")
+        if factorial is not None:
+            factorial = FactorialRule.from_mapping(factorial, f"{where}['designs']['factorial']")
+        designs = {name: d for name, d in designs.items() if name != "factorial"}
         rules = {}
         for name, d in designs.items():
             w = f"{where}['designs'][{name!r}]"
@@ -84,7 +108,7 @@ class ExpBRule:
             hm = d.get("heavy_mass")
             heavy_mass = None if hm is None else number(hm, f"{w}['heavy_mass']")
             rules[name] = DesignRule(name, primary, heavy_mass=heavy_mass, **values)
-        return cls(alpha=alpha, designs=rules)
+        return cls(alpha=alpha, designs=rules, factorial=factorial)
 
 
 @dataclass(frozen=True)

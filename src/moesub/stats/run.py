@@ -25,6 +25,7 @@ from moesub.stats.claims import claims
 from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
 from moesub.stats.expb import expb
+from moesub.stats.expb_factorial import expb_factorial
 from moesub.stats.generation import generation
 from moesub.stats.intervals import level_label
 from moesub.stats.load import (
@@ -56,6 +57,9 @@ OUTPUT_FILES = (
     "per_input_points",
     "expb",
     "expb_streams",
+    "expb_factorial",
+    "expb_factorial_cells",
+    "expb_factorial_streams",
     "admission",
     "speed_quality",
     "sim_vs_engine",
@@ -75,6 +79,7 @@ RESULTS = (
     "families",
     "mass_hypothesis",
     "expb",
+    "expb_factorial",
     "admission",
     "sim_vs_engine",
     "regime",
@@ -108,6 +113,9 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         units = per_input(qual.streams, tokens, p)
         split = selection(qual.streams, p)
         exp = expb(tokens, infos["expb"], paths["expb_feasibility"], p)
+        fac = expb_factorial(
+            tokens, infos["expb_factorial"], paths["expb_factorial_feasibility"], p
+        )
         adm = admission(tokens, infos["emulate"], p)
         sim = simulate(db, infos["simulate"])
         eng = engine(db, infos["engine"], p)
@@ -123,6 +131,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *rule_contrast(qual.streams, p),
             *mass.tests,
             *exp.tests,
+            *fac.tests,
             *adm.tests,
             *units.tests,
             *gen.tests,
@@ -139,6 +148,9 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "per_input_points": units.points,
             "expb": exp.table,
             "expb_streams": exp.streams,
+            "expb_factorial": fac.table,
+            "expb_factorial_cells": fac.cells,
+            "expb_factorial_streams": fac.streams,
             "admission": adm.table,
             "speed_quality": speed.table,
             "sim_vs_engine": sve.table,
@@ -156,6 +168,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "families": families(tests, p.alpha),
             "mass_hypothesis": mass.results,
             "expb": exp.results,
+            "expb_factorial": fac.results,
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
@@ -166,6 +179,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "mass_hypothesis": mass.status,
             "per_input": units.status,
             "expb": exp.status,
+            "expb_factorial": fac.status,
             "admission": adm.status,
             "simulate": sim.status,
             "design_space": space.status,
