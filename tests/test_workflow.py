@@ -416,7 +416,7 @@ BAD_CONFIGS = {
     ),
     "expb_factorial_bad_band": (
         lambda c: c["expb"]["designs"]["factorial"].update(light=[0.2]),
-        "instance['expb']['designs']['factorial']['light']",
+        "config key expb.designs.factorial.light: [0.2] is not allowed",
     ),
     # cache sizes: budgets priced at the reference geometry (6 MiB bf16 experts, 48 layers)
     "budget_unparsable": (

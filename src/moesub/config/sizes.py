@@ -226,5 +226,5 @@ def _check_expb(
     if factorial["enabled"] and factorial["high_ranks"][1] > top_k:
         raise ValueError(
             f"expb.designs.factorial.high_ranks={factorial['high_ranks']} reaches past the "
-            f"router's top-k for model {name!r} (k={top_k}): ranks run 2..k (or set enabled: false)"
+            f"router's top-k for model {name!r}, k={top_k}: ranks run 2..k (or set enabled: false)"
         )

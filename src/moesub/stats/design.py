@@ -125,8 +125,9 @@ def design_space(
 
 def _row(r: dict[str, Any], spec: dict[str, Any], layers: pd.DataFrame) -> dict[str, Any]:
     p = Policy.from_dict(policy_fields(spec))
-    # the layout (pin spec, allocation) is part of what a policy and its bound share
-    layout = tuple((key, spec.get(key, POLICY_DEFAULTS[key])) for key in LAYOUT_KEYS)
+    # the layout (pin spec, allocation) is part of what a policy and its bound share; written
+    # as the config writes it (a pin spec is a count, "50%" or "C-k": one string column)
+    layout = tuple((key, str(spec.get(key, POLICY_DEFAULTS[key]))) for key in LAYOUT_KEYS)
     per_layer = layers[(layers["policy"] == r["policy"]) & (layers["fraction"] == r["fraction"])]
     n_layers = len(per_layer) or 1
     tokens = float(r["tokens"]) / n_layers  # the total row counts token-layers
