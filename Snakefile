@@ -34,9 +34,9 @@ wildcard_constraints:
     model=alternation(MODELS),
     policy=alternation([*POLICIES, ALL_RESIDENT]),
     size=alternation(SIZES),
-    hardware=alternation(PLAN_HARDWARE),
     mass=r"[0-9.]+",
     device=r"cpu|cuda",
+    hardware=alternation(HARDWARE),
     split=r"eval|calib",
     condition=r"heavy|light",
     design=r"study|matched",
@@ -50,6 +50,7 @@ include: "workflow/rules/capture.smk"
 include: "workflow/rules/allocation.smk"
 include: "workflow/rules/regime.smk"
 include: "workflow/rules/simulate.smk"
+include: "workflow/rules/price.smk"
 include: "workflow/rules/emulate.smk"
 include: "workflow/rules/expb.smk"
 include: "workflow/rules/engine.smk"

@@ -8,8 +8,8 @@ C = 25% = 128 slots per layer, `--layers` MoE layers. On `--device cpu` the slow
 expert file on disk read with O_DIRECT (the page cache bypassed) and the fast tier RAM; on
 `--device cuda` pinned host memory and the GPU. Prints the table (speedups of every policy vs
 fetch_every_miss and vs host_compute, measured in the same run), the measured link bandwidth, the
-cost model fitted to this run's calibration runs and its error against every policy's time per
-token (median over the interleaved rounds), and the machine's load; writes the Parquet table to
+machine's profile fitted to this run's calibration runs and its error against every policy's time
+per token (median over the interleaved rounds), and the machine's load; writes the Parquet table to
 `--out`.
 
     PYTHONPATH=src python benchmarks/bench_engine.py [--device cpu --layers 2 --tokens 256]
@@ -90,17 +90,13 @@ def main() -> None:
             f"{meta['disk_read_bandwidth_Bps'] / 1e9:.2f} GB/s, 4 KiB read latency "
             f"{meta['disk_read_latency_s'] * 1e6:.0f} us"
         )
-    cost = meta["cost_model"]
+    u = meta["unit_costs"]  # this machine's profile fitted to the run, priced for its experts
     print(f"routing: {meta['routing']}")
     print(
-        f"cost model (fitted on {meta['cost_fit']['kept']} calibration tokens): link "
-        f"{cost['link_bandwidth_Bps'] / 1e9:.2f} GB/s, latency "
-        f"{cost['transfer_latency_s'] * 1e6:.0f} us, expert compute "
-        f"{cost['expert_compute_s'] * 1e6:.0f} us, host expert "
-        f"{cost['host_expert_compute_s'] * 1e6:.0f} us, dense/layer "
-        f"{cost['dense_layer_s'] * 1e6:.0f} us, per token {cost['token_overhead_s'] * 1e6:.0f} "
-        f"us, background copy overlap {cost['background_overlap']:.2f}, install "
-        f"{cost['install_s'] * 1e6:.0f} us"
+        f"this_machine (fitted on {meta['cost_fit']['kept']} calibration tokens): copy "
+        f"{u['copy_s'] * 1e6:.0f} us, expert {u['expert_s'] * 1e6:.0f} us, host expert "
+        f"{u['host_expert_s'] * 1e6:.0f} us, dense/layer {u['dense_layer_s'] * 1e6:.0f} us, "
+        f"per token {u['token_overhead_s'] * 1e6:.0f} us, install {u['install_s'] * 1e6:.0f} us"
     )
     print(f"load average (1, 5, 15 min): {meta['load_avg_start']} -> {meta['load_avg_end']}")
     cols = [

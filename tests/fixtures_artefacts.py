@@ -9,7 +9,9 @@ exact by construction:
 - every policy p has per-token mass `m_p * g_s` (g_s a per-stream factor, mean 1) and per-token
   ΔNLL `k_p * mass`, with `k_p` chosen so that Δppl % = `DPPL_PER_MASS * mean mass` exactly:
   r(mass, Δppl) = 1 across policies and r(mass, ΔNLL) = 1 across streams and documents;
-- engine time per token is the constant `TIME[p]`: speedups are exact ratios;
+- engine time per token is the constant `TIME[p]`: speedups are exact ratios; on this_machine
+  the pricing gives the simulator's tokens 1.1 x `TIME[p]` and the engine's own 1.05 x
+  (`priced/this_machine.parquet`, `write_priced`);
 - generation correctness is `problem_id < n_correct`; continuation measures are
   `continuation_measures`.
 """
@@ -204,7 +206,6 @@ def write_simulate(root: Path, name: str, policy: dict, fraction: float = FRACTI
                 "mass_p50": m / N_LAYERS,
                 "mass_p90": m / 2,
                 "mass_p99": m,
-                "est_time_per_token_s": TIME[name] * (1.1 if layer == -1 else 0.25),
                 "belady_hit_rate": 0.85 if policy["rule"] == "fetch_all" else None,
             }
         )
@@ -277,7 +278,6 @@ def write_design_simulate(root: Path, name: str, fraction: float = FRACTION) -> 
                 "mass_p90": mass,
                 "mass_p99": mass,
                 "rerouted_mean": 0.01 if policy.get("route_bias") else 0.0,
-                "est_time_per_token_s": time * (1.0 if layer == -1 else 1 / N_LAYERS),
                 "belady_hit_rate": None,
             }
         )
@@ -286,10 +286,60 @@ def write_design_simulate(root: Path, name: str, fraction: float = FRACTION) -> 
 
 
 def add_design_space(root: Path, inputs: dict, params: dict, model: str = MODEL) -> None:
-    """Add every `DESIGN` policy's simulate artefact to a `make_study` result (in place)."""
-    for name, (policy, *_) in DESIGN.items():
+    """Add every `DESIGN` policy's simulate artefact (and its price on this_machine) to a
+    `make_study` result (in place)."""
+    rows = []
+    for name, (policy, _hit, _mass, time) in DESIGN.items():
         inputs["simulate"].append(str(write_design_simulate(Path(root) / model, name)))
         params["policies"][name] = normalize_policy(name, policy)
+        rows.append(priced_row("simulator", name, time))
+    write_priced(Path(root) / model, rows)
+    # the host-computing policies under the study's GPU profile: the host path hidden behind
+    # the GPU's (concurrent) against the sum
+    study = [
+        {**priced_row("simulator", n, t), "hardware": STUDY_HARDWARE,
+         "time_per_token_serial_s": t + hidden, "hidden_host_per_token_s": hidden}
+        for n, t, hidden in CONCURRENT
+    ]  # fmt: skip
+    inputs["priced"].append(str(write_priced(Path(root) / model, study, STUDY_HARDWARE)))
+
+
+STUDY_HARDWARE = "rtx3090_pcie4_ddr4"
+# (policy, ms per token with the host concurrent, host ms hidden by it) on the study profile
+CONCURRENT = (("host_compute", 0.004, 0.003), ("hybrid_015", 0.002, 0.0005))
+
+
+PRICED = "this_machine"
+
+
+def priced_row(
+    source: str, name: str, time: float, measured: float | None = None, fraction=FRACTION
+) -> dict:
+    """A row of `priced/this_machine.parquet` (moesub.price.PRICED_COLUMNS): all the time in
+    the fast tier's compute."""
+    from moesub.pricing import BREAKDOWN
+
+    return {
+        "hardware": PRICED, "source": source, "device": "cpu" if source == "engine" else None,
+        "policy": name, "fraction": fraction, "tokens": 512, "time_per_token_s": time,
+        "time_per_token_serial_s": time, "hidden_host_per_token_s": 0.0,
+        **{f"{p}_s": time if p == "fast_compute" else 0.0 for p in BREAKDOWN},
+        "measured_time_per_token_s": measured, "cpu_share": 0.95 if measured else None,
+        "contended": False if measured else None,
+    }  # fmt: skip
+
+
+def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
+    """`rows` added to the model's `priced/{hardware}.parquet` (what is there kept)."""
+    import polars as pl
+
+    path = root / "priced" / f"{hardware}.parquet"
+    types = {"device": pl.String, "cpu_share": pl.Float64, "contended": pl.Boolean,
+             "measured_time_per_token_s": pl.Float64}  # fmt: skip
+    new = pl.DataFrame(rows, schema_overrides=types)
+    if path.exists():
+        new = pl.concat([pl.read_parquet(path), new], how="vertical_relaxed")
+    return write_parquet(new, path)
 
 
 def write_engine(
@@ -587,8 +637,10 @@ def make_study(
             "engine_bench",
             "generate",
             "model_summary",
+            "priced",
         )
     }
+    priced = []
     inputs["capture_tokens"].append(str(write_capture(root, tok, model)))
     for name, pol in policies.items():
         nll, mass = policy_nll(name, tok, g)
@@ -598,12 +650,15 @@ def make_study(
             nll = nll - admission_gain * np.exp(-since / 8.0)
         inputs["emulate"].append(str(write_emulate(root, name, pol, tok, nll, mass)))
         inputs["simulate"].append(str(write_simulate(root, name, pol)))
+        priced += [priced_row("simulator", name, 1.1 * TIME[name]),
+                   priced_row("engine", name, 1.05 * TIME[name], measured=TIME[name])]  # fmt: skip
         inputs["engine"].append(
             str(write_engine(root, name, pol, tok, nll, jitter=0.2 if noise else 0.0, seed=seed))
         )
         for task in ("gsm8k", "humaneval"):
             inputs["generate"].append(str(write_generate(root, task, name)))
         inputs["generate"].append(str(write_continuation(root, name)))
+    inputs["priced"].append(str(write_priced(root, priced)))
     inputs["expb"] = [str(p) for p in write_expb_case(root, tok, expb_case, primary)]
     # the factorial design: a heavier substitution costs more, the rank `factorial_rank` more
     # (the high rank's ΔNLL alternates around that, mean difference exact over an even count)

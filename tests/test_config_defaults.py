@@ -45,7 +45,7 @@ SECTIONS = [
     ("analysis", "moesub.stats:AnalysisParams", set()),
     ("recommend", "moesub.recommend:RecommendParams", set()),
     ("models.*.loading", "moesub.models:ModelLoading", set()),
-    ("cost", "moesub.cost:CostModel", set()),
+    ("hardware.*", "moesub.hardware:HardwareProfile", set()),
 ]
 
 # Keys the schema gives no default, on purpose (checked to have none).
@@ -62,8 +62,20 @@ NO_DEFAULT = {
         for key in keys
     },
     **{
-        f"cost.{key}": "a key left out comes from the engine's calibration"
-        for key in mcfg.config_schema()["properties"]["cost"]["properties"]
+        f"hardware.*.{key}": "a profile's required key"
+        for key in (
+            "description",
+            "source",
+            "concurrent_host",
+            "link_bandwidth_Bps",
+            "transfer_latency_s",
+            "fast_memory_Bps",
+            "host_memory_Bps",
+        )
+    },  # fmt: skip
+    **{
+        f"hardware.*.{key}": "left out: none (HardwareProfile's None)"
+        for key in ("host_cores", "host_core_Bps", "dense_layer_s", "install_Bps")
     },
 }
 
@@ -171,6 +183,12 @@ def _configs() -> list[dict[str, Any]]:
     more["sweeps"] = {"route_bias": {"base": "quality", "values": [0.1]}, "belady": ["quality"]}
     more["emulate"] = {"dtype": "bfloat16"}
     more["engine"] = {"bench": {}}
+    more["hardware"] = {
+        "price": ["this_machine", "mine"],
+        "mine": {"description": "d", "source": "estimate", "concurrent_host": True,
+                 "link_bandwidth_Bps": 25.0e9, "transfer_latency_s": 1e-5,
+                 "fast_memory_Bps": 600.0e9, "host_memory_Bps": 60.0e9},
+    }  # fmt: skip
     return [*shipped, more]
 
 

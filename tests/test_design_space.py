@@ -16,7 +16,6 @@ import pytest
 from moesub import config as mcfg
 from moesub.artefacts import router_rows, router_writer
 from moesub.coactivation import read_coactivation, write_coactivation
-from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
 from moesub.policy import Policy, capacity_for, coactivation
@@ -167,7 +166,6 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
     table_path = tmp_path / "coactivation.npz"
     write_coactivation(traces["calib_path"], table_path)
     A = coactivation(traces["calib"], K)
-    cost = CostModel()
     cases = {
         "buddy": Policy(rule="threshold", tau=0.2, eviction="lfu", substitute_by="coactivation"),
         "pre": Policy(prefetch=3),
@@ -175,11 +173,11 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
     }
     for name, pol in cases.items():
         out = tmp_path / f"{name}.parquet"
-        run_simulate(str(traces["eval_path"]), None, name, pol.to_dict(), 0.25, None, str(out),
+        run_simulate(str(traces["eval_path"]), None, name, pol.to_dict(), 0.25, str(out),
+                     str(tmp_path / f"{name}.counts.parquet"),
                      coactivation_path=str(table_path))  # fmt: skip
         point = GridPoint.at_fraction(name, pol, 0.25, traces["eval"][0].shape[2])
-        want = simulate(traces["eval"], K, [point], cost,
-                        lookahead=traces["look"], coactivation=A)  # fmt: skip
+        want = simulate(traces["eval"], K, [point], lookahead=traces["look"], coactivation=A)
         got = pl.read_parquet(out)
         assert got.equals(want), name
         meta = read_metadata(out)
@@ -188,11 +186,11 @@ def test_simulate_stage_reads_lookahead_and_coactivation(traces, tmp_path):
     # a prefetching policy on a trace captured before v2 says what is missing
     old = write_router(tmp_path / "old.parquet", traces["eval"], None)
     with pytest.raises(ValueError, match="no lookahead logits"):
-        run_simulate(str(old), None, "pre", cases["pre"].to_dict(), 0.25, None,
-                     str(tmp_path / "x.parquet"))  # fmt: skip
+        run_simulate(str(old), None, "pre", cases["pre"].to_dict(), 0.25,
+                     str(tmp_path / "x.parquet"), str(tmp_path / "x.counts.parquet"))  # fmt: skip
     with pytest.raises(ValueError, match="needs the co-activation table"):
-        run_simulate(str(old), None, "buddy", cases["buddy"].to_dict(), 0.25, None,
-                     str(tmp_path / "x.parquet"))  # fmt: skip
+        run_simulate(str(old), None, "buddy", cases["buddy"].to_dict(), 0.25,
+                     str(tmp_path / "x.parquet"), str(tmp_path / "x.counts.parquet"))  # fmt: skip
 
 
 def test_builtin_bound_only_for_demand_paging_of_v1_selections(traces):
@@ -331,6 +329,11 @@ def test_report_design_section(design):
     gap = 100 * design["ds"].loc["fetch_every_miss", "belady_gap"]
     assert f"{gap:+.1f} pts (fetch_every_miss_belady)" in section
     assert "the time vs Δppl front holds hybrid (1), study" in section
+    # the host-computing policies with and without concurrency on the study's profile
+    table = section[section.index('id="concurrency-table"') :]
+    table = table[: table.index("</table>")]
+    assert table.count("<tr") == 1 + 2  # header, host_compute and hybrid_015
+    assert "rtx3090_pcie4_ddr4" in table and "1.75x" in table and "1.25x" in table
 
 
 # ---- workflow ---------------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def test_emulate_counts_prefetches_as_the_simulator(stage_inputs, tmp_path, poli
     emu = pl.read_parquet(_run(root, policy=policy, out_path=tmp_path / "emu.parquet"))
     run_simulate(
         str(root / "router.parquet"), str(root / "ranking.parquet"), "p", policy, 0.375,
-        None, str(tmp_path / "sim.parquet"),
+        str(tmp_path / "sim.parquet"), str(tmp_path / "sim.counts.parquet"),
     )  # fmt: skip
     total = (
         pl.read_parquet(tmp_path / "sim.parquet").filter(pl.col("layer") == -1).row(0, named=True)

@@ -15,7 +15,6 @@ import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.capture import run_capture, run_expert_ranking
-from moesub.cost import CostModel
 from moesub.engine import (
     BenchParams,
     ExpertStore,
@@ -36,11 +35,13 @@ from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.stage import ROW_COLUMNS
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
+from moesub.hardware import HardwareProfile, ModelBytes, this_machine
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import (
     ALL_RESIDENT,
     FETCH,
     HOST,
+    STATUS_NAMES,
     STUDY_POLICIES,
     SUB,
     TOKEN_LAYER_FIELDS,
@@ -49,6 +50,7 @@ from moesub.policy import (
     scan,
 )
 from moesub.synthetic import synthetic_logits
+from moesub.token_counts import stream_counts
 
 ACT = torch.nn.functional.silu
 HAS_CUDA = torch.cuda.is_available()
@@ -265,6 +267,12 @@ def test_fetch_every_miss_nll_equals_capture(stage, tmp_path):
     assert (df["hit"] + df["fetch"] == L_M * K_M).all()
     # host waits per token: the router's values once per layer, and the token's end
     assert (df["syncs"] == L_M + 1).all() and meta["syncs_per_token_mean"] == L_M + 1
+    # per-token-layer counts: per stream (T, L, F), summing over layers to the status columns
+    counts = np.concatenate(stream_counts(df))
+    assert counts.shape == (df.height, L_M, len(TOKEN_LAYER_FIELDS))
+    for i, status in enumerate(STATUS_NAMES):
+        np.testing.assert_array_equal(counts[:, :, i].sum(1), df.sort("stream", "pos")[status])
+    assert 0 < meta["cpu_share"] <= 1 and isinstance(meta["contended"], bool)
     # all_resident and host_compute compute the same exact model
     full, fmeta = engine_run(stage, ALL_RESIDENT, {}, tmp_path)
     assert fmeta["capacity"] == E_M and (full["hit"] == L_M * K_M).all()
@@ -367,20 +375,27 @@ def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
                    for p in tmp_path.iterdir())  # fmt: skip
 
 
-def test_calibrate_writes_the_cost_model(stage, tmp_path):
-    out = tmp_path / "cost.json"
-    cost = calibrate(
-        stage / "model", "cpu", out,
-        {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
-         "calibrate_tokens": 4},
+def test_calibrate_fits_this_machines_profile(stage, tmp_path):
+    out = tmp_path / "calibration.json"
+    opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
+            "calibrate_tokens": 12, "calibrate_rounds": 1}  # fmt: skip
+    cal = calibrate(
+        stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet", FRACTION,
+        out, opts,
     )  # fmt: skip
-    data = json.loads(out.read_text())
-    assert data == cost
-    model = CostModel.from_json(out)  # exactly the simulator's keys
-    assert model.expert_bytes == 3 * 64 * 16 * 4
-    for key in ("link_bandwidth_Bps", "transfer_latency_s", "expert_compute_s",
-                "host_expert_compute_s", "dense_layer_s"):  # fmt: skip
-        assert data[key] > 0, key
+    assert json.loads(out.read_text()) == cal
+    assert cal["runs"] == dict.fromkeys(("cal_hits", "cal_fetch", "cal_host", "cal_admit"), 24)
+    assert cal["expert_bytes"] == 3 * 64 * 16 * 4 and cal["fit"]["tokens"] == 4 * 24
+    assert all(v >= 0 for v in cal["unit_costs"].values())
+    assert 0 < cal["cpu_share"] <= 1 and isinstance(cal["contended"], bool)
+    profile = this_machine(out)  # the profile the price stage reads
+    assert (profile.source, profile.concurrent_host) == ("measured", False)
+    u = profile.price(ModelBytes(cal["expert_bytes"]))
+    for key, seconds in cal["unit_costs"].items():
+        assert getattr(u, key) == pytest.approx(seconds, rel=1e-9), key
+    with pytest.raises(ValueError, match="calibrate_rounds=0"):
+        calibrate(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
+                  FRACTION, out, {**opts, "calibrate_rounds": 0})  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- bench
@@ -422,7 +437,9 @@ def test_benchmark_table(tmp_path, monkeypatch):
     )
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
-    CostModel(**meta["cost_model"])
+    assert HardwareProfile.from_dict("this_machine", meta["profile"]).source == "measured"
+    assert (df["est_time_per_token_s"] > 0).all() and df["contended"].dtype == pl.Boolean
+    assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
     # every run's per-token-layer counts beside the table: the validation runs' sum to their
     # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)
     counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")

@@ -15,7 +15,7 @@ from moesub.engine import EngineDecodeResult, generate, open_engine
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
 from moesub.engine.tiers import DiskTier
-from moesub.policy import HOST, SUB, Policy, scan
+from moesub.policy import HOST, SUB, Policy, scan, token_layer_counts
 from moesub.replay import greedy_decode
 from moesub.synthetic import synthetic_logits
 
@@ -77,27 +77,31 @@ def quality_engine(stage):
 )
 def test_delay_admission_reproduces_the_core_scan(tmp_path, policy):
     """admission="delay": every decision equals the core's own fixed-delay scan, even with one
-    staging buffer (several due copies per token queue behind each other)."""
+    staging buffer (several due copies per token queue behind each other), and so does every
+    token-layer's counts (the pricing's input: admissions landed included)."""
     lay = StoreLayout(2, E, 24, 8, "float32", fingerprint="test")
     write_store(tmp_path / "x.bin", lay, random_experts(lay, 0), progress=False)
     trace = synthetic_logits(80, lay.num_layers, E, seed=4)  # (T, L, E)
     store = ExpertStore(tmp_path / "x.bin", expected=lay)
     tier = DiskTier(store, C, K, ACT, staging_buffers=1)
     engine = OffloadEngine(tier, E, K, C, policy, None, ACT, admission="delay")
-    ids, status, bytes_bg = [], [], 0
+    ids, status, bytes_bg, counts = [], [], 0, []
     try:
         for t in range(trace.shape[0]):
             engine.begin_token()
             steps = [engine.route(layer, trace[t, layer][None]) for layer in range(lay.num_layers)]
             ids.append([s.ids[0] for s in steps])
             status.append([s.status[0] for s in steps])
-            bytes_bg += engine.end_token().bytes_bg
+            st = engine.end_token()
+            bytes_bg += st.bytes_bg
+            counts.append(st.layer_counts)
         installed = sum(c.counters()["admissions"] for c in engine.caches)
     finally:
         engine.close()
     ref = scan(trace, K, C, policy)
     assert np.array_equal(np.array(status), ref.status)
     assert np.array_equal(np.array(ids), ref.ids)
+    np.testing.assert_array_equal(np.array(counts), token_layer_counts(ref))
     assert installed > 0 and 0 < bytes_bg <= installed * lay.expert_bytes
     with pytest.raises(ValueError, match="admission='soon'"):
         OffloadEngine(DiskTier(ExpertStore(tmp_path / "x.bin"), C, K, ACT), E, K, C, policy,

@@ -9,7 +9,6 @@ from dataclasses import asdict
 
 import pytest
 
-from moesub.cost import CostModel
 from moesub.hardware import (
     PROFILES,
     REFERENCE_DENSE_WEIGHTS_PER_LAYER,
@@ -18,21 +17,20 @@ from moesub.hardware import (
     HardwareProfile,
     ModelBytes,
     UnitCosts,
-    expert_bytes,
+    measured_profile,
     reference_model_bytes,
     this_machine,
 )
+from moesub.slots import REFERENCE_GEOMETRY
 
 BF16 = reference_model_bytes(16)
 
 
 def test_expert_bytes_of_the_reference_model():
-    assert expert_bytes(2048, 512, 16) == 6_291_456  # 6 MiB in bf16
+    assert BF16.expert_bytes == REFERENCE_GEOMETRY.expert_bytes(16) == 6_291_456  # 6 MiB
     assert reference_model_bytes(4.5).expert_bytes == 1_769_472
     assert BF16.dense_bytes_per_layer == 2 * REFERENCE_DENSE_WEIGHTS_PER_LAYER
     assert BF16.head_bytes == 2 * 151_936 * 2048
-    with pytest.raises(ValueError, match="bits"):
-        expert_bytes(2048, 512, 0)
 
 
 @pytest.mark.slow
@@ -54,7 +52,7 @@ def test_reference_weights_are_qwen3_next_80b_a3b():
     assert sum(dense) / len(dense) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
     assert model.lm_head.weight.numel() == REFERENCE_HEAD_WEIGHTS
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    assert experts == 48 * 512 * expert_bytes(2048, 512, 8)  # 8 bits: one byte per weight
+    assert experts == 48 * 512 * REFERENCE_GEOMETRY.expert_bytes(8)  # 8 bits: a byte a weight
 
 
 def test_the_study_profile_priced_for_bf16_experts():
@@ -86,13 +84,13 @@ def test_from_dict_round_trip_and_named_errors():
     assert HardwareProfile.from_dict("mine", spec) == HardwareProfile(name="mine", **spec)
     cases = [
         ({"link_bw": 1}, r"hardware\.mine: unknown key\(s\) \['link_bw'\]"),
-        ({"fast_memory_Bps": None}, r"hardware\.mine: .*fast_memory_Bps=None"),
-        ({"link_bandwidth_Bps": "25e9"}, r"hardware\.mine: .*link_bandwidth_Bps='25e9'"),
-        ({"transfer_latency_s": -1e-6}, r"hardware\.mine: .*transfer_latency_s=-1e-06"),
-        ({"host_cores": True}, r"hardware\.mine: .*host_cores=True"),
+        ({"fast_memory_Bps": None}, r"hardware\.mine\.fast_memory_Bps=None"),
+        ({"link_bandwidth_Bps": "25e9"}, r"hardware\.mine\.link_bandwidth_Bps='25e9'"),
+        ({"transfer_latency_s": -1e-6}, r"hardware\.mine\.transfer_latency_s=-1e-06"),
+        ({"host_cores": True}, r"hardware\.mine\.host_cores=True"),
         ({"host_core_Bps": None}, r"hardware\.mine: .*host_cores and host_core_Bps together"),
-        ({"source": "guess"}, r"hardware\.mine: .*source='guess'"),
-        ({"concurrent_host": "yes"}, r"hardware\.mine: .*concurrent_host='yes'"),
+        ({"source": "guess"}, r"hardware\.mine\.source='guess'"),
+        ({"concurrent_host": "yes"}, r"hardware\.mine\.concurrent_host='yes'"),
         ({"description": 3}, r"hardware\.mine\.description: expected a string"),
     ]
     for change, message in cases:
@@ -112,43 +110,44 @@ def test_a_measured_dense_layer_replaces_the_bytes():
     assert u.token_overhead_s == 2e-4  # the head is in the measured dense time
 
 
-CALIBRATION = {
-    **asdict(CostModel()),
-    "link_bandwidth_Bps": 2e9,
-    "transfer_latency_s": 20e-6,
-    "expert_bytes": 98_304.0,
-    "expert_compute_s": 40e-6,
-    "host_expert_compute_s": 90e-6,
+SECONDS = {
+    "copy_s": 69e-6,
+    "expert_s": 40e-6,
+    "host_expert_s": 90e-6,
     "dense_layer_s": 300e-6,
     "token_overhead_s": 1e-3,
     "install_s": 5e-6,
-    "background_overlap": 0.4,
 }
 
 
 def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
+    profile = measured_profile(SECONDS, 98_304.0, "test calibration")
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps(CALIBRATION))
-    for source in (path, CALIBRATION):
+    path.write_text(json.dumps({"profile": profile.to_dict(), "expert_bytes": 98_304.0}))
+    for source in (path, {"profile": profile.to_dict()}):
         p = this_machine(source)
+        assert p == profile
         assert (p.name, p.source, p.concurrent_host) == ("this_machine", "measured", False)
         u = p.price(ModelBytes(expert_bytes=98_304.0))
-        assert u.copy_s == pytest.approx(20e-6 + 98_304 / 2e9)
-        assert u.expert_s == pytest.approx(40e-6)
-        assert u.host_expert_s == pytest.approx(90e-6)
-        assert u.install_s == pytest.approx(5e-6)
-        assert (u.dense_layer_s, u.token_overhead_s) == (300e-6, 1e-3)
+        for key, seconds in SECONDS.items():
+            assert getattr(u, key) == pytest.approx(seconds, rel=1e-12), key
     # per-expert times scale with the expert's bytes; a term measured as 0 stays free
-    u = this_machine({**CALIBRATION, "install_s": 0.0}).price(ModelBytes(2 * 98_304.0))
+    free = measured_profile({**SECONDS, "install_s": 0.0}, 98_304.0, "free installs")
+    u = free.price(ModelBytes(2 * 98_304.0))
     assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
-    assert math.isinf(this_machine({**CALIBRATION, "install_s": 0.0}).install_Bps)
+    assert math.isinf(free.install_Bps)
 
 
 def test_this_machine_names_a_bad_calibration():
-    with pytest.raises(ValueError, match=r"missing calibration key\(s\) \['install_s'\]"):
-        this_machine({k: v for k, v in CALIBRATION.items() if k != "install_s"})
-    with pytest.raises(ValueError, match="expert_compute_s=-1"):
-        this_machine({**CALIBRATION, "expert_compute_s": -1})
+    with pytest.raises(ValueError, match=r"missing unit cost\(s\) \['install_s'\]"):
+        measured_profile({k: v for k, v in SECONDS.items() if k != "install_s"}, 1.0, "x")
+    with pytest.raises(ValueError, match=r"hardware\.this_machine\.expert_s=-1"):
+        measured_profile({**SECONDS, "expert_s": -1}, 1.0, "x")
+    with pytest.raises(ValueError, match="no `profile`"):
+        this_machine({"link_bandwidth_Bps": 1e9})
+    bad = {**measured_profile(SECONDS, 1.0, "x").to_dict(), "dense_layer_s": -1.0}
+    with pytest.raises(ValueError, match=r"calibration: hardware\.this_machine\.dense_layer_s"):
+        this_machine({"profile": bad})
 
 
 def test_bad_model_bytes_and_unit_costs():

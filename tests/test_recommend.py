@@ -52,7 +52,7 @@ def tables(spec: dict[str, dict], bench_errors: list[float] | None = None) -> di
     upper bounds: the interval is [0, hi], the estimate hi / 2; none: not emulated), lossless
     (by construction, when not emulated), sim (seconds), engine (seconds, or (t, lo, hi)),
     streams (per-stream mean ΔNLL)}}; `bench_errors`: the engine bench's sim_rel_error."""
-    summary, halves, space, sq, pip = [], [], [], [], []
+    summary, halves, space, sq, pip, priced = [], [], [], [], [], []
     for name, s in spec.items():
         if "all" in s:
             summary.append({"policy": name, "fraction": F, "hit_rate": 0.7,
@@ -66,6 +66,8 @@ def tables(spec: dict[str, dict], bench_errors: list[float] | None = None) -> di
             space.append({"policy": name, "fraction": F, "family": "study", "bound": False,
                           "lossless": s.get("lossless", False), "hit_rate": 0.8,
                           "misses_per_token": 8.0, "est_time_per_token_s": s["sim"]})  # fmt: skip
+            priced.append({"hardware": "this_machine", "source": "simulator", "policy": name,
+                           "fraction": F, "time_per_token_s": s["sim"]})  # fmt: skip
         if "engine" in s:
             t, lo, hi = s["engine"] if isinstance(s["engine"], tuple) else (s["engine"],) * 3
             sq.append({"policy": name, "fraction": F, "source": "engine", "device": "cpu",
@@ -82,6 +84,7 @@ def tables(spec: dict[str, dict], bench_errors: list[float] | None = None) -> di
         "design_space": pd.DataFrame(space),
         "speed_quality": pd.DataFrame(sq),
         "per_input_points": pd.DataFrame(pip),
+        "priced": pd.DataFrame(priced),
         "engine_bench": bench,
     }
 
@@ -563,3 +566,24 @@ def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
     assert s["miss_rate"] == pytest.approx(0.2) and s["unit_costs"] is None
     lines = study_lines([{"model": "m", "study": s}])
     assert lines[0].startswith(f"m: {STUDY_PROFILE} at 25% resident: no prediction")
+
+
+def test_one_ranking_per_priced_hardware_none_mixing_sources():
+    """Each priced profile is a simulator ranking of its own (its times only); a documented
+    profile's interval says it is an estimate, this machine's is the bench's model error."""
+    spec = {**BASE, "quality": {"screen": 0.2, "report": 0.3, "all": 0.3, "sim": 0.010,
+                                "engine": 0.012}}  # fmt: skip
+    t = tables(spec, bench_errors=[-0.05, 0.05])
+    gpu = t["priced"].assign(hardware="rtx3090_pcie4_ddr4",
+                             time_per_token_s=t["priced"]["time_per_token_s"] / 10)  # fmt: skip
+    t["priced"] = pd.concat([t["priced"], gpu], ignore_index=True)
+    out = rankings(t, POLICIES, FACTS, BASELINES, 1.0)
+    keys = sorted((r["hardware"], r["time_source"]) for r in out)
+    assert keys == [("rtx3090_pcie4_ddr4", "simulator"), ("this_machine", "engine"),
+                    ("this_machine", "simulator")]  # fmt: skip
+    by = {(r["hardware"], r["time_source"]): r for r in out}
+    gpu_pick = by[("rtx3090_pcie4_ddr4", "simulator")]["within_budget"]
+    assert gpu_pick["policy"] == "quality"
+    assert gpu_pick["time_per_token_s"] == pytest.approx(0.001)
+    assert "profile estimate" in by[("rtx3090_pcie4_ddr4", "simulator")]["timing"]["method"]
+    assert by[("this_machine", "simulator")]["timing"]["method"] == "simulator model error"

@@ -1,14 +1,12 @@
-"""Simulator: counters agree with per-stream scans, cost model arithmetic, bad input."""
+"""Simulator: counters agree with per-stream scans, per-token-layer counts, bad input."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pytest
 
-from moesub.cost import CostModel
 from moesub.grid import GridPoint, simulate
 from moesub.policy import FETCH, FORCED, HIT, HOST, SUB, Policy, scan
 from moesub.synthetic import synthetic_logits
@@ -70,34 +68,6 @@ def test_simulation_is_bit_reproducible(streams):
     assert a.equals(b)
 
 
-def test_cost_model_prices_counts():
-    cost = CostModel(
-        link_bandwidth_Bps=1e9,
-        transfer_latency_s=1e-3,
-        expert_bytes=1e6,
-        expert_compute_s=1e-4,
-        host_expert_compute_s=1e-2,
-        dense_layer_s=1e-3,
-        background_overlap=0.0,
-    )
-    counts = dict(tokens=20, hit=30, fetch=5, sub=4, host=1, forced=0, admissions=2)
-    # per token over 2 layers (10 tokens): dense 2e-3; 39 computed calls -> 3.9e-4;
-    # 1 host call -> 1e-3; 5 fetches x 2e-3 -> 1e-3; 2 admissions x 1e-3 -> 2e-4
-    expected = 2e-3 + 3.9e-4 + 1e-3 + 1e-3 + 2e-4
-    assert cost.time_per_token(counts, 2) == pytest.approx(expected)
-    no_share = CostModel(**{**cost.__dict__, "background_overlap": 1.0})
-    assert no_share.time_per_token(counts, 2) == pytest.approx(expected - 2e-4)
-
-
-def test_cost_model_from_json(tmp_path):
-    p = tmp_path / "cost.json"
-    p.write_text(json.dumps({"link_bandwidth_Bps": 5e9, "dense_layer_s": 1e-4}))
-    assert CostModel.from_json(p).link_bandwidth_Bps == 5e9
-    p.write_text(json.dumps({"link_bandwith": 5e9}))
-    with pytest.raises(ValueError, match="unknown cost-model key.*link_bandwith"):
-        CostModel.from_json(p)
-
-
 def test_bad_simulator_input(streams):
     grid = [GridPoint("f", Policy(), 16)]
     with pytest.raises(ValueError, match="at least one"):
@@ -122,13 +92,27 @@ def test_bad_simulator_input(streams):
         simulate(streams, 4, [])
 
 
-def test_write_cost_model_applies_overrides(tmp_path):
-    from moesub.simulate import write_cost_model
+def test_run_simulate_writes_each_token_layers_counts(streams, tmp_path):
+    """The counts file holds the scan's per-token-layer counts, stream by stream, in the order
+    `moesub.token_counts.stream_counts` reads them back; the table has no time column (the
+    price stage prices the counts)."""
+    from moesub.artefacts import router_rows
+    from moesub.io import write_parquet
+    from moesub.policy import token_layer_counts
+    from moesub.simulate import run_simulate
+    from moesub.token_counts import stream_counts
 
-    calib = tmp_path / "calibration.json"
-    calib.write_text(json.dumps({"link_bandwidth_Bps": 2e9, "dense_layer_s": 1e-3}))
-    cost = write_cost_model(str(calib), {"dense_layer_s": 5e-4}, str(tmp_path / "cost.json"))
-    assert (cost.link_bandwidth_Bps, cost.dense_layer_s) == (2e9, 5e-4)
-    assert CostModel.from_json(tmp_path / "cost.json") == cost
-    with pytest.raises(ValueError, match="unknown cost-model key.*bandwith"):
-        write_cost_model(str(calib), {"bandwith": 1}, str(tmp_path / "x.json"))
+    router = tmp_path / "router.parquet"
+    rows = [router_rows(i + 3, s) for i, s in enumerate(streams)]
+    write_parquet(
+        pa.concat_tables(rows), router,
+        metadata={"num_experts": 64, "top_k": 4, "num_layers": 3, "norm_topk_prob": True},
+    )  # fmt: skip
+    pol = POLICIES["quality"]
+    table, counts = tmp_path / "t.parquet", tmp_path / "c.parquet"
+    run_simulate(str(router), None, "quality", pol.to_dict(), 0.25, str(table), str(counts))
+    got = stream_counts(pl.read_parquet(counts))
+    for s, c in zip(streams, got, strict=True):
+        want = token_layer_counts(scan(s, 4, 16, pol))
+        np.testing.assert_array_equal(c, want)
+    assert "est_time_per_token_s" not in pl.read_parquet(table).columns

@@ -28,6 +28,7 @@ from moesub.slots import (
     pin_count,
     resolve_size,
 )
+from moesub.token_counts import stream_counts
 
 # --------------------------------------------------------------------------------------------
 # sizes and budgets
@@ -289,14 +290,17 @@ def test_simulate_stage_runs_the_planned_pinned_layout(tmp_path):
     (tmp_path / "alloc.json").write_text(json.dumps({"capacity": 6, "capacities": [4, 9, 5]}))
     policy = {"rule": "fetch_all", "eviction": "lru", "pin": "C-k", "allocation": "planned"}
     size = CacheSize("b1MiB", 6, 6 / E, {"budget": "1MiB"}).to_dict()  # as the workflow passes
-    out = tmp_path / "sim.parquet"
+    out, counts_out = tmp_path / "sim.parquet", tmp_path / "sim.counts.parquet"
     run_simulate(str(tmp_path / "eval.parquet"), str(tmp_path / "ranking.parquet"), "p", policy,
-                 size, None, str(out), allocation_path=str(tmp_path / "alloc.json"))  # fmt: skip
+                 size, str(out), str(counts_out),
+                 allocation_path=str(tmp_path / "alloc.json"))  # fmt: skip
     df = pl.read_parquet(out).sort("layer")
+    counts = np.concatenate(stream_counts(pl.read_parquet(counts_out)))  # (T, L, F)
     for layer, c in enumerate([4, 9, 5]):
         one = scan(z[:, [layer]], k, c, Policy(pin=c - k), initial=ranking[None, layer, :c])
         row = df.filter(pl.col("layer") == layer).row(0, named=True)
         assert row["capacity"] == c and row["hit"] == (one.status == 0).sum()
+        np.testing.assert_array_equal(counts[:, layer, 0], (one.status[:, 0] == 0).sum(1))
     meta = read_metadata(out)
     assert meta["size"]["label"] == "b1MiB" and meta["layout"]["pins"] == [2, 7, 3]
     assert meta["fraction"] == 6 / E and meta["capacity"] == 6

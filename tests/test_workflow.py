@@ -32,8 +32,8 @@ WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "d
 TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
-    "model_embedded", "streams", "capture", "expert_ranking", "simulate", "cost_model",
-    "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
+    "model_embedded", "streams", "capture", "expert_ranking", "simulate", "hardware_profile",
+    "price", "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
     "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
     "plan", "report",
 }  # fmt: skip
@@ -270,7 +270,50 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
         for name in policies
         for size in sizes["simulate"]
     }
+    # one profile and one pricing per (model, hardware profile priced)
+    n_priced = len(cfg["models"]) * len(mcfg.priced_hardware(cfg))
+    assert count["price"] == n_priced and count["hardware_profile"] == n_priced
     assert not (wf / "results").exists()
+
+
+def mark_done(wf: Path, configfile: str) -> None:
+    """Every output of the DAG as an empty file marked up to date (`--touch`), without running
+    a job: what a finished run leaves for the rerun rules to judge."""
+    run = snakemake(wf, "--dry-run", "--configfile", configfile)
+    assert run.returncode == 0, run.stdout[-4000:]
+    for line in run.stdout.splitlines():
+        m = re.match(r"^\s+output: (.+)$", line)
+        for out in m.group(1).split(", ") if m else ():
+            (wf / out).parent.mkdir(parents=True, exist_ok=True)
+            if Path(out).suffix:
+                (wf / out).touch()
+            else:  # a directory() output (figures, the model)
+                (wf / out).mkdir(exist_ok=True)
+    run = snakemake(wf, "--touch", "--forceall", "--cores", "1", "--configfile", configfile)
+    assert run.returncode == 0, run.stdout[-4000:]
+
+
+def test_a_hardware_profile_reruns_no_replay(tmp_path):
+    """A profile added or edited in `hardware:` reruns its profile and pricing jobs and what
+    reads the priced runs, never a replay, the engine or its calibration."""
+    wf = copy_workflow(tmp_path / "wf")
+    mark_done(wf, TEST_CONFIG)
+    cfg = load_test_config()
+    cfg["hardware"] = {
+        "mine": {"description": "my desktop", "source": "estimate", "concurrent_host": True,
+                 "link_bandwidth_Bps": "25e9", "transfer_latency_s": 1e-5,
+                 "fast_memory_Bps": 6.0e11, "host_memory_Bps": 6.0e10},
+    }  # fmt: skip
+    (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    jobs = planned_jobs(wf, "--configfile", "mine.yaml")
+    assert jobs == {
+        ("hardware_profile", "results/embedded/hardware/mine.json"),
+        ("price", "results/embedded/priced/mine.parquet"),
+        ("analysis", "results/analysis/models.parquet"),
+        ("recommend", "results/embedded/recommendation.json"),
+        ("report", "results/report.html"),
+        ("all", ""),
+    }, sorted(jobs)
 
 
 def test_config_paths_are_inputs_of_their_rules(tmp_path):
@@ -326,7 +369,7 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
         }
     for rule in ("simulate", "emulate"):
         for inputs, out in jobs[rule]:
-            size = out.rsplit("/", 1)[1].removesuffix(".parquet")
+            size = out.split(", ")[0].rsplit("/", 1)[1].removesuffix(".parquet")
             planned = "/rule_015_planned/" in out
             assert (alloc.format(size) in inputs) == planned, (rule, out)
     assert {out for _, out in jobs["emulate"]} >= {
@@ -579,6 +622,7 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
     expected |= {("plan", "this_machine")}  # and the plan reads the recommendation
+    expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
 
@@ -596,4 +640,5 @@ def test_touching_capture_script_reruns_capture_not_model(full_run):
     assert {"expert_ranking", "simulate", "emulate", "engine", "analysis", "report"} <= rules
     # the real-size benchmark replays the captured trace (engine.bench.routing: trace)
     assert "engine_bench" in rules
-    assert not rules & {"model_embedded", "streams", "calibrate"}
+    # this_machine's calibration times the engine on the calibration capture's tokens
+    assert "calibrate" in rules and not rules & {"model_embedded", "streams"}

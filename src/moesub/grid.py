@@ -3,8 +3,9 @@
 The replay itself is the C++ policy core (`_core.simulate_grid`, threads over grid points and
 layers); `replay` checks the streams and the grid and returns the core's raw counts (per layer,
 and on request per token-layer: `Replay.token_counts`, the pricing's input); `simulate` turns
-them into the replay table: rates, mass quantiles, and each grid point priced by a
-`moesub.cost.CostModel`. The simulate stage (`moesub.simulate`) and the regime measurement
+them into the replay table: rates, mass quantiles, the Belady bound. Time is the pricing's
+(`moesub.pricing`, from the per-token-layer counts under a hardware profile), not the table's.
+The simulate stage (`moesub.simulate`) and the regime measurement
 (`moesub.regime`) both replay through it.
 """
 
@@ -19,7 +20,6 @@ import numpy as np
 import polars as pl
 
 from moesub import _core
-from moesub.cost import CostModel
 from moesub.policy import (
     STATUS_NAMES,
     TOKEN_LAYER_DTYPE,
@@ -133,9 +133,8 @@ class Replay:
             raise ValueError("token counts: replay(..., token_counts=True) records them")
         return np.split(self.token_counts[g], np.cumsum(self.stream_lengths)[:-1])
 
-    def table(self, cost: CostModel | None = None) -> pl.DataFrame:
+    def table(self) -> pl.DataFrame:
         """One row per grid point and layer, plus a total row per grid point (layer = -1)."""
-        cost = cost or CostModel()
         k, L = self.k, self.counters.shape[1]
         rows = []
         for gi, (g, layers) in enumerate(zip(self.grid, self.layers, strict=True)):
@@ -149,7 +148,6 @@ class Replay:
                     counts, m = self.counters[gi].sum(0), self.mass[gi].ravel()
                     bel, rho = self.belady_hits[gi].sum(), self.rerouted[gi].sum()
                 row = counter_row(g, fraction, capacity, layer, counts, k)
-                n_layers = L if layer < 0 else 1
                 per_token = float(self.mass[gi].sum(1).mean()) if layer < 0 else None
                 rows.append(
                     {
@@ -160,7 +158,6 @@ class Replay:
                         "mass_p99": float(np.quantile(m, 0.99)),
                         "mass_per_token": per_token,
                         "rerouted_mean": float(rho) / row["tokens"],
-                        "est_time_per_token_s": cost.time_per_token(row, n_layers),
                         "belady_hit_rate": bel / (row["tokens"] * k)
                         if self.has_belady[gi]
                         else None,
@@ -253,12 +250,11 @@ def simulate(
     streams: list[np.ndarray],
     k: int,
     grid: list[GridPoint],
-    cost: CostModel | None = None,
     n_threads: int | None = None,
     belady: bool = True,
     lookahead: list[np.ndarray] | None = None,
     coactivation: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """`replay` as its table (`Replay.table`): one row per grid point and layer, plus a total
-    row per grid point (layer = -1), priced by `cost`."""
-    return replay(streams, k, grid, n_threads, belady, lookahead, coactivation).table(cost)
+    row per grid point (layer = -1)."""
+    return replay(streams, k, grid, n_threads, belady, lookahead, coactivation).table()

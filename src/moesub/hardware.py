@@ -25,15 +25,9 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moesub.slots import REFERENCE_GEOMETRY
+
 SOURCES = ("estimate", "measured")  # a profile from spec sheets, or from a calibration run
-
-
-def expert_bytes(hidden: int, width: int, bits: float) -> float:
-    """Bytes of one routed expert (gate, up and down: 3 x hidden x width weights) at `bits` per
-    weight (16 = bf16; 4.5 = a 4-bit quantization with its scales)."""
-    if hidden <= 0 or width <= 0 or bits <= 0:
-        raise ValueError(f"expert_bytes: hidden={hidden}, width={width}, bits={bits} must be > 0")
-    return 3 * hidden * width * bits / 8
 
 
 @dataclass(frozen=True)
@@ -54,11 +48,11 @@ class ModelBytes:
 
 
 # Qwen3-Next-80B-A3B (the reference model; counted from transformers' Qwen3NextConfig defaults,
-# which are that model's, on the meta device: docs/hardware.md): hidden 2048, expert width 512,
-# 48 MoE layers; the 36 linear-attention layers hold 37,918,912 non-expert weights each and the
-# 12 full-attention layers 31,463,936 (router, shared expert and its gate, norms included); the
-# LM head is 151,936 x 2048.
-REFERENCE_HIDDEN, REFERENCE_WIDTH, REFERENCE_LAYERS = 2048, 512, 48
+# which are that model's, on the meta device: docs/hardware.md): its experts are
+# `moesub.slots.REFERENCE_GEOMETRY` (48 MoE layers of 512, hidden 2048, expert width 512); the
+# 36 linear-attention layers hold 37,918,912 non-expert weights each and the 12 full-attention
+# layers 31,463,936 (router, shared expert and its gate, norms included); the LM head is
+# 151,936 x 2048.
 REFERENCE_DENSE_WEIGHTS_PER_LAYER = (36 * 37_918_912 + 12 * 31_463_936) / 48
 REFERENCE_HEAD_WEIGHTS = 151_936 * 2048
 
@@ -67,7 +61,7 @@ def reference_model_bytes(expert_bits: float = 16.0, dense_bits: float = 16.0) -
     """The reference model's bytes: experts at `expert_bits`, everything else at `dense_bits`
     (runtimes keep attention and the head at higher precision than the experts)."""
     return ModelBytes(
-        expert_bytes=expert_bytes(REFERENCE_HIDDEN, REFERENCE_WIDTH, expert_bits),
+        expert_bytes=REFERENCE_GEOMETRY.expert_bytes(expert_bits),
         dense_bytes_per_layer=REFERENCE_DENSE_WEIGHTS_PER_LAYER * dense_bits / 8,
         head_bytes=REFERENCE_HEAD_WEIGHTS * dense_bits / 8,
     )
@@ -119,11 +113,11 @@ class HardwareProfile:
     # a copy reads and writes every byte)
 
     def __post_init__(self) -> None:
-        where = f"hardware profile {self.name!r}"
+        where = f"hardware.{self.name}"
         if self.source not in SOURCES:
-            raise ValueError(f"{where}: source={self.source!r} must be one of {list(SOURCES)}")
+            raise ValueError(f"{where}.source={self.source!r} must be one of {list(SOURCES)}")
         if not isinstance(self.concurrent_host, bool):
-            raise ValueError(f"{where}: concurrent_host={self.concurrent_host!r} must be a bool")
+            raise ValueError(f"{where}.concurrent_host={self.concurrent_host!r} must be a bool")
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s"):
@@ -140,7 +134,7 @@ class HardwareProfile:
             or not isinstance(self.host_cores, int)
             or self.host_cores < 1
         ):
-            raise ValueError(f"{where}: host_cores={self.host_cores!r} must be an integer >= 1")
+            raise ValueError(f"{where}.host_cores={self.host_cores!r} must be an integer >= 1")
 
     @property
     def host_Bps(self) -> float:
@@ -168,6 +162,10 @@ class HardwareProfile:
             concurrent_host=self.concurrent_host,
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The profile's keys (`from_dict`'s mapping; the name is the key it is filed under)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
+
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> HardwareProfile:
         """A profile from a mapping of this class's fields (a `hardware:` entry in config.yaml):
@@ -188,10 +186,7 @@ class HardwareProfile:
         for key, value in data.items():
             if key in ("description", "source") and not isinstance(value, str):
                 raise ValueError(f"{where}.{key}: expected a string, got {value!r}")
-        try:
-            return cls(name=name, **data)
-        except ValueError as e:  # name the config key, not the class
-            raise ValueError(f"{where}: {e}") from e
+        return cls(name=name, **data)  # its checks name `hardware.<name>.<key>`
 
 
 def _check_number(
@@ -202,50 +197,61 @@ def _check_number(
     ok = ok and (infinite or math.isfinite(value)) and (value > 0 if positive else value >= 0)
     if not ok:
         bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{where}: {key}={value!r} must be a number {bound}")
+        raise ValueError(f"{where}.{key}={value!r} must be a number {bound}")
 
 
-# the calibration JSON's keys (moesub.cost.CostModel, written by moesub.engine.calibrate)
-CALIBRATION_KEYS = (
-    "link_bandwidth_Bps", "transfer_latency_s", "expert_bytes", "expert_compute_s",
-    "host_expert_compute_s", "dense_layer_s", "token_overhead_s", "install_s",
-)  # fmt: skip
+THIS_MACHINE = "this_machine"  # the profile measured on the running machine (reserved name)
+UNIT_COST_KEYS = tuple(f.name for f in fields(UnitCosts) if f.name != "concurrent_host")
+
+
+def measured_profile(
+    seconds: Mapping[str, float], expert_bytes: float, description: str
+) -> HardwareProfile:
+    """`this_machine` from measured seconds of each event (`UNIT_COST_KEYS`, for experts of
+    `expert_bytes`): per-expert times become rates (priced for other expert sizes they scale with
+    the bytes; a term measured as 0 s stays free), the dense layer and the token's fixed part stay
+    constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
+    split it). One processor: host experts follow the fast tier's (`concurrent_host=False`).
+    Priced for `ModelBytes(expert_bytes)` it gives the seconds back."""
+    missing = [k for k in UNIT_COST_KEYS if k not in seconds]
+    if missing:
+        raise ValueError(f"measured profile: missing unit cost(s) {missing}")
+    where = f"hardware.{THIS_MACHINE}"
+    for key in UNIT_COST_KEYS:
+        _check_number(where, key, seconds[key])
+    _check_number(where, "expert_bytes", expert_bytes, positive=True)
+
+    def rate(key: str) -> float:  # bytes per second of a per-expert time (0 s: free)
+        return expert_bytes / seconds[key] if seconds[key] > 0 else math.inf
+
+    return HardwareProfile(
+        name=THIS_MACHINE,
+        description=description,
+        source="measured",
+        concurrent_host=False,
+        link_bandwidth_Bps=rate("copy_s"),
+        transfer_latency_s=0.0,
+        fast_memory_Bps=rate("expert_s"),
+        host_memory_Bps=rate("host_expert_s"),
+        dense_layer_s=seconds["dense_layer_s"],
+        token_overhead_s=seconds["token_overhead_s"],
+        install_Bps=rate("install_s"),
+    )
 
 
 def this_machine(calibration: str | os.PathLike | Mapping[str, Any]) -> HardwareProfile:
-    """The running machine from the engine's calibration (`results/{model}/engine/{device}/
-    calibration.json`, or its dict): measured per-expert seconds at the calibrated expert size
-    become rates (a per-expert time scales with the expert's bytes), the dense layer and the
-    token overhead stay constants. One processor: host experts do not overlap the fast tier's
-    work (`concurrent_host=False`). The calibration's `background_overlap` is not used: the
-    pricing models the link shared by background and synchronous copies instead."""
+    """The running machine's profile from the engine's calibration (`results/{model}/engine/
+    {device}/calibration.json`, or its dict: its `profile`, `moesub.engine.calibrate`)."""
     if isinstance(calibration, Mapping):
         cal, where = dict(calibration), "calibration"
     else:
         cal, where = json.loads(Path(calibration).read_text()), str(calibration)
-    absent = [k for k in CALIBRATION_KEYS if k not in cal]
-    if absent:
-        raise ValueError(f"{where}: missing calibration key(s) {absent}")
-    for key in CALIBRATION_KEYS:
-        _check_number(where, key, cal[key], positive=key in ("link_bandwidth_Bps", "expert_bytes"))
-    b = cal["expert_bytes"]
-
-    def rate(seconds: float) -> float:  # bytes per second of a per-expert time (0 s: free)
-        return b / seconds if seconds > 0 else math.inf
-
-    return HardwareProfile(
-        name="this_machine",
-        description=f"the engine's calibration ({where})",
-        source="measured",
-        concurrent_host=False,
-        link_bandwidth_Bps=cal["link_bandwidth_Bps"],
-        transfer_latency_s=cal["transfer_latency_s"],
-        fast_memory_Bps=rate(cal["expert_compute_s"]),
-        host_memory_Bps=rate(cal["host_expert_compute_s"]),
-        dense_layer_s=cal["dense_layer_s"],
-        token_overhead_s=cal["token_overhead_s"],
-        install_Bps=rate(cal["install_s"]),
-    )
+    if not isinstance(cal.get("profile"), Mapping):
+        raise ValueError(f"{where}: no `profile` (an engine calibration's fitted profile)")
+    try:
+        return HardwareProfile.from_dict(THIS_MACHINE, cal["profile"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 # GPU machines, estimated from spec sheets and published measurements (every figure's source
@@ -302,3 +308,13 @@ PROFILES: dict[str, HardwareProfile] = {
     name: HardwareProfile.from_dict(name, spec) for name, spec in SHIPPED.items()
 }
 STUDY_PROFILE = "rtx3090_pcie4_ddr4"
+
+
+def read_unit_costs(path: str | os.PathLike) -> tuple[str, UnitCosts]:
+    """(profile name, its seconds) from a profile priced for a model (`moesub.price.
+    write_profile`'s JSON: `results/{model}/hardware/{hardware}.json`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"hardware profile {str(path)!r} does not exist")
+    doc = json.loads(path.read_text())
+    return doc["name"], UnitCosts(**doc["unit_costs"])

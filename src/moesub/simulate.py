@@ -1,30 +1,20 @@
-"""The simulate stage: one (policy, cache size) replayed over a captured trace, priced by the cost
-model (`moesub.grid.simulate`, the C++ core's grid replay), and the cost-model rule's JSON (the
-engine's calibration with config overrides). The caches' layout (per-layer capacities, initial
-experts, pins) comes from `moesub.artefacts.layout_for`.
+"""The simulate stage: one (policy, cache size) replayed over a captured trace (`moesub.grid`,
+the C++ core's grid replay): the replay table, and every token-layer's counts beside it (the
+pricing's input: the `price` stage prices them under each hardware profile, so a profile change
+reruns no replay). The caches' layout (per-layer capacities, initial experts, pins) comes from
+`moesub.artefacts.layout_for`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, replace
+import numpy as np
 
 from moesub.artefacts import layout_for, load_trace
 from moesub.coactivation import read_coactivation
-from moesub.cost import CostModel
-from moesub.grid import GridPoint, simulate
-from moesub.io import write_json, write_parquet
-from moesub.policy import CORE_BUILD_ID
-
-
-def write_cost_model(calibration_path: str | None, overrides: dict, out_path: str) -> CostModel:
-    """The engine's measured cost model (or the defaults) with config overrides, as JSON."""
-    base = CostModel.from_json(calibration_path) if calibration_path else CostModel()
-    unknown = set(overrides) - {f.name for f in fields(CostModel)}
-    if unknown:
-        raise ValueError(f"cost: unknown cost-model key(s) {sorted(unknown)}")
-    cost = replace(base, **overrides)
-    write_json(asdict(cost), out_path)
-    return cost
+from moesub.grid import GridPoint, replay
+from moesub.io import write_parquet
+from moesub.policy import CORE_BUILD_ID, TOKEN_LAYER_FIELDS
+from moesub.token_counts import counts_table
 
 
 def run_simulate(
@@ -33,12 +23,14 @@ def run_simulate(
     name: str,
     policy: dict,
     size: float | dict,
-    cost_path: str | None,
     out_path: str,
+    counts_path: str,
     coactivation_path: str | None = None,
     allocation_path: str | None = None,
 ) -> None:
-    """Snakemake entry point: one (policy, size) over a captured trace -> Parquet.
+    """Snakemake entry point: one (policy, size) over a captured trace -> the replay table
+    (`out_path`) and its per-token-layer counts (`counts_path`: `stream, pos,
+    token_layer_counts`, `moesub.token_counts`), Parquet.
 
     `policy`: the config's policy dict (its pin spec and allocation resolved into the layout);
     `size`: a resolved cache size (`moesub.layout.CacheSize.to_dict`) or a fraction;
@@ -55,29 +47,27 @@ def run_simulate(
     E, k, L = trace.num_experts, trace.top_k, trace.num_layers
     layout = layout_for(ranking_path, size, policy, k, L, E, allocation_path)
     pol = layout.policy(policy)
-    C = layout.size.capacity
-    cost = CostModel.from_json(cost_path) if cost_path else CostModel()
     table = (
         read_coactivation(coactivation_path, L, E) if pol.substitute_by == "coactivation" else None
     )
-    df = simulate(
+    r = replay(
         trace.logits, k,
         [GridPoint(name, pol, layout.capacities, layout.initial, layout.size.fraction)],
-        cost, lookahead=trace.lookahead, coactivation=table,
+        lookahead=trace.lookahead, coactivation=table, token_counts=True,
     )  # fmt: skip
-    write_parquet(
-        df,
-        out_path,
-        metadata={
-            "policy": dict(policy),
-            "name": name,
-            "fraction": layout.size.fraction,
-            "capacity": C,
-            "size": layout.size.to_dict(),
-            "layout": layout.to_dict(),
-            "cost_model": asdict(cost),
-            "core_build_id": CORE_BUILD_ID,
-            "router_trace": str(router_path),
-            **({"coactivation": str(coactivation_path)} if table is not None else {}),
-        },
-    )
+    meta = {
+        "policy": dict(policy),
+        "name": name,
+        "fraction": layout.size.fraction,
+        "capacity": layout.size.capacity,
+        "size": layout.size.to_dict(),
+        "layout": layout.to_dict(),
+        "core_build_id": CORE_BUILD_ID,
+        "router_trace": str(router_path),
+        **({"coactivation": str(coactivation_path)} if table is not None else {}),
+    }
+    stream = np.repeat(trace.streams, r.stream_lengths)
+    pos = np.concatenate([np.arange(n) for n in r.stream_lengths])
+    counts = counts_table(stream, pos, r.token_counts[0])
+    write_parquet(counts, counts_path, metadata={**meta, "token_layer_fields": TOKEN_LAYER_FIELDS})
+    write_parquet(r.table(), out_path, metadata=meta)

@@ -24,12 +24,15 @@ from moesub.config import (
     model_sizes,
     number_label,
     policy_spec,
+    priced_hardware,
+    pricing_bytes,
+    profile_spec,
     regime_size,
     size_labels,
     stage_policies,
     stage_sizes,
 )
-from moesub.vocabulary import capacity_for
+from moesub.hardware import STUDY_PROFILE, THIS_MACHINE
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
 # timings other jobs would disturb): every core of this run (--cores). A cluster run has no
@@ -60,6 +63,8 @@ BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
 GENERATE_POLICIES = STAGE_POLICIES["generate"]
 PLANNED_POLICIES = [name for name, spec in POLICIES.items() if is_planned(spec)]
 ENGINE_DEVICES = config["engine"]["devices"]
+# Hardware profiles priced (hardware.price); this_machine is the calibration of the first device
+HARDWARE = priced_hardware(config)
 TASKS = list(config["generate"]["tasks"])
 # Experiment B: design -> its targets and decision rule (schema defaults filled in); the study
 # and matched designs run at target masses, the factorial design runs cells.
@@ -175,9 +180,49 @@ def coactivation_input(wildcards):
     return {}
 
 
-def cost_calibration(wildcards):
-    """The calibration the simulator's cost model starts from: the first engine device's."""
-    return f"results/{wildcards.model}/engine/{ENGINE_DEVICES[0]}/calibration.json"
+def profile_inputs(wildcards):
+    """this_machine's profile comes from the calibration of the first engine device."""
+    if wildcards.hardware == THIS_MACHINE:
+        device = ENGINE_DEVICES[0]
+        return {
+            "calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"
+        }
+    return {}
+
+
+def profile_params(wildcards):
+    """A profile's keys (None for this_machine): editing one profile reruns its jobs only."""
+    return canonical(profile_spec(config, wildcards.hardware))
+
+
+def model_bytes_params(wildcards):
+    """The bytes the model is priced at on the profiles that are not this machine's."""
+    if wildcards.hardware == THIS_MACHINE:
+        return None
+    return canonical(pricing_bytes(config, wildcards.model))
+
+
+def price_inputs(wildcards):
+    """The profile, every simulated policy's counts and (this_machine) the first device's
+    engine runs."""
+    inputs = {
+        "profile": f"results/{wildcards.model}/hardware/{wildcards.hardware}.json",
+        "simulate_counts": expand(
+            "results/{model}/simulate/{policy}/{size}.counts.parquet",
+            model=wildcards.model,
+            policy=SIMULATE_POLICIES,
+            size=STAGE_SIZES["simulate"],
+        ),
+    }
+    if wildcards.hardware == THIS_MACHINE:
+        inputs["engine"] = expand(
+            "results/{model}/engine/{device}/{policy}/{size}.parquet",
+            model=wildcards.model,
+            device=ENGINE_DEVICES[:1],
+            policy=ENGINE_POLICIES,
+            size=STAGE_SIZES["engine"],
+        )
+    return inputs
 
 
 def engine_env(wildcards):
@@ -292,8 +337,12 @@ def analysis_params():
     return canonical(params)
 
 
-# The hardware a plan is priced for: the machine the engine calibrated the simulator on.
-PLAN_HARDWARE = ["this_machine"]
+def study_profile_input():
+    """The study's hardware profile priced for the model, where this run prices it (the
+    recommendation's comparison with the study's table reads its seconds)."""
+    if STUDY_PROFILE not in HARDWARE:
+        return {}
+    return {"study_profile": f"results/{{model}}/hardware/{STUDY_PROFILE}.json"}
 
 
 def plans():
@@ -301,7 +350,7 @@ def plans():
     return expand(
         "results/{model}/plan/{hardware}/{size}.json",
         model=MODELS,
-        hardware=PLAN_HARDWARE,
+        hardware=HARDWARE,
         size=STAGE_SIZES["simulate"],
     )
 
@@ -414,6 +463,12 @@ def engine_outputs():
     )
 
 
+def priced_outputs():
+    return expand(
+        "results/{model}/priced/{hardware}.parquet", model=MODELS, hardware=HARDWARE
+    )
+
+
 def calibration_outputs():
     return expand(
         "results/{model}/engine/{device}/calibration.json",
@@ -447,6 +502,7 @@ def analysis_inputs():
         ),
         "regime": expand("results/{model}/regime.parquet", model=MODELS),
         "simulate": simulate_outputs(),
+        "priced": priced_outputs(),
         "emulate": emulate_outputs(),
         "expb": expb_outputs(),
         "expb_feasibility": expb_feasibility_outputs(),

@@ -1,4 +1,5 @@
-# Stage 5 (engine): the real offloading engine. Cost-model calibration, per-policy runs on the
+# Stage 5 (engine): the real offloading engine. The calibration (this machine's hardware
+# profile, fitted to timed engine runs on the calibration streams), per-policy runs on the
 # model's evaluation streams, and the real-expert-size benchmark (replaying a captured router
 # trace, engine.bench.trace_model's, or synthetic routing). profiles/slurm sends these
 # jobs to the GPU partition.
@@ -7,6 +8,8 @@
 rule calibrate:
     input:
         model=model_input,
+        tokens="results/{model}/capture/calib_tokens.parquet",
+        ranking="results/{model}/expert_ranking.parquet",
     output:
         "results/{model}/engine/{device}/calibration.json",
     log:
@@ -19,6 +22,8 @@ rule calibrate:
     params:
         model_dir=model_dir,
         engine=engine_params,
+        size=regime_params,  # the regime's size (nearest a quarter of E)
+        core=core_build_id,
     script:
         "../scripts/calibrate.py"
 

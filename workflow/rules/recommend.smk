@@ -12,6 +12,7 @@ rule recommend:
             if k != "analysis"
         },
         analysis=rules.analysis.output.json,
+        **study_profile_input(),
     output:
         "results/{model}/recommendation.json",
     log:

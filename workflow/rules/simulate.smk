@@ -1,21 +1,7 @@
 # Stage 3 (simulate): replay the captured router logits through the C++ policy core, one
-# (policy, cache size) per job, priced by the cost model calibrated on the engine; the
-# co-activation table (calibration split) for policies with substitute_by: coactivation.
-
-
-rule cost_model:
-    input:
-        calibration=cost_calibration,
-    output:
-        "results/{model}/cost.json",
-    log:
-        "logs/{model}/cost_model.log",
-    conda:
-        "../../envs/cpu.yaml"
-    params:
-        overrides=section("cost"),
-    script:
-        "../scripts/cost_model.py"
+# (policy, cache size) per job: the replay table and its per-token-layer counts (priced per
+# hardware profile by the price rules, workflow/rules/price.smk); the co-activation table
+# (calibration split) for policies with substitute_by: coactivation.
 
 
 rule coactivation:
@@ -41,9 +27,9 @@ rule simulate:
         unpack(allocation_input),
         router="results/{model}/capture/eval_router.parquet",
         ranking="results/{model}/expert_ranking.parquet",
-        cost="results/{model}/cost.json",
     output:
-        "results/{model}/simulate/{policy}/{size}.parquet",
+        table="results/{model}/simulate/{policy}/{size}.parquet",
+        counts="results/{model}/simulate/{policy}/{size}.counts.parquet",
     log:
         "logs/{model}/simulate/{policy}_{size}.log",
     benchmark:

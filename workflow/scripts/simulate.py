@@ -12,8 +12,8 @@ run_simulate(
     snakemake.wildcards.policy,
     snakemake.params.policy,
     snakemake.params.size,
-    snakemake.input.cost,
-    snakemake.output[0],
+    snakemake.output.table,
+    snakemake.output.counts,
     coactivation_path=snakemake.input.get("coactivation"),
     allocation_path=snakemake.input.get("allocation"),
 )

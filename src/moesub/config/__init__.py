@@ -18,7 +18,9 @@ one concept:
 - `geometry`: each model's (E, k) and pricing geometry (what its experts weigh);
 - `sizes`: cache sizes (fractions, byte budgets) resolved per model (`model_sizes`), the sizes
   each stage runs at (`stage_sizes`), the regime's (`regime_size`), pin specs at every size
-  (`check_pins`) and every other capacity rule (`check_capacities`).
+  (`check_pins`) and every other capacity rule (`check_capacities`);
+- `hardware`: the profiles priced (`priced_hardware`), the user's own (`user_profiles`), the
+  bytes a model is priced at (`pricing_bytes`: its pricing geometry at its `expert_bits`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from moesub.config.geometry import (
     read_checkpoint_geometry,
     read_pricing_geometry,
 )
+from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec, user_profiles
 from moesub.config.inputs import (
     TOKENIZER_FILES,
     check_checkpoint_dir,
@@ -116,7 +119,10 @@ __all__ = [
     "number_label",
     "policy_spec",
     "policy_subset",
+    "priced_hardware",
+    "pricing_bytes",
     "pricing_geometry",
+    "profile_spec",
     "read_checkpoint_geometry",
     "read_pricing_geometry",
     "regime_size",
@@ -126,6 +132,7 @@ __all__ = [
     "stage_policies",
     "stage_sizes",
     "twin_spec",
+    "user_profiles",
     "validate_config",
 ]
 
@@ -150,4 +157,5 @@ def load_config(path: str | Path) -> dict[str, Any]:
     check_pins(config, policies)
     stage_sizes(config)
     check_input_paths(config)
+    priced_hardware(config)
     return config

@@ -70,6 +70,17 @@ def read_pricing_geometry(path: str | Path, where: str) -> PricingGeometry:
     )
 
 
+def read_head_weights(path: str | Path, where: str) -> int:
+    """Weights of a checkpoint's LM head: vocab_size x hidden_size, from its config.json."""
+    cfg_path, cfg = _checkpoint_config(path, where)
+    if not cfg.get("vocab_size") or not cfg.get("hidden_size"):
+        raise ValueError(
+            f"{where}: {str(cfg_path)!r} lacks vocab_size or hidden_size: its LM head cannot be "
+            "priced"
+        )
+    return int(cfg["vocab_size"]) * int(cfg["hidden_size"])
+
+
 def pricing_geometry(config: Mapping[str, Any], name: str) -> PricingGeometry:
     """Model `name`'s pricing geometry: a checkpoint's own config.json; the embedded model at
     the reference geometry (`moesub.layout.REFERENCE_GEOMETRY`), whose routing it copies."""

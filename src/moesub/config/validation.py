@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import re
 import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,14 +40,39 @@ def _filling_validator() -> Any:
     base = jsonschema.validators.validator_for(schema)
     check_properties = base.VALIDATORS["properties"]
 
+    check_items = base.VALIDATORS["items"]
+
     def fill_then_check(validator, properties, instance, node):
         if isinstance(instance, dict):
             for key, prop in properties.items():
                 if "default" in prop:
                     instance.setdefault(key, copy.deepcopy(prop["default"]))
+                if key in instance:
+                    instance[key] = _number_from_string(instance[key], prop)
         yield from check_properties(validator, properties, instance, node)
 
-    return jsonschema.validators.extend(base, {"properties": fill_then_check})(schema)
+    def read_then_check(validator, items, instance, node):
+        if isinstance(instance, list) and isinstance(items, Mapping):
+            instance[:] = [_number_from_string(v, items) for v in instance]
+        yield from check_items(validator, items, instance, node)
+
+    extra = {"properties": fill_then_check, "items": read_then_check}
+    return jsonschema.validators.extend(base, extra)(schema)
+
+
+# A float as YAML 1.2 writes it; YAML 1.1 (PyYAML, Snakemake's reader) reads `25e9` and `1e-3`
+# as strings (it wants `25.0e+9`), so where the schema expects a number such a string is one.
+_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+
+
+def _number_from_string(value: Any, node: Mapping[str, Any]) -> Any:
+    """`value` as a float where the schema node takes a number but no string and `value` is a
+    string written as a number ("25e9"); anything else unchanged (the schema then judges it)."""
+    if not isinstance(value, str) or not _FLOAT.match(value.strip()):
+        return value
+    types = resolve(node).get("type", [])
+    types = [types] if isinstance(types, str) else types
+    return float(value) if "number" in types and "string" not in types else value
 
 
 def validate_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 Modules, lowest layer first (each imports only modules above it in this list):
 
+- `contention`: `CpuMeter`, the CPU share a timed run had (`contended` below 0.8).
 - `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
 - `kernels`: expert compute from slot buffers, planned on the host (grouped matmul where it
   is fast, per-expert matmuls elsewhere).
@@ -19,13 +20,14 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `decode`: the KV-cache decode loop, one token per step (teacher forced or greedy).
 - `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
 - `stage`: `run_engine` (the pipeline stage: NLL and time per token) and `summarize_engine`.
-- `calibrate`: `calibrate`, the simulator's cost-model figures measured on this machine.
+- `calibrate`: `calibrate`, this machine's hardware profile fitted to timed engine runs (one
+  mechanism per run, `moesub.calibration`).
 - `bench_inputs`: the benchmark's router logits (a captured trace mapped onto its shape, or
   synthetic), its initial set, random experts and resource checks.
 - `bench_runs`: one timed run of the engine over router logits (`run_policy`, `BenchRun`) and
   its counts by status name.
-- `bench`: `run_benchmark`, real expert sizes driven by a router trace, the cost model fitted
-  and validated in the same run.
+- `bench`: `run_benchmark`, real expert sizes driven by a router trace, this machine's profile
+  fitted and validated (each policy's own counts priced) in the same run.
 """
 
 from moesub.engine.bench import BenchParams, run_benchmark

@@ -10,18 +10,20 @@ its result is brought back to the host (the synchronization a real router impose
 core decides from the synthetic logits; attention and the shared expert are not modelled.
 
 Every policy runs in ONE process over the same tokens from the same frequency-initial resident
-set, in `rounds` interleaved with the cost model's calibration runs (other tokens, mechanism
-policies: all hits, every miss fetched, host compute, background admissions), so that the
-machine's load hits all alike; every run has a tier of its own, as an engine serving one policy
-does (no thread state carried over from another policy's run). The cost model is fitted to the
-calibration runs (`moesub.engine.calibrate.fit_token_costs`) and prices every policy's counters;
-`sim_rel_error` compares it with the engine's time per token (the median over rounds of each
-run's mean). The output holds one row per policy with time per token and its ratios to
-`fetch_every_miss` and `host_compute`, and the simulator's prediction with its relative error.
+set, in `rounds` interleaved with the calibration runs (other tokens, mechanism policies: all
+hits, over all layers and over one, every miss fetched, host compute, background admissions),
+so that the machine's load hits all alike; every run has a tier of its own, as an engine
+serving one policy does (no thread state carried over from another policy's run). The machine's
+profile is fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration
+does) and prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
+`sim_rel_error` compares the median over rounds of the priced means with the median over rounds
+of the measured means. The output holds one row per policy with time per token and its ratios
+to `fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and
+the runs' CPU share (`contended` below 0.8: another process took the CPU).
 Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
 each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
-validation and calibration runs alike, so that the pricing can be fitted and checked on the
-engine's own tokens. Policy v3 runs as everywhere: the policies' pins come resolved per layer.
+validation and calibration runs alike. Policy v3 runs as everywhere: the policies' pins come
+resolved per layer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -52,21 +55,12 @@ from moesub.engine.bench_runs import (
     concat_runs,
     counts_path_for,
     hits_only,
-    rms_norm,
     run_policy,
-    token_counts,
+    timed_tokens,
     write_bench_counts,
 )
-from moesub.engine.calibrate import (
-    TokenCounts,
-    cost_from_fit,
-    fit_token_costs,
-    measure_expert_compute,
-    measure_install,
-    measure_link,
-    predicted_time_per_token,
-    timeit,
-)
+from moesub.engine.calibrate import MECHANISMS, measure_expert_compute, round_order
+from moesub.engine.contention import CONTENDED_BELOW
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.runtime import OffloadEngine
@@ -78,6 +72,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.engine.tiers import DiskTier, require_cuda
+from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.io import write_parquet
 from moesub.layout import build_layout
 from moesub.params import options_from
@@ -96,11 +91,11 @@ BENCH_POLICIES: dict[str, dict[str, Any]] = {
     **{name: STUDY_POLICIES[name] for name in _FROM_STUDY},
     ALL_RESIDENT: ALL_RESIDENT_POLICY.to_dict(),
 }
-# the cost model's calibration runs: one mechanism each (hits only are run separately)
+# the calibration's mechanism runs (`moesub.engine.calibrate.MECHANISMS`); the hits runs here
+# keep C slots and push every non-resident expert out of the logits (`hits_only`), over all
+# layers and over one (which separates a token's fixed part from a layer's)
 CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
-    "cal_fetch": {"rule": "fetch_all", "eviction": "lru"},
-    "cal_host": {"rule": "host_compute", "eviction": "lru"},
-    "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+    name: policy for name, policy in MECHANISMS.items() if policy is not None
 }
 CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
 ACT = torch.nn.functional.silu  # the benchmark's experts' activation (Qwen's)
@@ -190,59 +185,33 @@ class BenchParams:
         )
 
 
-def _microbenchmarks(tier, store, router_w, h0, p: BenchParams, info: dict) -> dict[str, float]:
-    """The terms timed in isolation: link latency, expert compute, install, the router's part
-    of a layer (the fit's constant is split with them, `cost_from_fit`)."""
+def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
+    """The fast tier's expert time (it splits the fit's per-layer constant,
+    `unit_costs_from_fit`) and, on the disk tier, the disk's read rate (for the record)."""
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(
             disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
             store_mode=bw.mode,
         )  # fmt: skip
-    link_bw, link_lat = measure_link(tier, seed=p.seed)
-    micro = {
-        "link_bandwidth_Bps": link_bw,
-        "transfer_latency_s": link_lat,
-        "expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed),
-        "install_s": measure_install(tier),
-        "dense_layer_raw_s": _dense_layer_s(router_w[0], h0, tier.synchronize),
-    }
+    micro = {"expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed)}
     info["microbenchmarks"] = micro
     return micro
 
 
-def _fit_cost(cal: dict[str, list[BenchRun]], micro: dict, p: BenchParams, info: dict) -> dict:
-    """The cost model fitted to the calibration runs (`fit_token_costs`, `cost_from_fit`)."""
-    runs = [token_counts(r) for name in (CAL_HITS, *CALIBRATION_POLICIES) for r in cal[name]]
-    fit = fit_token_costs(TokenCounts.concat(runs))
-    one = cal[CAL_HITS_ONE_LAYER]
-    one_layer_s = float(np.median([np.median(r.wall_s) for r in one])) if one else None
-    info["cost_fit"] = {**fit, "one_layer_s": one_layer_s}
-    return cost_from_fit(
-        fit, layers=p.layers, k=p.top_k, expert_bytes=p.layout().expert_bytes,
-        expert_compute_s=micro["expert_compute_s"],
-        transfer_latency_s=micro["transfer_latency_s"], install_s=micro["install_s"],
-        one_layer_s=one_layer_s, dense_floor_s=micro["dense_layer_raw_s"],
-    )  # fmt: skip
-
-
-def _dense_layer_s(router_w: torch.Tensor, h0: torch.Tensor, sync, reps: int = 20) -> float:
-    def one() -> None:
-        x = rms_norm(h0)
-        (x @ router_w.T).float().cpu()
-        _ = h0 + x
-
-    return timeit(one, sync, reps)
-
-
-def _round_order(names: list[str], rounds: int) -> list[str]:
-    """Every name once per round; the order rotates every round and is reversed every other
-    round, so that drift in the machine's load does not favour one."""
-    order = []
-    for r in range(rounds):
-        rot = names[r % len(names) :] + names[: r % len(names)]
-        order += rot if r % 2 == 0 else rot[::-1]
-    return order
+def _fit_costs(cal: dict[str, list[BenchRun]], micro: dict, p: BenchParams, info: dict):
+    """This machine's profile fitted to the calibration runs (`moesub.calibration`), priced
+    for the benchmark's experts."""
+    names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
+    fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for n in names for r in cal[n]]))
+    seconds = unit_costs_from_fit(
+        fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"]
+    )
+    expert_bytes = p.layout().expert_bytes
+    profile = measured_profile(seconds, expert_bytes, "the engine benchmark's calibration runs")
+    info["cost_fit"] = fit.to_dict()
+    info["profile"] = profile.to_dict()
+    return seconds, profile.price(ModelBytes(expert_bytes))
 
 
 @dataclass
@@ -327,7 +296,7 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
         host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
-    order = _round_order(list(p.policies) + cal_names, p.rounds)
+    order = round_order(list(p.policies) + cal_names, p.rounds)
     hits = hits_only(logits.calibration, initial)
     return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, host, order)
 
@@ -358,7 +327,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             tier = plan.make_tier(plan.capacity(name))
             description = description or tier.description
             if micro is None and plan.capacity(name) == C:
-                micro = _microbenchmarks(tier, plan.store, plan.router_w, plan.h0, p, info)
+                micro = _microbenchmarks(tier, plan.store, p, info)
             engine, trace, layers = plan.engine(name, tier)
             show = p.progress and not name.startswith("cal_")
             run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name, show, layers)
@@ -371,15 +340,25 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             gc.collect()
         if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
             tier = plan.make_tier(C)
-            micro = _microbenchmarks(tier, plan.store, plan.router_w, plan.h0, p, info)
+            micro = _microbenchmarks(tier, plan.store, p, info)
     finally:
         if tier is not None:
             tier.close()
     return _Rounds(runs, micro, description)
 
 
-def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], cost: dict) -> pl.DataFrame:
-    """One row per policy over its rounds, the cost model's estimate beside, and the speedups."""
+def priced_median(runs: list[BenchRun], delay: int, costs: UnitCosts) -> float:
+    """The pricing of each run's own per-token-layer counts (from an idle link, as every run
+    starts), the median over runs of their means."""
+    from moesub.pricing import price_stream
+
+    return float(np.median([price_stream(r.layer_counts, delay, costs).token_s.mean()
+                            for r in runs]))  # fmt: skip
+
+
+def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts) -> pl.DataFrame:
+    """One row per policy over its rounds, the pricing's estimate on the same tokens beside,
+    and the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
     L = plan.p.layers
@@ -388,8 +367,12 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], cost: dict) -> pl
         r = concat_runs(runs[name])
         slots = max(int(r.counts.sum()), 1)
         c = by_status(r.counts.sum(axis=0))
-        counts = {"tokens": len(r.wall_s) * L, **c, "admissions": int(r.admissions.sum())}
-        est = predicted_time_per_token(cost, counts, L)
+        pol = (
+            ALL_RESIDENT_POLICY
+            if name == ALL_RESIDENT
+            else Policy.from_dict(dict(plan.p.policies[name]))
+        )
+        est = priced_median(runs[name], pol.delay, costs)
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         rows.append(
             {
@@ -411,6 +394,8 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], cost: dict) -> pl
                 "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
                 "est_time_per_token_s": float(est),
                 "sim_rel_error": float((est - run_median) / run_median),
+                "cpu_share": r.cpu_share,
+                "contended": bool(r.cpu_share < CONTENDED_BELOW),
             }
         )
     out = pl.DataFrame(rows)
@@ -457,19 +442,20 @@ def run_benchmark(
     finally:
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    cost = _fit_cost(rounds.runs, rounds.micro, p, info)
-    out = _policy_rows(plan, rounds.runs, cost)
+    seconds, costs = _fit_costs(rounds.runs, rounds.micro, p, info)
+    out = _policy_rows(plan, rounds.runs, costs)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,
         "params": asdict(p),
         "capacity": p.capacity,
         "expert_bytes": p.layout().expert_bytes,
-        "cost_model": cost,
+        "unit_costs": seconds,
         "threads": torch.get_num_threads(),
         "note": "routed experts + real-size router only (no attention / shared expert); "
-        "est_time_per_token_s = the cost model fitted to this run's calibration runs (other "
-        "tokens), sim_rel_error = (est - time_per_token_run_median_s) / the same",
+        "est_time_per_token_s = each policy's own per-token-layer counts priced with the "
+        "profile fitted to this run's calibration runs (other tokens), median over rounds; "
+        "sim_rel_error = (est - time_per_token_run_median_s) / the same",
         **info,
     }
     write_bench_counts(

@@ -5,9 +5,9 @@
 real-size router matmul on the fast device whose result reaches the host (the synchronization
 a real router imposes), the policy core's step on the given logits, the experts computed from
 the slots (and the host's). `BenchRun` holds the per-token wall times and counters, per
-token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `token_counts`
-gives the cost-model fit's regressors, `counts_frame` / `read_bench_counts` the per-token-layer
-table the benchmark writes beside its own (what the pricing reads).
+token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `timed_tokens`
+gives the cost fit's regressors (`moesub.calibration`), `counts_frame` / `read_bench_counts`
+the per-token-layer table the benchmark writes beside its own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.engine.calibrate import TokenCounts
+from moesub.calibration import TimedTokens
+from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
@@ -42,11 +43,12 @@ class BenchRun:
     bytes_sync: np.ndarray
     bytes_bg: np.ndarray
     counts: np.ndarray  # (T, S) slots per status code (`STATUS_NAMES` order), all layers
+    layer_counts: np.ndarray  # (T, L, len(TOKEN_LAYER_FIELDS)) what the policy did per layer
     admissions: np.ndarray  # (T,) admission requests per token
     syncs: np.ndarray  # (T,) host waits for the device per token
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
-    layer_counts: np.ndarray  # (T, L, F) what each layer's policy did (`TOKEN_LAYER_FIELDS`)
+    cpu_share: float  # the run's CPU share (`moesub.engine.contention`)
 
 
 @torch.inference_mode()
@@ -72,6 +74,7 @@ def run_policy(
     layer_counts = np.zeros((n, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
     admitted = admit_latency = 0
+    meter = CpuMeter().start()
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
         t0 = time.perf_counter()
         engine.begin_token()
@@ -99,11 +102,13 @@ def run_policy(
             admissions[i] = st.admissions
             admitted += st.admitted
             admit_latency += st.admit_latency
+    share = meter.stop()["cpu_share"]
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
     return BenchRun(
-        wall, wait, bsync, bbg, counts, admissions, syncs, admitted, admit_latency, layer_counts
-    )
+        wall, wait, bsync, bbg, counts, layer_counts, admissions, syncs, admitted, admit_latency,
+        share,
+    )  # fmt: skip
 
 
 def concat_runs(runs: list[BenchRun]) -> BenchRun:
@@ -113,11 +118,12 @@ def concat_runs(runs: list[BenchRun]) -> BenchRun:
         bytes_sync=np.concatenate([r.bytes_sync for r in runs]),
         bytes_bg=np.concatenate([r.bytes_bg for r in runs]),
         counts=np.concatenate([r.counts for r in runs]),
+        layer_counts=np.concatenate([r.layer_counts for r in runs]),
         admissions=np.concatenate([r.admissions for r in runs]),
         syncs=np.concatenate([r.syncs for r in runs]),
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
-        layer_counts=np.concatenate([r.layer_counts for r in runs]),
+        cpu_share=float(np.median([r.cpu_share for r in runs])),
     )
 
 
@@ -137,9 +143,8 @@ def by_status(counts: np.ndarray) -> dict[str, np.ndarray]:
     return dict(zip(STATUS_NAMES, np.moveaxis(counts, -1, 0), strict=True))
 
 
-def token_counts(r: BenchRun) -> TokenCounts:
-    c = by_status(r.counts)
-    return TokenCounts(r.wall_s, c["fetch"] + c["forced"], c["host"], r.admissions)
+def timed_tokens(r: BenchRun) -> TimedTokens:
+    return TimedTokens.from_counts(r.wall_s, r.layer_counts)
 
 
 def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:

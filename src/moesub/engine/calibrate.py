@@ -1,40 +1,48 @@
-"""Cost-model calibration: measure the running machine's link and compute costs.
+"""The engine's calibration: `this_machine`'s hardware profile, fitted to timed engine runs.
 
-Writes the JSON that `moesub.cost.CostModel.from_json` reads (exactly its fields). On the
-disk->RAM tier the "link" is the disk read path (page cache bypassed) and
-`host_expert_compute_s` includes the fresh disk read each host miss costs there; on CUDA the
-link is pinned host -> GPU memory.
+`calibrate` times the real engine on the model, on the calibration streams, under one mechanism
+per run (`MECHANISMS`: every expert resident, so every one a hit; every miss fetched; every miss
+computed by the host; background admissions), in interleaved rounds (`round_order`) so that
+the machine's load falls on all alike, each run on an engine of its own. Every token's wall
+time and per-token-layer counts feed the non-negative fit of the pricing's terms
+(`moesub.calibration`); the fast tier's expert time is a microbenchmark (`measure_expert_compute`)
+that splits the fitted per-layer constant. The output JSON holds the profile
+(`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it
+was made from, the fit and the runs' CPU share (`moesub.engine.contention`).
 
-Two ways: `calibrate` (a model) times each term in isolation (microbenchmarks); the real-size
-benchmark (`moesub.engine.bench`) fits the terms to timed engine runs (`fit_token_costs`:
-least squares of every token's wall time on its counters, over calibration runs made for the
-purpose on tokens the validation runs do not use) and splits the fitted constant with
-microbenchmarks (`cost_from_fit`).
+On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
+expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
+GPU memory. The real-size benchmark (`moesub.engine.bench`) fits the same way.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import torch
 
-from moesub.cost import CostModel
-from moesub.engine.adapter import EngineSetup, build_engine_model
-from moesub.engine.cuda_tier import CudaTier
-from moesub.engine.decode import step
+from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.engine.contention import CpuMeter
+from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
-from moesub.engine.spec import EngineParams
-from moesub.engine.store import measure_read_bandwidth
-from moesub.engine.tiers import DiskTier
-from moesub.io import write_json
+from moesub.engine.spec import EngineParams, resolve_engine
+from moesub.hardware import measured_profile
+from moesub.io import require_file, write_json
+from moesub.policy import ALL_RESIDENT
 
-COST_KEYS = tuple(f.name for f in fields(CostModel))
+# the calibration's runs, one mechanism each; the hits run is every expert resident (C = E)
+MECHANISMS: dict[str, dict[str, Any] | None] = {
+    "cal_hits": None,
+    "cal_fetch": {"rule": "fetch_all", "eviction": "lru"},
+    "cal_host": {"rule": "host_compute", "eviction": "lru"},
+    "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
+}
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -49,25 +57,6 @@ def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: i
         sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def measure_link(tier, samples: int = 16, seed: int = 0) -> tuple[float, float]:
-    """(bytes/s for expert-sized copies slow -> fast tier, seconds of fixed cost per transfer)."""
-    if isinstance(tier, DiskTier):
-        bw = measure_read_bandwidth(tier.store, reads=samples, seed=seed)
-        return bw.bytes_per_s, bw.latency_s
-    if isinstance(tier, CudaTier):  # the tier's own synchronous fetch path (layer 0)
-        E, C = tier.layout.num_experts, tier.slots[0].capacity
-        rng = np.random.default_rng(seed)
-        picks = rng.choice(E, size=min(samples, E), replace=False).tolist()
-        pairs = [(e, i % C) for i, e in enumerate(picks)]
-        t = timeit(lambda: tier.fetch(0, pairs), tier.synchronize, reps=3)
-        tier.take_wait_s()  # drop the measurement's fetch events
-        small_h = tier.alloc((4096,), torch.uint8)
-        small_d = torch.empty(4096, dtype=torch.uint8, device=tier.device)
-        lat = timeit(lambda: small_d.copy_(small_h, non_blocking=True), tier.synchronize, 20)
-        return len(picks) * tier.expert_bytes / t, lat
-    raise ValueError(f"unknown tier {type(tier).__name__}")
 
 
 def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
@@ -93,209 +82,83 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
     return t / k
 
 
-def measure_host_compute(tier, k: int, reps: int = 5, seed: int = 0) -> float:
-    """Seconds per host_compute miss (k misses of one token at once, / k); on the disk tier this
-    includes the fresh uncached read of each missed expert."""
-    lay = tier.layout
-    E, H = lay.num_experts, lay.hidden
-    rng = np.random.default_rng(seed)
-    # the host's inputs are on the host already (the router's transfer brought them)
-    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).to(lay.torch_dtype)
-    w = torch.full((1, k), 1.0 / k, dtype=x.dtype)
-    sets = [rng.choice(E, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
-    it = iter(sets)
-    t = timeit(lambda: tier.host_forward(0, x, next(it), w), tier.synchronize, reps)
-    return t / k
-
-
-@torch.inference_mode()
-def time_dense_layer(setup: EngineSetup, tokens: int = 32, seed: int = 0) -> float:
-    """Seconds per MoE layer of one decode step with the routed experts skipped (attention,
-    router, shared expert, embeddings and head amortized over the layers)."""
-    for m in setup.experts:
-        m.engine = None
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, setup.info.vocab_size, (tokens + 2,), generator=g).tolist()
-    cache, times = None, []
-    for i, tok in enumerate(ids):
-        t0 = time.perf_counter()
-        logits, cache = step(setup.model, tok, cache, setup.device)
-        float(logits[0])  # synchronize
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times)) / setup.info.num_layers
-
-
-def measure_install(tier, reps: int = 10) -> float:
-    """Seconds to install one landed background copy on the fast tier (slot-to-slot copy of an
-    expert; on the disk tier the staging buffer -> slot memcpy the main thread does)."""
-    s = tier.slots[0]
-    if s.capacity < 2:
-        return 0.0
-
-    def run() -> None:
-        s.gate_up[0].copy_(s.gate_up[1])
-        s.down[0].copy_(s.down[1])
-
-    return timeit(run, tier.synchronize, reps)
-
-
-def cost_dict(
-    link_bandwidth_Bps: float,
-    transfer_latency_s: float,
-    expert_bytes: int,
-    expert_compute_s: float,
-    host_expert_compute_s: float,
-    dense_layer_s: float,
-    token_overhead_s: float = 0.0,
-    background_overlap: float = 0.0,
-    install_s: float = 0.0,
-) -> dict[str, Any]:
-    """The cost-model JSON (every `CostModel` field, checked by building one)."""
-    d = {
-        "link_bandwidth_Bps": float(link_bandwidth_Bps),
-        "transfer_latency_s": float(transfer_latency_s),
-        "expert_bytes": float(expert_bytes),
-        "expert_compute_s": float(expert_compute_s),
-        "host_expert_compute_s": float(host_expert_compute_s),
-        "dense_layer_s": float(dense_layer_s),
-        "token_overhead_s": float(token_overhead_s),
-        "background_overlap": float(background_overlap),
-        "install_s": float(install_s),
-    }
-    CostModel(**d)
-    return d
-
-
-def measure_tier_costs(tier, k: int, expert_bytes: int, dense_layer_s: float) -> dict[str, Any]:
-    """All cost-model figures measurable on a tier in isolation (dense time given by the caller;
-    background copies counted as not hidden: no overlap measured here)."""
-    bw, lat = measure_link(tier)
-    return cost_dict(
-        bw,
-        lat,
-        expert_bytes,
-        measure_expert_compute(tier, k),
-        measure_host_compute(tier, k),
-        dense_layer_s,
-        install_s=measure_install(tier),
-    )
-
-
-# ------------------------------------------------------------------- fitted to engine runs
-FIT_TERMS = ("constant", "sync_copies", "host", "background")
-
-
-@dataclass(frozen=True)
-class TokenCounts:
-    """Timed tokens of engine runs: wall seconds and counters per token (all layers)."""
-
-    wall_s: np.ndarray  # (n,)
-    sync_copies: np.ndarray  # fetched + forced experts
-    host: np.ndarray  # experts computed by the host
-    background: np.ndarray  # background copies requested (admissions, prefetches)
-
-    @classmethod
-    def concat(cls, parts: Sequence[TokenCounts]) -> TokenCounts:
-        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
-
-    def design(self) -> np.ndarray:
-        """(n, 4) regressors in `FIT_TERMS` order."""
-        n = len(self.wall_s)
-        cols = (np.ones(n), self.sync_copies, self.host, self.background)
-        return np.stack([np.asarray(c, float) for c in cols], axis=1)
-
-
-def fit_token_costs(tokens: TokenCounts, cut: float = 6.0, rounds: int = 4) -> dict[str, Any]:
-    """Least squares of per-token wall time on the counters, `FIT_TERMS` order: seconds per token
-    (constant) and per synchronous copy, host-computed expert and background copy. Tokens whose
-    residual is beyond `cut` robust standard deviations (another process took the CPU) are left
-    out, iteratively. A term whose counter is always zero is fitted as 0. Returns the
-    coefficients and the number of tokens kept."""
-    X, y = tokens.design(), np.asarray(tokens.wall_s, float)
-    if len(y) < len(FIT_TERMS):
-        raise ValueError(f"cost fit: {len(y)} timed tokens, need at least {len(FIT_TERMS)}")
-    used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
-    keep = np.ones(len(y), bool)
-    beta = np.zeros(X.shape[1])
-    for _ in range(rounds):
-        beta[used] = np.linalg.lstsq(X[keep][:, used], y[keep], rcond=None)[0]
-        r = y - X @ beta
-        mad = 1.4826 * np.median(np.abs(r[keep] - np.median(r[keep])))
-        new = np.abs(r - np.median(r[keep])) <= cut * max(mad, 1e-12)
-        if (new == keep).all():
-            break
-        keep = new
-    return {**dict(zip(FIT_TERMS, beta.tolist(), strict=True)), "kept": int(keep.sum())}
-
-
-def cost_from_fit(
-    fit: dict[str, float],
-    *,
-    layers: int,
-    k: int,
-    expert_bytes: float,
-    expert_compute_s: float,
-    transfer_latency_s: float,
-    install_s: float,
-    one_layer_s: float | None,
-    dense_floor_s: float = 0.0,
-) -> dict[str, Any]:
-    """The cost model that reproduces a fit (`fit_token_costs`) of `layers`-layer, top-`k` runs.
-
-    The fitted constant is token overhead + layers x (dense + k x expert compute); it is split
-    with `one_layer_s` (the same all-hit runs over one layer: the per-token part) and the
-    microbenchmarked `expert_compute_s` (lowered if it would leave a layer less than
-    `dense_floor_s`). A synchronous copy's fitted cost keeps the measured latency and gives the
-    link bandwidth; a host expert replaces a fast-tier expert; a background copy costs the
-    measured `install_s` plus the unhidden share of its link time (the overlap, clipped to
-    [0, 1])."""
-    const = fit["constant"]
-    token = 0.0
-    if one_layer_s is not None and layers > 1:
-        per_layer = (const - one_layer_s) / (layers - 1)
-        token = min(max(const - layers * per_layer, 0.0), const)
-    per_layer = (const - token) / layers
-    expert = min(expert_compute_s, max(per_layer - dense_floor_s, 0.0) / k)
-    copy = fit["sync_copies"]
-    if copy <= transfer_latency_s:
-        raise ValueError(
-            f"cost fit: a synchronous copy fitted at {copy * 1e6:.0f} us, not more than the "
-            f"measured latency {transfer_latency_s * 1e6:.0f} us (too few copies timed?)"
-        )
-    bw = expert_bytes / (copy - transfer_latency_s)
-    link = expert_bytes / bw
-    overlap = 1.0 - (fit["background"] - install_s) / link
-    return cost_dict(
-        bw, transfer_latency_s, expert_bytes, expert, fit["host"] + expert,
-        per_layer - k * expert, token, min(max(overlap, 0.0), 1.0), install_s,
-    )  # fmt: skip
-
-
-def predicted_time_per_token(cost: dict[str, Any], counts: dict[str, float], layers: int):
-    """The simulator's cost-model estimate (`moesub.cost.CostModel.time_per_token`)."""
-    return CostModel(**{k: cost[k] for k in COST_KEYS}).time_per_token(counts, layers)
+def round_order(names: list[str], rounds: int) -> list[str]:
+    """Every name once per round; the order rotates every round and is reversed every other
+    round, so that drift in the machine's load does not favour one."""
+    order = []
+    for r in range(rounds):
+        rot = names[r % len(names) :] + names[: r % len(names)]
+        order += rot if r % 2 == 0 else rot[::-1]
+    return order
 
 
 def calibrate(
     model_dir: str | os.PathLike,
     device: str,
+    tokens_path: str | os.PathLike,
+    ranking_path: str | os.PathLike,
+    size: float | Mapping[str, Any],
     out_json: str | os.PathLike,
     params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Measure link bandwidth, per-transfer latency, per-expert compute (fast tier and host),
-    and dense time per layer for the model at `model_dir` on `device`; write the cost-model
-    JSON to `out_json` (atomically) and return it.
+    """Fit this machine's profile to timed engine runs of the model at `model_dir` on `device`
+    (module doc): `engine.calibrate_rounds` rounds of every mechanism over the first
+    `engine.calibrate_streams` streams of the calibration token table `tokens_path` (their first
+    `engine.calibrate_tokens` tokens each), at cache size `size` (a resolved size or a fraction),
+    each layer's initial experts from the expert ranking at `ranking_path`. Writes
+    the JSON to `out_json` (atomically) and returns it. Every input is checked before a run."""
+    from moesub.artefacts import check_token_table, iter_streams
 
-    `params` (optional) are engine params (`store_path`, `dtype`, `staging_buffers`, ...).
-    """
     opts = EngineParams.from_dict(params)
-    setup = build_engine_model(model_dir, device, opts, capacity=None)
-    try:
-        k = setup.info.top_k
-        dense = time_dense_layer(setup, tokens=opts.calibrate_tokens)
-        cost = measure_tier_costs(setup.tier, k, setup.expert_bytes, dense)
-    finally:
-        setup.tier.close()
-    write_json(cost, Path(out_json))
-    return cost
+    require_file(tokens_path, "tokens_path")
+    specs = {
+        name: resolve_engine(
+            model_dir,
+            ALL_RESIDENT if policy is None else name,
+            policy,
+            size,
+            device,
+            params,
+            ranking_path=None if policy is None else ranking_path,
+        )  # fmt: skip
+        for name, policy in MECHANISMS.items()
+    }
+    info = specs["cal_fetch"].info
+    table = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
+    streams = [
+        rows["token_id"].to_numpy()[: opts.calibrate_tokens]
+        for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
+    ]
+    timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
+    expert_s, expert_bytes, tier = None, None, ""
+    meter = CpuMeter().start()
+    for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
+        with EngineModel(model_dir, specs[name]) as eng:
+            for ids in streams:
+                r = eng.decode(ids)
+                timed[name].append(TimedTokens.from_counts(r["wall_s"], r["layer_counts"]))
+            if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
+                expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
+                expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
+    cpu = meter.stop()
+    fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
+    seconds = unit_costs_from_fit(fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s)
+    profile = measured_profile(
+        seconds, expert_bytes, f"the engine's calibration on {device} ({tier}), {model_dir}"
+    )
+    out = {
+        "profile": profile.to_dict(),
+        "expert_bytes": float(expert_bytes),
+        "unit_costs": seconds,
+        "expert_compute_s": expert_s,
+        "fit": fit.to_dict(),
+        "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
+        "rounds": opts.calibrate_rounds,
+        "device": device,
+        "tier": tier,
+        "size": specs["cal_fetch"].size.to_dict(),
+        "threads": torch.get_num_threads(),
+        **cpu,
+    }
+    write_json(out, Path(out_json))
+    return out

@@ -41,7 +41,11 @@ class EngineParams:
     max_tokens: int | None = _DEFAULTS["max_tokens"]
     threads: int | None = None  # torch CPU threads (None = torch's default)
     progress: bool = True
-    calibrate_tokens: int = _DEFAULTS["calibrate_tokens"]  # decode steps timed for dense_layer_s
+    # the calibration (`moesub.engine.calibrate`): tokens of each of the first
+    # `calibrate_streams` calibration streams decoded per run, in `calibrate_rounds` rounds
+    calibrate_tokens: int = _DEFAULTS["calibrate_tokens"]
+    calibrate_streams: int = _DEFAULTS["calibrate_streams"]
+    calibrate_rounds: int = _DEFAULTS["calibrate_rounds"]
     # background admissions usable when their copy completes ("completion"), or exactly
     # policy.delay tokens after the request, waiting for the copy if needed ("delay": the
     # emulator's and simulator's decisions, token for token)

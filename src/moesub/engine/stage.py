@@ -13,10 +13,12 @@ import numpy as np
 import polars as pl
 from tqdm.auto import tqdm
 
+from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.spec import resolve_engine
 from moesub.io import require_file, write_parquet
-from moesub.policy import ALL_RESIDENT, STATUS_NAMES
+from moesub.policy import ALL_RESIDENT, STATUS_NAMES, TOKEN_LAYER_FIELDS
+from moesub.token_counts import counts_column
 
 # per token: time blocked on synchronous fetches, due admissions, late prefetches and the host's
 # experts; bytes moved per kind; prefetch copies issued and landed in time
@@ -72,14 +74,16 @@ def run_engine(
 
     Writes one row per token (`ROW_COLUMNS`: `stream, pos, wall_s, fetch_wait_s, bytes_sync,
     bytes_bg, hit, fetch, sub, host, forced, nll` and the overlap's `OVERLAP_COLUMNS`, plus
-    `mass` and `syncs`: host waits for the device) with
-    metadata `policy, name, fraction, capacity, size, layout, device, tier, ...`, the
-    admissions' latency in tokens (request to install) and a `summary` (median / p90 time per
-    token, perplexity). `name == "all_resident"` holds every expert in fast memory (the floor
-    on time per token). Each stream starts from fresh caches holding the layout's initial sets
-    (the expert ranking's prefixes, as in emulate; `moesub.engine.spec.resolve_engine`: a
-    planned layout is not run yet). Every input is checked before decoding; the output is
-    written atomically at the end.
+    `mass`, `syncs`: host waits for the device, and `token_layer_counts`: what the policy did
+    at each layer, `moesub.token_counts`) with metadata `policy, name, fraction, capacity,
+    size, layout, device, tier, ...`, the admissions' latency in tokens (request to install), a
+    `summary` (median / p90 time per token, perplexity) and the run's CPU share (`cpu_share`,
+    `contended`: `moesub.engine.contention`).
+    `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
+    Each stream starts from fresh caches holding the layout's initial sets (the expert
+    ranking's prefixes, as in emulate; `moesub.engine.spec.resolve_engine`: a planned layout is
+    not run yet). Every input is checked before decoding; the output is written atomically at
+    the end.
     """
     from moesub.artefacts import check_token_table, iter_streams
     from moesub.policy import CORE_BUILD_ID
@@ -99,6 +103,7 @@ def run_engine(
     admit_wait_s, admitted, admit_latency = 0.0, 0, 0
     with EngineModel(model_dir, spec) as eng:
         setup = eng.setup
+        meter = CpuMeter().start()
         bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
         for stream, rows in bar:
             rows = rows.head(opts.max_tokens) if opts.max_tokens else rows
@@ -124,8 +129,9 @@ def run_engine(
                         "syncs": r["syncs"].astype(np.int32),
                         **{c: r[c] for c in OVERLAP_COLUMNS},
                     }
-                ).with_columns(pl.col("nll").fill_nan(None))
+                ).with_columns(pl.col("nll").fill_nan(None), counts_column(r["layer_counts"]))
             )
+        cpu = meter.stop()
     out = pl.concat(frames)
     nll = out["nll"].fill_null(np.nan).to_numpy()
     meta = {
@@ -150,6 +156,8 @@ def run_engine(
         "summary": summary(out["wall_s"].to_numpy(), nll),
         "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
         "prefetch_timeliness": timeliness(out),
+        "token_layer_fields": list(TOKEN_LAYER_FIELDS),
+        **cpu,
     }
     if setup.bandwidth:
         meta.update(setup.bandwidth)

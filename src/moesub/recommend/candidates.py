@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from moesub.hardware import THIS_MACHINE
 from moesub.vocabulary import ALL_RESIDENT, Policy
 
 # config keys a policy may carry beside its `Policy` fields, with the value that means "off"
@@ -151,27 +152,19 @@ TIME_COLUMNS = [
     "policy", "fraction", "hardware", "time_source", "device", "time_per_token_s",
     "time_ci_lo", "time_ci_hi",
 ]  # fmt: skip
-THIS_MACHINE = "this_machine"  # the hardware the engine and its calibration ran on
 
 
 def time_rows(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
-    """Every time per token of one model (`TIME_COLUMNS`): the simulator's estimate per
-    simulated policy (`design_space`; priced by this machine's engine calibration, no interval:
-    the pricing is deterministic) and the engine's median per (policy, device) with its
-    order-statistic interval (`speed_quality`, source engine)."""
+    """Every time per token of one model (`TIME_COLUMNS`): the simulator's per simulated policy
+    and hardware profile (`priced`: the policy's per-token-layer counts priced on the profile; no
+    interval: the pricing is deterministic) and the engine's median per (policy, device) with
+    its order-statistic interval on this machine (`speed_quality`, source engine)."""
     frames = []
-    space = tables["design_space"]
-    if not space.empty:
-        frames.append(
-            space.assign(
-                hardware=THIS_MACHINE,
-                time_source="simulator",
-                device=None,
-                time_per_token_s=space["est_time_per_token_s"],
-                time_ci_lo=np.nan,
-                time_ci_hi=np.nan,
-            )
-        )
+    priced = tables["priced"]
+    if not priced.empty:
+        sim = priced[priced["source"] == "simulator"]
+        frames.append(sim.assign(time_source="simulator", device=None, time_ci_lo=np.nan,
+                                 time_ci_hi=np.nan))  # fmt: skip
     sq = tables["speed_quality"]
     if not sq.empty:
         eng = sq[sq["source"] == "engine"]

@@ -24,12 +24,14 @@ import numpy as np
 import pandas as pd
 
 from moesub.config import schema_defaults
+from moesub.hardware import THIS_MACHINE, read_unit_costs
 from moesub.io import write_json
 from moesub.recommend.candidates import HALVES, quality_candidates, time_rows
 from moesub.recommend.ranking import (
     ENGINE_TIMING,
     Choice,
     choose,
+    profile_timing,
     simulator_timing,
     speedups,
     with_intervals,
@@ -41,7 +43,7 @@ _DEFAULTS = schema_defaults("recommend")  # workflow/schemas/config.schema.yaml
 # the analysis outputs read (the analysis rule's named outputs; `analysis` is analysis.json)
 INPUTS = (
     "analysis", "summary", "selection", "design_space", "speed_quality", "per_input_points",
-    "engine_bench", "models",
+    "priced", "engine_bench", "models",
 )  # fmt: skip
 TIE_RULE = (
     "candidates whose time intervals overlap the fastest qualifying one's are tied; the tie goes "
@@ -194,7 +196,13 @@ def rankings(
     out = []
     keys = ["hardware", "time_source", "device", "fraction"]
     for (hardware, source, device, fraction), g in times.groupby(keys, dropna=False, sort=True):
-        timing = ENGINE_TIMING if source == "engine" else sim_timing
+        timing = (
+            ENGINE_TIMING
+            if source == "engine"
+            else sim_timing
+            if hardware == THIS_MACHINE
+            else profile_timing(sim_timing, hardware)
+        )
         cands = quality_candidates(tables, policies, float(fraction))
         ranked = cands.merge(with_intervals(g, timing), on="policy", how="left")
         no_time = ranked["time_per_token_s"].isna() & ranked["excluded"].isna()
@@ -235,7 +243,9 @@ def recommend(
     inputs: Mapping[str, str | os.PathLike], model: str, params: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The recommendation document of `model` (see `RECOMMENDATION_SCHEMA`) from the analysis
-    outputs `inputs` (keys `INPUTS`); `params`: config `recommend` (`RecommendParams`)."""
+    outputs `inputs` (keys `INPUTS`, and `study_profile`: the study's hardware profile priced
+    for this model, `results/{model}/hardware/<STUDY_PROFILE>.json`, where this run prices it);
+    `params`: config `recommend` (`RecommendParams`)."""
     p = RecommendParams.from_mapping(params)
     t = _read_inputs(inputs)
     a_params = t["analysis"].get("params") or {}
@@ -266,8 +276,10 @@ def recommend(
     doc["rankings"] = rankings(
         tables, a_params.get("policies") or {}, facts, baselines, p.dppl_budget_pct
     )
-    # the study profile's seconds come with its pricing in this run (none yet: not priced)
-    doc["study"] = study_comparison(doc["rankings"], None, facts.top_k)
+    # the study profile's seconds for this model, where this run priced it
+    study = inputs.get("study_profile")
+    costs = read_unit_costs(study)[1] if study else None
+    doc["study"] = study_comparison(doc["rankings"], costs, facts.top_k)
     jsonschema.validate(doc, RECOMMENDATION_SCHEMA)
     return doc
 

@@ -27,7 +27,7 @@ the faster, then the name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,19 @@ def simulator_timing(engine_bench: pd.DataFrame) -> Timing:
         rel_error_min=lo,
         rel_error_max=hi,
         bench_device=devices[0],
+    )
+
+
+def profile_timing(measured: Timing, hardware: str) -> Timing:
+    """A documented profile's timing: its constants are estimates (docs/hardware.md), never
+    measured here, so the only error figure is the pricing's own on this machine (`measured`),
+    carried over as the interval and said to be a lower bound on the profile's error."""
+    return replace(
+        measured,
+        method=f"{measured.method} (profile estimate)",
+        text=f"priced on the documented profile {hardware!r}, whose constants are estimates not "
+        f"measured on this machine; {measured.text} (on this machine: a lower bound on the "
+        "profile's error)",
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 
+from moesub.hardware import STUDY_PROFILE
 from moesub.io import atomic_path
 from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
 from moesub.report.degeneration import degeneration_lines, degeneration_table
@@ -39,6 +40,7 @@ from moesub.report.load import (
     summarize_reasons,
 )
 from moesub.report.plotting import FigureData
+from moesub.report.pricing import concurrency_table, sim_vs_engine_table
 from moesub.report.recommendation import (
     recommendation_lines,
     recommendation_table,
@@ -161,6 +163,9 @@ def render_report(
         "design_lines": design_lines(out),
         "regime_verdicts": regime_verdicts(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
+        "sim_vs_engine_rows": sim_vs_engine_table(out),
+        "concurrency": concurrency_table(out),
+        "study_profile": STUDY_PROFILE,
         "dppl_base": out.doc.get("dppl_base") or {},
         "generation": generation_table(out),
         "generation_missing": generation_missing(out),

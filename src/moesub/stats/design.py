@@ -9,17 +9,18 @@ candidate, and each online policy's `belady_gap` is the hit rate its bound adds.
 
 Per (policy, fraction), `design_space`: hit rate, misses per token (experts selected but not
 resident, summed over the layers), synchronous copies and prefetches per token, substituted
-mass per token-layer, the simulator's estimated time per token (`moesub.cost`: prefetches are
-priced as background copies), Δppl % with its interval where emulated (`dppl_source`:
-`emulated`; `exact` for a lossless policy, whose Δppl is 0 by construction; else null), the
-bound's hit rate and the gap, and two Pareto fronts over the candidates of a fraction:
-`frontier` (time vs Δppl, where Δppl is known) and `frontier_mass` (time vs the gate mass
-moved off the router's choice per token-layer, substituted plus rerouted: the simulate-only
-proxy for quality, every candidate). `design_families`: per family and
-fraction, its best policy and how many of the family's policies sit on each front, beside the
-study's `quality` and `speed` policies (`REFERENCES`). The best policy (`best_by`): the fastest
-whose Δppl is known and at most `quality`'s (`within_quality`), else the one with the smallest
-known Δppl (`least_dppl`), else the fastest (`fastest`, Δppl unknown).
+mass per token-layer, the simulator's estimated time per token (its counts priced on
+`this_machine`, `moesub.pricing`: prefetches are priced as background copies), Δppl % with its
+interval where emulated (`dppl_source`: `emulated`; `exact` for a lossless policy, whose
+Δppl is 0 by construction; else null), the bound's hit rate and the gap, and two Pareto fronts
+over the candidates of a fraction: `frontier` (time vs Δppl, where Δppl is known) and
+`frontier_mass` (time vs the gate mass moved off the router's choice per token-layer,
+substituted plus rerouted: the simulate-only proxy for quality, every candidate).
+`design_families`: per family and fraction, its best policy and how many of the family's
+policies sit on each front, beside the study's `quality` and `speed` policies (`REFERENCES`).
+The best policy (`best_by`): the fastest whose Δppl is known and at most `quality`'s
+(`within_quality`), else the one with the smallest known Δppl (`least_dppl`), else the fastest
+(`fastest`, Δppl unknown).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _row(r: dict[str, Any], spec: dict[str, Any], layers: pd.DataFrame) -> dict[
         "route_bias": p.route_bias,
         "light_miss": p.light_miss,
         "substitute_by": p.substitute_by,
-        **dict(layout),
+        **{key: str(value) for key, value in layout},  # as written: a pin is 13, "50%", "C-k"
         "bound": p.eviction in OFFLINE_EVICTIONS,
         "lossless": lossless(p),
         "hit_rate": float(r["hit_rate"]),

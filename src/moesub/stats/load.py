@@ -36,8 +36,9 @@ DATA_KINDS = (
     "generate",
 )
 # Non-Parquet inputs the report shows (model summary JSON, engine calibration JSON), and the
-# per-model regime table (results/{model}/regime.parquet), which the regime part reads itself.
-EXTRA_KINDS = ("model_summary", "calibration", "regime")
+# per-model tables the parts read themselves: the regime (results/{model}/regime.parquet) and
+# the priced runs (results/{model}/priced/{hardware}.parquet).
+EXTRA_KINDS = ("model_summary", "calibration", "regime", "priced")
 PROVENANCE_KEYS = (
     "name",
     "policy",
@@ -66,6 +67,7 @@ STAGE_DIRS = {
     "engine": "engine",
     "generate": "generate",
     "calibration": "engine",
+    "priced": "priced",
 }
 
 

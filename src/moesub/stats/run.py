@@ -46,7 +46,14 @@ from moesub.stats.quality import quality, rule_contrast
 from moesub.stats.regime import regime
 from moesub.stats.selection import selection
 from moesub.stats.summary import summary
-from moesub.stats.timing import engine, engine_bench, sim_vs_engine, simulate, speed_quality
+from moesub.stats.timing import (
+    engine,
+    engine_bench,
+    priced,
+    sim_vs_engine,
+    simulate,
+    speed_quality,
+)
 from moesub.stats.tokens import load_tokens
 
 OUTPUT_FILES = (
@@ -63,6 +70,7 @@ OUTPUT_FILES = (
     "admission",
     "speed_quality",
     "sim_vs_engine",
+    "priced",
     "layer_hit_rates",
     "engine_bench",
     "generation",
@@ -121,9 +129,11 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         eng = engine(db, infos["engine"], p)
         gen = generation(db, infos["generate"], p)
         degen = degeneration(db, infos["generate"], qual.table, p)
+    prices, sim_total = priced(paths["priced"], sim.total)
+    sim = sim._replace(total=sim_total)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
-    sve = sim_vs_engine(eng.table, sim.total)
+    sve = sim_vs_engine(eng.table, sim.total, prices)
     reg = regime(paths["regime"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)
     tests = family_table(
@@ -154,6 +164,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "admission": adm.table,
             "speed_quality": speed.table,
             "sim_vs_engine": sve.table,
+            "priced": prices,
             "layer_hit_rates": sim.layers,
             "generation": gen.table,
             "degeneration": degen.table,

@@ -1,10 +1,14 @@
-"""Timing: simulate tables, engine tables, the speed/quality frontier, simulator vs engine.
+"""Timing: simulate tables, priced runs, engine tables, the speed/quality frontier, simulator vs
+engine.
 
 Engine time per token is the median of per-token `wall_s` (CI: distribution-free order
 statistics); speedups are ratios of medians on the same device and fraction. The simulator's
-estimate is compared with the engine's mean (an expected time per token).
+time per token is the pricing's (`moesub.price`, per hardware profile); `est_time_per_token_s`
+of the simulate totals is its `this_machine` time (the engine's calibration). The pricing is
+compared with the engine's mean (an expected time per token) on the engine's own tokens; the
+simulator's tokens against those is the token-set effect, reported beside.
 
-Entry points: `simulate`, `engine`, `speed_quality`, `sim_vs_engine` (per model) and
+Entry points: `simulate`, `priced`, `engine`, `speed_quality`, `sim_vs_engine` (per model) and
 `engine_bench(paths)` (the shared benchmark, not per model).
 """
 
@@ -94,6 +98,34 @@ def simulate(db: duckdb.DuckDBPyConnection, runs: list[FileInfo]) -> Simulate:
         .reset_index(drop=True)
     )
     return Simulate(total, layers, {"status": "ok"})
+
+
+def priced(paths: list[str], sim_total: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The priced runs of every hardware profile (`priced.parquet`), and the simulate totals
+    with `est_time_per_token_s`: the simulator's tokens priced on `this_machine` (NaN where
+    that profile was not priced)."""
+    from moesub.hardware import THIS_MACHINE
+
+    if not paths:
+        return pd.DataFrame(), sim_total.assign(est_time_per_token_s=np.nan)
+    con = duckdb.connect()
+    try:
+        df = con.execute(
+            f"SELECT * FROM read_parquet({sql_list(paths)}, union_by_name=true) "
+            "ORDER BY hardware, source, device, policy, fraction"
+        ).df()
+    finally:
+        con.close()
+    if sim_total.empty:
+        return df, sim_total
+    here = df[(df["hardware"] == THIS_MACHINE) & (df["source"] == "simulator")]
+    here = here[["policy", "fraction", "time_per_token_s"]]
+    total = sim_total.merge(
+        here.rename(columns={"time_per_token_s": "est_time_per_token_s"}),
+        on=["policy", "fraction"],
+        how="left",
+    )
+    return df, total
 
 
 def engine(db: duckdb.DuckDBPyConnection, runs: list[FileInfo], p: AnalysisParams) -> Engine:
@@ -205,24 +237,47 @@ def speed_quality(
     return SpeedQuality(sq, {"status": "ok"})
 
 
-def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame) -> SimVsEngine:
-    """The simulator's estimated time per token (totals `sim`) against the engine's mean
-    (`eng`, `Engine.table`) per run in both."""
-    if eng.empty or sim.empty:
+def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) -> SimVsEngine:
+    """Per engine run (`eng`, `Engine.table`) priced on this machine (`prices`: the engine rows
+    of `priced`): `est_time_per_token_s` (the engine's own per-token-layer counts priced) against
+    the engine's mean, `rel_error`; beside it the simulator's tokens priced (`sim` totals'
+    `est_time_per_token_s`: `sim_time_per_token_s`) and `token_set_effect` = simulator / engine
+    tokens - 1 (same profile, other tokens and the simulator's admission timing); the run's
+    CPU share and `contended` flag."""
+    engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
+    if eng.empty or engine_rows.empty:
         return SimVsEngine(
-            pd.DataFrame(), None, missing("needs both simulate and engine artefacts")
+            pd.DataFrame(), None, missing("needs engine runs priced on this_machine")
         )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
-    j = j.merge(sim[["policy", "fraction", "est_time_per_token_s"]], on=["policy", "fraction"])
-    j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
+    est = engine_rows[["policy", "fraction", "device", "time_per_token_s", "cpu_share",
+                       "contended"]]  # fmt: skip
+    j = j.merge(
+        est.rename(columns={"time_per_token_s": "est_time_per_token_s"}),
+        on=["policy", "fraction", "device"],
+    )
     if j.empty:
-        return SimVsEngine(j, None, missing("no policy/fraction run in both simulate and engine"))
+        return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
+    j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
+    if not sim.empty:
+        s = sim[["policy", "fraction", "est_time_per_token_s"]]
+        j = j.merge(
+            s.rename(columns={"est_time_per_token_s": "sim_time_per_token_s"}),
+            on=["policy", "fraction"],
+            how="left",
+        )
+    else:
+        j["sim_time_per_token_s"] = np.nan
+    j["token_set_effect"] = j["sim_time_per_token_s"] / j["est_time_per_token_s"] - 1.0
     err = j["rel_error"].abs().to_numpy()
+    effect = j["token_set_effect"].abs().dropna().to_numpy()
     result = {
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
         "max_abs_rel_error": float(err.max()),
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
+        "n_contended": int(j["contended"].fillna(False).astype(bool).sum()),
+        "median_abs_token_set_effect": float(np.median(effect)) if effect.size else None,
     }
     return SimVsEngine(j, result, {"status": "ok"})
 

@@ -1,0 +1,167 @@
+"""A machine's unit costs fitted to timed engine runs: where `this_machine`'s profile comes from.
+
+The engine's calibration (`moesub.engine.calibrate`, the pipeline's model) and the real-size
+benchmark (`moesub.engine.bench`) time the engine on runs made for the purpose, one mechanism
+each (every expert a hit; every miss fetched; every miss computed by the host; background
+admissions), in interleaved rounds, and record every token's wall time and per-token-layer
+counts (`TOKEN_LAYER_FIELDS`). `fit_unit_costs` regresses the wall times on the pricing's terms
+(docs/pricing.md, one processor: a token is the sum of its parts), by non-negative least
+squares (`scipy.optimize.nnls`) with the tokens another process slowed (residuals beyond
+`cut` robust standard deviations) left out, iteratively:
+
+    wall = token_s + layers x layer_s + copies x copy_s + host x host_extra_s
+           + installs x install_s
+
+`layers` is the token's MoE layer steps, `copies` its synchronous copies (fetch, forced),
+`host` its experts computed by the host, `installs` its background copies installed
+(admissions landed, prefetched). Every layer computes k experts, each on the fast tier or the
+host, so the fast tier's expert time is inside `layer_s` and the host's term is its excess
+over it (`host_extra_s`). `unit_costs_from_fit` splits the per-layer constant into the dense
+work and k fast experts with a microbenchmarked expert time, and gives the pricing's seconds
+(`moesub.hardware.measured_profile` makes them a profile). A term no run exercises, or terms
+the runs cannot tell apart, make the fit degenerate: a ValueError says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+from moesub.vocabulary import TOKEN_LAYER_FIELDS
+
+FIT_TERMS = ("token_s", "layer_s", "copy_s", "host_extra_s", "install_s")
+# what each term's regressor counts, for the errors
+_COUNTED = {
+    "token_s": "token",
+    "layer_s": "MoE layer step",
+    "copy_s": "synchronous copy (fetch, forced)",
+    "host_extra_s": "expert computed by the host",
+    "install_s": "background copy installed (admission landed, prefetch)",
+}
+_F = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+
+
+@dataclass(frozen=True)
+class TimedTokens:
+    """Timed tokens of engine runs: wall seconds and the fit's regressors, (n,) each."""
+
+    wall_s: np.ndarray
+    layers: np.ndarray  # MoE layer steps
+    copies: np.ndarray  # synchronous copies (fetch + forced)
+    host: np.ndarray  # experts computed by the host
+    installs: np.ndarray  # background copies installed (admissions landed + prefetched)
+
+    @classmethod
+    def from_counts(cls, wall_s: np.ndarray, counts: np.ndarray) -> TimedTokens:
+        """From per-token wall times (n,) and per-token-layer counts (n, L, F)."""
+        c = np.asarray(counts, np.int64)
+        if c.ndim != 3 or c.shape[2] != len(TOKEN_LAYER_FIELDS) or len(c) != len(wall_s):
+            raise ValueError(
+                f"timed tokens: wall_s {np.shape(wall_s)} and counts {c.shape} do not match "
+                f"(n,) and (n, L, {len(TOKEN_LAYER_FIELDS)})"
+            )
+        per = c.sum(axis=1)  # (n, F)
+        return cls(
+            wall_s=np.asarray(wall_s, float),
+            layers=np.full(len(c), c.shape[1], float),
+            copies=(per[:, _F["fetch"]] + per[:, _F["forced"]]).astype(float),
+            host=per[:, _F["host"]].astype(float),
+            installs=(per[:, _F["admissions"]] + per[:, _F["prefetched"]]).astype(float),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[TimedTokens]) -> TimedTokens:
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+    def design(self) -> np.ndarray:
+        """(n, len(FIT_TERMS)) regressors in `FIT_TERMS` order."""
+        n = len(self.wall_s)
+        return np.stack([np.ones(n), self.layers, self.copies, self.host, self.installs], 1)
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """What `fit_unit_costs` found."""
+
+    coef: dict[str, float]  # FIT_TERMS -> seconds (layer_s 0 when every run had the same L)
+    layers_identified: bool  # runs with different layer counts separated token_s and layer_s
+    tokens: int  # timed tokens
+    kept: int  # tokens in the final fit
+    at_zero: list[str]  # fitted terms the non-negativity bound holds at 0
+    residual_mad_s: float  # robust spread of the kept tokens' residuals
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.coef, "layers_identified": self.layers_identified, "tokens": self.tokens,
+                "kept": self.kept, "at_zero": self.at_zero,
+                "residual_mad_s": self.residual_mad_s}  # fmt: skip
+
+
+def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> CostFit:
+    """Non-negative least squares of per-token wall time on `FIT_TERMS` (module doc), tokens
+    beyond `cut` robust standard deviations of the residuals left out, refitted up to `rounds`
+    times. ValueError when a term is never exercised or the terms are not separable."""
+    X, y = tokens.design(), np.asarray(tokens.wall_s, float)
+    if not np.isfinite(y).all() or (y < 0).any():
+        raise ValueError("cost fit: wall times must be finite and >= 0")
+    layers_identified = bool(np.ptp(X[:, 1]) > 0) if len(y) else False
+    used = [i for i, t in enumerate(FIT_TERMS) if t != "layer_s" or layers_identified]
+    if len(y) < 2 * len(used):
+        raise ValueError(f"cost fit: {len(y)} timed tokens, need at least {2 * len(used)}")
+    for i in used:
+        if not X[:, i].any():
+            raise ValueError(
+                f"cost fit: no timed token has any {_COUNTED[FIT_TERMS[i]]}, so {FIT_TERMS[i]} "
+                "cannot be fitted (a calibration run of that mechanism is missing or empty)"
+            )
+    A = X[:, used]
+    if np.linalg.matrix_rank(A) < len(used):
+        raise ValueError(
+            f"cost fit: the terms {[FIT_TERMS[i] for i in used]} cannot be told apart on these "
+            "runs (their counts are proportional); add runs that vary them independently"
+        )
+    keep = np.ones(len(y), bool)
+    beta = np.zeros(len(used))
+    for _ in range(rounds):
+        beta = nnls(A[keep], y[keep])[0]
+        r = y - A @ beta
+        centre = np.median(r[keep])
+        mad = 1.4826 * float(np.median(np.abs(r[keep] - centre)))
+        new = np.abs(r - centre) <= cut * max(mad, 1e-12)
+        if (new == keep).all() or new.sum() < 2 * len(used):
+            break
+        keep = new
+    coef = dict.fromkeys(FIT_TERMS, 0.0)
+    coef.update({FIT_TERMS[i]: float(b) for i, b in zip(used, beta, strict=True)})
+    return CostFit(
+        coef=coef,
+        layers_identified=layers_identified,
+        tokens=len(y),
+        kept=int(keep.sum()),
+        at_zero=[FIT_TERMS[i] for i, b in zip(used, beta, strict=True) if b == 0.0],
+        residual_mad_s=mad,
+    )
+
+
+def unit_costs_from_fit(fit: CostFit, *, k: int, layers: int, expert_s: float) -> dict[str, float]:
+    """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
+    (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
+    fixed part is then spread over its layers) is k fast experts (`expert_s`, microbenchmarked;
+    lowered to the constant / k if it would leave the dense work negative) plus the dense work;
+    a host expert is a fast one plus the fitted excess."""
+    if fit.layers_identified:
+        token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
+    else:
+        token, per_layer = 0.0, fit.coef["token_s"] / layers
+    expert = min(max(expert_s, 0.0), per_layer / k)
+    return {
+        "token_overhead_s": token,
+        "dense_layer_s": per_layer - k * expert,
+        "expert_s": expert,
+        "copy_s": fit.coef["copy_s"],
+        "host_expert_s": fit.coef["host_extra_s"] + expert,
+        "install_s": fit.coef["install_s"],
+    }

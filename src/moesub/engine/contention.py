@@ -1,0 +1,64 @@
+"""How much of the machine a timed engine run had: its CPU share, and a flag when it was shared.
+
+An engine, calibration or benchmark job runs with every core of the run (Snakemake `threads:
+ALL_CORES`), so no other job of the pipeline runs beside it; other processes on the machine
+still can. `CpuMeter` measures, over a run, the process's time on a CPU and the time its
+threads were runnable but waiting for one (Linux `/proc/self/task/*/schedstat`):
+`cpu_share = on CPU / (on CPU + waiting for a CPU)`. A run below `CONTENDED_BELOW` is flagged
+`contended`: its times are slower than the machine's. Time blocked on I/O (the disk tier's
+reads) is neither, so a quiet run that waits for the disk keeps its share near 1, and the share
+does not depend on how many threads the run has. `cpu_time_per_wall` (process CPU time / wall)
+is recorded beside it. Without schedstat (not Linux), the share is CPU time / wall.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+CONTENDED_BELOW = 0.8  # a run that had less of the CPU it wanted is flagged "contended"
+_TASKS = Path("/proc/self/task")
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable and waiting) summed over the process's threads."""
+    if not _TASKS.is_dir():
+        return None
+    on = wait = 0
+    for task in _TASKS.iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        on, wait = on + int(fields[0]), wait + int(fields[1])
+    return on * 1e-9, wait * 1e-9
+
+
+class CpuMeter:
+    """CPU share of the process between `start()` and `stop()` (module doc)."""
+
+    def start(self) -> CpuMeter:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        self._sched = _schedstat()
+        self._load = os.getloadavg()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        """`cpu_share`, `contended`, `cpu_time_per_wall`, the load averages at start and end."""
+        wall = time.perf_counter() - self._wall
+        cpu = time.process_time() - self._cpu
+        sched = _schedstat()
+        if self._sched is not None and sched is not None:
+            on, wait = (b - a for a, b in zip(self._sched, sched, strict=True))
+            share = on / (on + wait) if on + wait > 0 else 1.0
+        else:
+            share = min(cpu / wall, 1.0) if wall > 0 else 1.0
+        return {
+            "cpu_share": float(share),
+            "contended": bool(share < CONTENDED_BELOW),
+            "cpu_time_per_wall": float(cpu / wall) if wall > 0 else float("nan"),
+            "load_avg_start": list(self._load),
+            "load_avg_end": list(os.getloadavg()),
+        }

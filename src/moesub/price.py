@@ -1,0 +1,139 @@
+"""The price stage: every simulated policy's per-token-layer counts priced under one hardware
+profile (`moesub.pricing`), and the engine's own counts under the profile it calibrated.
+
+Two entry points, one rule each:
+
+- `write_profile`: a hardware profile as this model sees it, `results/{model}/hardware/
+  {hardware}.json`: the profile's keys (`this_machine`: the engine calibration's fitted
+  profile; a shipped or configured one: its keys), the model's bytes it is priced for, and the
+  seconds of each event (`UnitCosts`).
+- `run_price`: `results/{model}/priced/{hardware}.parquet`, one row per priced run
+  (`PRICED_COLUMNS`): `source` simulator (one per simulated policy and cache size, the
+  simulator's tokens) or engine (this_machine only: the engine runs' own tokens, with their
+  measured time and CPU share beside). Every stream is priced from an idle link, as the caches
+  restart. `time_per_token_serial_s` is the same counts priced without concurrency (the host's
+  experts after the fast tier's), equal to `time_per_token_s` on a one-processor profile.
+
+A profile change reruns its two jobs, never a replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from moesub.hardware import (
+    THIS_MACHINE,
+    HardwareProfile,
+    ModelBytes,
+    UnitCosts,
+    read_unit_costs,
+    this_machine,
+)
+from moesub.io import read_metadata, require_file, write_json, write_parquet
+from moesub.pricing import BREAKDOWN, StreamTime, price_streams
+from moesub.slots import policy_fields
+from moesub.token_counts import stream_counts
+from moesub.vocabulary import Policy
+
+PRICED_COLUMNS = (
+    "hardware", "source", "device", "policy", "fraction", "size", "tokens", "time_per_token_s",
+    "time_per_token_serial_s", "hidden_host_per_token_s", *(f"{p}_s" for p in BREAKDOWN),
+    "measured_time_per_token_s", "cpu_share", "contended",
+)  # fmt: skip
+
+
+def write_profile(
+    name: str,
+    spec: Mapping[str, Any] | None,
+    calibration_path: str | os.PathLike | None,
+    model_bytes: Mapping[str, float],
+    out_path: str | os.PathLike,
+) -> dict[str, Any]:
+    """The profile `name` priced for a model (module doc): `spec` its keys, or for this_machine
+    (spec None) the calibration's profile, priced at the calibration's own expert bytes (what
+    its seconds were measured at); `model_bytes` (`ModelBytes` keys) prices the others."""
+    if name == THIS_MACHINE:
+        path = require_file(calibration_path, "calibration_path")
+        profile = this_machine(path)
+        bytes_ = ModelBytes(json.loads(Path(path).read_text())["expert_bytes"])
+    else:
+        profile = HardwareProfile.from_dict(name, spec or {})
+        bytes_ = ModelBytes(**model_bytes)
+    out = {
+        "name": name,
+        "profile": profile.to_dict(),
+        "model_bytes": asdict(bytes_),
+        "unit_costs": asdict(profile.price(bytes_)),
+    }
+    write_json(out, out_path)
+    return out
+
+
+def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict) -> dict:
+    """One priced run: its streams priced with and without the host's concurrency."""
+    delay = Policy.from_dict(policy_fields(meta["policy"])).delay  # its pins: in the counts
+    t: StreamTime = price_streams(counts, delay, costs)
+    serial = (
+        price_streams(counts, delay, replace(costs, concurrent_host=False))
+        if (costs.concurrent_host)
+        else t
+    )
+    n = len(t.token_s)
+    return {
+        "hardware": hardware,
+        "source": source,
+        "device": meta.get("device"),
+        "policy": meta["name"],
+        "fraction": float(meta["fraction"]),
+        "size": (meta.get("size") or {}).get("label"),
+        "tokens": n,
+        "time_per_token_s": t.time_per_token_s,
+        "time_per_token_serial_s": serial.time_per_token_s,
+        "hidden_host_per_token_s": t.hidden_host_s / n,
+        **{f"{p}_s": t.parts[p] / n for p in BREAKDOWN},
+    }
+
+
+def run_price(
+    profile_path: str | os.PathLike,
+    simulate_counts: Sequence[str | os.PathLike],
+    engine_outputs: Sequence[str | os.PathLike],
+    out_path: str | os.PathLike,
+) -> pl.DataFrame:
+    """Price every simulate counts file (`simulate/{policy}/{size}.counts.parquet`) and
+    every engine output (its `token_layer_counts`; this_machine only) under the profile of
+    `profile_path` (`write_profile`); write the table (module doc) atomically, return it."""
+    hardware, costs = read_unit_costs(profile_path)
+    if engine_outputs and hardware != THIS_MACHINE:
+        raise ValueError(
+            f"price: engine runs are priced under {THIS_MACHINE!r} only (the machine they ran "
+            f"on), not {hardware!r}"
+        )
+    rows = []
+    for path in simulate_counts:
+        meta = read_metadata(require_file(path, "simulate_counts"))
+        counts = stream_counts(pl.read_parquet(path))
+        rows.append(_row(hardware, "simulator", costs, counts, meta))
+    for path in engine_outputs:
+        meta = read_metadata(require_file(path, "engine_outputs"))
+        df = pl.read_parquet(path)
+        if "token_layer_counts" not in df.columns:
+            raise ValueError(f"{path}: an engine output without per-token-layer counts (rerun it)")
+        row = _row(hardware, "engine", costs, stream_counts(df), meta)
+        row["measured_time_per_token_s"] = float(df["wall_s"].mean())
+        row["cpu_share"] = meta.get("cpu_share")
+        row["contended"] = meta.get("contended")
+        rows.append(row)
+    schema = {c: pl.Float64 for c in PRICED_COLUMNS}
+    schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
+                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip
+    out = pl.DataFrame(rows, schema=schema)
+    write_parquet(out, out_path, metadata={"hardware": hardware, "unit_costs": asdict(costs)})
+    return out

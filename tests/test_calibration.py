@@ -1,0 +1,140 @@
+"""The cost fit (moesub.calibration): known constants recovered from synthetic timed runs priced
+by the pricing itself, with noise and slowed tokens; non-negativity; degenerate fits named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesub.calibration import (
+    FIT_TERMS,
+    TimedTokens,
+    fit_unit_costs,
+    unit_costs_from_fit,
+)
+from moesub.hardware import ModelBytes, UnitCosts, measured_profile
+from moesub.pricing import price_stream_reference
+from moesub.vocabulary import TOKEN_LAYER_FIELDS
+
+K, L = 4, 3
+F = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+TRUE = UnitCosts(
+    copy_s=400e-6,
+    expert_s=30e-6,
+    host_expert_s=250e-6,
+    dense_layer_s=500e-6,
+    token_overhead_s=2e-3,
+    install_s=40e-6,
+    concurrent_host=False,
+)
+
+
+def mechanism_counts(kind: str, T: int, layers: int, rng: np.random.Generator) -> np.ndarray:
+    """(T, layers, F) counts of one calibration mechanism (every layer computes K experts)."""
+    c = np.zeros((T, layers, len(TOKEN_LAYER_FIELDS)), np.int64)
+    c[..., F["hit"]] = K
+    if kind == "fetch":
+        n = rng.integers(0, K + 1, (T, layers))
+        c[..., F["fetch"]], c[..., F["hit"]] = n, K - n
+    elif kind == "host":
+        n = rng.integers(0, K + 1, (T, layers))
+        c[..., F["host"]], c[..., F["hit"]] = n, K - n
+    elif kind == "admit":  # rank-1 misses fetched, the others substituted, a few admissions
+        fetch = rng.integers(0, 2, (T, layers))
+        sub = rng.integers(0, 3, (T, layers))
+        c[..., F["fetch"]], c[..., F["sub"]] = fetch, sub
+        c[..., F["hit"]] = K - fetch - sub
+        requests = (rng.random((T, layers)) < 0.3).astype(np.int64)
+        c[..., F["admission_requests"]] = requests
+        c[1:, :, F["admissions"]] = requests[:-1]  # landed one token later (delay 1)
+    return c
+
+
+def timed_runs(seed: int, noise: float, slowed: float, costs: UnitCosts = TRUE):
+    """Interleaved rounds of every mechanism, wall times = the pricing's + noise; a share
+    `slowed` of the tokens 3x slower (another process took the CPU)."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _round in range(3):
+        for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
+            c = mechanism_counts(kind, 300, layers, rng)
+            wall = price_stream_reference(c, 1, costs).token_s
+            wall = wall * (1 + noise * rng.standard_normal(len(wall)))
+            wall = np.where(rng.random(len(wall)) < slowed, 3 * wall, wall)
+            parts.append(TimedTokens.from_counts(wall, c))
+    return TimedTokens.concat(parts)
+
+
+def test_the_fit_recovers_known_constants_despite_noise_and_slowed_tokens():
+    fit = fit_unit_costs(timed_runs(seed=1, noise=0.03, slowed=0.03))
+    assert fit.layers_identified and fit.kept < fit.tokens  # the slowed tokens left out
+    seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
+    for key, value in seconds.items():
+        # an install (40 us) is small beside the noise (3% of a ~4 ms token): looser
+        rel = 0.3 if key == "install_s" else 0.02
+        assert value == pytest.approx(getattr(TRUE, key), rel=rel), key
+    # as a profile, priced for the same experts, it gives the seconds back
+    u = measured_profile(seconds, 1e6, "fit").price(ModelBytes(1e6))
+    assert u.copy_s == pytest.approx(seconds["copy_s"], rel=1e-12)
+    assert u.host_expert_s == pytest.approx(seconds["host_expert_s"], rel=1e-12)
+
+
+def test_the_fit_is_exact_without_noise():
+    fit = fit_unit_costs(timed_runs(seed=2, noise=0.0, slowed=0.0))
+    seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
+    # the admissions' copies can delay a later fetch on the link (a wait the linear terms do
+    # not have), so the copy absorbs a little of it; the rest is exact
+    assert seconds["copy_s"] == pytest.approx(TRUE.copy_s, rel=0.02)
+    for key in ("token_overhead_s", "dense_layer_s", "host_expert_s", "install_s"):
+        assert seconds[key] == pytest.approx(getattr(TRUE, key), rel=0.02), key
+
+
+def test_terms_are_never_negative():
+    # host experts faster than fast ones: the host's excess is bounded at 0, not negative
+    fast_host = UnitCosts(**{**TRUE.__dict__, "host_expert_s": 10e-6})
+    fit = fit_unit_costs(timed_runs(seed=3, noise=0.01, slowed=0.0, costs=fast_host))
+    assert all(v >= 0 for v in fit.coef.values())
+    assert "host_extra_s" in fit.at_zero
+    seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
+    assert all(v >= 0 for v in seconds.values())
+    # a microbenchmark slower than the whole per-layer constant is lowered to it
+    capped = unit_costs_from_fit(fit, k=K, layers=L, expert_s=1.0)
+    assert capped["dense_layer_s"] == 0.0 and capped["expert_s"] > 0
+
+
+def test_one_layer_count_spreads_the_token_constant_over_the_layers():
+    rng = np.random.default_rng(4)
+    runs = []
+    for kind in ("hits", "fetch", "host", "admit"):
+        c = mechanism_counts(kind, 200, L, rng)
+        runs.append(TimedTokens.from_counts(price_stream_reference(c, 1, TRUE).token_s, c))
+    fit = fit_unit_costs(TimedTokens.concat(runs))
+    assert not fit.layers_identified and fit.coef["layer_s"] == 0.0
+    seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
+    assert seconds["token_overhead_s"] == 0.0
+    per_token = TRUE.token_overhead_s + L * TRUE.dense_layer_s
+    assert L * seconds["dense_layer_s"] == pytest.approx(per_token, rel=0.02)
+
+
+def test_degenerate_fits_are_named():
+    rng = np.random.default_rng(5)
+    hits = mechanism_counts("hits", 50, L, rng)
+    fetch = mechanism_counts("fetch", 50, L, rng)
+    no_host = TimedTokens.concat(
+        [TimedTokens.from_counts(np.full(50, 1e-3), c) for c in (hits, fetch)]
+    )
+    with pytest.raises(ValueError, match="no timed token has any expert computed by the host"):
+        fit_unit_costs(no_host)
+    # every fetch paired with a host expert: the two terms cannot be told apart
+    both = fetch.copy()
+    both[..., F["host"]] = both[..., F["fetch"]]
+    both[..., F["hit"]] = K - 2 * both[..., F["fetch"]]
+    both[..., F["admissions"]] = both[..., F["fetch"]]
+    tied = TimedTokens.from_counts(np.linspace(1e-3, 2e-3, 50), both)
+    with pytest.raises(ValueError, match="cannot be told apart"):
+        fit_unit_costs(tied)
+    with pytest.raises(ValueError, match="timed tokens, need at least"):
+        fit_unit_costs(TimedTokens.from_counts(np.ones(3), both[:3]))
+    with pytest.raises(ValueError, match="do not match"):
+        TimedTokens.from_counts(np.ones(4), both)
+    assert FIT_TERMS[0] == "token_s"
