@@ -11,8 +11,8 @@ rule recommend:
             for k in RECOMMEND_INPUTS
             if k != "analysis"
         },
-        analysis=rules.analysis.output.json,
         **study_profile_input(),
+        analysis=rules.analysis.output.json,
     output:
         "results/{model}/recommendation.json",
     log:
