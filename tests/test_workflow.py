@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from moesub import config as mcfg
+from moesub.hardware import PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data",
@@ -306,6 +307,12 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
     }  # fmt: skip
     (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
     jobs = planned_jobs(wf, "--configfile", "mine.yaml")
+    # the recommendation changes with the new profile, so every plan is written again
+    plans = {
+        ("plan", f"results/embedded/plan/{hardware}/{size}.json")
+        for hardware in ("this_machine", *PROFILES, "mine")
+        for size in ("f0.25", "b3GiB")
+    }
     assert jobs == {
         ("hardware_profile", "results/embedded/hardware/mine.json"),
         ("price", "results/embedded/priced/mine.parquet"),
@@ -313,6 +320,7 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
         ("recommend", "results/embedded/recommendation.json"),
         ("report", "results/report.html"),
         ("all", ""),
+        *plans,
     }, sorted(jobs)
 
 
