@@ -629,7 +629,8 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
-    expected |= {("plan", "this_machine")}  # and the plan reads the recommendation
+    # and every plan (one per priced profile) reads the recommendation
+    expected |= {("plan", hardware) for hardware in ("this_machine", *PROFILES)}
     expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
