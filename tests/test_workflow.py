@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from moesub import config as mcfg
+from moesub.hardware import PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data",
@@ -35,7 +36,7 @@ STAGES = {
     "model_embedded", "streams", "capture", "expert_ranking", "simulate", "hardware_profile",
     "price", "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
     "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
-    "report",
+    "plan", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -306,6 +307,12 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
     }  # fmt: skip
     (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
     jobs = planned_jobs(wf, "--configfile", "mine.yaml")
+    # the recommendation changes with the new profile, so every plan is written again
+    plans = {
+        ("plan", f"results/embedded/plan/{hardware}/{size}.json")
+        for hardware in ("this_machine", *PROFILES, "mine")
+        for size in ("f0.25", "b3GiB")
+    }
     assert jobs == {
         ("hardware_profile", "results/embedded/hardware/mine.json"),
         ("price", "results/embedded/priced/mine.parquet"),
@@ -313,6 +320,7 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
         ("recommend", "results/embedded/recommendation.json"),
         ("report", "results/report.html"),
         ("all", ""),
+        *plans,
     }, sorted(jobs)
 
 
@@ -621,6 +629,8 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     expected |= {("recommend", "embedded")}  # the recommendation reads the analysis
+    # and every plan (one per priced profile) reads the recommendation
+    expected |= {("plan", hardware) for hardware in ("this_machine", *PROFILES)}
     expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])

@@ -32,7 +32,7 @@ from moesub.config import (
     stage_policies,
     stage_sizes,
 )
-from moesub.hardware import THIS_MACHINE
+from moesub.hardware import STUDY_PROFILE, THIS_MACHINE
 from moesub.regime.designs import designs_of
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
@@ -367,6 +367,24 @@ def analysis_params():
         "expb": {"alpha": config["expb"]["alpha"], "designs": expb_rules},
     }
     return canonical(params)
+
+
+def study_profile_input():
+    """The study's hardware profile priced for the model, where this run prices it (the
+    recommendation's comparison with the study's table reads its seconds)."""
+    if STUDY_PROFILE not in HARDWARE:
+        return {}
+    return {"study_profile": f"results/{{model}}/hardware/{STUDY_PROFILE}.json"}
+
+
+def plans():
+    """Every plan the pipeline writes: per model, hardware and cache size."""
+    return expand(
+        "results/{model}/plan/{hardware}/{size}.json",
+        model=MODELS,
+        hardware=HARDWARE,
+        size=STAGE_SIZES["simulate"],
+    )
 
 
 def report_params():
