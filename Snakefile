@@ -58,6 +58,7 @@ include: "workflow/rules/engine.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/analysis.smk"
 include: "workflow/rules/recommend.smk"
+include: "workflow/rules/plan.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -69,3 +70,4 @@ rule all:
     default_target: True
     input:
         "results/report.html",
+        plans(),

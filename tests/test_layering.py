@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moesub"
 STAGES = frozenset(
     {
         "streams", "capture", "simulate", "emulate", "regime", "expb", "generate", "engine",
-        "stats", "recommend", "report", "embedded", "price",
+        "stats", "recommend", "plan", "report", "embedded", "price",
     }
 )  # fmt: skip
 USES = frozenset({("generate", "engine")})  # (stage, the stage it runs)

@@ -780,16 +780,17 @@ def test_a_disabled_stage_is_said_disabled(tmp_path):
 
 
 def test_speedups_below_one_are_slower():
-    from moesub.report.headline import recommendation_lines
+    from moesub.report.recommendation import recommendation_table
 
-    choice = {"policy": "rule_015", "speedup_vs_fetch_every_miss": 0.96, "dppl_pct": 0.2,
-              "dppl_ci_lo": 0.1, "dppl_ci_hi": 0.3, "time_source": "engine", "device": "cpu",
+    choice = {"policy": "rule_015", "speedup_vs_fetch_every_miss": 0.96,
+              "speedup_vs_fetch_every_miss_lo": 0.9, "speedup_vs_fetch_every_miss_hi": 1.01,
               "time_per_token_s": 0.02}  # fmt: skip
     doc = {"model": "m", "baseline": "fetch_every_miss", "dppl_budget_pct": 1.0,
-           "fractions": [{"fraction": 0.25, "capacity": 128, "within_budget": choice,
-                          "lossless": None, "lossless_reason": "none"}]}  # fmt: skip
-    (line,) = recommendation_lines([doc], "95% CI")
-    assert "1.04× slower than fetch_every_miss" in line and "0.96" not in line
+           "rankings": [{"hardware": "h", "size": "f0.25", "capacity": 128,
+                         "time_source": "simulator", "within_budget": choice,
+                         "lossless": None}]}  # fmt: skip
+    (row,) = recommendation_table([doc], "95% CI").rows
+    assert "0.96× [0.90×, 1.01×] (slower)" in row and "faster" not in " ".join(row)
 
 
 def test_models_in_the_analysis_order_everywhere(tmp_path):

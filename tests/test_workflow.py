@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from moesub import config as mcfg
-from moesub.hardware import THIS_MACHINE
+from moesub.hardware import PROFILES, THIS_MACHINE
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data",
@@ -37,7 +37,7 @@ STAGES = {
     "model_embedded", "streams", "capture", "expert_ranking", "simulate", "hardware_profile",
     "price", "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
     "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
-    "report",
+    "plan", "report",
 }  # fmt: skip
 BIN = Path(sys.executable).parent
 # expb keys the workflow or the analysis consume (workflow/rules/common.smk EXPB_ANALYSIS_KEYS)
@@ -326,7 +326,8 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
     }  # fmt: skip
     (wf / "mine.yaml").write_text(yaml.safe_dump(cfg))
     jobs = planned_jobs(wf, "--configfile", "mine.yaml")
-    # both models, the trace model's too (priced on every profile but this_machine)
+    # both models, the trace model's too (priced on every profile but this_machine); the
+    # recommendation changes with the new profile, so every plan (captured models) is rewritten
     per_model = {
         job
         for m in ("embedded", "embedded_trace")
@@ -336,10 +337,16 @@ def test_a_hardware_profile_reruns_no_replay(tmp_path):
             ("recommend", f"results/{m}/recommendation.json"),
         )
     }
+    plans = {
+        ("plan", f"results/embedded/plan/{hardware}/{size}.json")
+        for hardware in ("this_machine", *PROFILES, "mine")
+        for size in ("f0.25", "b3GiB")
+    }
     assert jobs == per_model | {
         ("analysis", "results/analysis/models.parquet"),
         ("report", "results/report.html"),
         ("all", ""),
+        *plans,
     }, sorted(jobs)
 
 
@@ -650,6 +657,8 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
     # the recommendations read the analysis; the trace model simulates quality too
     expected |= {("recommend", "embedded"), ("recommend", "embedded_trace")}
+    # and every plan (one per priced profile; captured models only) reads the recommendation
+    expected |= {("plan", hardware) for hardware in ("this_machine", *PROFILES)}
     expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
@@ -696,11 +705,24 @@ def test_trace_model_simulates_as_the_embedded_model(full_run):
     assert summary["format"] == "rtrace01" and summary["eval_streams"] == 2
     assert "Experiment B" in summary["skipped_stages"]
     assert list(summary["skipped_hardware"]) == [THIS_MACHINE]
-    rec = json.loads((res / "embedded_trace" / "recommendation.json").read_text())
-    assert rec["source"] == "trace"
-    for entry in rec["fractions"]:
-        assert entry["quality_proxy"]["label"].startswith("quality proxy")
-        assert entry["fastest"] is not None and entry["lossless"]["substituted_mass"] == 0
+    # its recommendation: one simulator ranking per profile it was priced on and size, each
+    # candidate's time the embedded model's on the same ranking; no Δppl: the fastest policy
+    # with its substituted mass, labelled the quality proxy
+    rec, emb = (json.loads((res / m / "recommendation.json").read_text())
+                for m in ("embedded_trace", "embedded"))  # fmt: skip
+    assert rec["source"] == "trace" and not (res / "embedded_trace" / "plan").exists()
+    twins = {(r["hardware"], r["size"]): r for r in emb["rankings"] if r["device"] is None}
+    assert {r["hardware"] for r in rec["rankings"]} == {n.removesuffix(".parquet") for n in priced}
+    for r in rec["rankings"]:
+        assert r["time_source"] == "simulator" and r["within_budget"] is None
+        assert r["quality_proxy"]["label"].startswith("quality proxy")
+        assert r["fastest"] is not None and r["lossless"]["substituted_mass"] == 0
+        times = {c["policy"]: c["time_per_token_s"] for c in r["candidates"]}
+        twin = {
+            c["policy"]: c["time_per_token_s"]
+            for c in twins[(r["hardware"], r["size"])]["candidates"]
+        }
+        assert times == {p: twin[p] for p in times}
     html = (res / "report.html").read_text()
     assert "embedded_trace (router trace, simulated only)" in html
     assert "a trace model has its routing only" in html

@@ -308,3 +308,13 @@ PROFILES: dict[str, HardwareProfile] = {
     name: HardwareProfile.from_dict(name, spec) for name, spec in SHIPPED.items()
 }
 STUDY_PROFILE = "rtx3090_pcie4_ddr4"
+
+
+def read_unit_costs(path: str | os.PathLike) -> tuple[str, UnitCosts]:
+    """(profile name, its seconds) from a profile priced for a model (`moesub.price.
+    write_profile`'s JSON: `results/{model}/hardware/{hardware}.json`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"hardware profile {str(path)!r} does not exist")
+    doc = json.loads(path.read_text())
+    return doc["name"], UnitCosts(**doc["unit_costs"])

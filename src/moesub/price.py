@@ -28,7 +28,14 @@ from typing import Any
 
 import polars as pl
 
-from moesub.hardware import THIS_MACHINE, HardwareProfile, ModelBytes, UnitCosts, this_machine
+from moesub.hardware import (
+    THIS_MACHINE,
+    HardwareProfile,
+    ModelBytes,
+    UnitCosts,
+    read_unit_costs,
+    this_machine,
+)
 from moesub.io import read_metadata, require_file, write_json, write_parquet
 from moesub.pricing import BREAKDOWN, StreamTime, price_streams
 from moesub.slots import policy_fields
@@ -67,12 +74,6 @@ def write_profile(
     }
     write_json(out, out_path)
     return out
-
-
-def read_unit_costs(path: str | os.PathLike) -> tuple[str, UnitCosts]:
-    """(profile name, its seconds) from a `write_profile` JSON."""
-    doc = json.loads(Path(require_file(path, "profile_path")).read_text())
-    return doc["name"], UnitCosts(**doc["unit_costs"])
 
 
 def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict) -> dict:

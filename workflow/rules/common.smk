@@ -32,7 +32,7 @@ from moesub.config import (
     stage_policies,
     stage_sizes,
 )
-from moesub.hardware import THIS_MACHINE
+from moesub.hardware import STUDY_PROFILE, THIS_MACHINE
 from moesub.regime.designs import designs_of
 
 # Threads of the jobs that should run alone on a local machine (training; the engine, whose
@@ -72,7 +72,7 @@ MODEL_HARDWARE = {m: HARDWARE for m in CAPTURED_MODELS}
 TRACE_SKIPPED_HARDWARE = {}
 TRACE_SKIPPED_STAGES = (
     "emulate, the engine (and its calibration), Experiment B and generation run the model's "
-    "weights; a trace model has its routing only"
+    "weights, and a plan names its checkpoint; a trace model has its routing only"
 )
 if TRACE_MODELS:
     from moesub.traces.models import trace_geometry, trace_hardware, trace_policies
@@ -424,6 +424,25 @@ def analysis_params():
         "expb": {"alpha": config["expb"]["alpha"], "designs": expb_rules},
     }
     return canonical(params)
+
+
+def study_profile_input():
+    """The study's hardware profile priced for the model, where this run prices it (the
+    recommendation's comparison with the study's table reads its seconds)."""
+    if STUDY_PROFILE not in HARDWARE:
+        return {}
+    return {"study_profile": f"results/{{model}}/hardware/{STUDY_PROFILE}.json"}
+
+
+def plans():
+    """Every plan the pipeline writes: per captured model, hardware and cache size (a plan
+    names the checkpoint a runtime loads; a trace model has none)."""
+    return [
+        f"results/{model}/plan/{hardware}/{size}.json"
+        for model in CAPTURED_MODELS
+        for hardware in MODEL_HARDWARE[model]
+        for size in STAGE_SIZES["simulate"]
+    ]
 
 
 def report_params():

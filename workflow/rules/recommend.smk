@@ -1,16 +1,18 @@
-# Stage 7b (recommend): per model and cache fraction, the fastest policy within the Δppl budget
-# and the fastest lossless one (moesub.recommend), from the analysis outputs; the report opens
-# with it.
+# Stage 7b (recommend): per model, hardware and cache size, the fastest policy within the Δppl
+# budget (screened on one half of the evaluation streams, reported on the other) and the fastest
+# lossless one (moesub.recommend), from the analysis outputs; the report opens with it.
+from moesub.recommend import INPUTS as RECOMMEND_INPUTS
 
 
 rule recommend:
     input:
+        **{
+            k: getattr(rules.analysis.output, k)
+            for k in RECOMMEND_INPUTS
+            if k != "analysis"
+        },
+        **study_profile_input(),
         analysis=rules.analysis.output.json,
-        summary=rules.analysis.output.summary,
-        speed_quality=rules.analysis.output.speed_quality,
-        per_input_points=rules.analysis.output.per_input_points,
-        models=rules.analysis.output.models,
-        priced=rules.analysis.output.priced,
     output:
         "results/{model}/recommendation.json",
     log:

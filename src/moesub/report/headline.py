@@ -4,88 +4,11 @@ Every p-value quoted is the family-adjusted one, the raw one beside it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from moesub.metrics import speedup_text
 from moesub.report.claims import test_of, test_words
 from moesub.report.factorial import factorial_headline
 from moesub.report.load import AnalysisOutputs, ci_label, finite, lacking
 from moesub.report.tables import Row, interval, num
-
-
-def recommendation_lines(
-    docs: list[dict[str, Any]], ci: str, models: list[str] | None = None
-) -> list[str]:
-    """One sentence per model (in `models`' order) and cache fraction from the recommend
-    stage's documents: the fastest policy within the Δppl budget, then the fastest lossless
-    one."""
-
-    def speed(c: dict[str, Any], base: str) -> str:
-        where = "engine" + (f" on {c['device']}" if c.get("device") else "")
-        src = where if c.get("time_source") == "engine" else "simulator estimate"
-        t = c.get("time_per_token_s")
-        src += f", {1e3 * float(t):.3g} ms per token" if finite(t) else ""
-        if c["policy"] == base:
-            return f"{base} itself ({src})"
-        x = c.get("speedup_vs_fetch_every_miss")
-        how = speedup_text(float(x), base) if finite(x) else f"speed vs {base} unknown"
-        return f"{c['policy']}: {how} ({src})"
-
-    rank = {m: i for i, m in enumerate(models or [])}
-    lines = []
-    for d in sorted(docs, key=lambda d: rank.get(str(d.get("model")), len(rank))):
-        base, budget = d.get("baseline", "fetch_every_miss"), d.get("dppl_budget_pct")
-        if d.get("source") == "trace":
-            lines += trace_lines(d, lambda c, base=base: speed(c, base))
-            continue
-        for e in d["fractions"]:
-            at = f"{d['model']}: at {100 * e['fraction']:g}% resident (C = {e['capacity']}) "
-            c = e.get("within_budget")
-            if c is not None:
-                iv = interval(c.get("dppl_ci_lo"), c.get("dppl_ci_hi"), "{:+.2f}")
-                text = (
-                    f"use {speed(c, base)} at "
-                    f"{num(c.get('dppl_pct'), '{:+.2f}')}% perplexity {iv} ({ci})"
-                )
-            else:
-                text = f"no policy is within the {budget:g}% perplexity budget: "
-                text += str(e.get("within_budget_reason"))
-            ll = e.get("lossless")
-            if ll is not None:
-                text += f"; lossless: {speed(ll, base)}."
-            else:
-                text += f"; lossless: none ({e.get('lossless_reason')})."
-            lines.append(at + text)
-    return lines
-
-
-def trace_lines(d: dict[str, Any], speed: Any) -> list[str]:
-    """A trace model's recommendation sentences: the fastest policy with its hit rate and
-    substituted mass (the quality proxy, with the mass hypothesis' r where Δppl was measured)
-    and the fastest lossless one."""
-
-    def figures(c: dict[str, Any]) -> str:
-        return (
-            f"{speed(c)}, hit rate {num(c.get('hit_rate'), '{:.3f}')}, substituted mass "
-            f"{num(c.get('substituted_mass'), '{:.3g}')} per token-layer"
-        )
-
-    lines = []
-    for e in d["fractions"]:
-        at = f"{d['model']} (router trace, simulated only): at {100 * e['fraction']:g}% resident "
-        at += f"(C = {e['capacity']}) priced on {d.get('hardware')}, "
-        proxy = e.get("quality_proxy") or {}
-        r = proxy.get("r")
-        if r is not None:
-            how = f"r = {float(r):.2f} with Δppl % on {proxy.get('from_model')}"
-        else:
-            how = f"no r: {proxy.get('reason')}"
-        c, ll = e.get("fastest"), e.get("lossless")
-        text = f"fastest: {figures(c)}" if c else "no simulated policy has a time"
-        text += f" (quality proxy: substituted mass, not a measured Δppl; {how})"
-        text += f"; lossless (substitutes nothing): {figures(ll)}." if ll else "; lossless: none."
-        lines.append(at + text)
-    return lines
 
 
 def sep(words: str) -> str:

@@ -147,14 +147,14 @@ def disabled_parts(config: Mapping[str, Any]) -> dict[str, str]:
 
 def load_recommendations(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     """The recommend stage's documents (results/{model}/recommendation.json), in the given
-    order; a missing file or one without `model` and `fractions` is an error naming it."""
+    order; a missing file or one without `model` and `rankings` is an error naming it."""
     docs = []
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"recommendation {str(path)!r} is missing (rule recommend)")
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or not {"model", "fractions"} <= set(doc):
-            raise ValueError(f"{path}: not a recommendation (needs keys model and fractions)")
+        if not isinstance(doc, dict) or not {"model", "rankings"} <= set(doc):
+            raise ValueError(f"{path}: not a recommendation (needs keys model and rankings)")
         docs.append(doc)
     return docs
 

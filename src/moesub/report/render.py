@@ -29,7 +29,7 @@ from moesub.report.factorial import (
     factorial_tests_table,
 )
 from moesub.report.figures import draw_figures
-from moesub.report.headline import headline, recommendation_lines
+from moesub.report.headline import headline
 from moesub.report.load import (
     ci_label,
     disabled_parts,
@@ -39,6 +39,11 @@ from moesub.report.load import (
 )
 from moesub.report.plotting import FigureData
 from moesub.report.pricing import concurrency_table, sim_vs_engine_table
+from moesub.report.recommendation import (
+    recommendation_lines,
+    recommendation_table,
+    study_lines,
+)
 from moesub.report.regime import (
     designs_table,
     regime_design_lines,
@@ -129,7 +134,11 @@ def render_report(
         "title": str(params.get("title", "moesub report")),
         "ci": ci_label(out.ci_level),
         "baseline": out.baseline,
-        "recommendation": recommendation_lines(recommended, ci_label(out.ci_level), out.models),
+        "recommendation": recommendation_table(recommended, ci_label(out.ci_level), out.models),
+        "recommendation_lines": recommendation_lines(
+            recommended, ci_label(out.ci_level), out.models
+        ),
+        "study_lines": study_lines(recommended, out.models),
         "claims": claim_lines(out),
         "headline": headline(out),
         "families": family_lines(out),

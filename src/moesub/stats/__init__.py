@@ -41,6 +41,9 @@ atomically (`moesub.io`), into `out_dir`:
   the real reference model's among them); `regime_designs.parquet`: per (pinning or allocation
   design, size) its hit rate and misses per token beside its counterpart's on the evaluation
   trace and on the skew-matched trace, and how its gain changes under the real model's skew;
+- `selection.parquet`: per (policy, fraction, half of a seeded split of the evaluation
+  streams): Δppl % with its interval on that half's streams (the recommendation screens on
+  one half and reports the other);
 - `tests.parquet`: every test, its family (pre-registered: Holm; exploratory:
   Benjamini-Hochberg), estimate, two-sided interval, t-based sensitivity interval, raw and
   adjusted two-sided p, direction in words, MDE (`moesub.stats.multiplicity`).
@@ -75,7 +78,8 @@ Modules, one per part (each documents its decisions):
   speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
   `degeneration`: repetition and loops in free continuations;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
-  regime; `summary`: the per-(policy, fraction) summary;
+  regime; `summary`: the per-(policy, fraction) summary; `selection`: the recommendation's
+  split of the streams;
 - `params`: `AnalysisParams` (the config's `analysis:` plus policies) and `ExpBRule`;
 - `run`: `run_analysis`, `analyse_model` (the data flow of one model), the output files.
 
@@ -92,6 +96,7 @@ order and maps their tables onto `OUTPUT_FILES`:
     mass_hypothesis(quality.streams, emulate_files, p)
         -> MassHypothesis(points, results, tests, status)
     per_input(quality.streams, tokens, p) -> PerInput(table, points, tests, status)
+    selection(quality.streams, p) -> Selection(table, result, status)
     expb(tokens, expb_files, feasibility_paths, p) -> ExpB(table, streams, results, tests, status)
     expb_factorial(tokens, factorial_files, feasibility_paths, p)
         -> ExpBFactorial(table, cells, streams, results, tests, status)

@@ -44,6 +44,7 @@ from moesub.stats.params import AnalysisParams
 from moesub.stats.per_input import per_input
 from moesub.stats.quality import quality, rule_contrast
 from moesub.stats.regime import regime
+from moesub.stats.selection import selection
 from moesub.stats.summary import summary
 from moesub.stats.timing import (
     engine,
@@ -79,6 +80,7 @@ OUTPUT_FILES = (
     "design_space",
     "design_families",
     "tests",
+    "selection",
 )
 # the analysis.json keys of the per-model results (each entry tagged with its model)
 RESULTS = (
@@ -90,6 +92,7 @@ RESULTS = (
     "admission",
     "sim_vs_engine",
     "regime",
+    "selection",
 )
 
 
@@ -117,6 +120,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
         qual = quality(tokens, p)
         mass = mass_hypothesis(qual.streams, infos["emulate"], p)
         units = per_input(qual.streams, tokens, p)
+        split = selection(qual.streams, p)
         exp = expb(tokens, infos["expb"], paths["expb_feasibility"], p)
         fac = expb_factorial(
             tokens, infos["expb_factorial"], paths["expb_factorial_feasibility"], p
@@ -170,6 +174,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "design_space": space.table,
             "design_families": space.families,
             "tests": tests,
+            "selection": split.table,
         },
         results={
             "claims": verdicts.results,
@@ -180,6 +185,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "admission": adm.totals,
             "sim_vs_engine": sve.result,
             "regime": reg.result,
+            "selection": split.result,
         },
         parts={
             "quality": qual.status,
@@ -198,6 +204,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "regime": reg.status,
             "summary": summ.status,
             "claims": verdicts.status,
+            "selection": split.status,
         },
         dppl_base=tokens.dppl_base,
         model_row=model_row(model, paths["model_summary"], infos),
