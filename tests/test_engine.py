@@ -476,6 +476,21 @@ def test_benchmark_table(tmp_path, monkeypatch):
         BenchParams.from_dict({**synthetic, "policies": planned})
 
 
+def test_benchmark_prices_a_pinned_policy(tmp_path):
+    """A policy whose pin is a spec ("C-k") runs with its pins resolved at the bench's C and
+    its row is priced with the resolved policy."""
+    keep = {"rule": "first_choice", "eviction": "lru", "pin": "C-k"}
+    params = dict(
+        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=20,
+        warmup=2, calib_tokens=200, store_path=str(tmp_path / "b.bin"), progress=False,
+        routing="synthetic", rounds=1,
+        policies={"fetch_every_miss": STUDY_POLICIES["fetch_every_miss"], "keep": keep},
+    )  # fmt: skip
+    df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
+    row = df.filter(pl.col("policy") == "keep").row(0, named=True)
+    assert row["est_time_per_token_s"] > 0 and row["sub_rate"] > 0
+
+
 # ----------------------------------------------------------------------------------- CUDA
 # every CUDA test runs on each device present: events and streams must be the tier's device's
 CUDA_DEVICES = [

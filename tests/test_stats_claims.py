@@ -266,3 +266,16 @@ def test_fixture_claims(tmp_path):
     assert bare["speed"]["verdict"] == NOT_MEASURED
     tests = pd.read_parquet(tmp_path / "bare" / "an" / "tests.parquet")
     assert "dppl_contrast" not in set(tests["kind"])
+
+
+def test_why_out_reads_config_policies_with_layout_keys():
+    """A config policy with a pin spec ("50%", "C-k") or an allocation is a point of r or not by
+    its Policy fields alone (the layout keys are not Policy fields)."""
+    from moesub.stats.mass import why_out
+
+    pinned_rule = {"rule": "threshold", "tau": 0.15, "eviction": "lfu", "pin": "50%"}
+    assert why_out(pinned_rule, 0.01) is None
+    assert why_out({**pinned_rule, "allocation": "planned"}, 0.0).startswith("substituted")
+    assert why_out({"rule": "fetch_all", "eviction": "lru", "pin": "C-k"}, 0.0).startswith(
+        "lossless"
+    )

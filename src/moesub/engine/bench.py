@@ -367,12 +367,7 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts)
         r = concat_runs(runs[name])
         slots = max(int(r.counts.sum()), 1)
         c = by_status(r.counts.sum(axis=0))
-        pol = (
-            ALL_RESIDENT_POLICY
-            if name == ALL_RESIDENT
-            else Policy.from_dict(dict(plan.p.policies[name]))
-        )
-        est = priced_median(runs[name], pol.delay, costs)
+        est = priced_median(runs[name], plan.policy(name).delay, costs)
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         rows.append(
             {

@@ -40,6 +40,7 @@ import pandas as pd
 
 from moesub.metrics import dppl_pct
 from moesub.policy import Policy
+from moesub.slots import policy_fields
 from moesub.stats.design import lossless
 from moesub.stats.intervals import Interval, correlation, rng_for, rowwise_pearson, stream_bootstrap
 from moesub.stats.load import FileInfo, missing
@@ -131,7 +132,7 @@ def why_out(policy: dict[str, Any], mass: float) -> str | None:
     group = GROUPS[policy["rule"]]
     if group == SUBSTITUTE_FIRST:
         return "substitutes the first choice too (set against the line instead)"
-    if group == NEVER or lossless(Policy.from_dict(dict(policy))):
+    if group == NEVER or lossless(Policy.from_dict(policy_fields(policy))):
         return "lossless: mass and Δppl are 0 by construction"
     if not mass > 0:
         return "substituted nothing on these streams (mass 0)"
