@@ -279,3 +279,14 @@ def test_why_out_reads_config_policies_with_layout_keys():
     assert why_out({"rule": "fetch_all", "eviction": "lru", "pin": "C-k"}, 0.0).startswith(
         "lossless"
     )
+
+
+def test_provenance_carries_each_simulated_layout():
+    """A planned or pinned policy's per-layer capacities and pins reach analysis.json (the
+    recommendation's slots per layer and the plan read them there)."""
+    from moesub.stats.load import FileInfo, provenance_entry
+
+    layout = {"size": {"label": "f0.25", "capacity": 8, "fraction": 0.25},
+              "allocation": "planned", "capacities": [9, 7], "pins": [2, 0]}  # fmt: skip
+    info = FileInfo("s.parquet", "simulate", 4, {"name": "p", "fraction": 0.25, "layout": layout})
+    assert provenance_entry(info)["metadata"]["layout"] == layout

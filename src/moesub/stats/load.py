@@ -53,6 +53,7 @@ PROVENANCE_KEYS = (
     "num_experts",
     "top_k",
     "num_layers",
+    "layout",  # per-layer capacities and pins: the recommendation's slots and the plan's layout
 )
 
 
