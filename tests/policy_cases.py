@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from moesub.coactivation import coactivation
 from moesub.policy import (
     EVICTIONS,
     LIGHT_MISSES,
@@ -14,7 +15,6 @@ from moesub.policy import (
     RULES,
     SUBSTITUTE_BY,
     Policy,
-    coactivation,
     scan,
 )
 from moesub.policy_reference import reference_scan

@@ -15,10 +15,10 @@ import pytest
 
 from moesub import config as mcfg
 from moesub.artefacts import router_rows, router_writer
-from moesub.coactivation import read_coactivation, write_coactivation
+from moesub.coactivation import coactivation, read_coactivation, write_coactivation
 from moesub.grid import GridPoint, simulate
 from moesub.io import read_metadata
-from moesub.policy import Policy, capacity_for, coactivation
+from moesub.policy import Policy, capacity_for
 from moesub.simulate import run_simulate
 from moesub.slots import policy_fields
 from moesub.synthetic import synthetic_logits

@@ -22,10 +22,11 @@ from moesub.emulate import (
     run_emulate,
     summarize,
 )
+from moesub.greedy import greedy_decode
 from moesub.io import read_metadata, write_parquet
 from moesub.models import stream_batches, stream_nll
 from moesub.policy import FETCH, STATUS_NAMES, SUB, Policy, scan
-from moesub.replay import computed_ids, greedy_decode
+from moesub.replay import computed_ids
 from moesub.simulate import run_simulate
 from moesub.slots import pin_count
 

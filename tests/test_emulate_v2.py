@@ -12,9 +12,10 @@ from tiny_models import tiny_qwen3_next
 
 from moesub.artefacts import load_trace, router_writer
 from moesub.capture import capture_batch
+from moesub.coactivation import coactivation
 from moesub.emulate import emulate_batch, emulate_stream, emulate_token_by_token
 from moesub.models import RouterHook, moe_blocks, moe_info, router_weights, stream_nll
-from moesub.policy import HOST, SUB, Policy, coactivation, scan
+from moesub.policy import HOST, SUB, Policy, scan
 from moesub.replay import make_caches, policy_router
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -191,7 +192,7 @@ def test_run_emulate_checks_the_v2_inputs_before_loading_the_model(tmp_path):
 def test_greedy_decode_under_v2_matches_teacher_forced_emulation(model, initial, table):
     """Decoding with the KV cache: the lookahead of each step's new rows comes from that step's
     forward, and the decisions are the teacher-forced emulation's over the same tokens."""
-    from moesub.replay import greedy_decode
+    from moesub.greedy import greedy_decode
 
     pol = SUBSTITUTING["biased_prefetch"]
     prompt = [7, 21, 50, 3, 64, 12]

@@ -15,8 +15,8 @@ from moesub.engine import EngineDecodeResult, generate, open_engine
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import ExpertStore, StoreLayout, random_experts, write_store
 from moesub.engine.tiers import DiskTier
+from moesub.greedy import greedy_decode
 from moesub.policy import HOST, SUB, Policy, scan, token_layer_counts
-from moesub.replay import greedy_decode
 from moesub.synthetic import synthetic_logits
 
 FRACTION, C = 0.375, 6

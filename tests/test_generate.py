@@ -58,9 +58,9 @@ from moesub.generate.continuation import continuation_items
 from moesub.generate.degeneration import measures
 from moesub.generate.humaneval import score_humaneval
 from moesub.generate.run import TIMING_COLUMNS
+from moesub.greedy import greedy_decode, greedy_decode_batched
 from moesub.io import read_metadata, write_parquet
 from moesub.models import load_model
-from moesub.replay import greedy_decode, greedy_decode_batched
 from moesub.sandbox import SandboxResult
 from moesub.stats import run_analysis
 

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policy_cases import assert_same, cases, run_both, tie_prone
 
+from moesub.coactivation import coactivation
 from moesub.grid import GridPoint, simulate
-from moesub.policy import FETCH, HIT, HOST, SUB, LayerCache, Policy, coactivation, scan
+from moesub.policy import FETCH, HIT, HOST, SUB, LayerCache, Policy, scan
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policy_cases import EXACT, FLOATS, assert_same, cases, run_both, tie_prone
 
+from moesub.coactivation import coactivation
 from moesub.grid import COUNTER_NAMES, GridPoint, replay, simulate
 from moesub.policy import (
     HIT,
@@ -19,7 +20,6 @@ from moesub.policy import (
     TOKEN_LAYER_FIELDS,
     LayerCache,
     Policy,
-    coactivation,
     scan,
     token_layer_counts,
 )

@@ -68,9 +68,9 @@ __all__ = [
     "check_initial",
     "check_layers",
     "check_lookahead",
+    "check_logits",
     "check_scan_args",
     "check_sizes",
-    "coactivation",
     "forced_substitution",
     "scan",
     "token_layer_counts",
@@ -84,7 +84,7 @@ CORE_BUILD_ID: str = _core.BUILD_ID
 # takes an initial resident set)
 
 
-def _check_logits(logits: Any, ndim: int, finite: bool = True) -> np.ndarray:
+def check_logits(logits: Any, ndim: int, finite: bool = True) -> np.ndarray:
     """Type, dtype and shape; NaN/inf too unless the caller's core call checks them itself."""
     if not isinstance(logits, np.ndarray):
         raise ValueError(f"logits: expected a numpy array, got {type(logits).__name__}")
@@ -226,7 +226,7 @@ def check_coactivation(
         if policy.substitute_by == "coactivation":
             raise ValueError(
                 "coactivation: substitute_by='coactivation' needs the co-activation table "
-                "(moesub.policy.coactivation of the calibration trace)"
+                "(moesub.coactivation.coactivation of the calibration trace)"
             )
         return None
     A = np.asarray(coactivation)
@@ -292,7 +292,7 @@ def check_scan_args(
 ) -> tuple[np.ndarray, Layers, np.ndarray | None, np.ndarray | None]:
     """The arguments of `scan` (and `reference_scan`), checked: (logits, per-layer caches,
     lookahead, coactivation) as the core takes them."""
-    logits = _check_logits(logits, 3, finite)
+    logits = check_logits(logits, 3, finite)
     T, L, E = logits.shape
     layers = check_layers(policy, k, capacity, initial, L, E)
     y = check_lookahead(policy, lookahead, logits.shape)
@@ -413,7 +413,7 @@ class LayerCache:
 
     def step(self, logits: np.ndarray, lookahead: np.ndarray | None = None) -> LayerStep:
         """Step T tokens: logits (T, E) float32; lookahead (T, E) float32 when prefetch > 0."""
-        logits = _check_logits(logits, 2)
+        logits = check_logits(logits, 2)
         T, E = logits.shape
         if self.num_experts != E:
             raise ValueError(f"logits: expected {self.num_experts} experts per row, got {E}")
@@ -467,7 +467,7 @@ def forced_substitution(
     Returns (ids, weights, selected), each (T, k): the substitute for each masked rank is the
     core's choice (highest-logit resident expert not in the token's computed set).
     """
-    logits = _check_logits(logits, 2)
+    logits = check_logits(logits, 2)
     T, E = logits.shape
     resident = np.asarray(resident)
     check_sizes(E, k, len(resident))
@@ -481,27 +481,3 @@ def forced_substitution(
     selected = np.empty((T, k), np.int32)
     _core.forced_substitution(logits, k, res, mask, ids, weights, selected)
     return ids, weights, selected
-
-
-def coactivation(logits: np.ndarray | list[np.ndarray], k: int) -> np.ndarray:
-    """The co-activation table of a trace (docs/policy-semantics.md, v2 `substitute_by`).
-
-    `logits`: one float32 (T, L, E) trace or a list of streams of one model. Returns float64
-    (L, E, E): A[l, e, c] = (tokens with e and c both in layer l's top-k) / max(1, tokens with e
-    in it), the top-k with v1's ties (lower id). The diagonal is 1 for an expert ever selected.
-    """
-    streams = [logits] if isinstance(logits, np.ndarray) else list(logits)
-    if not streams:
-        raise ValueError("coactivation: need at least one router-logit stream")
-    # the core checks for NaN/inf as it reads the logits, as in scan
-    streams = [_check_logits(s, 3, finite=False) for s in streams]
-    shapes = {s.shape[1:] for s in streams}
-    if len(shapes) != 1:
-        raise ValueError(f"coactivation: all streams need the same (L, E); got {sorted(shapes)}")
-    L, E = streams[0].shape[1:]
-    check_sizes(E, k, E)
-    counts = np.zeros((L, E, E), np.int64)
-    for s in streams:
-        _core.coactivation_counts(s, k, counts)
-    selected = np.diagonal(counts, axis1=1, axis2=2)  # (L, E): tokens with e in the top-k
-    return counts / np.maximum(1, selected)[:, :, None]

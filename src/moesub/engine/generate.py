@@ -3,7 +3,7 @@
 `EngineModel` is a model built once for the engine under one policy (`build_engine_model`, the
 policy cores, the router hook) and reused for any number of streams (`decode`, the stage's
 teacher forcing) or prompts (`generate`, free-running greedy). `open_engine` builds one from
-checked inputs; `generate` is the engine's counterpart of `moesub.replay.greedy_decode`.
+checked inputs; `generate` is the engine's counterpart of `moesub.greedy.greedy_decode`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ STEP_COLUMNS = tuple(c for c in SCALAR_STATS if c not in ("mass", "admissions"))
 @dataclass
 class EngineDecodeResult:
     """One greedy continuation on the engine: `tokens`, `mass`, `stopped` as
-    `moesub.replay.DecodeResult`; per generated token i, what the step that produced it cost
+    `moesub.greedy.DecodeResult`; per generated token i, what the step that produced it cost
     (the step that fed the prompt's last token for i = 0)."""
 
     tokens: list[int]  # generated tokens, stop token excluded
@@ -226,7 +226,7 @@ def generate(
     progress: bool | None = None,
 ) -> list[EngineDecodeResult]:
     """Greedy generation on the offloading engine (the engine's counterpart of
-    `moesub.replay.greedy_decode`; with params `admission="delay"` the same tokens).
+    `moesub.greedy.greedy_decode`; with params `admission="delay"` the same tokens).
 
     `model` is an `EngineModel` from `open_engine` (reused across calls; name, policy, fraction,
     device, initial and params were fixed when it was built and must not be passed) or a model

@@ -1,7 +1,7 @@
 """Greedy generation under a cache/substitution policy (the generate stage, docs/architecture.md).
 
 Every problem is decoded greedily twice from the same prompt: under the policy (the emulator's
-decode mode, `moesub.replay.greedy_decode`, with per-layer caches fresh from the initial
+decode mode, `moesub.greedy.greedy_decode`, with per-layer caches fresh from the initial
 resident set) and with the exact model (every expert resident; `fetch_every_miss` computes the
 same thing, so the workflow reuses that policy's artefact as the reference). The policy's output
 is cut at the task's stop sequence and scored; agreement with the exact output compares the

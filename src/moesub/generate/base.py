@@ -58,7 +58,7 @@ class Task:
     sandboxed: bool = False  # scoring runs generated code: the artefact records the isolation
     # every prompt has the same length and decoding runs max_new_tokens with no stop at all (not
     # even end of text): the stage decodes the prompts in batches on the emulator
-    # (`moesub.replay.greedy_decode_batched`), since what is measured is the text, not time
+    # (`moesub.greedy.greedy_decode_batched`), since what is measured is the text, not time
     fixed_length: bool = False
 
     def stop_ids(self, tokenizer) -> set[int]:

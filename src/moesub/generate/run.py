@@ -5,10 +5,10 @@ the exact model's output; one Parquet row per problem (OUTPUT_SCHEMA).
 really copied, the one policy core, `admission` timing, the engine's options from the `engine:`
 config section), so each row carries real time per generated token beside its accuracy; with
 `admission="delay"` its tokens are the emulator's (`tests/test_engine_generate.py`).
-`backend="emulator"` decodes with `moesub.replay.greedy_decode` (no timing). The exact model's
+`backend="emulator"` decodes with `moesub.greedy.greedy_decode` (no timing). The exact model's
 output, when no reference artefact is given, always comes from the emulator without a policy.
 A fixed-length task (the free continuation: equal-length prompts, no stop) decodes on the
-emulator in batches of prompts whatever the backend (`moesub.replay.greedy_decode_batched`:
+emulator in batches of prompts whatever the backend (`moesub.greedy.greedy_decode_batched`:
 each prompt its own caches; its text is the engine's under admission "delay").
 """
 
@@ -33,11 +33,12 @@ from moesub.engine.spec import resolve_engine
 from moesub.generate.base import Task, TaskItem, agreement, scored_length, truncate_at
 from moesub.generate.params import GenerateParams
 from moesub.generate.tasks import task_named
+from moesub.greedy import greedy_decode, greedy_decode_batched
 from moesub.io import write_parquet
 from moesub.models import check_checkpoint, load_model, load_tokenizer
 from moesub.params import torch_device
 from moesub.policy import CORE_BUILD_ID
-from moesub.replay import check_run, greedy_decode, greedy_decode_batched, policy_from_dict
+from moesub.replay import check_run, policy_from_dict
 from moesub.sandbox import probe_isolation
 from moesub.slots import policy_fields
 
@@ -98,7 +99,7 @@ def decode_items(
 ) -> list:  # fmt: skip
     """Greedy continuations of every item's prompt: `model` a built `moesub.engine.EngineModel`
     (its own policy; `EngineDecodeResult`s) or a Hugging Face model (the emulator under
-    `policy`, None = the exact model; `moesub.replay.DecodeResult`s). `fixed_length`: exactly
+    `policy`, None = the exact model; `moesub.greedy.DecodeResult`s). `fixed_length`: exactly
     `max_new_tokens` each, no stop, in batches of `opts.batch_size` prompts (emulator only)."""
     prompts = _encode(tokenizer, items, opts.max_prompt_tokens)
     if fixed_length:
