@@ -260,12 +260,7 @@ def run_emulate(
         coactivation=table,
     )
     meta = {
-        "policy": dict(policy),
-        "name": name,
-        "fraction": layout.size.fraction,
-        "capacity": layout.size.capacity,
-        "size": layout.size.to_dict(),
-        "layout": layout.to_dict(),
+        **layout.run_metadata(name, policy),
         "core_build_id": CORE_BUILD_ID,
         "num_layers": info.num_layers,
         "dtype": dtype,

@@ -66,6 +66,18 @@ class CacheLayout:
         fields = policy_fields(spec)
         return Policy.from_dict(fields | ({"pin": self.pin()} if any(self.pins) else {}))
 
+    def run_metadata(self, name: str, policy: Mapping[str, Any]) -> dict[str, Any]:
+        """What every artefact of a policy run records about it: the policy as configured, the
+        cache size and this layout (simulate, emulate and generation write these keys)."""
+        return {
+            "policy": dict(policy),
+            "name": name,
+            "fraction": self.size.fraction,
+            "capacity": self.size.capacity,
+            "size": self.size.to_dict(),
+            "layout": self.to_dict(),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """Artefact metadata: the size, the allocation, per-layer capacities and pins."""
         return {

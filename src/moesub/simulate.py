@@ -56,12 +56,7 @@ def run_simulate(
         lookahead=trace.lookahead, coactivation=table, token_counts=True,
     )  # fmt: skip
     meta = {
-        "policy": dict(policy),
-        "name": name,
-        "fraction": layout.size.fraction,
-        "capacity": layout.size.capacity,
-        "size": layout.size.to_dict(),
-        "layout": layout.to_dict(),
+        **layout.run_metadata(name, policy),
         "core_build_id": CORE_BUILD_ID,
         "router_trace": str(router_path),
         **({"coactivation": str(coactivation_path)} if table is not None else {}),

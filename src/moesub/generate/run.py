@@ -279,11 +279,7 @@ def run_generate(
         )  # fmt: skip
     meta: dict[str, Any] = {
         "task": task,
-        "name": name,
-        "policy": dict(policy),
-        "fraction": fraction,
-        "size": layout.size.to_dict(),
-        "layout": layout.to_dict(),
+        **layout.run_metadata(name, policy),
         "data_path": None if data_path is None else str(data_path),
         "params": {f.name: getattr(opts, f.name) for f in fields(opts)},
         "core_build_id": CORE_BUILD_ID,
@@ -317,7 +313,6 @@ def run_generate(
         )  # fmt: skip
     if record.sandboxed:
         meta["sandbox"] = probe_isolation()
-    meta["capacity"] = layout.size.capacity
     meta["num_moe_layers"] = info.num_layers
     meta["n"] = table.num_rows
     correct = [c for c in table.column("correct").to_pylist() if c is not None]
