@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
+from moesub.artefacts import layout_for, load_trace
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
     BenchParams,
@@ -48,6 +49,7 @@ from moesub.policy import (
     Policy,
     capacity_for,
     scan,
+    token_layer_counts,
 )
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
@@ -325,6 +327,38 @@ def test_substituting_policy_changes_nll(stage, tmp_path):
     assert np.abs(df["nll"].to_numpy()[ok] - captured[: df.height][ok]).max() > 1e-3
 
 
+def test_planned_layout_holds_per_layer_slots(stage, tmp_path):
+    """A planned layout (per-layer slot counts, sum L x C) runs on the engine: each layer's
+    cache holds its own C_l, so the per-token-layer counts equal the core's scan of the
+    captured logits at that layout (not at uniform C), and fetch_all stays exact."""
+    C = capacity_for(FRACTION, E_M)
+    caps = [C - 2, C + 2]
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": caps}))
+    spec = {"rule": "fetch_all", "allocation": "planned"}
+    out = tmp_path / "planned.parquet"
+    opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False}
+    run_engine(
+        stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "planned", spec,
+        FRACTION, "cpu", out, opts, allocation_path=tmp_path / "alloc.json",
+    )  # fmt: skip
+    df, meta = pl.read_parquet(out), read_metadata(out)
+    assert meta["layout"]["capacities"] == caps and meta["layout"]["allocation"] == "planned"
+    captured = pl.read_parquet(stage / "tokens.parquet")["nll"].to_numpy()
+    ok = ~np.isnan(captured)
+    np.testing.assert_allclose(df["nll"].to_numpy()[ok], captured[ok], rtol=0, atol=5e-6)
+    layout = layout_for(stage / "initial.parquet", FRACTION, spec, K_M, L_M, E_M,
+                        tmp_path / "alloc.json")  # fmt: skip
+    trace = load_trace(stage / "router.parquet")
+    for s, logits in zip(trace.streams, trace.logits, strict=True):
+        rows = df.filter(pl.col("stream") == s).sort("pos")
+        got = np.array(rows["token_layer_counts"].to_list()).reshape(rows.height, L_M, -1)
+        pol = layout.policy(spec)
+        want = token_layer_counts(scan(logits, K_M, caps, pol, initial=list(layout.initial)))
+        assert np.array_equal(got, want), s
+        uniform = token_layer_counts(scan(logits, K_M, C, pol, initial=None))
+        assert not np.array_equal(got, uniform)
+
+
 def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     fem = {"rule": "fetch_all"}
     with pytest.raises(ValueError, match=r"C_l=\d+, outside \[k="):
@@ -335,15 +369,16 @@ def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="tokens_path"):
         run_engine(stage / "model", tmp_path / "no.parquet", stage / "initial.parquet", "x", fem,
                    FRACTION, "cpu", tmp_path / "o.parquet")  # fmt: skip
-    # per-layer slot counts are not in the engine yet: a planned layout says so before any work
+    # a planned layout whose slots do not sum to L x C is refused before any work
     C = capacity_for(FRACTION, E_M)
-    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": [C - 1, C + 1]}))
-    with pytest.raises(NotImplementedError, match="per-layer slot counts .* not run planned"):
+    (tmp_path / "alloc.json").write_text(json.dumps({"capacity": C, "capacities": [C, C + 1]}))
+    with pytest.raises(ValueError, match="sum"):
         run_engine(
             stage / "model", stage / "tokens.parquet", stage / "initial.parquet", "x",
             {**fem, "allocation": "planned"}, FRACTION, "cpu", tmp_path / "o.parquet",
             allocation_path=tmp_path / "alloc.json",
         )  # fmt: skip
+    assert not (tmp_path / "o.parquet").exists()
     if not HAS_CUDA:
         with pytest.raises(ValueError, match="CUDA was requested"):
             engine_run(stage, "x", fem, tmp_path, device="cuda")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
@@ -384,6 +385,7 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
     cfg["models"] = {"embedded": {"embedded": True}}  # the trace model's jobs mirror these
     cfg["sweeps"] = {"allocation": ["rule_015"]}
     cfg["emulate"]["sizes"] = [0.25, "3GiB"]
+    cfg["engine"]["policies"].append("rule_015_planned")  # the engine runs per-layer slots
     (wf / "planned.yaml").write_text(yaml.safe_dump(cfg))
     run = snakemake(wf, "--dry-run", "--configfile", "planned.yaml")
     assert run.returncode == 0, run.stdout[-3000:]
@@ -402,7 +404,7 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
             "results/embedded/capture/calib_router.parquet",
             "results/embedded/expert_ranking.parquet",
         }
-    for rule in ("simulate", "emulate"):
+    for rule in ("simulate", "emulate", "engine"):
         for inputs, out in jobs[rule]:
             size = out.split(", ")[0].rsplit("/", 1)[1].removesuffix(".parquet")
             planned = "/rule_015_planned/" in out
@@ -410,6 +412,9 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
     assert {out for _, out in jobs["emulate"]} >= {
         "results/embedded/emulate/rule_015_planned/b3GiB.parquet",
         "results/embedded/emulate/quality/b3GiB.parquet",
+    }
+    assert "results/embedded/engine/cpu/rule_015_planned/f0.25.parquet" in {
+        out for _, out in jobs["engine"]
     }
 
 
@@ -544,12 +549,12 @@ BAD_CONFIGS = {
         lambda c: c.update(sweeps={"allocation": ["nope"]}),
         "sweeps.allocation: 'nope' is not a policy",
     ),
-    "planned_on_the_engine": (
+    "planned_on_the_bench": (
         lambda c: (
             c.update(sweeps={"allocation": ["rule_015"]})
-            or c["engine"]["policies"].append("rule_015_planned")
+            or c["engine"]["bench"]["policies"].append("rule_015_planned")
         ),
-        "engine.policies: ['rule_015_planned'] have planned per-layer slot counts",
+        "engine.bench.policies: ['rule_015_planned'] have planned per-layer slot counts",
     ),
 }
 
@@ -662,6 +667,26 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     expected |= {("price", "priced")}  # every profile prices the new counts (one key)
     assert touched == expected, sorted(jobs)
     assert sum(rule == "generate" for rule, _ in jobs) == len(cfg["generate"]["tasks"])
+
+
+@pytest.mark.slow
+def test_task_policies_and_planned_against_uniform(full_run):
+    """A task's own policy list runs only for that task, and a lossless pinned design decodes
+    token for token what fetch_every_miss decodes; the planned lossless policy's paired Δppl
+    difference from its uniform counterpart is exactly 0."""
+    gen = full_run / "results" / "embedded" / "generate"
+    assert (gen / "continuation" / "fitz_tec_pins" / "f0.25.parquet").is_file()
+    assert not (gen / "gsm8k" / "fitz_tec_pins").exists()
+    pinned, base = (
+        pd.read_parquet(gen / "continuation" / name / "f0.25.parquet").sort_values("problem_id")
+        for name in ("fitz_tec_pins", "fetch_every_miss")
+    )
+    assert [list(t) for t in pinned["tokens"]] == [list(t) for t in base["tokens"]]
+    alloc = pd.read_parquet(full_run / "results" / "analysis" / "allocation.parquet")
+    (row,) = alloc.to_dict("records")
+    assert (row["planned"], row["uniform"]) == ("fetch_every_miss_planned", "fetch_every_miss")
+    assert row["diff_dppl_pct"] == 0.0 and row["planned_slots"] != row["uniform_slots"]
+    assert 'id="allocation-table"' in (full_run / "results" / "report.html").read_text()
 
 
 @pytest.mark.slow

@@ -87,7 +87,11 @@ if TRACE_MODELS:
 EMULATE_POLICIES = STAGE_POLICIES["emulate"]
 ENGINE_POLICIES = STAGE_POLICIES["engine"]
 BENCH_POLICIES = STAGE_POLICIES["engine_bench"]  # None: the library's study set
-GENERATE_POLICIES = STAGE_POLICIES["generate"]
+# task -> the policies it runs (a task's own list, else generate's)
+TASK_POLICIES = {
+    task: STAGE_POLICIES.get(f"generate.tasks.{task}", STAGE_POLICIES["generate"])
+    for task in config["generate"]["tasks"]
+}
 PLANNED_POLICIES = [name for name, spec in POLICIES.items() if is_planned(spec)]
 ENGINE_DEVICES = config["engine"]["devices"]
 TASKS = list(config["generate"]["tasks"])
@@ -387,7 +391,7 @@ def generate_reference(wildcards):
     """The baseline policy's output of the same task: other policies' agreement is measured
     against it (the baseline itself, or a run without the baseline, has none)."""
     baseline = config["analysis"]["baseline"]
-    if wildcards.policy == baseline or baseline not in GENERATE_POLICIES:
+    if wildcards.policy == baseline or baseline not in TASK_POLICIES[wildcards.task]:
         return []
     return [
         f"results/{wildcards.model}/generate/{wildcards.task}/{baseline}/{wildcards.size}.parquet"
@@ -399,7 +403,7 @@ def generate_params(wildcards):
     task = {
         k: v
         for k, v in config["generate"]["tasks"][wildcards.task].items()
-        if k != "path"
+        if k not in ("path", "policies")
     }
     shared = section("generate", exclude=["tasks", "policies", "sizes"])
     # the evaluation text (a task reading held-out text, the continuation, takes it from here)
@@ -578,13 +582,17 @@ def bench_outputs():
 
 
 def generate_outputs():
-    return expand(
-        "results/{model}/generate/{task}/{policy}/{size}.parquet",
-        model=CAPTURED_MODELS,
-        task=TASKS,
-        policy=GENERATE_POLICIES,
-        size=STAGE_SIZES["generate"],
-    )
+    return [
+        path
+        for task, policies in TASK_POLICIES.items()
+        for path in expand(
+            "results/{model}/generate/{task}/{policy}/{size}.parquet",
+            model=CAPTURED_MODELS,
+            task=task,
+            policy=policies,
+            size=STAGE_SIZES["generate"],
+        )
+    ]
 
 
 def analysis_inputs():

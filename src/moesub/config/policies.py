@@ -32,12 +32,6 @@ ONLINE_STAGES = {
     "engine": ("engine",),
     "engine_bench": ("engine", "bench"),
 }
-# Stages that run the offloading engine (stage -> its config keys): one slot count per layer.
-ENGINE_STAGES = {
-    "engine": ("engine",),
-    "engine_bench": ("engine", "bench"),
-    "generate": ("generate",),
-}
 
 
 def policy_spec(policy: Policy, layout: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -209,12 +203,12 @@ def stage_policies(
     """The policy names each stage runs, checked against the expanded policies.
 
     `engine` and `engine_bench` may also list `all_resident`; `engine_bench` is None when its
-    list is null (the library's own study set). `analysis.baseline` must be a policy. A null
+    list is null (the library's own study set); `generate.tasks.<task>` is a task's own list
+    where it has one (else it runs generate's). `analysis.baseline` must be a policy. A null
     list of an online stage (`ONLINE_STAGES`) leaves the offline (belady) policies out; listing
-    one there is an error. So for planned policies (`allocation: planned`) in the engine's
-    stages (`ENGINE_STAGES`: the engine, its benchmark, generation on the engine backend): the
-    engine has one slot count for every layer (per-layer counts are not in it yet). Warns
-    (UserWarning) for every emulated admission policy without its exact twin.
+    one there is an error. Planned policies (`allocation: planned`) are an error in
+    `engine.bench.policies` (its caches are uniform). Warns (UserWarning) for every emulated
+    admission policy without its exact twin.
     """
 
     def names(*keys: str) -> list[str] | None:
@@ -227,6 +221,16 @@ def stage_policies(
         stage: policy_subset(policies, names(stage, "policies"), f"{stage}.policies")
         for stage in ("simulate", "emulate", "generate")
     }
+    # a generation task may run its own list (the continuation, which measures degeneration,
+    # adds the runtimes' designs); key "generate.tasks.<task>", absent = generate's list
+    task_keys = {}
+    for task, spec in (names("generate", "tasks") or {}).items():
+        if (spec or {}).get("policies") is not None:
+            where = ("generate", "tasks", task)
+            out[".".join(where)] = policy_subset(
+                policies, spec["policies"], ".".join(where) + ".policies"
+            )
+            task_keys[".".join(where)] = where
     out["engine"] = policy_subset(
         policies, names("engine", "policies"), "engine.policies", extra=(ALL_RESIDENT,)
     )
@@ -236,7 +240,7 @@ def stage_policies(
         if bench is None
         else policy_subset(policies, bench, "engine.bench.policies", extra=(ALL_RESIDENT,))
     )
-    for stage, keys in ONLINE_STAGES.items():
+    for stage, keys in {**ONLINE_STAGES, **task_keys}.items():
         offline = [n for n in out[stage] or [] if n in policies and is_offline(policies[n])]
         if offline and names(*keys, "policies") is not None:
             raise ValueError(
@@ -245,20 +249,15 @@ def stage_policies(
             )
         if out[stage] is not None:
             out[stage] = [n for n in out[stage] if n not in offline]
-    backend = (config.get("generate") or {}).get("backend", "engine")
-    for stage, keys in ENGINE_STAGES.items():
-        if stage == "generate" and backend != "engine":
-            continue
-        planned = [n for n in out[stage] or [] if n in policies and is_planned(policies[n])]
-        if planned and names(*keys, "policies") is not None:
-            raise ValueError(
-                f"{'.'.join(keys)}.policies: {planned} have planned per-layer slot counts, which "
-                "the engine does not run yet (one slot count for every layer); list them under "
-                "simulate and emulate"
-                + (" (or set generate.backend: emulator)" if stage == "generate" else "")
-            )
-        if out[stage] is not None:
-            out[stage] = [n for n in out[stage] if n not in planned]
+    # the engine bench lays out its own synthetic-size caches, uniform (a planned layout is
+    # planned on a model's calibration capture, which the bench's geometry has none of)
+    planned = [n for n in out["engine_bench"] or [] if n in policies and is_planned(policies[n])]
+    if planned:
+        raise ValueError(
+            f"engine.bench.policies: {planned} have planned per-layer slot counts, planned on a "
+            "model's calibration capture; the benchmark's caches are uniform: list them under "
+            "engine.policies (the pipeline's engine runs planned layouts)"
+        )
     baseline = names("analysis", "baseline")
     if baseline is not None:
         policy_subset(policies, [baseline], "analysis.baseline")

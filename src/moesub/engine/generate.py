@@ -117,13 +117,13 @@ class EngineModel:
     def __init__(self, model_dir: str | os.PathLike, spec: EngineSpec) -> None:
         self.spec = spec
         self.setup = build_engine_model(
-            model_dir, str(spec.device), spec.opts, spec.capacity, measure_bandwidth=True,
+            model_dir, str(spec.device), spec.opts, spec.slots, measure_bandwidth=True,
             prefetch=spec.policy.prefetch,
         )  # fmt: skip
         info = self.setup.info
         try:
             self.engine = OffloadEngine(
-                self.setup.tier, info.num_experts, info.top_k, spec.capacity, spec.policy,
+                self.setup.tier, info.num_experts, info.top_k, spec.slots, spec.policy,
                 spec.initial, self.setup.act, admission=spec.opts.admission,
             )  # fmt: skip
         except BaseException:

@@ -79,7 +79,9 @@ class EngineSpec:
     policy: Policy
     policy_meta: dict[str, Any]  # the policy as given (artefact metadata)
     size: CacheSize  # the cache size (C = E for all_resident)
-    initial: np.ndarray  # int32 (L, C) resident set every stream / prompt starts from
+    # the resident set every stream / prompt starts from: int32 (L, C), or L 1-D arrays of
+    # lengths C_l (a planned layout: per-layer slot counts, sum C_l = L x C)
+    initial: np.ndarray | tuple[np.ndarray, ...]
     device: torch.device
     opts: EngineParams
     info: Any  # moesub.models.MoEInfo
@@ -92,6 +94,13 @@ class EngineSpec:
     @property
     def capacity(self) -> int:
         return self.size.capacity
+
+    @property
+    def slots(self) -> int | tuple[int, ...]:
+        """The tier's slots: C for every layer, or C_l per layer (a planned layout)."""
+        if isinstance(self.initial, np.ndarray):
+            return self.size.capacity
+        return tuple(len(layer) for layer in self.initial)
 
 
 def resolve_engine(
@@ -109,10 +118,9 @@ def resolve_engine(
     `all_resident`), the cache size (a resolved size or a fraction) against the checkpoint's E
     and k, the engine options, the device, and the initial resident set: the layout from the
     expert ranking at `ranking_path` (`moesub.artefacts.layout_for`: the policy's pins), else
-    `initial` (L, C), or experts 0..C-1 when both are None (as `moesub.emulate`).
-
-    The engine holds one slot count for every layer: a layout with per-layer capacities
-    (`allocation: planned`) is an error here until the engine takes per-layer slot counts."""
+    `initial` (L, C), or experts 0..C-1 when both are None (as `moesub.emulate`). A layout
+    with per-layer capacities (`allocation: planned`, from `allocation_path`) gives the tier
+    C_l slots at layer l and `initial` as L arrays."""
     from moesub.artefacts import layout_for
     from moesub.models import check_checkpoint
     from moesub.policy import check_capacity, check_initial
@@ -135,14 +143,9 @@ def resolve_engine(
         require_file(ranking_path, "ranking_path")
         spec = policy.to_dict() if isinstance(policy, Policy) else dict(policy or {})
         built = layout_for(ranking_path, size, spec, k, L, E, allocation_path)
-        if not built.uniform:
-            raise NotImplementedError(
-                f"engine: policy {name!r} has per-layer slot counts {list(built.capacities)} "
-                "(allocation: planned); the engine holds one slot count for every layer, so it "
-                "does not run planned layouts yet (simulate and emulate do)"
-            )
         pol = policy_from_dict(built.policy(spec))
-        size, initial, layout = built.size, built.initial_array(), built.to_dict()
+        initial = built.initial_array() if built.uniform else tuple(built.initial)
+        size, layout = built.size, built.to_dict()
     else:
         pol = policy_from_dict(policy)
         size = CacheSize.of(size, E)

@@ -81,9 +81,9 @@ def run_engine(
     `contended`: `moesub.engine.contention`).
     `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
     Each stream starts from fresh caches holding the layout's initial sets (the expert
-    ranking's prefixes, as in emulate; `moesub.engine.spec.resolve_engine`: a planned layout is
-    not run yet). Every input is checked before decoding; the output is written atomically at
-    the end.
+    ranking's prefixes, as in emulate; a planned layout's C_l slots per layer,
+    `moesub.engine.spec.resolve_engine`). Every input is checked before decoding; the output is
+    written atomically at the end.
     """
     from moesub.artefacts import check_token_table, iter_streams
     from moesub.policy import CORE_BUILD_ID

@@ -241,7 +241,7 @@ def run_generate(
 
     `policy`: the config's policy dict; `size`: a resolved cache size or a fraction; the caches'
     layout comes from the expert ranking at `ranking_path` (and a planned policy's
-    `allocation_path`; the engine backend does not run a planned layout yet).
+    `allocation_path`), on the engine backend as on the emulator.
 
     `data_path`: GSM8K JSONL; HumanEval JSONL(.gz) or None (the bundled copy); code completion:
     a corpus_files.parquet or None (the model's own). When the data is missing, an empty table
