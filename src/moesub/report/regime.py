@@ -155,6 +155,56 @@ def designs_table(out: AnalysisOutputs) -> Table:
     return make_table("regime-designs", records, cols)
 
 
+SIDES = ("planned", "uniform")
+
+
+def allocation_table(out: AnalysisOutputs) -> Table:
+    """Per model, planned policy and fraction (moesub.stats.allocation): slots, emulated hit
+    rates and Δppl of planned and uniform, the paired Δppl difference with its CI and p, and the
+    simulated time ratio planned / uniform on the study's profile and over the priced ones."""
+    alloc = out.table("allocation")
+    if alloc.empty or "diff_dppl_pct" not in alloc.columns:
+        return make_table("allocation-table", [], [])
+
+    def both(col: str, label: str, fmt: str) -> Col:
+        return Col(
+            f"{label} (planned / uniform)",
+            lambda r: " / ".join(num(r.get(f"{side}_{col}"), fmt) for side in SIDES),
+            False,
+        )
+
+    def ratios(r: Row) -> str:
+        lo, hi = r.get("time_ratio_min"), r.get("time_ratio_max")
+        study = num(r.get("time_ratio_study"), "{:.3f}")
+        return f"{study} ({num(lo, '{:.3f}')}–{num(hi, '{:.3f}')} over {r.get('n_profiles')})"
+
+    cols = [
+        Col("model", text("model"), False),
+        Col("planned", text("planned"), False),
+        Col("uniform", text("uniform"), False),
+        Col("fraction", lambda r: num(r.get("fraction"), "{:g}")),
+        Col(
+            "slots per layer (planned / uniform)",
+            lambda r: f"{r.get('planned_slots') or '—'} / {r.get('uniform_slots') or '—'}",
+            False,
+        ),
+        both("hit_rate", "hit rate", "{:.3f}"),
+        both("dppl_pct", "Δppl %", "{:+.2f}"),
+        Col(
+            "Δppl planned − uniform, pts [95% CI]",
+            lambda r: (
+                f"{num(r.get('diff_dppl_pct'), '{:+.2f}')} "
+                f"[{num(r.get('diff_ci_lo'), '{:+.2f}')}, {num(r.get('diff_ci_hi'), '{:+.2f}')}]"
+            ),
+        ),
+        Col("p (two-sided)", lambda r: num(r.get("diff_p"), "{:.3g}")),
+        Col("MDE, pts", lambda r: num(r.get("diff_mde"), "{:.2f}")),
+        Col("simulated time planned / uniform: study profile (range)", ratios),
+    ]
+    records = out.by_model(alloc, "planned", "fraction").to_dict("records")
+    return make_table("allocation-table", records, cols)
+
+
 def regime_design_lines(out: AnalysisOutputs) -> list[str]:
     """One sentence per design and size: its gain over its counterpart on the evaluation trace
     and under the real model's skew."""

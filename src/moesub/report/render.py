@@ -45,6 +45,7 @@ from moesub.report.recommendation import (
     study_lines,
 )
 from moesub.report.regime import (
+    allocation_table,
     designs_table,
     regime_design_lines,
     regime_table,
@@ -170,6 +171,7 @@ def render_report(
         "skew": skew_table(out),
         "regime_designs": designs_table(out),
         "regime_design_lines": regime_design_lines(out),
+        "allocation": allocation_table(out),
         "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
         "sim_vs_engine_rows": sim_vs_engine_table(out),
         "concurrency": concurrency_table(out),

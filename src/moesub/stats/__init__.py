@@ -24,6 +24,8 @@ atomically (`moesub.io`), into `out_dir`:
   `expb_factorial_streams.parquet`: per (cell, stream);
 - `admission.parquet`: per (policy, fraction, segment, bin of tokens since the document start):
   ΔNLL vs the exact twin with CI and bias;
+- `allocation.parquet`: per (planned policy, fraction): its slots, hit rate and Δppl beside its
+  uniform counterpart's, the paired Δppl difference with CI and p, the simulated time ratio;
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
 - `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;
 - `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;

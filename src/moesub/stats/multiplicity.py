@@ -54,6 +54,7 @@ FAMILY = {
     "per_input": EXPLORATORY,  # r(mass, ΔNLL) across streams or documents, per policy
     "generation_accuracy": EXPLORATORY,  # accuracy vs the baseline (McNemar)
     "generation_agreement": EXPLORATORY,  # r(mass, agreement) across problems
+    "allocation": EXPLORATORY,  # Δppl planned − uniform per-layer slots (same total)
     "degeneration": EXPLORATORY,  # a continuation's repetition / loops vs the baseline's
 }
 SUPPORTS = "supports"

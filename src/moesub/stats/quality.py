@@ -144,6 +144,33 @@ def policy_quality(g: pd.DataFrame, name: str, frac: float, p: AnalysisParams) -
     }
 
 
+def paired_dppl_difference(
+    g: pd.DataFrame, a: str, b: str, p: AnalysisParams, *rng_keys: Any
+) -> tuple[Interval, int] | None:
+    """Δppl % of `a` − Δppl % of `b` (percentage points) at one fraction from its per-stream
+    sums `g`, both from the same stream resamples (paired), with its BCa interval and the
+    number of streams; None where either has no run against a baseline."""
+    g = g[g["name"].isin((a, b))]
+    sums = g.pivot_table(index="name", columns="stream", values=["sum_dnll", "n_nll"],
+                         aggfunc="sum").fillna(0.0)  # fmt: skip
+    if set(sums.index) != {a, b} or not (sums["n_nll"].sum(axis=1) > 0).all():
+        return None
+    dnll = sums["sum_dnll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
+    n = sums["n_nll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
+
+    pair = ratio_stat(dnll, n, dppl_pct)  # (R, S) -> (R, 2) Δppl of a and b
+
+    (iv,) = stream_bootstrap(
+        lambda w: np.subtract(*pair(w).T),
+        len(dnll),
+        p.n_boot,
+        rng_for(p.seed, *rng_keys),
+        p.ci_level,
+        null=0.0,
+    )
+    return iv, len(dnll)
+
+
 def rule_contrast(per_stream: pd.DataFrame, p: AnalysisParams) -> list[StatTest]:
     """Δppl(substitute_all) − Δppl(rule_015) per fraction (module doc) from the per-stream sums
     `per_stream` (`Quality.streams`); no test where either did not run against a baseline."""
@@ -152,25 +179,10 @@ def rule_contrast(per_stream: pd.DataFrame, p: AnalysisParams) -> list[StatTest]
     a, b = RULE_CONTRAST
     tests = []
     for frac, g in per_stream.groupby("fraction", sort=True):
-        g = g[g["name"].isin(RULE_CONTRAST)]
-        sums = g.pivot_table(index="name", columns="stream", values=["sum_dnll", "n_nll"],
-                             aggfunc="sum").fillna(0.0)  # fmt: skip
-        if set(sums.index) != {a, b} or not (sums["n_nll"].sum(axis=1) > 0).all():
+        found = paired_dppl_difference(g, a, b, p, "quality", "rule_contrast", frac)
+        if found is None:
             continue
-        dnll = sums["sum_dnll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
-        n = sums["n_nll"].loc[[a, b]].to_numpy(float).T  # (S, 2)
-
-        pair = ratio_stat(dnll, n, dppl_pct)  # (R, S) -> (R, 2) Δppl of a and b
-
-        rng = rng_for(p.seed, "quality", "rule_contrast", frac)
-        (iv,) = stream_bootstrap(
-            lambda w, pair=pair: np.subtract(*pair(w).T),
-            len(dnll),
-            p.n_boot,
-            rng,
-            p.ci_level,
-            null=0.0,
-        )
+        iv, n_streams = found
         tests.append(
             StatTest(
                 kind="dppl_contrast",
@@ -183,7 +195,7 @@ def rule_contrast(per_stream: pd.DataFrame, p: AnalysisParams) -> list[StatTest]
                 **from_interval(iv),
                 mde=normal_mde(iv.se, p.alpha, p.power),
                 min_p=1.0 / p.n_boot,
-                n_units=len(dnll),
+                n_units=n_streams,
             )
         )
     return tests

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from moesub.io import write_json
 from moesub.stats.admission import admission
+from moesub.stats.allocation import allocation
 from moesub.stats.claims import claims
 from moesub.stats.degeneration import degeneration
 from moesub.stats.design import design_space
@@ -68,6 +69,7 @@ OUTPUT_FILES = (
     "expb_factorial_cells",
     "expb_factorial_streams",
     "admission",
+    "allocation",
     "speed_quality",
     "sim_vs_engine",
     "priced",
@@ -135,6 +137,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
     sve = sim_vs_engine(eng.table, sim.total, prices)
+    alloc = allocation(qual.streams, qual.table, prices, infos["emulate"], p)
     reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)
     tests = family_table(
@@ -144,6 +147,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             *exp.tests,
             *fac.tests,
             *adm.tests,
+            *alloc.tests,
             *units.tests,
             *gen.tests,
             *degen.tests,
@@ -163,6 +167,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "expb_factorial_cells": fac.cells,
             "expb_factorial_streams": fac.streams,
             "admission": adm.table,
+            "allocation": alloc.table,
             "speed_quality": speed.table,
             "sim_vs_engine": sve.table,
             "priced": prices,
@@ -194,6 +199,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
             "expb": exp.status,
             "expb_factorial": fac.status,
             "admission": adm.status,
+            "allocation": alloc.status,
             "simulate": sim.status,
             "design_space": space.status,
             "engine": eng.status,
