@@ -28,6 +28,7 @@ import yaml
 
 from moesub import config as mcfg
 from moesub.hardware import PROFILES, THIS_MACHINE
+from moesub.io import read_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "config.yaml", "workflow", "profiles", "envs", "data",
@@ -673,7 +674,7 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
 def test_task_policies_and_planned_against_uniform(full_run):
     """A task's own policy list runs only for that task, and a lossless pinned design decodes
     token for token what fetch_every_miss decodes; the planned lossless policy's paired Δppl
-    difference from its uniform counterpart is exactly 0."""
+    difference from its uniform counterpart is exactly 0, and the engine ran its layout."""
     gen = full_run / "results" / "embedded" / "generate"
     assert (gen / "continuation" / "fitz_tec_pins" / "f0.25.parquet").is_file()
     assert not (gen / "gsm8k" / "fitz_tec_pins").exists()
@@ -687,6 +688,11 @@ def test_task_policies_and_planned_against_uniform(full_run):
     assert (row["planned"], row["uniform"]) == ("fetch_every_miss_planned", "fetch_every_miss")
     assert row["diff_dppl_pct"] == 0.0 and row["planned_slots"] != row["uniform_slots"]
     assert 'id="allocation-table"' in (full_run / "results" / "report.html").read_text()
+    # the engine ran the planned layout: its per-layer slots, as emulate's
+    engine = read_metadata(
+        full_run / "results/embedded/engine/cpu/fetch_every_miss_planned/f0.25.parquet"
+    )
+    assert "/".join(map(str, engine["layout"]["capacities"])) == row["planned_slots"]
 
 
 @pytest.mark.slow
