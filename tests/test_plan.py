@@ -26,6 +26,7 @@ from moesub.plan import (
     run_plan,
     write_plan,
 )
+from moesub.report.recommendation import plans_table
 from moesub.synthetic import synthetic_logits
 from moesub.traces import read_pin_list
 
@@ -93,6 +94,10 @@ def test_plan_round_trip_from_the_pipeline_artefacts(tmp_path, model):
     pins = read_pin_list(pins_path(out))
     assert (pins.num_layers, pins.num_experts) == (4, E)
     assert pins.layers == ((),) * 4  # rule_015 pins nothing
+    # the report lists the plan (read back) beside the recommendation
+    (row,) = plans_table([str(out)]).rows
+    assert row[:4] == ["tiny", "this_machine", "f0.25", "rule_015 (within budget)"]
+    assert row[4] == f"{C} × {L} layers / none pinned"
 
 
 def test_pins_read_back_by_moesub_and_written_as_fitz_tec_writes_them(tmp_path, model):

@@ -687,7 +687,8 @@ def test_task_policies_and_planned_against_uniform(full_run):
     (row,) = alloc.to_dict("records")
     assert (row["planned"], row["uniform"]) == ("fetch_every_miss_planned", "fetch_every_miss")
     assert row["diff_dppl_pct"] == 0.0 and row["planned_slots"] != row["uniform_slots"]
-    assert 'id="allocation-table"' in (full_run / "results" / "report.html").read_text()
+    html = (full_run / "results" / "report.html").read_text()
+    assert 'id="allocation-table"' in html and 'id="plans-table"' in html
     # the engine ran the planned layout: its per-layer slots, as emulate's
     engine = read_metadata(
         full_run / "results/embedded/engine/cpu/fetch_every_miss_planned/f0.25.parquet"

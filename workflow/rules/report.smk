@@ -1,11 +1,12 @@
-# Stage 8 (report): results/report.html, self-contained, from the analysis outputs and the
-# recommendations only (it opens with the recommendations).
+# Stage 8 (report): results/report.html, self-contained, from the analysis outputs, the
+# recommendations (it opens with them) and the plans that carry them to a runtime.
 
 
 rule report:
     input:
         analysis=rules.analysis.output,
         recommendations=expand(rules.recommend.output[0], model=MODELS),
+        plans=plans(),
     output:
         html="results/report.html",
         figures=report(

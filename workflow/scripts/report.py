@@ -1,5 +1,5 @@
-"""Rule report: results/report.html from the analysis outputs and the recommendations
-(moesub.report.render_report)."""
+"""Rule report: results/report.html from the analysis outputs, the recommendations and the
+plans (moesub.report.render_report)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
 import os
@@ -19,4 +19,5 @@ render_report(
     snakemake.output.html,
     fig_dir=snakemake.output.figures,
     recommendations=list(snakemake.input.recommendations),
+    plans=list(snakemake.input.plans),
 )

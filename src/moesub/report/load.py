@@ -159,6 +159,23 @@ def load_recommendations(paths: Iterable[str | os.PathLike]) -> list[dict[str, A
     return docs
 
 
+PLAN_KEYS = ("model", "hardware", "size", "choice", "policy_name", "layers", "pins_file")
+
+
+def load_plans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
+    """The plan stage's documents (results/{model}/plan/{hardware}/{size}.json, docs/plan.md),
+    in the given order; a missing file or one without a plan's keys is an error naming it."""
+    docs = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(f"plan {str(path)!r} is missing (rule plan)")
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not set(PLAN_KEYS) <= set(doc):
+            raise ValueError(f"{path}: not a plan (needs keys {', '.join(PLAN_KEYS)})")
+        docs.append(doc)
+    return docs
+
+
 # columns a figure cannot do without; an analysis that lacks one gets a message, not a crash
 NEEDS: dict[str, tuple[str, ...]] = {
     "mass_vs_dppl": ("group", "policy", "dppl_pct"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moesub.report.load import finite, unique
+from moesub.report.load import finite, load_plans, unique
 from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct
 
 Doc = dict[str, Any]
@@ -240,3 +240,34 @@ def study_lines(docs: list[Doc], models: list[str] | None = None) -> list[str]:
                 f"{1e6 * s['fast_path_s']:.3g} µs on the fast tier (mean counts)."
             )
     return lines
+
+
+def plans_table(paths: list[str]) -> Table:
+    """One row per plan the pipeline wrote (results/{model}/plan/{hardware}/{size}.json,
+    docs/plan.md; `moesub.plan.read_plan` checks them where they are written): what a runtime
+    loads for that hardware and size."""
+    records = []
+    for path, doc in zip(paths, load_plans(paths), strict=True):
+        slots = [lp["slots"] for lp in doc["layers"]]
+        pins = [len(lp["pinned"]) for lp in doc["layers"]]
+        records.append(
+            {
+                "model": doc["model"]["name"],
+                "hardware": doc["hardware"],
+                "size": doc["size"]["label"],
+                "policy": f"{doc['policy_name']} ({doc['choice'].replace('_', ' ')})",
+                "layout": layout({"slots_per_layer": slots, "pins_per_layer": pins}),
+                "tokens_per_s": (doc.get("predicted") or {}).get("tokens_per_s"),
+                "files": f"{path}, {doc['pins_file']}",
+            }
+        )
+    cols = [
+        Col("model", lambda r: str(r["model"]), False),
+        Col("hardware", lambda r: str(r["hardware"]), False),
+        Col("size", lambda r: str(r["size"]), False),
+        Col("policy (the recommendation's choice)", lambda r: str(r["policy"]), False),
+        Col("slots / pinned per layer", lambda r: str(r["layout"]), False),
+        Col("predicted tok/s", lambda r: num(r.get("tokens_per_s"), "{:.0f}")),
+        Col("plan and pin list", lambda r: str(r["files"]), False),
+    ]
+    return make_table("plans-table", records, cols)

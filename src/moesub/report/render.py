@@ -40,6 +40,7 @@ from moesub.report.load import (
 from moesub.report.plotting import FigureData
 from moesub.report.pricing import concurrency_table, sim_vs_engine_table
 from moesub.report.recommendation import (
+    plans_table,
     recommendation_lines,
     recommendation_table,
     study_lines,
@@ -97,9 +98,11 @@ def render_report(
     out_html: str | os.PathLike,
     fig_dir: str | os.PathLike | None = None,
     recommendations: Sequence[str | os.PathLike] = (),
+    plans: Sequence[str | os.PathLike] = (),
 ) -> Path:
     """Render the report from the analysis outputs in `analysis_dir` and the recommend stage's
-    `recommendations` (results/{model}/recommendation.json; the report opens with them).
+    `recommendations` (results/{model}/recommendation.json; the report opens with them) and
+    `plans` (results/{model}/plan/{hardware}/{size}.json, listed beside them).
 
     `params`: the configuration shown in the report (`params["machine"]`, if given, describes the
     machine the measurements ran on). Figures also go to `fig_dir` (default `<out_html's
@@ -136,6 +139,7 @@ def render_report(
         "ci": ci_label(out.ci_level),
         "baseline": out.baseline,
         "recommendation": recommendation_table(recommended, ci_label(out.ci_level), out.models),
+        "plans": plans_table([str(p) for p in plans]),
         "recommendation_lines": recommendation_lines(
             recommended, ci_label(out.ci_level), out.models
         ),
