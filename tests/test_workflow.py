@@ -386,7 +386,9 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
     cfg["models"] = {"embedded": {"embedded": True}}  # the trace model's jobs mirror these
     cfg["sweeps"] = {"allocation": ["rule_015"]}
     cfg["emulate"]["sizes"] = [0.25, "3GiB"]
-    cfg["engine"]["policies"].append("rule_015_planned")  # the engine runs per-layer slots
+    # the engine runs per-layer slots (the test configuration's planned policy is swept out)
+    cfg["engine"]["policies"].remove("fetch_every_miss_planned")
+    cfg["engine"]["policies"].append("rule_015_planned")
     (wf / "planned.yaml").write_text(yaml.safe_dump(cfg))
     run = snakemake(wf, "--dry-run", "--configfile", "planned.yaml")
     assert run.returncode == 0, run.stdout[-3000:]
@@ -552,7 +554,7 @@ BAD_CONFIGS = {
     ),
     "planned_on_the_bench": (
         lambda c: (
-            c.update(sweeps={"allocation": ["rule_015"]})
+            c["sweeps"]["allocation"].append("rule_015")
             or c["engine"]["bench"]["policies"].append("rule_015_planned")
         ),
         "engine.bench.policies: ['rule_015_planned'] have planned per-layer slot counts",
