@@ -145,35 +145,31 @@ def disabled_parts(config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def load_recommendations(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
-    """The recommend stage's documents (results/{model}/recommendation.json), in the given
-    order; a missing file or one without `model` and `rankings` is an error naming it."""
+def load_documents(
+    paths: Iterable[str | os.PathLike], what: str, rule: str, keys: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Another stage's JSON documents in the given order; a missing file, or one without
+    `keys`, is an error naming it, `what` it should be and the `rule` that writes it."""
     docs = []
     for path in map(Path, paths):
         if not path.is_file():
-            raise FileNotFoundError(f"recommendation {str(path)!r} is missing (rule recommend)")
+            raise FileNotFoundError(f"{what} {str(path)!r} is missing (rule {rule})")
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or not {"model", "rankings"} <= set(doc):
-            raise ValueError(f"{path}: not a recommendation (needs keys model and rankings)")
+        if not isinstance(doc, dict) or not set(keys) <= set(doc):
+            raise ValueError(f"{path}: not a {what} (needs keys {', '.join(keys)})")
         docs.append(doc)
     return docs
 
 
-PLAN_KEYS = ("model", "hardware", "size", "choice", "policy_name", "layers", "pins_file")
+def load_recommendations(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
+    """The recommend stage's documents (results/{model}/recommendation.json)."""
+    return load_documents(paths, "recommendation", "recommend", ("model", "rankings"))
 
 
 def load_plans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
-    """The plan stage's documents (results/{model}/plan/{hardware}/{size}.json, docs/plan.md),
-    in the given order; a missing file or one without a plan's keys is an error naming it."""
-    docs = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise FileNotFoundError(f"plan {str(path)!r} is missing (rule plan)")
-        doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or not set(PLAN_KEYS) <= set(doc):
-            raise ValueError(f"{path}: not a plan (needs keys {', '.join(PLAN_KEYS)})")
-        docs.append(doc)
-    return docs
+    """The plan stage's documents (results/{model}/plan/{hardware}/{size}.json, docs/plan.md)."""
+    keys = ("model", "hardware", "size", "choice", "policy_name", "layers", "pins_file")
+    return load_documents(paths, "plan", "plan", keys)
 
 
 # columns a figure cannot do without; an analysis that lacks one gets a message, not a crash

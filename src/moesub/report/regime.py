@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moesub.report.load import AnalysisOutputs, finite, regime_wide
-from moesub.report.tables import Col, Row, Table, make_table, num, pct, text
+from moesub.report.load import AnalysisOutputs, ci_label, finite, regime_wide
+from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct, text
 
 
 def regime_table(out: AnalysisOutputs) -> Table:
@@ -191,10 +191,10 @@ def allocation_table(out: AnalysisOutputs) -> Table:
         both("hit_rate", "hit rate", "{:.3f}"),
         both("dppl_pct", "Δppl %", "{:+.2f}"),
         Col(
-            "Δppl planned − uniform, pts [95% CI]",
+            f"Δppl planned − uniform, pts [{ci_label(out.ci_level)}]",
             lambda r: (
                 f"{num(r.get('diff_dppl_pct'), '{:+.2f}')} "
-                f"[{num(r.get('diff_ci_lo'), '{:+.2f}')}, {num(r.get('diff_ci_hi'), '{:+.2f}')}]"
+                + interval(r.get("diff_ci_lo"), r.get("diff_ci_hi"), "{:+.2f}")
             ),
         ),
         Col("p (two-sided)", lambda r: num(r.get("diff_p"), "{:.3g}")),
