@@ -78,16 +78,23 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       p[kLinkWait] += sync_start - decided;
       p[kSyncCopy] += copies;
       p[kFastCompute] += experts;
-      // the host path: beside the fast path from the decision on, or after it
+      // the host path: beside the fast path from the decision on, or after it; where the host
+      // reads its experts over the link, its reads queue behind every copy queued so far
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
+      const int64_t n_host = c[kHost];
+      const double host_start = u.host_reads_link && n_host ? enqueue(decided, n_host) : decided;
       if (u.concurrent_host) {
-        const double end = std::max(fast_end, decided + host);
+        const double end = std::max(fast_end, host_start + host);
         p[kHostExposed] += end - fast_end;
-        p[kHiddenHost] += host - (end - fast_end);
+        p[kHiddenHost] += std::min(host, std::max(0.0, fast_end - host_start));
         clock = end;
       } else {
+        // one processor: the host's experts follow the fast path's, after the background
+        // copies their reads queued behind (the synchronous ones are on the fast path already)
+        const double behind = std::max(0.0, host_start - (sync_start + copies));
+        p[kLinkWait] += behind;
         p[kHostExposed] += host;
-        clock = fast_end + host;
+        clock = fast_end + behind + host;
       }
     }
     token_s[t] = clock - begin;

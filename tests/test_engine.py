@@ -424,8 +424,12 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     assert all(v >= 0 for v in cal["unit_costs"].values())
     assert 0 < cal["cpu_share"] <= 1 and isinstance(cal["contended"], bool)
     profile = this_machine(out)  # the profile the price stage reads
-    assert (profile.source, profile.concurrent_host) == ("measured", False)
+    # one processor; the disk tier's host computes from fresh disk reads, over the copies' link
+    assert (profile.source, profile.concurrent_host, profile.host_reads_link) == (
+        "measured", False, True,
+    )  # fmt: skip
     u = profile.price(ModelBytes(cal["expert_bytes"]))
+    assert u.host_reads_link
     for key, seconds in cal["unit_costs"].items():
         assert getattr(u, key) == pytest.approx(seconds, rel=1e-9), key
     with pytest.raises(ValueError, match="calibrate_rounds=0"):

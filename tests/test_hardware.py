@@ -91,6 +91,7 @@ def test_from_dict_round_trip_and_named_errors():
         ({"host_core_Bps": None}, r"hardware\.mine: .*host_cores and host_core_Bps together"),
         ({"source": "guess"}, r"hardware\.mine\.source='guess'"),
         ({"concurrent_host": "yes"}, r"hardware\.mine\.concurrent_host='yes'"),
+        ({"host_reads_link": 1}, r"hardware\.mine\.host_reads_link=1 must be a bool"),
         ({"description": 3}, r"hardware\.mine\.description: expected a string"),
     ]
     for change, message in cases:
@@ -131,6 +132,10 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
         u = p.price(ModelBytes(expert_bytes=98_304.0))
         for key, seconds in SECONDS.items():
             assert getattr(u, key) == pytest.approx(seconds, rel=1e-12), key
+    assert not (profile.host_reads_link or u.host_reads_link)  # the default: the host's memory
+    disk = measured_profile(SECONDS, 98_304.0, "a disk tier", host_reads_link=True)
+    assert this_machine({"profile": disk.to_dict()}) == disk
+    assert disk.price(ModelBytes(expert_bytes=98_304.0)).host_reads_link
     # per-expert times scale with the expert's bytes; a term measured as 0 stays free
     free = measured_profile({**SECONDS, "install_s": 0.0}, 98_304.0, "free installs")
     u = free.price(ModelBytes(2 * 98_304.0))

@@ -3,6 +3,8 @@ the Python reference bit for bit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -156,6 +158,48 @@ def test_other_integer_dtypes_are_priced_alike():
     assert a.token_s.tolist() == b.token_s.tolist()
 
 
+# a host that computes from its own reads over the link (the disk tier), uploading what it
+# computed (llama.cpp PR #27861's --moe-expert-cache-inserts): one layer, delay 1
+HOST_UPLOADS = np.array(
+    [
+        [token_layer(hit=8, host=2, admission_requests=2)],  # token 0: 2 uploads requested
+        [token_layer(hit=8, host=2, admissions=2)],  # token 1: they land
+    ],
+    dtype=np.int32,
+)
+
+
+@pytest.mark.parametrize("price", PRICERS)
+@pytest.mark.parametrize(
+    ("concurrent", "token_s", "link_wait", "host_exposed", "hidden"),
+    [(False, [1405.0, 809.0], 600.0, 1400.0, 0.0), (True, [1325.0, 729.0], 0.0, 1840.0, 80.0)],
+)
+def test_host_reads_queue_behind_background_copies(
+    price, concurrent, token_s, link_wait, host_exposed, hidden
+):
+    """copy 300, expert 10, host expert 350 (its read included), dense 20, overhead 5, install 2;
+    the host reads over the link.
+
+    token 0: overhead -> 5, dense -> 25; the decision at 25 queues the 2 uploads (link
+      25-625), then the host's 2 reads behind them (link 625-1225): the host starts at 625.
+      Fast path 25 + 8 x 10 = 105.
+      one processor: the host follows the fast path after the 600 its reads waited beyond it:
+        105 + 600 + 2 x 350 = 1405.
+      concurrent: max(105, 625 + 700) = 1325, nothing hidden (the host starts after 105).
+    token 1: overhead, dense, the uploads landed at 625 (no wait), 2 installs: decision at
+      start + 29; the link is free (1225 is earlier), so the host starts at the decision.
+      one processor: 29 + 80 + 700 = 809. concurrent: 29 + 700 = 729; 80 hidden.
+    Without the link the host starts at the decision: token 0 would be 805 (one processor)."""
+    u = replace(units(concurrent), host_expert_s=350.0, host_reads_link=True)
+    r = price(HOST_UPLOADS, 1, u)
+    assert r.token_s.tolist() == token_s
+    assert (r.parts["link_wait"], r.parts["host_exposed"]) == (link_wait, host_exposed)
+    assert r.hidden_host_s == hidden
+    assert sum(r.parts.values()) == r.token_s.sum()
+    own_memory = price(HOST_UPLOADS, 1, replace(u, host_reads_link=False))
+    assert own_memory.token_s.tolist() == ([805.0, 809.0] if not concurrent else [725.0, 729.0])
+
+
 seconds = st.floats(0.0, 1e-3, allow_nan=False, allow_infinity=False)
 
 
@@ -164,7 +208,11 @@ def priced_streams(draw):
     T, L = draw(st.integers(0, 7)), draw(st.integers(1, 4))
     dtype = draw(st.sampled_from([np.int32, np.int64]))
     counts = draw(hnp.arrays(dtype, (T, L, len(TOKEN_LAYER_FIELDS)), elements=st.integers(0, 6)))
-    u = UnitCosts(*(draw(seconds) for _ in range(6)), concurrent_host=draw(st.booleans()))
+    u = UnitCosts(
+        *(draw(seconds) for _ in range(6)),
+        concurrent_host=draw(st.booleans()),
+        host_reads_link=draw(st.booleans()),
+    )
     return counts, draw(st.integers(1, 5)), u
 
 

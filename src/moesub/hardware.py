@@ -67,6 +67,9 @@ def reference_model_bytes(expert_bits: float = 16.0, dense_bits: float = 16.0) -
     )
 
 
+_FLAGS = ("concurrent_host", "host_reads_link")  # the boolean keys of a profile and its costs
+
+
 @dataclass(frozen=True)
 class UnitCosts:
     """Seconds of each event the pricing counts: a hardware profile priced for a model."""
@@ -78,11 +81,12 @@ class UnitCosts:
     token_overhead_s: float  # a token's fixed part (the LM head, starting and ending the step)
     install_s: float  # fast-tier work to install one landed background copy
     concurrent_host: bool  # host experts run while the fast tier works (else one after another)
+    host_reads_link: bool = False  # the host's experts come over the link (a disk tier)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "concurrent_host" and not (math.isfinite(v) and v >= 0):
+            if f.name not in _FLAGS and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"UnitCosts: {f.name}={v} must be finite and >= 0")
 
 
@@ -111,13 +115,17 @@ class HardwareProfile:
     token_overhead_s: float = 0.0  # per token besides the head
     install_Bps: float | None = None  # device-to-device copy rate (None: fast_memory_Bps / 2,
     # a copy reads and writes every byte)
+    # the host reads the experts it computes over the link, as the copies do (a disk tier whose
+    # host computes from a fresh read); on a GPU machine it reads them from its own memory
+    host_reads_link: bool = False
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
         if self.source not in SOURCES:
             raise ValueError(f"{where}.source={self.source!r} must be one of {list(SOURCES)}")
-        if not isinstance(self.concurrent_host, bool):
-            raise ValueError(f"{where}.concurrent_host={self.concurrent_host!r} must be a bool")
+        for key in _FLAGS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{where}.{key}={getattr(self, key)!r} must be a bool")
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s"):
@@ -160,6 +168,7 @@ class HardwareProfile:
             token_overhead_s=head + self.token_overhead_s,
             install_s=b / install,
             concurrent_host=self.concurrent_host,
+            host_reads_link=self.host_reads_link,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,18 +210,22 @@ def _check_number(
 
 
 THIS_MACHINE = "this_machine"  # the profile measured on the running machine (reserved name)
-UNIT_COST_KEYS = tuple(f.name for f in fields(UnitCosts) if f.name != "concurrent_host")
+UNIT_COST_KEYS = tuple(f.name for f in fields(UnitCosts) if f.name not in _FLAGS)
 
 
 def measured_profile(
-    seconds: Mapping[str, float], expert_bytes: float, description: str
+    seconds: Mapping[str, float],
+    expert_bytes: float,
+    description: str,
+    host_reads_link: bool = False,
 ) -> HardwareProfile:
     """`this_machine` from measured seconds of each event (`UNIT_COST_KEYS`, for experts of
     `expert_bytes`): per-expert times become rates (priced for other expert sizes they scale with
     the bytes; a term measured as 0 s stays free), the dense layer and the token's fixed part stay
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
-    split it). One processor: host experts follow the fast tier's (`concurrent_host=False`).
-    Priced for `ModelBytes(expert_bytes)` it gives the seconds back."""
+    split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
+    `host_reads_link` where the calibrated tier's host reads its experts over the link. Priced
+    for `ModelBytes(expert_bytes)` it gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
@@ -236,6 +249,7 @@ def measured_profile(
         dense_layer_s=seconds["dense_layer_s"],
         token_overhead_s=seconds["token_overhead_s"],
         install_Bps=rate("install_s"),
+        host_reads_link=host_reads_link,
     )
 
 

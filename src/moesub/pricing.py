@@ -20,8 +20,12 @@ says where this simplifies the engine):
    queued; then this token-layer's background requests queue behind them;
 5. the fast path: the synchronous copies, then the fast tier's experts (hit, fetch, sub,
    forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each), starting
-   at the decision. With `concurrent_host` the layer ends when both paths have (max), else the
-   host's experts follow the fast path's (sum).
+   at the decision. Where the host reads its experts over the link (`host_reads_link`: the
+   disk tier, whose host computes each from a fresh disk read), their reads queue on the link
+   behind every copy queued so far (this decision's background requests included, as the
+   engine asks them first) and hold it, and the host path starts when they get it. With
+   `concurrent_host` the layer ends when both paths have (max), else the host's experts follow
+   the fast path's (sum), after the background copies their reads waited for.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -49,7 +53,7 @@ BREAKDOWN = (
     "admit_wait",  # step 1: admissions whose copy had not landed
     "prefetch_wait",  # step 1b: prefetch copies not landed (late prefetches)
     "install",  # landed background copies installed on the fast tier
-    "link_wait",  # synchronous copies queued behind background copies on the link
+    "link_wait",  # synchronous copies (and, one processor, host reads) behind background copies
     "sync_copy",  # synchronous copies (fetch, forced)
     "fast_compute",  # experts computed on the fast tier
     "host_exposed",  # the host's experts, where the fast path did not hide them
@@ -115,7 +119,7 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
-            u.install_s, u.concurrent_host)  # fmt: skip
+            u.install_s, u.concurrent_host, u.host_reads_link)  # fmt: skip
 
 
 def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
@@ -189,15 +193,19 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             parts["link_wait"] += sync_start - decided
             parts["sync_copy"] += n_sync * u.copy_s
             parts["fast_compute"] += n_fast * u.expert_s
-            # the host path: beside the fast path from the decision on, or after it
+            # the host path: beside the fast path from the decision on, or after it; read over
+            # the link, the host's experts queue behind every copy queued so far
             host = c[HOST] * u.host_expert_s
+            host_start = enqueue(decided, c[HOST]) if u.host_reads_link and c[HOST] else decided
             if u.concurrent_host:
-                end = max(fast_end, decided + host)
+                end = max(fast_end, host_start + host)
                 parts["host_exposed"] += end - fast_end
-                hidden_host += host - (end - fast_end)
+                hidden_host += min(host, max(0.0, fast_end - host_start))
                 clock = end
-            else:
+            else:  # after the fast path and the background copies the host's reads waited for
+                behind = max(0.0, host_start - (sync_start + n_sync * u.copy_s))
+                parts["link_wait"] += behind
                 parts["host_exposed"] += host
-                clock = fast_end + host
+                clock = fast_end + behind + host
         token_s[t] = clock - begin
     return StreamTime(token_s, parts, hidden_host)

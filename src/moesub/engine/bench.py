@@ -199,7 +199,9 @@ def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float
     return micro
 
 
-def _fit_costs(cal: dict[str, list[BenchRun]], micro: dict, p: BenchParams, info: dict):
+def _fit_costs(
+    cal: dict[str, list[BenchRun]], micro: dict, host_reads_link: bool, p: BenchParams, info: dict
+):
     """This machine's profile fitted to the calibration runs (`moesub.calibration`), priced
     for the benchmark's experts."""
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
@@ -208,7 +210,9 @@ def _fit_costs(cal: dict[str, list[BenchRun]], micro: dict, p: BenchParams, info
         fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"]
     )
     expert_bytes = p.layout().expert_bytes
-    profile = measured_profile(seconds, expert_bytes, "the engine benchmark's calibration runs")
+    profile = measured_profile(
+        seconds, expert_bytes, "the engine benchmark's calibration runs", host_reads_link
+    )
     info["cost_fit"] = fit.to_dict()
     info["profile"] = profile.to_dict()
     return seconds, profile.price(ModelBytes(expert_bytes))
@@ -308,6 +312,7 @@ class _Rounds:
     runs: dict[str, list[BenchRun]]  # per run name, one per round
     micro: dict[str, float]  # the terms timed in isolation (`_microbenchmarks`)
     tier: str  # the tier's description
+    host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
 
 def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
@@ -321,11 +326,12 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
-    tier, description, micro = None, "", None
+    tier, description, micro, host_reads_link = None, "", None, False
     try:
         for name in plan.order:
             tier = plan.make_tier(plan.capacity(name))
             description = description or tier.description
+            host_reads_link = tier.host_reads_link
             if micro is None and plan.capacity(name) == C:
                 micro = _microbenchmarks(tier, plan.store, p, info)
             engine, trace, layers = plan.engine(name, tier)
@@ -344,7 +350,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     finally:
         if tier is not None:
             tier.close()
-    return _Rounds(runs, micro, description)
+    return _Rounds(runs, micro, description, host_reads_link)
 
 
 def priced_median(runs: list[BenchRun], delay: int, costs: UnitCosts) -> float:
@@ -437,7 +443,7 @@ def run_benchmark(
     finally:
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    seconds, costs = _fit_costs(rounds.runs, rounds.micro, p, info)
+    seconds, costs = _fit_costs(rounds.runs, rounds.micro, rounds.host_reads_link, p, info)
     out = _policy_rows(plan, rounds.runs, costs)
     meta = {
         "device": str(dev),

@@ -130,7 +130,7 @@ def calibrate(
         for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
     ]
     timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
-    expert_s, expert_bytes, tier = None, None, ""
+    expert_s, expert_bytes, tier, host_reads_link = None, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
         with EngineModel(model_dir, specs[name]) as eng:
@@ -140,11 +140,15 @@ def calibrate(
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
+                host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
     fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
     seconds = unit_costs_from_fit(fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s)
     profile = measured_profile(
-        seconds, expert_bytes, f"the engine's calibration on {device} ({tier}), {model_dir}"
+        seconds,
+        expert_bytes,
+        f"the engine's calibration on {device} ({tier}), {model_dir}",
+        host_reads_link,
     )
     out = {
         "profile": profile.to_dict(),

@@ -88,6 +88,8 @@ class CudaTier:
         self.device, self.act, self.host, self.layout, self.alloc = dev, act, host, lay, alloc
         self.expert_bytes = lay.expert_bytes
         self.kind = "disk->pinned->CUDA" if host.disk_layers else "pinned->CUDA"
+        # experts on disk: the host's fresh reads and the copies both come from the disk
+        self.host_reads_link = bool(host.disk_layers)
         self.path = choose_path(dev, lay.torch_dtype, capability)
         self.syncs = HostSync()
         dt = lay.torch_dtype

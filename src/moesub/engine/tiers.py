@@ -237,6 +237,8 @@ class DiskTier:
     """Experts on disk (`ExpertStore`), C_l slots in RAM for layer l (`layer_capacities`)."""
 
     kind = "disk->RAM"
+    # the host computes each expert from a fresh disk read: over the link the copies use
+    host_reads_link = True
 
     def __init__(
         self,

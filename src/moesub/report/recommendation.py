@@ -227,7 +227,7 @@ def study_lines(docs: list[Doc], models: list[str] | None = None) -> list[str]:
             lines.append(f"{m}: at {100 * s['fraction']:g}% resident " + "; ".join(rates) + ".")
         u = s.get("unit_costs")
         if u and finite(s.get("copy_share")):
-            us = {k: f"{1e6 * float(u[k]):.3g} µs" for k in u if k != "concurrent_host"}
+            us = {k: f"{1e6 * float(v):.3g} µs" for k, v in u.items() if not isinstance(v, bool)}
             bound, at_study = s["copy_free_bound"], s["copy_free_bound_at_study_rate"]
             lines.append(
                 f"{m}: on {s['hardware']} a copy takes {us['copy_s']}, an expert on the fast tier "
