@@ -9,8 +9,9 @@ engine), against the run's measured mean time per token.
         results/{embedded,ckpt_qwen3_next,ckpt_qwen3_moe,ckpt_olmoe}/priced/this_machine.parquet
     python benchmarks/sim_vs_engine_checkpoints.py --out /tmp/ckpts --summarize
 
-The checkpoints take the embedded model's tokenizer (`--tokenizer`, results/embedded/model by
-default: run the default pipeline's model first); the config is config.yaml with the three
+The checkpoints take the embedded model's tokenizer and corpus split (`--tokenizer`,
+results/embedded/model by default: run the default pipeline's model first), so their streams
+are the embedded model's held-out files; the config is config.yaml with the three
 added to its `models:` and no byte budgets (they buy more slots than 256 experts), so streams,
 fractions, engine policies and calibration are the shipped ones.
 Random routers route nearly uniformly, so the miss rates are higher than a trained model's:
@@ -64,6 +65,7 @@ def write_checkpoints(out: Path, tokenizer_dir: Path, config_path: Path, seed: i
         path = out / family
         model.save_pretrained(path)
         tok.save_pretrained(path)
+        shutil.copy(tokenizer_dir / "corpus_files.parquet", path)  # streams of kind embedded
         models[f"ckpt_{family}"] = {"path": str(path.resolve())}
     config = yaml.safe_load(config_path.read_text())
     config["models"].update(models)

@@ -476,7 +476,8 @@ def test_benchmark_table(tmp_path, monkeypatch):
     )
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
-    assert HardwareProfile.from_dict("this_machine", meta["profile"]).source == "measured"
+    profile = HardwareProfile.from_dict("this_machine", meta["profile"])
+    assert (profile.source, profile.host_reads_link) == ("measured", True)  # the disk tier's
     assert (df["est_time_per_token_s"] > 0).all() and df["contended"].dtype == pl.Boolean
     assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
     # every run's per-token-layer counts beside the table: the validation runs' sum to their
