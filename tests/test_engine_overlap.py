@@ -193,22 +193,28 @@ def test_late_prefetch_is_waited_for_only_when_computed(tmp_path, monkeypatch):
     assert sum(s.prefetch_wait_s > 0 for s in stats) > 0  # some were computed: waited for
 
 
-def test_host_experts_run_beside_the_slot_kernels(tmp_path, monkeypatch):
-    """light_miss='host' on the disk tier: the host's experts run on the worker thread while the
-    main thread computes the slots' (observed: the worker starts before the slot kernels end),
-    and the layer's output is both together."""
+def test_host_experts_are_read_beside_the_slot_kernels(tmp_path, monkeypatch):
+    """light_miss='host' on the disk tier: the host's experts are read on the worker thread
+    while the main thread computes the slots', and computed by the main thread after them (one
+    processor, one OpenMP team); the layer's output is both together."""
     import threading
 
     pol = Policy(rule="first_choice", light_miss="host")
     engine, experts, lay = disk_engine(tmp_path, pol, "delay")
     threads: set[str] = set()
-    real = engine.tier.host_forward
+    computed_on: set[str] = set()
+    real_read, real_end = engine.tier.host_read, engine.tier.host_end
 
-    def host_forward(*args):
+    def host_read(*args):
         threads.add(threading.current_thread().name)
-        return real(*args)
+        return real_read(*args)
 
-    monkeypatch.setattr(engine.tier, "host_forward", host_forward)
+    def host_end(job):
+        computed_on.add(threading.current_thread().name)
+        return real_end(job)
+
+    monkeypatch.setattr(engine.tier, "host_read", host_read)
+    monkeypatch.setattr(engine.tier, "host_end", host_end)
     trace = synthetic_logits(20, lay.num_layers, E, seed=8)
     try:
         status, _ids, stats = drive_overlap(engine, trace, trace, experts, lay.hidden, early=False)
@@ -216,6 +222,7 @@ def test_host_experts_run_beside_the_slot_kernels(tmp_path, monkeypatch):
         engine.close()
     assert (status == HOST).any()
     assert threads and all(n.startswith("moesub-host") for n in threads)
+    assert computed_on == {threading.current_thread().name}
     assert sum(s.bytes_host for s in stats) == lay.expert_bytes * sum(
         len(np.unique(row[st == HOST])) for rows, sts in zip(_ids, status, strict=True)
         for row, st in zip(rows, sts, strict=True)

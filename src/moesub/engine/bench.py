@@ -318,11 +318,12 @@ class _Rounds:
 def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
     slots per layer, or E for all_resident): a run inherits no thread state from the one
-    before. Measured on the disk tier with one tier per capacity: once a host_compute run had
-    used the tier's host worker (which then keeps an OpenMP team of its own, more OpenMP
-    threads than cores, so libgomp throttles the spin-waits of the decode's worker: its CPU
-    time per token fell ~3x), every later run on that tier was ~2-3 ms per token slower, and
-    the cost model fitted to such runs overpredicted all_resident (a tier of its own) by 15%."""
+    before. Measured on the disk tier with one tier per capacity, when its host worker still
+    computed the host's experts: once a host_compute run had used it (the worker then kept an
+    OpenMP team of its own, more OpenMP threads than cores, so libgomp throttled the
+    spin-waits of the decode's worker: its CPU time per token fell ~3x), every later run on
+    that tier was ~2-3 ms per token slower, and the cost model fitted to such runs
+    overpredicted all_resident (a tier of its own) by 15%."""
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}

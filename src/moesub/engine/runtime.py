@@ -37,8 +37,9 @@ prediction uses only the residency the core reports); the copies are then instal
 slots the core chose.
 
 Host experts (`host_compute`, `light_miss="host"`): `compute` starts the host's experts on the
-tier (a worker thread on the disk tier; on CUDA the CPU computes while the GPU runs the slot
-kernels queued before) and waits for both (`TokenStats.host_wait_s`). The layer's output is the
+tier (on the disk tier a worker thread reads them while the slots' experts are computed, then
+the caller computes them; on CUDA the CPU computes while the GPU runs the slot kernels queued
+before) and waits for both (`TokenStats.host_wait_s`). The layer's output is the
 sum over ranks of the weighted rows wherever each was computed (`expert_forward(per_rank=True)`),
 so a lossless policy computes bit for bit what every expert in a slot would. `host_admit`
 (policy v3): the core hands the uploads of host-computed experts over as admissions; each is a

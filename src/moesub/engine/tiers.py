@@ -15,9 +15,11 @@ Synchronous fetches are blocking uncached reads straight into the slot; backgrou
 (and the uploads of host-computed experts, `host_admit`: the I/O thread reads the expert again
 rather than keeping the host worker's read) are read by an I/O thread into staging buffers, and
 installed into the slot the policy core names once the read has really completed. The host's
-experts (host_compute, light_miss="host") are computed on the CPU by a worker thread, each from
-a fresh uncached read of the expert ("host weights" live on disk), while the main thread
-computes the slots' experts.
+experts (host_compute, light_miss="host") are read by a worker thread, each fresh from disk
+("host weights" live there), while the main thread computes the slots' experts, which then
+computes the host's: the tier has one processor, and a worker computing beside the main thread
+put two OpenMP teams on the cores, whose runs were bimodal on a 2-core machine, 25-45% apart
+(docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -233,6 +236,14 @@ class BackgroundReader:
 DISK_STAGING_BUFFERS = 4  # the I/O thread reads one expert at a time: a few buffers suffice
 
 
+class HostJob(NamedTuple):
+    """The disk tier's host experts of one step: their reads in flight, the inputs kept."""
+
+    read: Future  # -> `DiskTier.host_read`'s (scratch ids, experts, bytes)
+    hidden: torch.Tensor  # [N, H]
+    weights: torch.Tensor  # [N, k]
+
+
 class DiskTier:
     """Experts on disk (`ExpertStore`), C_l slots in RAM for layer l (`layer_capacities`)."""
 
@@ -327,21 +338,14 @@ class DiskTier:
     def discard(self, handle: tuple[int, int, int]) -> None:
         self.reader.release(handle[1])
 
-    def host_forward(
-        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
-        """Misses computed on the CPU, each from a fresh uncached disk read: host_ids (N, k)
-        expert or -1, hidden [N, H] and weights [N, k] on the host -> (weighted rows [N, k, H],
-        zero where host_ids is -1, `expert_forward(per_rank=True)`; bytes read)."""
+    def host_read(self, layer: int, host_ids: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """A step's host experts read fresh from disk (uncached) into the scratch slots: host_ids
+        (N, k) expert or -1 -> (scratch ids (N, k), -1 where none; experts read; bytes read)."""
         local, experts = host_ids_to_local(host_ids)
         n = 0
         for j, e in enumerate(experts.tolist()):
             n += self.store.read_into(layer, e, self._host_gu[j], self._host_dn[j])
-        out = expert_forward(
-            hidden, local, weights, self._host_gu[: len(experts)], self._host_dn[: len(experts)],
-            self.act, per_rank=True,
-        )  # fmt: skip
-        return out, n
+        return local, len(experts), n
 
     def read_range(self, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts first..first+count-1 of a layer on the host (a prompt's prefill)."""
@@ -349,19 +353,21 @@ class DiskTier:
 
     def host_begin(
         self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
-    ) -> Future:
-        """Start `host_forward` on the worker thread (in inference mode if the caller is)."""
-        inference = torch.is_inference_mode_enabled()
+    ) -> HostJob:
+        """Start the host's reads on the worker thread; the caller computes the slots' experts
+        meanwhile and the host's after them (`host_end`): one processor, one OpenMP team."""
+        return HostJob(self._host.submit(self.host_read, layer, host_ids), hidden, weights)
 
-        def run() -> tuple[torch.Tensor, int]:
-            with torch.inference_mode(inference):
-                return self.host_forward(layer, hidden, host_ids, weights)
-
-        return self._host.submit(run)
-
-    def host_end(self, job: Future) -> tuple[torch.Tensor, int]:
-        """Wait for `host_begin`'s result: (weighted rows [N, k, H], bytes read)."""
-        return job.result()
+    def host_end(self, job: HostJob) -> tuple[torch.Tensor, int]:
+        """The host's experts, once read: hidden [N, H] and weights [N, k] -> (weighted rows
+        [N, k, H], zero where the step had no host expert, `expert_forward(per_rank=True)`;
+        bytes read)."""
+        local, m, nbytes = job.read.result()
+        out = expert_forward(
+            job.hidden, local, job.weights, self._host_gu[:m], self._host_dn[:m], self.act,
+            per_rank=True,
+        )  # fmt: skip
+        return out, nbytes
 
     def token_sync(self) -> None:
         """End of a token: the compute is done (CPU compute is synchronous; counted)."""
