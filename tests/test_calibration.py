@@ -8,6 +8,7 @@ import pytest
 
 from moesub.calibration import (
     FIT_TERMS,
+    CostFit,
     TimedTokens,
     fit_unit_costs,
     unit_costs_from_fit,
@@ -100,6 +101,13 @@ def test_terms_are_never_negative():
     # a microbenchmark slower than the whole per-layer constant is lowered to it
     capped = unit_costs_from_fit(fit, k=K, layers=L, expert_s=1.0)
     assert capped["dense_layer_s"] == 0.0 and capped["expert_s"] > 0
+    # ... also where 10 x (layer / 10) rounds above the layer (a bench's fit did: -8.7e-19 s)
+    layer = 0.006459721981904619
+    assert layer - 10 * (layer / 10) < 0
+    odd = CostFit({**fit.coef, "token_s": 0.0, "layer_s": layer}, True, 10, 10, [], 0.0)
+    seconds = unit_costs_from_fit(odd, k=10, layers=2, expert_s=1.0)
+    assert seconds["dense_layer_s"] == 0.0
+    measured_profile(seconds, 1e6, "a capped fit")  # a valid profile
 
 
 def test_one_layer_count_spreads_the_token_constant_over_the_layers():

@@ -159,7 +159,7 @@ def unit_costs_from_fit(fit: CostFit, *, k: int, layers: int, expert_s: float) -
     expert = min(max(expert_s, 0.0), per_layer / k)
     return {
         "token_overhead_s": token,
-        "dense_layer_s": per_layer - k * expert,
+        "dense_layer_s": max(per_layer - k * expert, 0.0),  # not -1e-19 when expert is capped
         "expert_s": expert,
         "copy_s": fit.coef["copy_s"],
         "host_expert_s": fit.coef["host_extra_s"] + expert,
