@@ -47,10 +47,10 @@ FAMILIES = {
         shared_expert_intermediate_size=64,
         norm_topk_prob=True,
         **COMMON,
-    ),  # fmt: skip
+    ),
     "qwen3_moe": lambda v: tf.Qwen3MoeConfig(
         vocab_size=v, head_dim=32, norm_topk_prob=True, **COMMON
-    ),  # fmt: skip
+    ),
     "olmoe": lambda v: tf.OlmoeConfig(vocab_size=v, norm_topk_prob=False, **COMMON),
 }
 

@@ -199,19 +199,18 @@ def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float
     return micro
 
 
-def _fit_costs(
-    cal: dict[str, list[BenchRun]], micro: dict, host_reads_link: bool, p: BenchParams, info: dict
-):
-    """This machine's profile fitted to the calibration runs (`moesub.calibration`), priced
-    for the benchmark's experts."""
+def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
+    """This machine's profile fitted to the rounds' calibration runs (`moesub.calibration`),
+    priced for the benchmark's experts."""
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
-    fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for n in names for r in cal[n]]))
+    runs = [timed_tokens(r) for n in names for r in rounds.runs[n]]
+    fit = fit_unit_costs(TimedTokens.concat(runs))
     seconds = unit_costs_from_fit(
-        fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"]
+        fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"]
     )
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(
-        seconds, expert_bytes, "the engine benchmark's calibration runs", host_reads_link
+        seconds, expert_bytes, "the engine benchmark's calibration runs", rounds.host_reads_link
     )
     info["cost_fit"] = fit.to_dict()
     info["profile"] = profile.to_dict()
@@ -444,7 +443,7 @@ def run_benchmark(
     finally:
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    seconds, costs = _fit_costs(rounds.runs, rounds.micro, rounds.host_reads_link, p, info)
+    seconds, costs = _fit_costs(rounds, p, info)
     out = _policy_rows(plan, rounds.runs, costs)
     meta = {
         "device": str(dev),
