@@ -1,9 +1,11 @@
 """The real-size benchmark's parts that need no timing: the captured-trace mapping onto the
-benchmark's shape, and the expert kernel's choice by token count. (The cost fit is
-tests/test_calibration.py; the 10% agreement of the fitted profile with the engine is a
-benchmark figure, `results/engine_bench/{device}.parquet`, not tested.)"""
+benchmark's shape, the expert kernel's choice by token count, and the order of the runs. (The
+cost fit is tests/test_calibration.py; the 10% agreement of the fitted profile with the engine
+is a benchmark figure, `results/engine_bench/{device}.parquet`, not tested.)"""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
 from moesub.engine.bench_inputs import bench_logits, map_trace
+from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 
 
@@ -87,3 +90,33 @@ def test_per_expert_kernel_matches_the_reference(N):
                 want[n] += w[n, j] * (down[ids[n, j]] @ (F.silu(gate) * up))
     got = expert_forward(x, ids, w, gate_up, down, F.silu, "per_expert")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "rounds"), [(15, 3), (15, 5), (4, 3), (3, 4), (2, 3), (1, 2)])
+def test_rounds_run_every_name_once_and_never_one_twice_in_a_row(n, rounds):
+    names = [f"run{i}" for i in range(n)]
+    order = round_order(names, rounds)
+    for r in range(rounds):
+        assert sorted(order[r * n : (r + 1) * n]) == sorted(names)
+    if n > 1:  # one slow stretch of the machine takes one of a name's runs, not two
+        assert all(a != b for a, b in itertools.pairwise(order))
+    if n >= 3 and rounds > 1:  # and the order changes from round to round
+        assert order[:n] != order[n : 2 * n]
+
+
+def test_rounds_spread_every_name_over_a_rounds_start_middle_and_end():
+    names = [f"run{i}" for i in range(15)]
+    order = round_order(names, 5)
+    positions = {x: [i % 15 for i, y in enumerate(order) if y == x] for x in names}
+    # rotated by 3 every round: each name once in every fifth of a round
+    assert all(sorted(p // 3 for p in ps) == [0, 1, 2, 3, 4] for ps in positions.values())
+
+
+def test_calibration_runs_are_spread_among_the_policies():
+    policies = [f"p{i}" for i in range(10)]
+    cal = ["c0", "c1", "c2", "c3", "c4"]
+    out = spread(cal, policies)
+    assert out == ["p0", "p1", "c0", "p2", "p3", "c1", "p4", "p5", "c2", "p6", "p7", "c3",
+                   "p8", "p9", "c4"]  # fmt: skip
+    assert spread(cal[:1], policies[:3]) == ["p0", "p1", "p2", "c0"]
+    assert spread(cal[:2], []) == cal[:2] and spread([], policies[:2]) == policies[:2]

@@ -9,17 +9,18 @@ grouped compute from the slots). Per layer a real-size router matmul runs on the
 its result is brought back to the host (the synchronization a real router imposes) before the
 core decides from the synthetic logits; attention and the shared expert are not modelled.
 
-Every policy runs in ONE process over the same tokens from the same frequency-initial resident
-set, in `rounds` interleaved with the calibration runs (other tokens, mechanism policies: all
-hits, over all layers and over one, every miss fetched, host compute, background admissions),
-so that the machine's load hits all alike; every run has a tier of its own, as an engine
-serving one policy does (no thread state carried over from another policy's run). The machine's
-profile is fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration
-does) and prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
-`sim_rel_error` compares the median over rounds of the priced means with the median over rounds
-of the measured means. The output holds one row per policy with time per token and its ratios
-to `fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and
-the runs' CPU share (`contended` below 0.8: another process took the CPU).
+Every policy runs in ONE process over the same tokens from the same frequency-initial resident set,
+in `rounds` with the calibration runs (other tokens, mechanism policies: all hits, over all layers
+and over one, every miss fetched, host compute, background admissions) spread among them (`spread`)
+and the order rotated every round (`round_order`: no run twice in a row), so that the machine's
+load and its disk's drift hit all alike; every run has a tier of its own, as an engine serving one
+policy does (no thread state carried over from another policy's run). The machine's profile is
+fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration does) and
+prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
+`sim_rel_error` compares the median over rounds of the priced means with the median over rounds of
+the measured means. The output holds one row per policy with time per token and its ratios to
+`fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and the
+runs' CPU share (`contended` below 0.8: another process took the CPU).
 Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
 each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
 validation and calibration runs alike. Policy v3 runs as everywhere: the policies' pins come
@@ -59,7 +60,7 @@ from moesub.engine.bench_runs import (
     timed_tokens,
     write_bench_counts,
 )
-from moesub.engine.calibrate import MECHANISMS, measure_expert_compute, round_order
+from moesub.engine.calibrate import MECHANISMS, measure_expert_compute, round_order, spread
 from moesub.engine.contention import CONTENDED_BELOW
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
@@ -231,7 +232,7 @@ class _Plan:
     h0: torch.Tensor  # [1, H] on the device: every token's hidden state entering layer 0
     store: ExpertStore | None  # the disk tier's expert file
     host: HostExperts | None  # the CUDA tier's experts in pinned host memory
-    order: list[str]  # the runs' names in run order (`_round_order`)
+    order: list[str]  # the runs' names in run order (`round_order`)
 
     def capacity(self, name: str) -> int:
         """Slots per layer of run `name`: E for all_resident, else C."""
@@ -299,7 +300,7 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
         host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
-    order = round_order(list(p.policies) + cal_names, p.rounds)
+    order = round_order(spread(cal_names, list(p.policies)), p.rounds)
     hits = hits_only(logits.calibration, initial)
     return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, host, order)
 

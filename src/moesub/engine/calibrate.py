@@ -83,13 +83,29 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
 
 
 def round_order(names: list[str], rounds: int) -> list[str]:
-    """Every name once per round; the order rotates every round and is reversed every other
-    round, so that drift in the machine's load does not favour one."""
+    """Every name once per round, each round the one before rotated by about len / rounds: over
+    the rounds a name runs near a round's start, middle and end alike (drift in the machine's
+    speed favours none), and never twice in a row (a slow stretch of the disk, which lasts
+    minutes on a VM, takes one of its runs, not two: the median over rounds outvotes it)."""
+    n = len(names)
+    stride = 0 if n <= 2 else min(-(-n // max(rounds, 1)), n - 2)
     order = []
     for r in range(rounds):
-        rot = names[r % len(names) :] + names[: r % len(names)]
-        order += rot if r % 2 == 0 else rot[::-1]
+        shift = (r * stride) % n if n else 0
+        order += names[shift:] + names[:shift]
     return order
+
+
+def spread(runs: list[str], among: list[str]) -> list[str]:
+    """`among` with `runs` spread evenly through it (after every len(among) / len(runs) of its
+    names): a round's calibration runs then sit near every stretch of its policy runs."""
+    out, placed = [], 0
+    for i, name in enumerate(among):
+        out.append(name)
+        while placed < len(runs) and (placed + 1) * len(among) <= (i + 1) * len(runs):
+            out.append(runs[placed])
+            placed += 1
+    return out + runs[placed:]
 
 
 def calibrate(
