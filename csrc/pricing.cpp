@@ -78,24 +78,25 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       p[kLinkWait] += sync_start - decided;
       p[kSyncCopy] += copies;
       p[kFastCompute] += experts;
-      // the host path: beside the fast path from the decision on, or after it; where the host
-      // reads its experts over the link, its reads queue behind every copy queued so far
+      // the host path: its experts computed beside the fast path from the decision on, or
+      // after it; where the host reads them over the link, the reads queue behind every copy
+      // queued so far and the host computes once they are done (one processor: they overlap
+      // the fast path, the host's compute follows both)
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
       const int64_t n_host = c[kHost];
-      const double host_start = u.host_reads_link && n_host ? enqueue(decided, n_host) : decided;
-      if (u.concurrent_host) {
-        const double end = std::max(fast_end, host_start + host);
-        p[kHostExposed] += end - fast_end;
-        p[kHiddenHost] += std::min(host, std::max(0.0, fast_end - host_start));
-        clock = end;
-      } else {
-        // one processor: the host's experts follow the fast path's, after the background
-        // copies their reads queued behind (the synchronous ones are on the fast path already)
-        const double behind = std::max(0.0, host_start - (sync_start + copies));
-        p[kLinkWait] += behind;
-        p[kHostExposed] += host;
-        clock = fast_end + behind + host;
+      double ready = decided;
+      if (u.host_reads_link && n_host) {
+        ready = enqueue(decided, n_host) + static_cast<double>(n_host) * u.copy_s;
       }
+      double end;
+      if (u.concurrent_host) {
+        end = std::max(fast_end, ready + host);
+        p[kHiddenHost] += std::min(host, std::max(0.0, fast_end - ready));
+      } else {
+        end = std::max(fast_end, ready) + host;
+      }
+      p[kHostExposed] += end - fast_end;
+      clock = end;
     }
     token_s[t] = clock - begin;
   }

@@ -1,7 +1,10 @@
 """The cost fit (moesub.calibration): known constants recovered from synthetic timed runs priced
-by the pricing itself, with noise and slowed tokens; non-negativity; degenerate fits named."""
+by the pricing itself, with noise and slowed tokens; a host reading over the link fitted through
+the pricing; non-negativity; degenerate fits named."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from moesub.calibration import (
     CostFit,
     TimedTokens,
     fit_unit_costs,
+    host_expert_by_pricing,
     unit_costs_from_fit,
 )
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
@@ -146,3 +150,33 @@ def test_degenerate_fits_are_named():
     with pytest.raises(ValueError, match="do not match"):
         TimedTokens.from_counts(np.ones(4), both)
     assert FIT_TERMS[0] == "token_s"
+
+
+def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
+    """The disk tier: the host's reads are copies on the link beside the fast path, its term the
+    compute alone, which no linear term over the host's count can say; from runs priced so, the
+    compute comes back through the pricing."""
+    link = replace(TRUE, host_expert_s=60e-6, host_reads_link=True)
+    rng = np.random.default_rng(6)
+    parts, host_runs = [], []
+    for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
+        c = mechanism_counts(kind, 300, layers, rng)
+        wall = price_stream_reference(c, 1, link).token_s
+        parts.append(TimedTokens.from_counts(wall, c))
+        if kind == "host":
+            host_runs.append((wall, c))
+    fit = fit_unit_costs(TimedTokens.concat(parts))
+    seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s, host_runs=host_runs)
+    assert seconds["host_expert_s"] == pytest.approx(link.host_expert_s, rel=0.05)
+    # by construction the host runs are priced at their measured mean
+    u = replace(link, **seconds)
+    priced = price_stream_reference(host_runs[0][1], 1, u).token_s.mean()
+    assert priced == pytest.approx(host_runs[0][0].mean(), rel=1e-9)
+    # a host faster than free (measured under the price of its reads alone): 0, not negative
+    fast = [(w * 0.5, c) for w, c in host_runs]
+    assert host_expert_by_pricing(seconds, fast) == 0.0
+    with pytest.raises(ValueError, match="no host runs"):
+        host_expert_by_pricing(seconds, [])
+    none = mechanism_counts("hits", 20, L, rng)
+    with pytest.raises(ValueError, match="no host experts"):
+        host_expert_by_pricing(seconds, [(np.ones(20), none)])

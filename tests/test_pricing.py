@@ -171,33 +171,34 @@ HOST_UPLOADS = np.array(
 
 @pytest.mark.parametrize("price", PRICERS)
 @pytest.mark.parametrize(
-    ("concurrent", "token_s", "link_wait", "host_exposed", "hidden"),
-    [(False, [1405.0, 809.0], 600.0, 1400.0, 0.0), (True, [1325.0, 729.0], 0.0, 1840.0, 80.0)],
+    ("concurrent", "token_s", "host_exposed", "hidden"),
+    [(False, [245.0, 209.0], 240.0, 0.0), (True, [245.0, 189.0], 220.0, 20.0)],
 )
 def test_host_reads_queue_behind_background_copies(
-    price, concurrent, token_s, link_wait, host_exposed, hidden
+    price, concurrent, token_s, host_exposed, hidden
 ):
-    """copy 300, expert 10, host expert 350 (its read included), dense 20, overhead 5, install 2;
-    the host reads over the link.
+    """copy 30, expert 10, host expert 50 (its compute: the read is a copy on the link), dense
+    20, overhead 5, install 2; the host reads over the link.
 
-    token 0: overhead -> 5, dense -> 25; the decision at 25 queues the 2 uploads (link
-      25-625), then the host's 2 reads behind them (link 625-1225): the host starts at 625.
-      Fast path 25 + 8 x 10 = 105.
-      one processor: the host follows the fast path after the 600 its reads waited beyond it:
-        105 + 600 + 2 x 350 = 1405.
-      concurrent: max(105, 625 + 700) = 1325, nothing hidden (the host starts after 105).
-    token 1: overhead, dense, the uploads landed at 625 (no wait), 2 installs: decision at
-      start + 29; the link is free (1225 is earlier), so the host starts at the decision.
-      one processor: 29 + 80 + 700 = 809. concurrent: 29 + 700 = 729; 80 hidden.
-    Without the link the host starts at the decision: token 0 would be 805 (one processor)."""
-    u = replace(units(concurrent), host_expert_s=350.0, host_reads_link=True)
+    token 0: overhead -> 5, dense -> 25; the decision at 25 queues the 2 uploads (link 25-85),
+      then the host's 2 reads behind them (link 85-145). Fast path 25 + 8 x 10 = 105.
+      one processor: the host computes after the fast path and its reads: max(105, 145) + 100
+        = 245. concurrent: max(105, 145 + 100) = 245, nothing hidden.
+    token 1 (from 245): overhead, dense, the uploads landed at 85 (no wait), 2 installs: the
+      decision at 274; the link is free, the reads take 274-334; fast path 274 + 80 = 354.
+      one processor: max(354, 334) + 100 = 454, a token of 209 (the reads hidden behind the
+      fast path). concurrent: max(354, 334 + 100) = 434, a token of 189; 20 of the host's
+      compute hidden.
+    Without the link the host computes from the decision on (no reads): 205 and 125 for token
+    0, then 209 and 129."""
+    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True)
     r = price(HOST_UPLOADS, 1, u)
     assert r.token_s.tolist() == token_s
-    assert (r.parts["link_wait"], r.parts["host_exposed"]) == (link_wait, host_exposed)
+    assert (r.parts["link_wait"], r.parts["host_exposed"]) == (0.0, host_exposed)
     assert r.hidden_host_s == hidden
     assert sum(r.parts.values()) == r.token_s.sum()
     own_memory = price(HOST_UPLOADS, 1, replace(u, host_reads_link=False))
-    assert own_memory.token_s.tolist() == ([805.0, 809.0] if not concurrent else [725.0, 729.0])
+    assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
 
 
 seconds = st.floats(0.0, 1e-3, allow_nan=False, allow_infinity=False)

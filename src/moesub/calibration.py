@@ -18,8 +18,12 @@ squares (`scipy.optimize.nnls`) with the tokens another process slowed (residual
 host, so the fast tier's expert time is inside `layer_s` and the host's term is its excess
 over it (`host_extra_s`). `unit_costs_from_fit` splits the per-layer constant into the dense
 work and k fast experts with a microbenchmarked expert time, and gives the pricing's seconds
-(`moesub.hardware.measured_profile` makes them a profile). A term no run exercises, or terms
-the runs cannot tell apart, make the fit degenerate: a ValueError says which.
+(`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its
+experts over the link (the disk tier), the engine overlaps those reads with the fast path, and
+the host's term is instead its compute alone, found through the pricing of the host runs
+(`host_expert_by_pricing`); the fit's `host_extra_s` then only keeps the host runs' tokens from
+pulling the other terms. A term no run exercises, or terms the runs cannot tell apart, make the
+fit degenerate: a ValueError says which.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from moesub.hardware import UnitCosts
+from moesub.pricing import price_stream
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 FIT_TERMS = ("token_s", "layer_s", "copy_s", "host_extra_s", "install_s")
@@ -146,18 +152,27 @@ def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> Co
     )
 
 
-def unit_costs_from_fit(fit: CostFit, *, k: int, layers: int, expert_s: float) -> dict[str, float]:
+def unit_costs_from_fit(
+    fit: CostFit,
+    *,
+    k: int,
+    layers: int,
+    expert_s: float,
+    host_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
     fixed part is then spread over its layers) is k fast experts (`expert_s`, microbenchmarked;
     lowered to the constant / k if it would leave the dense work negative) plus the dense work;
-    a host expert is a fast one plus the fitted excess."""
+    a host expert is a fast one plus the fitted excess. Where the tier's host reads its experts
+    over the link (`host_runs` given: the host runs' `(wall_s (T,), counts (T, L, F))`), the
+    host's term is its compute alone, found through the pricing (`host_expert_by_pricing`)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
         token, per_layer = 0.0, fit.coef["token_s"] / layers
     expert = min(max(expert_s, 0.0), per_layer / k)
-    return {
+    seconds = {
         "token_overhead_s": token,
         "dense_layer_s": max(per_layer - k * expert, 0.0),  # not -1e-19 when expert is capped
         "expert_s": expert,
@@ -165,3 +180,43 @@ def unit_costs_from_fit(fit: CostFit, *, k: int, layers: int, expert_s: float) -
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"],
     }
+    if host_runs is not None:
+        seconds["host_expert_s"] = host_expert_by_pricing(seconds, host_runs)
+    return seconds
+
+
+def host_expert_by_pricing(
+    seconds: dict[str, float], host_runs: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> float:
+    """The host's compute per expert at which the pricing (one processor, the host's reads
+    copies on the link beside the fast path: `moesub.pricing`) of the host runs' own counts
+    takes their measured mean time per token, over all their tokens as the linear fit pools
+    its runs, by bisection (the price grows with it; 0 when even a free host computes too
+    slowly). The engine overlaps the reads with the fast path, so a host expert's time is not
+    linear in the host's count and the linear fit's term would price a policy with other
+    counts per layer wrong (docs/pricing.md)."""
+    if not host_runs:
+        raise ValueError("host expert by pricing: no host runs")
+    measured = float(np.concatenate([np.asarray(w, float) for w, _ in host_runs]).mean())
+    tokens = sum(len(w) for w, _ in host_runs)
+
+    def excess(host_s: float) -> float:  # priced minus measured, mean seconds per token
+        u = UnitCosts(**{**seconds, "host_expert_s": host_s}, concurrent_host=False,
+                      host_reads_link=True)  # fmt: skip
+        priced = sum(float(price_stream(c, 1, u).token_s.sum()) for _, c in host_runs)
+        return priced / tokens - measured
+
+    if excess(0.0) >= 0.0:
+        return 0.0
+    hi = max(seconds["host_expert_s"], 1e-6)
+    for _ in range(64):
+        if excess(hi) >= 0.0:
+            break
+        hi *= 2.0
+    else:
+        raise ValueError("host expert by pricing: the host runs have no host experts to price")
+    lo = 0.0
+    for _ in range(60):  # to ~1e-18 of `hi`: as exact as the floats
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
+    return hi

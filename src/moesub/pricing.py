@@ -23,9 +23,10 @@ says where this simplifies the engine):
    at the decision. Where the host reads its experts over the link (`host_reads_link`: the
    disk tier, whose host computes each from a fresh disk read), their reads queue on the link
    behind every copy queued so far (this decision's background requests included, as the
-   engine asks them first) and hold it, and the host path starts when they get it. With
-   `concurrent_host` the layer ends when both paths have (max), else the host's experts follow
-   the fast path's (sum), after the background copies their reads waited for.
+   engine asks them first), take `copy_s` each, and the host computes once they are done
+   (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
+   paths have (max); else the host computes after the fast path and its own reads (the reads
+   overlap the fast path: the disk tier's worker reads while the main thread computes).
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -53,10 +54,10 @@ BREAKDOWN = (
     "admit_wait",  # step 1: admissions whose copy had not landed
     "prefetch_wait",  # step 1b: prefetch copies not landed (late prefetches)
     "install",  # landed background copies installed on the fast tier
-    "link_wait",  # synchronous copies (and, one processor, host reads) behind background copies
+    "link_wait",  # synchronous copies behind background copies
     "sync_copy",  # synchronous copies (fetch, forced)
     "fast_compute",  # experts computed on the fast tier
-    "host_exposed",  # the host's experts, where the fast path did not hide them
+    "host_exposed",  # the host's experts (and reads), where the fast path did not hide them
 )
 
 
@@ -193,19 +194,20 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             parts["link_wait"] += sync_start - decided
             parts["sync_copy"] += n_sync * u.copy_s
             parts["fast_compute"] += n_fast * u.expert_s
-            # the host path: beside the fast path from the decision on, or after it; read over
-            # the link, the host's experts queue behind every copy queued so far
+            # the host path: its experts computed beside the fast path from the decision on, or
+            # after it; read over the link, the reads queue behind every copy queued so far and
+            # the host computes once they are done (one processor: they overlap the fast path,
+            # the host's compute follows both)
             host = c[HOST] * u.host_expert_s
-            host_start = enqueue(decided, c[HOST]) if u.host_reads_link and c[HOST] else decided
+            ready = decided
+            if u.host_reads_link and c[HOST]:
+                ready = enqueue(decided, c[HOST]) + c[HOST] * u.copy_s
             if u.concurrent_host:
-                end = max(fast_end, host_start + host)
-                parts["host_exposed"] += end - fast_end
-                hidden_host += min(host, max(0.0, fast_end - host_start))
-                clock = end
-            else:  # after the fast path and the background copies the host's reads waited for
-                behind = max(0.0, host_start - (sync_start + n_sync * u.copy_s))
-                parts["link_wait"] += behind
-                parts["host_exposed"] += host
-                clock = fast_end + behind + host
+                end = max(fast_end, ready + host)
+                hidden_host += min(host, max(0.0, fast_end - ready))
+            else:
+                end = max(fast_end, ready) + host
+            parts["host_exposed"] += end - fast_end
+            clock = end
         token_s[t] = clock - begin
     return StreamTime(token_s, parts, hidden_host)

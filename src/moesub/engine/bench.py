@@ -60,7 +60,13 @@ from moesub.engine.bench_runs import (
     timed_tokens,
     write_bench_counts,
 )
-from moesub.engine.calibrate import MECHANISMS, measure_expert_compute, round_order, spread
+from moesub.engine.calibrate import (
+    HOST_RUN,
+    MECHANISMS,
+    measure_expert_compute,
+    round_order,
+    spread,
+)
 from moesub.engine.contention import CONTENDED_BELOW
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
@@ -206,9 +212,11 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
     runs = [timed_tokens(r) for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat(runs))
+    host_runs = [(r.wall_s, r.layer_counts) for r in rounds.runs[HOST_RUN]]
     seconds = unit_costs_from_fit(
-        fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"]
-    )
+        fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
+        host_runs=host_runs if rounds.host_reads_link else None,
+    )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(
         seconds, expert_bytes, "the engine benchmark's calibration runs", rounds.host_reads_link

@@ -43,6 +43,7 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.5},
 }
+HOST_RUN = "cal_host"  # the mechanism whose runs fit the host's term where it reads over the link
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -146,6 +147,7 @@ def calibrate(
         for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
     ]
     timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
+    host_runs = []  # the host runs' (wall_s, counts): the host's term through the pricing
     expert_s, expert_bytes, tier, host_reads_link = None, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
@@ -153,13 +155,18 @@ def calibrate(
             for ids in streams:
                 r = eng.decode(ids)
                 timed[name].append(TimedTokens.from_counts(r["wall_s"], r["layer_counts"]))
+                if name == HOST_RUN:
+                    host_runs.append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
     fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
-    seconds = unit_costs_from_fit(fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s)
+    seconds = unit_costs_from_fit(
+        fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
+        host_runs=host_runs if host_reads_link else None,
+    )  # fmt: skip
     profile = measured_profile(
         seconds,
         expert_bytes,
