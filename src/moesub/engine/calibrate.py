@@ -2,11 +2,12 @@
 
 `calibrate` times the real engine on the model, on the calibration streams, under one mechanism
 per run (`MECHANISMS`: every expert resident, so every one a hit; every miss fetched; every miss
-computed by the host; background admissions), in interleaved rounds (`round_order`) so that
-the machine's load falls on all alike, each run on an engine of its own. Every token's wall
-time and per-token-layer counts feed the non-negative fit of the pricing's terms
-(`moesub.calibration`); the fast tier's expert time is a microbenchmark (`measure_expert_compute`)
-that splits the fitted per-layer constant. The output JSON holds the profile
+computed by the host; background admissions), in interleaved rounds (`round_order`) so that the
+machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
+per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`;
+where the host reads its experts over the link, the host's term comes from the pricing of the
+host runs); the fast tier's expert time is a microbenchmark (`measure_expert_compute`) that
+splits the fitted per-layer constant. The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it
 was made from, the fit and the runs' CPU share (`moesub.engine.contention`).
 
