@@ -190,11 +190,11 @@ def host_expert_by_pricing(
 ) -> float:
     """The host's compute per expert at which the pricing (one processor, the host's reads
     copies on the link beside the fast path: `moesub.pricing`) of the host runs' own counts
-    takes their measured mean time per token, over all their tokens as the linear fit pools
-    its runs, by bisection (the price grows with it; 0 when even a free host computes too
-    slowly). The engine overlaps the reads with the fast path, so a host expert's time is not
-    linear in the host's count and the linear fit's term would price a policy with other
-    counts per layer wrong (docs/pricing.md)."""
+    takes their measured mean time per token, over all their tokens as the linear fit pools its
+    runs, by bisection (the price grows with it; 0 when the host runs took less than their reads
+    and fast path alone are priced at). The engine overlaps the reads with the fast path, so a
+    host expert's time is not linear in the host's count and the linear fit's term would price a
+    policy with other counts per layer wrong (docs/pricing.md)."""
     if not host_runs:
         raise ValueError("host expert by pricing: no host runs")
     measured = float(np.concatenate([np.asarray(w, float) for w, _ in host_runs]).mean())
