@@ -180,3 +180,22 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
     none = mechanism_counts("hits", 20, L, rng)
     with pytest.raises(ValueError, match="no host experts"):
         host_expert_by_pricing(seconds, [(np.ones(20), none)])
+
+
+def test_host_runs_priced_at_their_own_disk_speed():
+    """Two host runs, one while the disk read at half its speed: priced each at its own copy
+    time, the compute comes back; priced at one copy time, the slow run's reads land in it."""
+    link = replace(TRUE, host_expert_s=60e-6, host_reads_link=True)
+    slow = replace(link, copy_s=2 * link.copy_s)
+    rng = np.random.default_rng(8)
+    runs = []
+    for costs in (link, slow):
+        c = mechanism_counts("host", 300, L, rng)
+        runs.append((price_stream_reference(c, 1, costs).token_s, c))
+    seconds = {f: getattr(link, f) for f in ("copy_s", "expert_s", "host_expert_s",
+               "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
+    own = host_expert_by_pricing(seconds, runs, run_copy_s=[link.copy_s, slow.copy_s])
+    assert own == pytest.approx(link.host_expert_s, rel=1e-6)
+    assert host_expert_by_pricing(seconds, runs) > 1.2 * link.host_expert_s
+    with pytest.raises(ValueError, match="1 copy times for 2 host runs"):
+        host_expert_by_pricing(seconds, runs, run_copy_s=[link.copy_s])

@@ -6,6 +6,9 @@ the capture, the real-size benchmark's table (tiny shapes here), calibration, an
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
+import moesub.engine.store
 from moesub.artefacts import layout_for, load_trace
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
@@ -36,7 +40,7 @@ from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.stage import ROW_COLUMNS
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
-from moesub.hardware import HardwareProfile, ModelBytes, this_machine
+from moesub.hardware import THIS_MACHINE, HardwareProfile, ModelBytes, UnitCosts, this_machine
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import (
     ALL_RESIDENT,
@@ -51,6 +55,7 @@ from moesub.policy import (
     scan,
     token_layer_counts,
 )
+from moesub.price import costs_at_run_disk, run_price, write_profile
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
 
@@ -93,9 +98,38 @@ def test_store_roundtrip_and_cache_bypass(tmp_path, hidden, width, mode):
         for i in (0, 5, lay.num_experts + 3, 2 * lay.num_experts - 1):
             store.read_into(i // lay.num_experts, i % lay.num_experts, gu, dn)
             assert torch.equal(gu, experts[i][0]) and torch.equal(dn, experts[i][1])
+        reads, seconds = store.read_clock()  # the disk's time per expert while a run reads
+        assert reads == 4 and seconds > 0
         bw = measure_read_bandwidth(store, reads=8)
         assert bw.bytes_per_s > 0 and bw.latency_s > 0 and bw.reads == 8
     assert lay.direct_capable == (mode == "O_DIRECT")
+
+
+def test_store_read_clock_counts_overlapping_reads_once(tmp_path, monkeypatch):
+    """Two threads' reads in flight together: the disk was busy for the overlap once (a run
+    whose host worker reads beside its background reads is not charged twice)."""
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    both_in = threading.Barrier(2)
+    read = moesub.engine.store._preadv_full
+
+    def slow_read(fd, bufs, offset):
+        both_in.wait()
+        time.sleep(0.05)
+        read(fd, bufs, offset)
+
+    monkeypatch.setattr(moesub.engine.store, "_preadv_full", slow_read)
+    with ExpertStore(tmp_path / "x.bin", expected=lay) as store:
+        bufs = [(aligned_empty(lay.gate_up_shape, torch.float32),
+                 aligned_empty(lay.down_shape, torch.float32)) for _ in range(2)]  # fmt: skip
+        threads = [threading.Thread(target=store.read_into, args=(0, e, *bufs[e]))
+                   for e in range(2)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        reads, busy = store.read_clock()
+    assert reads == 2 and 0.05 <= busy < 0.095
 
 
 def test_store_faults(tmp_path):
@@ -435,6 +469,28 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     with pytest.raises(ValueError, match="calibrate_rounds=0"):
         calibrate(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
                   FRACTION, out, {**opts, "calibrate_rounds": 0})  # fmt: skip
+    # what the copy runs read (fetches, admissions) and the host's term at each host run's own
+    # disk speed: the price stage prices each engine run at the disk's speed while it read
+    disk = cal["at_run_disk"]
+    assert disk["reads"] > 0 and disk["busy_s"] > 0 and disk["host_expert_s"] >= 0
+    _df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path)
+    assert meta["disk_reads"] > 0 and meta["disk_busy_s"] > 0
+    profile_path = tmp_path / "this_machine.json"
+    write_profile(THIS_MACHINE, None, out, {}, profile_path)
+    priced = run_price(profile_path, [], [tmp_path / "fetch_every_miss.parquet"],
+                       tmp_path / "priced.parquet")  # fmt: skip
+    row = priced.row(0, named=True)
+    assert row["source"] == "engine" and row["time_per_token_at_run_disk_s"] > 0
+    costs = UnitCosts(**json.loads(profile_path.read_text())["unit_costs"])
+    ref_speed = {"disk_reads": disk["reads"], "disk_busy_s": disk["busy_s"]}
+    at_ref = costs_at_run_disk(costs, disk, ref_speed)
+    assert at_ref.copy_s == pytest.approx(costs.copy_s, rel=1e-12)
+    assert at_ref.host_expert_s == disk["host_expert_s"]
+    slower = costs_at_run_disk(costs, disk, {**ref_speed, "disk_busy_s": 2 * disk["busy_s"]})
+    assert slower.copy_s == pytest.approx(costs.copy_s + disk["busy_s"] / disk["reads"])
+    # no disk record (the CUDA tier; an older artefact): nothing to price it at
+    assert costs_at_run_disk(costs, None, ref_speed) is None
+    assert costs_at_run_disk(costs, disk, {}) is None
 
 
 # ----------------------------------------------------------------------------------- bench
@@ -479,6 +535,13 @@ def test_benchmark_table(tmp_path, monkeypatch):
     profile = HardwareProfile.from_dict("this_machine", meta["profile"])
     assert (profile.source, profile.host_reads_link) == ("measured", True)  # the disk tier's
     assert (df["est_time_per_token_s"] > 0).all() and df["contended"].dtype == pl.Boolean
+    # the disk's speed while each run read: all_resident reads nothing, so its pricing at the
+    # run's disk is the pricing; a run that fetched read at its own time per expert
+    assert meta["at_run_disk"]["reads"] > 0 and meta["disk_read_s"][ALL_RESIDENT] == [None]
+    assert math.isnan(by[ALL_RESIDENT]["disk_read_s"])
+    assert by[ALL_RESIDENT]["est_at_run_disk_s"] == by[ALL_RESIDENT]["est_time_per_token_s"]
+    assert by["fetch_every_miss"]["disk_read_s"] == meta["disk_read_s"]["fetch_every_miss"][0] > 0
+    assert (df["est_at_run_disk_s"] > 0).all()
     assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
     # every run's per-token-layer counts beside the table: the validation runs' sum to their
     # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)

@@ -6,6 +6,7 @@ is a benchmark figure, `results/engine_bench/{device}.parquet`, not tested.)"""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,9 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
+from moesub.calibration import AtRunDisk, DiskClock
+from moesub.engine.bench import at_run_disk, priced_median
 from moesub.engine.bench_inputs import bench_logits, map_trace
+from moesub.engine.bench_runs import BenchRun
 from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
+from moesub.hardware import UnitCosts
+from moesub.policy import ALL_RESIDENT, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS
+from moesub.pricing import price_stream
 
 
 def test_map_trace_layers_and_experts():
@@ -120,3 +127,58 @@ def test_calibration_runs_are_spread_among_the_policies():
                    "p8", "p9", "c4"]  # fmt: skip
     assert spread(cal[:1], policies[:3]) == ["p0", "p1", "p2", "c0"]
     assert spread(cal[:2], []) == cal[:2] and spread([], policies[:2]) == policies[:2]
+
+
+def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> BenchRun:
+    T = len(wall)
+    zeros = np.zeros(T)
+    return BenchRun(wall, zeros, zeros, zeros, np.zeros((T, 5)), counts, zeros, zeros, 0, 0, 1.0,
+                    DiskClock(reads, busy_s))  # fmt: skip
+
+
+def test_pricing_at_the_disk_speed_each_run_read_at():
+    """A copy is a read plus the copy's other work: priced at the disk's speed while each run
+    read (its reads' time per expert against the calibration's), a run on a slower disk and a
+    host run on another are priced at their measured means exactly."""
+    K, T, L = 4, 60, 2
+    fields = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+    rng = np.random.default_rng(3)
+    overhead, ref_read = 0.4e-3, 3e-3  # per copy: the copy's other work; the calibration's read
+    costs = UnitCosts(copy_s=overhead + ref_read, expert_s=30e-6, host_expert_s=0.5e-3,
+                      dense_layer_s=0.5e-3, token_overhead_s=1e-3, install_s=40e-6,
+                      concurrent_host=False, host_reads_link=True)  # fmt: skip
+
+    def counts(kind: str) -> np.ndarray:
+        c = np.zeros((T, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+        n = rng.integers(0, K + 1, (T, L))
+        c[..., fields["hit"]] = K - (0 if kind == "hits" else n)
+        if kind != "hits":
+            c[..., fields[kind]] = n
+        return c
+
+    def run(kind: str, read: float) -> BenchRun:  # timed as the pricing at that disk speed
+        c = counts(kind)
+        u = replace(costs, copy_s=overhead + read)
+        reads = int(c[..., fields["fetch"]].sum() + c[..., fields["host"]].sum())
+        return _run(price_stream(c, 1, u).token_s, c, reads, reads * read if reads else 0.0)
+
+    runs = {
+        "cal_fetch": [run("fetch", ref_read)], "cal_admit": [run("hits", 0.0)],
+        "cal_host": [run("host", 5e-3)], "fetch_every_miss": [run("fetch", 4.5e-3)],
+        "host_compute": [run("host", 2e-3)], ALL_RESIDENT: [run("hits", 0.0)],
+    }  # fmt: skip
+    seconds = {f: getattr(costs, f) for f in ("copy_s", "expert_s", "host_expert_s",
+               "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
+    seconds["host_expert_s"] = 2e-3  # the linear fit's, to be refitted
+    at_disk, at = at_run_disk(runs, True, seconds, replace(costs, host_expert_s=2e-3))
+    assert at.reference.per_read_s == pytest.approx(ref_read, rel=1e-12)
+    assert AtRunDisk.from_dict(at.to_dict()) == at
+    for name in ("fetch_every_miss", "host_compute", ALL_RESIDENT, "cal_host"):
+        (r,), (u,) = runs[name], at_disk[name]
+        assert priced_median([r], 1, [u]) == pytest.approx(r.wall_s.mean(), rel=1e-9), name
+    assert at_disk["fetch_every_miss"][0].copy_s == pytest.approx(overhead + 4.5e-3, rel=1e-12)
+    assert at_disk["host_compute"][0].host_expert_s == pytest.approx(0.5e-3, rel=1e-6)
+    # without reads (the CUDA tier) there is no record and every run keeps the costs
+    no_reads = {n: [_run(r.wall_s, r.layer_counts, 0, 0.0) for r in rs] for n, rs in runs.items()}
+    kept, none = at_run_disk(no_reads, True, seconds, costs)
+    assert none is None and all(u == costs for us in kept.values() for u in us)

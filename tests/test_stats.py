@@ -358,8 +358,12 @@ def test_speed_quality_frontier(study):
     assert np.allclose(sve["rel_error"], 0.05)
     assert np.allclose(sve["token_set_effect"], 1.1 / 1.05 - 1)
     assert not sve["contended"].any() and np.allclose(sve["cpu_share"], 0.95)
+    # and at the disk's speed while each run read, 1.02 x measured
+    assert np.allclose(sve["rel_error_at_run_disk"], 0.02)
     doc = study["doc"]["sim_vs_engine"][0]
     assert doc["median_abs_rel_error"] == pytest.approx(0.05) and doc["n_contended"] == 0
+    assert doc["median_abs_rel_error_at_run_disk"] == pytest.approx(0.02)
+    assert doc["n_at_run_disk"] == len(sve)
     assert doc["median_abs_token_set_effect"] == pytest.approx(1.1 / 1.05 - 1)
 
 

@@ -29,7 +29,7 @@ fit degenerate: a ValueError says which.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -186,7 +186,9 @@ def unit_costs_from_fit(
 
 
 def host_expert_by_pricing(
-    seconds: dict[str, float], host_runs: Sequence[tuple[np.ndarray, np.ndarray]]
+    seconds: dict[str, float],
+    host_runs: Sequence[tuple[np.ndarray, np.ndarray]],
+    run_copy_s: Sequence[float] | None = None,
 ) -> float:
     """The host's compute per expert at which the pricing (one processor, the host's reads
     copies on the link beside the fast path: `moesub.pricing`) of the host runs' own counts
@@ -194,16 +196,24 @@ def host_expert_by_pricing(
     runs, by bisection (the price grows with it; 0 when the host runs took less than their reads
     and fast path alone are priced at). The engine overlaps the reads with the fast path, so a
     host expert's time is not linear in the host's count and the linear fit's term would price a
-    policy with other counts per layer wrong (docs/pricing.md)."""
+    policy with other counts per layer wrong (docs/pricing.md). `run_copy_s` (one per host run):
+    each run's reads priced at its own copy time (default `seconds["copy_s"]` for all)."""
     if not host_runs:
         raise ValueError("host expert by pricing: no host runs")
+    copies = [seconds["copy_s"]] * len(host_runs) if run_copy_s is None else list(run_copy_s)
+    if len(copies) != len(host_runs):
+        raise ValueError(
+            f"host expert by pricing: {len(copies)} copy times for {len(host_runs)} host runs"
+        )
     measured = float(np.concatenate([np.asarray(w, float) for w, _ in host_runs]).mean())
     tokens = sum(len(w) for w, _ in host_runs)
 
     def excess(host_s: float) -> float:  # priced minus measured, mean seconds per token
-        u = UnitCosts(**{**seconds, "host_expert_s": host_s}, concurrent_host=False,
-                      host_reads_link=True)  # fmt: skip
-        priced = sum(float(price_stream(c, 1, u).token_s.sum()) for _, c in host_runs)
+        priced = 0.0
+        for (_, counts), copy_s in zip(host_runs, copies, strict=True):
+            u = UnitCosts(**{**seconds, "host_expert_s": host_s, "copy_s": copy_s},
+                          concurrent_host=False, host_reads_link=True)  # fmt: skip
+            priced += float(price_stream(counts, 1, u).token_s.sum())
         return priced / tokens - measured
 
     if excess(0.0) >= 0.0:
@@ -220,3 +230,93 @@ def host_expert_by_pricing(
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
     return hi
+
+
+# ------------------------------------------------------------------ the disk's speed per run
+# A shared disk's read time per expert drifts by up to half between runs a minute apart
+# (docs/measurements.md): a run priced at the calibration's copy time carries that drift. Priced
+# at the disk's speed while it ran, what is left is the pricing's own error.
+
+
+@dataclass(frozen=True)
+class DiskClock:
+    """What a run read from the disk tier's file (`ExpertStore.read_clock` differences)."""
+
+    reads: int  # experts read
+    busy_s: float  # seconds at least one read was in flight
+
+    @property
+    def per_read_s(self) -> float:
+        return self.busy_s / self.reads if self.reads else float("nan")
+
+    def __sub__(self, earlier: DiskClock) -> DiskClock:
+        return DiskClock(self.reads - earlier.reads, self.busy_s - earlier.busy_s)
+
+    @staticmethod
+    def pooled(clocks: Sequence[DiskClock]) -> DiskClock:
+        return DiskClock(sum(c.reads for c in clocks), sum(c.busy_s for c in clocks))
+
+
+def copy_at_disk(copy_s: float, reference: DiskClock, run: DiskClock) -> float:
+    """The copy term at a run's disk speed: `copy_s` (fitted on runs that read at `reference`'s
+    speed) moved by the run's time per read less the reference's; the copy's other work stays.
+    Unchanged when either read nothing."""
+    if not (reference.reads and run.reads):
+        return copy_s
+    return max(copy_s + run.per_read_s - reference.per_read_s, 0.0)
+
+
+def host_expert_at_disk(
+    seconds: dict[str, float],
+    host_runs: Sequence[tuple[np.ndarray, np.ndarray]],
+    reference: DiskClock,
+    host_clocks: Sequence[DiskClock],
+) -> float:
+    """`host_expert_by_pricing` with each host run's reads priced at its own disk speed: the
+    host's compute with the disk's drift between the host runs and the others taken out."""
+    copies = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
+    return host_expert_by_pricing(seconds, host_runs, run_copy_s=copies)
+
+
+@dataclass(frozen=True)
+class AtRunDisk:
+    """What pricing a run at the disk's speed while it read needs: what the runs the copy term
+    was fitted on read (`reference`), and the host's term with each host run at its own speed."""
+
+    reference: DiskClock
+    host_expert_s: float
+
+    @staticmethod
+    def fit(
+        seconds: dict[str, float],
+        copy_runs: Sequence[DiskClock],
+        host_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+        host_clocks: Sequence[DiskClock] = (),
+    ) -> AtRunDisk | None:
+        """From the calibration's copy runs (every mechanism's but the host's) and, where the
+        host reads over the link, its runs `(wall_s, counts)` with what each read; None where
+        the runs read no file."""
+        reference = DiskClock.pooled(copy_runs)
+        if not reference.reads:
+            return None
+        host_s = seconds["host_expert_s"]
+        if host_runs is not None:
+            host_s = host_expert_at_disk(seconds, host_runs, reference, host_clocks)
+        return AtRunDisk(reference, host_s)
+
+    def costs(self, costs: UnitCosts, run: DiskClock) -> UnitCosts:
+        """`costs` at the disk's speed while `run` read (a run that read nothing keeps the
+        copy term)."""
+        return replace(
+            costs,
+            copy_s=copy_at_disk(costs.copy_s, self.reference, run),
+            host_expert_s=self.host_expert_s,
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {"reads": self.reference.reads, "busy_s": self.reference.busy_s,
+                "host_expert_s": self.host_expert_s}  # fmt: skip
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> AtRunDisk:
+        return AtRunDisk(DiskClock(int(d["reads"]), float(d["busy_s"])), float(d["host_expert_s"]))

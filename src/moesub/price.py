@@ -10,9 +10,11 @@ Two entry points, one rule each:
 - `run_price`: `results/{model}/priced/{hardware}.parquet`, one row per priced run
   (`PRICED_COLUMNS`): `source` simulator (one per simulated policy and cache size, the
   simulator's tokens) or engine (this_machine only: the engine runs' own tokens, with their
-  measured time and CPU share beside). Every stream is priced from an idle link, as the caches
-  restart. `time_per_token_serial_s` is the same counts priced without concurrency (the host's
-  experts after the fast tier's), equal to `time_per_token_s` on a one-processor profile.
+  measured time and CPU share beside, and `time_per_token_at_run_disk_s`: the same tokens with
+  the copies at the disk's speed while the run read, `costs_at_run_disk`). Every stream is
+  priced from an idle link, as the caches restart. `time_per_token_serial_s` is the same
+  counts priced without concurrency (the host's experts after the fast tier's), equal to
+  `time_per_token_s` on a one-processor profile.
 
 A profile change reruns its two jobs, never a replay.
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 import polars as pl
 
+from moesub.calibration import AtRunDisk, DiskClock
 from moesub.hardware import (
     THIS_MACHINE,
     HardwareProfile,
@@ -45,7 +48,7 @@ from moesub.vocabulary import Policy
 PRICED_COLUMNS = (
     "hardware", "source", "device", "policy", "fraction", "size", "tokens", "time_per_token_s",
     "time_per_token_serial_s", "hidden_host_per_token_s", *(f"{p}_s" for p in BREAKDOWN),
-    "measured_time_per_token_s", "cpu_share", "contended",
+    "measured_time_per_token_s", "cpu_share", "contended", "time_per_token_at_run_disk_s",
 )  # fmt: skip
 
 
@@ -59,10 +62,13 @@ def write_profile(
     """The profile `name` priced for a model (module doc): `spec` its keys, or for this_machine
     (spec None) the calibration's profile, priced at the calibration's own expert bytes (what
     its seconds were measured at); `model_bytes` (`ModelBytes` keys) prices the others."""
+    at_run_disk = None
     if name == THIS_MACHINE:
         path = require_file(calibration_path, "calibration_path")
         profile = this_machine(path)
-        bytes_ = ModelBytes(json.loads(Path(path).read_text())["expert_bytes"])
+        calibration = json.loads(Path(path).read_text())
+        bytes_ = ModelBytes(calibration["expert_bytes"])
+        at_run_disk = calibration.get("at_run_disk")
     else:
         profile = HardwareProfile.from_dict(name, spec or {})
         bytes_ = ModelBytes(**model_bytes)
@@ -71,6 +77,7 @@ def write_profile(
         "profile": profile.to_dict(),
         "model_bytes": asdict(bytes_),
         "unit_costs": asdict(profile.price(bytes_)),
+        "at_run_disk": at_run_disk,  # this_machine on a disk tier: `engine.calibrate.at_run_disk`
     }
     write_json(out, out_path)
     return out
@@ -101,6 +108,19 @@ def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict)
     }
 
 
+def costs_at_run_disk(
+    costs: UnitCosts, at_run_disk: Mapping[str, float] | None, meta: Mapping[str, Any]
+) -> UnitCosts | None:
+    """An engine run's costs at the disk's speed while it read (its `disk_reads`,
+    `disk_busy_s`) against the calibration's record (`at_run_disk`,
+    `moesub.calibration.AtRunDisk`); None where the tier reads no file, or an artefact
+    predates the record."""
+    if not at_run_disk or "disk_reads" not in meta:
+        return None
+    run = DiskClock(int(meta["disk_reads"]), float(meta["disk_busy_s"]))
+    return AtRunDisk.from_dict(at_run_disk).costs(costs, run)
+
+
 def run_price(
     profile_path: str | os.PathLike,
     simulate_counts: Sequence[str | os.PathLike],
@@ -111,6 +131,7 @@ def run_price(
     every engine output (its `token_layer_counts`; this_machine only) under the profile of
     `profile_path` (`write_profile`); write the table (module doc) atomically, return it."""
     hardware, costs = read_unit_costs(profile_path)
+    at_run_disk = json.loads(Path(profile_path).read_text()).get("at_run_disk")
     if engine_outputs and hardware != THIS_MACHINE:
         raise ValueError(
             f"price: engine runs are priced under {THIS_MACHINE!r} only (the machine they ran "
@@ -130,6 +151,11 @@ def run_price(
         row["measured_time_per_token_s"] = float(df["wall_s"].mean())
         row["cpu_share"] = meta.get("cpu_share")
         row["contended"] = meta.get("contended")
+        at_disk = costs_at_run_disk(costs, at_run_disk, meta)
+        if at_disk is not None:
+            row["time_per_token_at_run_disk_s"] = _row(
+                hardware, "engine", at_disk, stream_counts(df), meta
+            )["time_per_token_s"]
         rows.append(row)
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,

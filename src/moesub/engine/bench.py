@@ -18,7 +18,10 @@ policy does (no thread state carried over from another policy's run). The machin
 fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration does) and
 prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
 `sim_rel_error` compares the median over rounds of the priced means with the median over rounds of
-the measured means. The output holds one row per policy with time per token and its ratios to
+the measured means. `sim_rel_error_at_run_disk` does the same with each run's copies priced at the
+disk's speed while that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the
+pricing's arithmetic apart from the disk's drift between runs. The output holds one row per
+policy with time per token and its ratios to
 `fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and the
 runs' CPU share (`contended` below 0.8: another process took the CPU).
 Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
@@ -41,7 +44,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.calibration import AtRunDisk, TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -226,6 +229,29 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     return seconds, profile.price(ModelBytes(expert_bytes))
 
 
+def at_run_disk(
+    runs: dict[str, list[BenchRun]],
+    host_reads_link: bool,
+    seconds: dict[str, float],
+    costs: UnitCosts,
+) -> tuple[dict[str, list[UnitCosts]], AtRunDisk | None]:
+    """Per run name, one `costs` per round at the disk's speed while that run read
+    (`moesub.calibration.AtRunDisk`, from the calibration runs as the pipeline's calibration
+    makes it): the pricing's arithmetic apart from the disk's drift between runs; and the
+    record (None on a tier that reads no file, the CUDA tier's: every run keeps `costs`)."""
+    copy_runs = [r.disk for n in CALIBRATION_POLICIES if n != HOST_RUN for r in runs[n]]
+    host = runs[HOST_RUN]
+    at = AtRunDisk.fit(
+        seconds, copy_runs, [(r.wall_s, r.layer_counts) for r in host] if host_reads_link
+        else None, [r.disk for r in host],
+    )  # fmt: skip
+    per_run = {
+        name: [costs if at is None else at.costs(costs, r.disk) for r in rs]
+        for name, rs in runs.items()
+    }
+    return per_run, at
+
+
 @dataclass
 class _Plan:
     """Everything the runs are made from, ready before the first (`_plan`)."""
@@ -362,18 +388,23 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     return _Rounds(runs, micro, description, host_reads_link)
 
 
-def priced_median(runs: list[BenchRun], delay: int, costs: UnitCosts) -> float:
+def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:
     """The pricing of each run's own per-token-layer counts (from an idle link, as every run
-    starts), the median over runs of their means."""
+    starts) at its costs (one per run), the median over runs of their means."""
     from moesub.pricing import price_stream
 
-    return float(np.median([price_stream(r.layer_counts, delay, costs).token_s.mean()
-                            for r in runs]))  # fmt: skip
+    return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
+                            for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
 
 
-def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts) -> pl.DataFrame:
-    """One row per policy over its rounds, the pricing's estimate on the same tokens beside,
-    and the speedups."""
+def _policy_rows(
+    plan: _Plan,
+    runs: dict[str, list[BenchRun]],
+    costs: UnitCosts,
+    run_disk: dict[str, list[UnitCosts]],
+) -> pl.DataFrame:
+    """One row per policy over its rounds, the pricing's estimate on the same tokens beside
+    (`costs`, and `run_disk`'s: `at_run_disk`), and the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
     L = plan.p.layers
@@ -382,8 +413,11 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts)
         r = concat_runs(runs[name])
         slots = max(int(r.counts.sum()), 1)
         c = by_status(r.counts.sum(axis=0))
-        est = priced_median(runs[name], plan.policy(name).delay, costs)
+        delay = plan.policy(name).delay
+        est = priced_median(runs[name], delay, [costs] * len(runs[name]))
+        est_disk = priced_median(runs[name], delay, run_disk[name])
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
+        read_s = [run.disk.per_read_s for run in runs[name] if run.disk.reads]
         rows.append(
             {
                 "policy": name,
@@ -404,6 +438,9 @@ def _policy_rows(plan: _Plan, runs: dict[str, list[BenchRun]], costs: UnitCosts)
                 "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
                 "est_time_per_token_s": float(est),
                 "sim_rel_error": float((est - run_median) / run_median),
+                "disk_read_s": float(np.median(read_s)) if read_s else math.nan,
+                "est_at_run_disk_s": est_disk,
+                "sim_rel_error_at_run_disk": float((est_disk - run_median) / run_median),
                 "cpu_share": r.cpu_share,
                 "contended": bool(r.cpu_share < CONTENDED_BELOW),
             }
@@ -436,7 +473,9 @@ def run_benchmark(
     tokens from an admission's request to its install; `time_per_token_run_median_s` is the
     median over rounds of each run's mean time per token, which `est_time_per_token_s` (the
     cost model fitted in this run, priced on the policy's counters) is compared with:
-    `sim_rel_error = (est - run median) / run median`.
+    `sim_rel_error = (est - run median) / run median`; `disk_read_s` (median over rounds of the
+    disk's seconds per expert read during the run), `est_at_run_disk_s` and
+    `sim_rel_error_at_run_disk` price each run at that speed (`at_run_disk`).
 
     Also writes every run's per-token-layer counts to `counts_path` (default
     `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
@@ -453,7 +492,13 @@ def run_benchmark(
         plan.close()
     info["load_avg_end"] = os.getloadavg()
     seconds, costs = _fit_costs(rounds, p, info)
-    out = _policy_rows(plan, rounds.runs, costs)
+    run_disk, at = at_run_disk(rounds.runs, rounds.host_reads_link, seconds, costs)
+    info["at_run_disk"] = None if at is None else at.to_dict()
+    info["disk_read_s"] = {
+        name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
+        for name, rs in rounds.runs.items()
+    }
+    out = _policy_rows(plan, rounds.runs, costs, run_disk)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,

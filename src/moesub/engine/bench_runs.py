@@ -22,9 +22,10 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import TimedTokens
+from moesub.calibration import DiskClock, TimedTokens
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
+from moesub.engine.tiers import disk_clock
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 
@@ -49,6 +50,7 @@ class BenchRun:
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
     cpu_share: float  # the run's CPU share (`moesub.engine.contention`)
+    disk: DiskClock = DiskClock(0, 0.0)  # what the measured tokens read from the disk tier
 
 
 @torch.inference_mode()
@@ -74,8 +76,11 @@ def run_policy(
     layer_counts = np.zeros((n, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     syncs, admissions = np.zeros(n, np.int64), np.zeros(n, np.int64)
     admitted = admit_latency = 0
+    disk0 = disk_clock(engine.tier)
     meter = CpuMeter().start()
     for t in tqdm(range(T), desc=desc, unit="tok", disable=not progress, leave=False):
+        if t == warmup:
+            disk0 = disk_clock(engine.tier)
         t0 = time.perf_counter()
         engine.begin_token()
         hidden = h0  # (1, H) every token enters with the same hidden state
@@ -103,11 +108,12 @@ def run_policy(
             admitted += st.admitted
             admit_latency += st.admit_latency
     share = meter.stop()["cpu_share"]
+    disk = disk_clock(engine.tier) - disk0
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
     return BenchRun(
         wall, wait, bsync, bbg, counts, layer_counts, admissions, syncs, admitted, admit_latency,
-        share,
+        share, disk,
     )  # fmt: skip
 
 
@@ -124,6 +130,7 @@ def concat_runs(runs: list[BenchRun]) -> BenchRun:
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
         cpu_share=float(np.median([r.cpu_share for r in runs])),
+        disk=DiskClock.pooled([r.disk for r in runs]),
     )
 
 

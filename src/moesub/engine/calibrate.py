@@ -9,7 +9,8 @@ where the host reads its experts over the link, the host's term comes from the p
 host runs); the fast tier's expert time is a microbenchmark (`measure_expert_compute`) that
 splits the fitted per-layer constant. The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it
-was made from, the fit and the runs' CPU share (`moesub.engine.contention`).
+was made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
+`moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
 
 On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
 expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
@@ -28,11 +29,18 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.calibration import (
+    AtRunDisk,
+    DiskClock,
+    TimedTokens,
+    fit_unit_costs,
+    unit_costs_from_fit,
+)
 from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
+from moesub.engine.tiers import disk_clock
 from moesub.hardware import measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT
@@ -148,13 +156,16 @@ def calibrate(
         for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
     ]
     timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
+    disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
     host_runs = []  # the host runs' (wall_s, counts): the host's term through the pricing
     expert_s, expert_bytes, tier, host_reads_link = None, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
         with EngineModel(model_dir, specs[name]) as eng:
             for ids in streams:
+                disk0 = disk_clock(eng.setup.tier)
                 r = eng.decode(ids)
+                disk[name].append(disk_clock(eng.setup.tier) - disk0)
                 timed[name].append(TimedTokens.from_counts(r["wall_s"], r["layer_counts"]))
                 if name == HOST_RUN:
                     host_runs.append((r["wall_s"], r["layer_counts"]))
@@ -168,6 +179,10 @@ def calibrate(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
         host_runs=host_runs if host_reads_link else None,
     )  # fmt: skip
+    at_disk = AtRunDisk.fit(
+        seconds, [c for name, cs in disk.items() if name != HOST_RUN for c in cs],
+        host_runs if host_reads_link else None, disk[HOST_RUN],
+    )  # fmt: skip
     profile = measured_profile(
         seconds,
         expert_bytes,
@@ -178,6 +193,7 @@ def calibrate(
         "profile": profile.to_dict(),
         "expert_bytes": float(expert_bytes),
         "unit_costs": seconds,
+        "at_run_disk": None if at_disk is None else at_disk.to_dict(),
         "expert_compute_s": expert_s,
         "fit": fit.to_dict(),
         "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.spec import resolve_engine
+from moesub.engine.tiers import disk_clock
 from moesub.io import require_file, write_parquet
 from moesub.policy import ALL_RESIDENT, STATUS_NAMES, TOKEN_LAYER_FIELDS
 from moesub.token_counts import counts_column
@@ -77,8 +78,9 @@ def run_engine(
     `mass`, `syncs`: host waits for the device, and `token_layer_counts`: what the policy did
     at each layer, `moesub.token_counts`) with metadata `policy, name, fraction, capacity,
     size, layout, device, tier, ...`, the admissions' latency in tokens (request to install), a
-    `summary` (median / p90 time per token, perplexity) and the run's CPU share (`cpu_share`,
-    `contended`: `moesub.engine.contention`).
+    `summary` (median / p90 time per token, perplexity), the run's CPU share (`cpu_share`,
+    `contended`: `moesub.engine.contention`) and what it read from the expert file
+    (`disk_reads`, `disk_busy_s`: `moesub.engine.tiers.disk_clock`).
     `name == "all_resident"` holds every expert in fast memory (the floor on time per token).
     Each stream starts from fresh caches holding the layout's initial sets (the expert
     ranking's prefixes, as in emulate; a planned layout's C_l slots per layer,
@@ -103,6 +105,7 @@ def run_engine(
     admit_wait_s, admitted, admit_latency = 0.0, 0, 0
     with EngineModel(model_dir, spec) as eng:
         setup = eng.setup
+        disk0 = disk_clock(setup.tier)
         meter = CpuMeter().start()
         bar = tqdm(streams, desc=f"engine {name}", unit="stream", disable=not opts.progress)
         for stream, rows in bar:
@@ -132,6 +135,7 @@ def run_engine(
                 ).with_columns(pl.col("nll").fill_nan(None), counts_column(r["layer_counts"]))
             )
         cpu = meter.stop()
+        disk = disk_clock(setup.tier) - disk0
     out = pl.concat(frames)
     nll = out["nll"].fill_null(np.nan).to_numpy()
     meta = {
@@ -157,6 +161,9 @@ def run_engine(
         "admissions_installed": int(out["bytes_bg"].sum() // max(setup.expert_bytes, 1)),
         "prefetch_timeliness": timeliness(out),
         "token_layer_fields": list(TOKEN_LAYER_FIELDS),
+        # the disk's speed while the run read (`moesub.price` prices the run at it too)
+        "disk_reads": disk.reads,
+        "disk_busy_s": disk.busy_s,
         **cpu,
     }
     if setup.bandwidth:

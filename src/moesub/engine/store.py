@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -235,7 +236,9 @@ class ExpertStore:
 
     `expected` (optional) is the layout the caller needs; a store of another geometry or
     fingerprint raises ValueError. A file shorter or longer than its header says (truncated,
-    or not finished) raises ValueError too. Reads are thread-safe (`pread`).
+    or not finished) raises ValueError too. Reads are thread-safe (`pread`). `read_clock` counts
+    `read_into`'s reads and the time at least one was in flight (reads of several threads at
+    once count their overlap once): the disk's time per expert while a run read.
     """
 
     def __init__(
@@ -277,6 +280,8 @@ class ExpertStore:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.drop_cache()
+        self._reads, self._busy_s, self._in_flight, self._busy_since = 0, 0.0, 0, 0.0
+        self._clock_lock = threading.Lock()  # the tier's threads read concurrently
 
     @property
     def mode(self) -> str:
@@ -301,13 +306,30 @@ class ExpertStore:
             raise ValueError("read_into: destination shapes/dtypes do not match the store")
         off = lay.offset(layer, expert)
         aligned = gate_up.data_ptr() % ALIGN == 0 and down.data_ptr() % ALIGN == 0
-        if self._dfd >= 0 and aligned:
-            _preadv_full(self._dfd, bufs, off)
-        else:
-            _preadv_full(self._fd, bufs, off)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, off, lay.expert_stride, os.POSIX_FADV_DONTNEED)
+        with self._clock_lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            if self._dfd >= 0 and aligned:
+                _preadv_full(self._dfd, bufs, off)
+            else:
+                _preadv_full(self._fd, bufs, off)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self._fd, off, lay.expert_stride, os.POSIX_FADV_DONTNEED)
+        finally:
+            with self._clock_lock:
+                self._in_flight -= 1
+                self._reads += 1
+                if self._in_flight == 0:
+                    self._busy_s += time.perf_counter() - self._busy_since
         return lay.expert_bytes
+
+    def read_clock(self) -> tuple[int, float]:
+        """(experts read by `read_into`, seconds at least one of them was in flight) since the
+        store opened; the difference of two is what happened between them."""
+        with self._clock_lock:
+            return self._reads, self._busy_s
 
     def read_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh uncached read of one expert into new aligned tensors."""

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from moesub.calibration import DiskClock
 from moesub.engine.host_memory import Allocator
 from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
@@ -51,6 +52,16 @@ class SlotBuffers:
     @property
     def capacity(self) -> int:
         return self.gate_up.shape[0]
+
+
+def disk_clock(tier) -> DiskClock:
+    """What the expert file a tier reads (the disk tier's, or the CUDA tier's for layers kept
+    on disk) has read so far (`ExpertStore.read_clock`; none for a tier without one): the
+    difference of two is what a run read."""
+    store = getattr(tier, "store", None)
+    if store is None:
+        store = getattr(getattr(tier, "host", None), "store", None)
+    return DiskClock(*store.read_clock()) if store is not None else DiskClock(0, 0.0)
 
 
 def layer_capacities(capacity: int | Sequence[int], num_layers: int) -> tuple[int, ...]:

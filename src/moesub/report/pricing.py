@@ -20,8 +20,9 @@ def ms(key: str) -> Col:
 
 
 def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
-    """Per engine run: measured, its own tokens priced on this_machine, the error, the
-    simulator's tokens priced (token-set effect), the CPU share and the contended flag."""
+    """Per engine run: measured, its own tokens priced on this_machine, the error (and at the
+    disk's speed while the run read), the simulator's tokens priced (token-set effect), the CPU
+    share and the contended flag."""
     se = out.table("sim_vs_engine")
     if se.empty or "token_set_effect" not in se.columns:
         return make_table("sim-engine-table", [], [])
@@ -39,6 +40,7 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
             "priced, engine's tokens (ms)", lambda r: num(1e3 * r["est_time_per_token_s"], "{:.3f}")
         ),  # fmt: skip
         Col("error", lambda r: pct(r.get("rel_error"))),
+        Col("error at the run's disk speed", lambda r: pct(r.get("rel_error_at_run_disk"))),
         Col(
             "priced, simulator's tokens (ms)",
             lambda r: num(1e3 * r["sim_time_per_token_s"], "{:.3f}"),

@@ -243,22 +243,29 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     the engine's mean, `rel_error`; beside it the simulator's tokens priced (`sim` totals'
     `est_time_per_token_s`: `sim_time_per_token_s`) and `token_set_effect` = simulator / engine
     tokens - 1 (same profile, other tokens and the simulator's admission timing); the run's
-    CPU share and `contended` flag."""
+    CPU share and `contended` flag; `rel_error_at_run_disk`: the engine's tokens priced at the
+    disk's speed while the run read (`moesub.price.costs_at_run_disk`; NaN where the tier
+    reads no file)."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
             pd.DataFrame(), None, missing("needs engine runs priced on this_machine")
         )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
-    est = engine_rows[["policy", "fraction", "device", "time_per_token_s", "cpu_share",
-                       "contended"]]  # fmt: skip
-    j = j.merge(
-        est.rename(columns={"time_per_token_s": "est_time_per_token_s"}),
-        on=["policy", "fraction", "device"],
+    engine_rows = engine_rows.assign(  # a priced table from before the column: NaN
+        time_per_token_at_run_disk_s=engine_rows.get("time_per_token_at_run_disk_s", np.nan)
     )
+    est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
+                       "time_per_token_at_run_disk_s", "cpu_share", "contended"]]  # fmt: skip
+    j = j.merge(
+        est.rename(columns={"time_per_token_s": "est_time_per_token_s",
+                            "time_per_token_at_run_disk_s": "est_at_run_disk_s"}),
+        on=["policy", "fraction", "device"],
+    )  # fmt: skip
     if j.empty:
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
+    j["rel_error_at_run_disk"] = j["est_at_run_disk_s"].astype(float) / j["time_mean_s"] - 1.0
     if not sim.empty:
         s = sim[["policy", "fraction", "est_time_per_token_s"]]
         j = j.merge(
@@ -271,10 +278,15 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     j["token_set_effect"] = j["sim_time_per_token_s"] / j["est_time_per_token_s"] - 1.0
     err = j["rel_error"].abs().to_numpy()
     effect = j["token_set_effect"].abs().dropna().to_numpy()
+    at_disk = j["rel_error_at_run_disk"].abs().dropna().to_numpy()
     result = {
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
         "max_abs_rel_error": float(err.max()),
+        # priced at the disk's speed while each run read (the disk tier's runs)
+        "n_at_run_disk": int(at_disk.size),
+        "median_abs_rel_error_at_run_disk": float(np.median(at_disk)) if at_disk.size else None,
+        "max_abs_rel_error_at_run_disk": float(at_disk.max()) if at_disk.size else None,
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
         "n_contended": int(j["contended"].fillna(False).astype(bool).sum()),
         "median_abs_token_set_effect": float(np.median(effect)) if effect.size else None,
