@@ -3,11 +3,13 @@
 Modules, lowest layer first (each imports only modules above it in this list):
 
 - `contention`: `CpuMeter`, the CPU share a timed run had (`contended` below 0.8).
-- `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise).
+- `store`: the disk tier's expert file (written once, read with O_DIRECT / posix_fadvise, its
+  reads timed: `read_clock`).
 - `kernels`: expert compute from slot buffers, planned on the host (grouped matmul where it
   is fast, per-expert matmuls elsewhere).
 - `host_memory`: the experts behind the GPU (`HostExperts`: a pinned budget, disk behind it).
-- `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM).
+- `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM); `disk_clock`,
+  what a tier's expert file has read.
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
   side stream).
 - `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
