@@ -15,9 +15,8 @@ import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
 from moesub.calibration import AtRunDisk, DiskClock
-from moesub.engine.bench import at_run_disk, priced_median
 from moesub.engine.bench_inputs import bench_logits, map_trace
-from moesub.engine.bench_runs import BenchRun
+from moesub.engine.bench_runs import BenchRun, at_run_disk, priced_median
 from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 from moesub.hardware import UnitCosts
@@ -129,6 +128,9 @@ def test_calibration_runs_are_spread_among_the_policies():
     assert spread(cal[:2], []) == cal[:2] and spread([], policies[:2]) == policies[:2]
 
 
+COPY_RUNS = ["cal_fetch", "cal_admit"]  # the calibration's runs the copy term is fitted on
+
+
 def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> BenchRun:
     T = len(wall)
     zeros = np.zeros(T)
@@ -170,7 +172,9 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
     seconds = {f: getattr(costs, f) for f in ("copy_s", "expert_s", "host_expert_s",
                "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
     seconds["host_expert_s"] = 2e-3  # the linear fit's, to be refitted
-    at_disk, at = at_run_disk(runs, True, seconds, replace(costs, host_expert_s=2e-3))
+    at_disk, at = at_run_disk(
+        runs, COPY_RUNS, "cal_host", True, seconds, replace(costs, host_expert_s=2e-3)
+    )
     assert at.reference.per_read_s == pytest.approx(ref_read, rel=1e-12)
     assert AtRunDisk.from_dict(at.to_dict()) == at
     for name in ("fetch_every_miss", "host_compute", ALL_RESIDENT, "cal_host"):
@@ -180,5 +184,5 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
     assert at_disk["host_compute"][0].host_expert_s == pytest.approx(0.5e-3, rel=1e-6)
     # without reads (the CUDA tier) there is no record and every run keeps the costs
     no_reads = {n: [_run(r.wall_s, r.layer_counts, 0, 0.0) for r in rs] for n, rs in runs.items()}
-    kept, none = at_run_disk(no_reads, True, seconds, costs)
+    kept, none = at_run_disk(no_reads, COPY_RUNS, "cal_host", True, seconds, costs)
     assert none is None and all(u == costs for us in kept.values() for u in us)

@@ -44,7 +44,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import AtRunDisk, TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -55,10 +55,12 @@ from moesub.engine.bench_inputs import (
 )
 from moesub.engine.bench_runs import (
     BenchRun,
+    at_run_disk,
     by_status,
     concat_runs,
     counts_path_for,
     hits_only,
+    priced_median,
     run_policy,
     timed_tokens,
     write_bench_counts,
@@ -229,29 +231,6 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     return seconds, profile.price(ModelBytes(expert_bytes))
 
 
-def at_run_disk(
-    runs: dict[str, list[BenchRun]],
-    host_reads_link: bool,
-    seconds: dict[str, float],
-    costs: UnitCosts,
-) -> tuple[dict[str, list[UnitCosts]], AtRunDisk | None]:
-    """Per run name, one `costs` per round at the disk's speed while that run read
-    (`moesub.calibration.AtRunDisk`, from the calibration runs as the pipeline's calibration
-    makes it): the pricing's arithmetic apart from the disk's drift between runs; and the
-    record (None on a tier that reads no file, the CUDA tier's: every run keeps `costs`)."""
-    copy_runs = [r.disk for n in CALIBRATION_POLICIES if n != HOST_RUN for r in runs[n]]
-    host = runs[HOST_RUN]
-    at = AtRunDisk.fit(
-        seconds, copy_runs, [(r.wall_s, r.layer_counts) for r in host] if host_reads_link
-        else None, [r.disk for r in host],
-    )  # fmt: skip
-    per_run = {
-        name: [costs if at is None else at.costs(costs, r.disk) for r in rs]
-        for name, rs in runs.items()
-    }
-    return per_run, at
-
-
 @dataclass
 class _Plan:
     """Everything the runs are made from, ready before the first (`_plan`)."""
@@ -388,15 +367,6 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     return _Rounds(runs, micro, description, host_reads_link)
 
 
-def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:
-    """The pricing of each run's own per-token-layer counts (from an idle link, as every run
-    starts) at its costs (one per run), the median over runs of their means."""
-    from moesub.pricing import price_stream
-
-    return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
-                            for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
-
-
 def _policy_rows(
     plan: _Plan,
     runs: dict[str, list[BenchRun]],
@@ -492,7 +462,10 @@ def run_benchmark(
         plan.close()
     info["load_avg_end"] = os.getloadavg()
     seconds, costs = _fit_costs(rounds, p, info)
-    run_disk, at = at_run_disk(rounds.runs, rounds.host_reads_link, seconds, costs)
+    copy_names = [n for n in CALIBRATION_POLICIES if n != HOST_RUN]
+    run_disk, at = at_run_disk(
+        rounds.runs, copy_names, HOST_RUN, rounds.host_reads_link, seconds, costs
+    )
     info["at_run_disk"] = None if at is None else at.to_dict()
     info["disk_read_s"] = {
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]

@@ -22,10 +22,11 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import DiskClock, TimedTokens
+from moesub.calibration import AtRunDisk, DiskClock, TimedTokens
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
+from moesub.hardware import UnitCosts
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 
@@ -210,3 +211,38 @@ def read_bench_counts(path: str | os.PathLike) -> dict[str, list[tuple[np.ndarra
             (rows["wall_s"].to_numpy()[::L].copy(), counts.reshape(T, L, len(TOKEN_LAYER_FIELDS)))
         )
     return out
+
+
+def at_run_disk(
+    runs: dict[str, list[BenchRun]],
+    copy_names: list[str],
+    host_name: str,
+    host_reads_link: bool,
+    seconds: dict[str, float],
+    costs: UnitCosts,
+) -> tuple[dict[str, list[UnitCosts]], AtRunDisk | None]:
+    """Per run name, one `costs` per round at the disk's speed while that run read
+    (`moesub.calibration.AtRunDisk`, from the calibration's copy runs `copy_names` and host runs
+    `host_name`, as the pipeline's calibration makes it): the pricing's arithmetic apart from
+    the disk's drift between runs; and the record (None on a tier that reads no file, the CUDA
+    tier's: every run keeps `costs`)."""
+    host = runs[host_name]
+    at = AtRunDisk.fit(
+        seconds, [r.disk for n in copy_names for r in runs[n]],
+        [(r.wall_s, r.layer_counts) for r in host] if host_reads_link else None,
+        [r.disk for r in host],
+    )  # fmt: skip
+    per_run = {
+        name: [costs if at is None else at.costs(costs, r.disk) for r in rs]
+        for name, rs in runs.items()
+    }
+    return per_run, at
+
+
+def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:
+    """The pricing of each run's own per-token-layer counts (from an idle link, as every run
+    starts) at its costs (one per run), the median over runs of their means."""
+    from moesub.pricing import price_stream
+
+    return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
+                            for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
