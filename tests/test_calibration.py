@@ -12,9 +12,11 @@ import pytest
 from moesub.calibration import (
     FIT_TERMS,
     CostFit,
+    DiskClock,
     TimedTokens,
     fit_unit_costs,
     host_expert_by_pricing,
+    reference_clock,
     unit_costs_from_fit,
 )
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
@@ -199,3 +201,52 @@ def test_host_runs_priced_at_their_own_disk_speed():
     assert host_expert_by_pricing(seconds, runs) > 1.2 * link.host_expert_s
     with pytest.raises(ValueError, match="1 copy times for 2 host runs"):
         host_expert_by_pricing(seconds, runs, run_copy_s=[link.copy_s])
+
+
+def test_runs_on_a_drifting_disk_are_fitted_at_their_own_read_speed():
+    """Each run reads at its own disk speed (timed: `DiskClock`): a copy is the copy's other
+    work plus a read. Fitted with every token's reads at its run's speed, the other work, the
+    host's compute and the median run's speed come back; fitted at one copy time, the host runs'
+    slow disk lands in the host's term."""
+    beyond, host_s = 100e-6, 60e-6
+    link = replace(TRUE, host_expert_s=host_s, host_reads_link=True)
+    rng = np.random.default_rng(9)
+    timed, untimed, clocks, host_runs, host_clocks = [], [], [], [], []
+    reads_at = {"fetch": (300e-6, 450e-6, 320e-6), "host": (600e-6, 640e-6, 580e-6)}
+    for r in range(3):
+        for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
+            c = mechanism_counts(kind, 300, layers, rng)
+            read = reads_at.get(kind, (300e-6,) * 3)[r]
+            wall = price_stream_reference(c, 1, replace(link, copy_s=beyond + read)).token_s
+            n = int(c[..., [F["fetch"], F["host"], F["admission_requests"]]].sum())
+            clock = DiskClock(n, n * read)
+            clocks.append(clock)
+            timed.append(TimedTokens.from_counts(wall, c, clock))
+            untimed.append(TimedTokens.from_counts(wall, c))
+            if kind == "host":
+                host_runs.append((wall, c))
+                host_clocks.append(clock)
+    reference = reference_clock(clocks)
+    assert reference.per_read_s == pytest.approx(320e-6)  # the median of the 9 that read
+    seconds = unit_costs_from_fit(
+        fit_unit_costs(TimedTokens.concat(timed)), k=K, layers=L, expert_s=TRUE.expert_s,
+        host_runs=host_runs, reference=reference, host_clocks=host_clocks,
+    )  # fmt: skip
+    assert seconds["copy_s"] == pytest.approx(beyond + 320e-6, rel=0.03)
+    assert seconds["host_expert_s"] == pytest.approx(host_s, rel=0.05)
+    at_one_copy = unit_costs_from_fit(
+        fit_unit_costs(TimedTokens.concat(untimed)), k=K, layers=L, expert_s=TRUE.expert_s,
+        host_runs=host_runs,
+    )  # fmt: skip
+    assert at_one_copy["host_expert_s"] > 2 * host_s
+    with pytest.raises(ValueError, match="wall times must be finite"):
+        fit_unit_costs(replace(timed[0], wall_s=-timed[0].wall_s))
+
+
+def test_the_reference_run_is_the_median_reader():
+    def clock(per_read: float, reads: int = 10) -> DiskClock:
+        return DiskClock(reads, reads * per_read)
+
+    assert reference_clock([clock(3.0), clock(1.0), clock(2.0), clock(0.0, 0)]) == clock(2.0)
+    assert reference_clock([clock(3.0), clock(1.0)]) == clock(1.0)  # the lower of two
+    assert reference_clock([clock(0.0, 0)]) is None and reference_clock([]) is None

@@ -5,6 +5,7 @@ the capture, the real-size benchmark's table (tiny shapes here), calibration, an
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import threading
@@ -32,6 +33,7 @@ from moesub.engine import (
     write_store,
 )
 from moesub.engine.bench_runs import read_bench_counts
+from moesub.engine.calibrate import measure_expert_compute
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -231,6 +233,36 @@ def test_background_admission_installs_real_copies(tmp_path):
     finally:
         engine.close()
     assert admitted > 0 and bytes_bg == admitted * lay.expert_bytes
+
+
+def test_expert_compute_is_timed_on_loaded_slots_only(tmp_path, monkeypatch):
+    """Unwritten slots are zero pages (faulted in, then read from cache): the microbenchmark
+    times only slots that hold an expert, and says so when too few do."""
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin")
+    tier = DiskTier(store, 6, 4, ACT)
+    tier.slots[0].gate_up.zero_()  # as fresh pages are (this small a buffer may be reused)
+    try:
+        with pytest.raises(ValueError, match="0 of layer 0's 6 slots hold an expert.*k=4"):
+            measure_expert_compute(tier, 4)
+        tier.load(0, np.array([3, 5, 7, -1, -1, -1], np.int32))
+        with pytest.raises(ValueError, match="3 of layer 0's 6 slots"):
+            measure_expert_compute(tier, 4)
+        tier.load(0, np.array([3, 5, 7, 9, -1, -1], np.int32))
+        timed = []
+        module = importlib.import_module("moesub.engine.calibrate")  # not the function
+        real = module.expert_forward
+
+        def spy(hidden, ids, *args, **kwargs):
+            timed.append(np.asarray(ids).copy())
+            return real(hidden, ids, *args, **kwargs)
+
+        monkeypatch.setattr(module, "expert_forward", spy)
+        assert measure_expert_compute(tier, 4, reps=3) > 0
+        assert len(timed) == 3 + 2 and all(sorted(ids.ravel()) == [0, 1, 2, 3] for ids in timed)
+    finally:
+        tier.close()
 
 
 def test_engine_rejects_batched_steps(tmp_path):
@@ -469,10 +501,14 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     with pytest.raises(ValueError, match="calibrate_rounds=0"):
         calibrate(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
                   FRACTION, out, {**opts, "calibrate_rounds": 0})  # fmt: skip
-    # what the copy runs read (fetches, admissions) and the host's term at each host run's own
-    # disk speed: the price stage prices each engine run at the disk's speed while it read
+    # the calibration's reference run on the disk (the median reader) and its copy term at
+    # that run's speed: the price stage prices each engine run at the disk's speed while it read
     disk = cal["at_run_disk"]
-    assert disk["reads"] > 0 and disk["busy_s"] > 0 and disk["host_expert_s"] >= 0
+    assert disk["reads"] > 0 and disk["busy_s"] > 0
+    beyond_read = cal["fit"]["copy_s"]
+    assert cal["unit_costs"]["copy_s"] == pytest.approx(
+        beyond_read + disk["busy_s"] / disk["reads"], rel=1e-12
+    )
     _df, meta = engine_run(stage, "fetch_every_miss", {"rule": "fetch_all"}, tmp_path)
     assert meta["disk_reads"] > 0 and meta["disk_busy_s"] > 0
     profile_path = tmp_path / "this_machine.json"
@@ -485,7 +521,7 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     ref_speed = {"disk_reads": disk["reads"], "disk_busy_s": disk["busy_s"]}
     at_ref = costs_at_run_disk(costs, disk, ref_speed)
     assert at_ref.copy_s == pytest.approx(costs.copy_s, rel=1e-12)
-    assert at_ref.host_expert_s == disk["host_expert_s"]
+    assert at_ref.host_expert_s == costs.host_expert_s  # the profile's own: no second fit
     slower = costs_at_run_disk(costs, disk, {**ref_speed, "disk_busy_s": 2 * disk["busy_s"]})
     assert slower.copy_s == pytest.approx(costs.copy_s + disk["busy_s"] / disk["reads"])
     # no disk record (the CUDA tier; an older artefact): nothing to price it at

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
-from moesub.calibration import AtRunDisk, DiskClock
+from moesub.calibration import AtRunDisk, DiskClock, reference_clock
 from moesub.engine.bench_inputs import bench_logits, map_trace
 from moesub.engine.bench_runs import BenchRun, at_run_disk, priced_median
 from moesub.engine.calibrate import round_order, spread
@@ -128,7 +128,7 @@ def test_calibration_runs_are_spread_among_the_policies():
     assert spread(cal[:2], []) == cal[:2] and spread([], policies[:2]) == policies[:2]
 
 
-COPY_RUNS = ["cal_fetch", "cal_admit"]  # the calibration's runs the copy term is fitted on
+CALIBRATION_RUNS = ["cal_fetch", "cal_admit", "cal_host"]
 
 
 def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> BenchRun:
@@ -169,20 +169,16 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
         "cal_host": [run("host", 5e-3)], "fetch_every_miss": [run("fetch", 4.5e-3)],
         "host_compute": [run("host", 2e-3)], ALL_RESIDENT: [run("hits", 0.0)],
     }  # fmt: skip
-    seconds = {f: getattr(costs, f) for f in ("copy_s", "expert_s", "host_expert_s",
-               "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
-    seconds["host_expert_s"] = 2e-3  # the linear fit's, to be refitted
-    at_disk, at = at_run_disk(
-        runs, COPY_RUNS, "cal_host", True, seconds, replace(costs, host_expert_s=2e-3)
-    )
-    assert at.reference.per_read_s == pytest.approx(ref_read, rel=1e-12)
-    assert AtRunDisk.from_dict(at.to_dict()) == at
+    reference = reference_clock([r.disk for n in CALIBRATION_RUNS for r in runs[n]])
+    assert reference.per_read_s == pytest.approx(ref_read, rel=1e-12)  # the lower median run
+    assert AtRunDisk.from_dict(AtRunDisk(reference).to_dict()) == AtRunDisk(reference)
+    at_disk = at_run_disk(runs, reference, costs)
     for name in ("fetch_every_miss", "host_compute", ALL_RESIDENT, "cal_host"):
         (r,), (u,) = runs[name], at_disk[name]
         assert priced_median([r], 1, [u]) == pytest.approx(r.wall_s.mean(), rel=1e-9), name
     assert at_disk["fetch_every_miss"][0].copy_s == pytest.approx(overhead + 4.5e-3, rel=1e-12)
-    assert at_disk["host_compute"][0].host_expert_s == pytest.approx(0.5e-3, rel=1e-6)
-    # without reads (the CUDA tier) there is no record and every run keeps the costs
+    # without reads (the CUDA tier) there is no reference and every run keeps the costs
     no_reads = {n: [_run(r.wall_s, r.layer_counts, 0, 0.0) for r in rs] for n, rs in runs.items()}
-    kept, none = at_run_disk(no_reads, COPY_RUNS, "cal_host", True, seconds, costs)
+    none = reference_clock([r.disk for rs in no_reads.values() for r in rs])
+    kept = at_run_disk(no_reads, none, costs)
     assert none is None and all(u == costs for us in kept.values() for u in us)

@@ -14,16 +14,21 @@ squares (`scipy.optimize.nnls`) with the tokens another process slowed (residual
 
 `layers` is the token's MoE layer steps, `copies` its synchronous copies (fetch, forced),
 `host` its experts computed by the host, `installs` its background copies installed
-(admissions landed, prefetched). Every layer computes k experts, each on the fast tier or the
-host, so the fast tier's expert time is inside `layer_s` and the host's term is its excess
-over it (`host_extra_s`). `unit_costs_from_fit` splits the per-layer constant into the dense
-work and k fast experts with a microbenchmarked expert time, and gives the pricing's seconds
+(admissions landed, prefetched). Where the runs read a file (the disk tier) and timed their
+reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a minute apart:
+each token's copies are then taken as read at its own run's speed (`read_s`, subtracted from
+its wall time), `copy_s` is fitted as the copy's work beyond its read, and the disk's speed
+enters once, as the calibration run at the median time per read (`reference_clock`). Every
+layer computes k experts, each on the fast tier or the host, so the fast tier's expert time is
+inside `layer_s` and the host's term is its excess over it (`host_extra_s`).
+`unit_costs_from_fit` splits the per-layer constant into the dense work and k fast experts with
+a microbenchmarked expert time, and gives the pricing's seconds
 (`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its
 experts over the link (the disk tier), the engine overlaps those reads with the fast path, and
-the host's term is instead its compute alone, found through the pricing of the host runs
-(`host_expert_by_pricing`); the fit's `host_extra_s` then only keeps the host runs' tokens from
-pulling the other terms. A term no run exercises, or terms the runs cannot tell apart, make the
-fit degenerate: a ValueError says which.
+the host's term is instead its compute alone, found through the pricing of the host runs, each
+with its reads at its own disk speed (`host_expert_by_pricing`); the fit's `host_extra_s` then
+only keeps the host runs' tokens from pulling the other terms. A term no run exercises, or
+terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
 """
 
 from __future__ import annotations
@@ -60,10 +65,14 @@ class TimedTokens:
     copies: np.ndarray  # synchronous copies (fetch + forced)
     host: np.ndarray  # experts computed by the host
     installs: np.ndarray  # background copies installed (admissions landed + prefetched)
+    read_s: np.ndarray  # seconds its copies read at its run's disk speed (0: not timed)
 
     @classmethod
-    def from_counts(cls, wall_s: np.ndarray, counts: np.ndarray) -> TimedTokens:
-        """From per-token wall times (n,) and per-token-layer counts (n, L, F)."""
+    def from_counts(
+        cls, wall_s: np.ndarray, counts: np.ndarray, disk: DiskClock | None = None
+    ) -> TimedTokens:
+        """From per-token wall times (n,) and per-token-layer counts (n, L, F), and what their
+        run read (`disk`: its copies read at that speed; none or no reads: not timed)."""
         c = np.asarray(counts, np.int64)
         if c.ndim != 3 or c.shape[2] != len(TOKEN_LAYER_FIELDS) or len(c) != len(wall_s):
             raise ValueError(
@@ -71,12 +80,14 @@ class TimedTokens:
                 f"(n,) and (n, L, {len(TOKEN_LAYER_FIELDS)})"
             )
         per = c.sum(axis=1)  # (n, F)
+        copies = (per[:, _F["fetch"]] + per[:, _F["forced"]]).astype(float)
         return cls(
             wall_s=np.asarray(wall_s, float),
             layers=np.full(len(c), c.shape[1], float),
-            copies=(per[:, _F["fetch"]] + per[:, _F["forced"]]).astype(float),
+            copies=copies,
             host=per[:, _F["host"]].astype(float),
             installs=(per[:, _F["admissions"]] + per[:, _F["prefetched"]]).astype(float),
+            read_s=copies * (disk.per_read_s if disk is not None and disk.reads else 0.0),
         )
 
     @classmethod
@@ -107,12 +118,14 @@ class CostFit:
 
 
 def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> CostFit:
-    """Non-negative least squares of per-token wall time on `FIT_TERMS` (module doc), tokens
-    beyond `cut` robust standard deviations of the residuals left out, refitted up to `rounds`
-    times. ValueError when a term is never exercised or the terms are not separable."""
-    X, y = tokens.design(), np.asarray(tokens.wall_s, float)
-    if not np.isfinite(y).all() or (y < 0).any():
+    """Non-negative least squares of per-token wall time, less its timed reads, on `FIT_TERMS`
+    (module doc), tokens beyond `cut` robust standard deviations of the residuals left out,
+    refitted up to `rounds` times. ValueError when a term is never exercised or the terms are
+    not separable."""
+    X, wall = tokens.design(), np.asarray(tokens.wall_s, float)
+    if not np.isfinite(wall).all() or (wall < 0).any():
         raise ValueError("cost fit: wall times must be finite and >= 0")
+    y = wall - tokens.read_s  # a token on a fast stretch of the disk may come out below 0
     layers_identified = bool(np.ptp(X[:, 1]) > 0) if len(y) else False
     used = [i for i, t in enumerate(FIT_TERMS) if t != "layer_s" or layers_identified]
     if len(y) < 2 * len(used):
@@ -159,29 +172,38 @@ def unit_costs_from_fit(
     layers: int,
     expert_s: float,
     host_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    reference: DiskClock | None = None,
+    host_clocks: Sequence[DiskClock] = (),
 ) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
     fixed part is then spread over its layers) is k fast experts (`expert_s`, microbenchmarked;
     lowered to the constant / k if it would leave the dense work negative) plus the dense work;
-    a host expert is a fast one plus the fitted excess. Where the tier's host reads its experts
-    over the link (`host_runs` given: the host runs' `(wall_s (T,), counts (T, L, F))`), the
-    host's term is its compute alone, found through the pricing (`host_expert_by_pricing`)."""
+    a host expert is a fast one plus the fitted excess. Where the fit's tokens had their reads
+    timed (`read_s`), a copy is the fitted work beyond the read plus a read at `reference`'s
+    speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
+    runs' `(wall_s (T,), counts (T, L, F))`), the host's term is its compute alone, found
+    through the pricing (`host_expert_by_pricing`), each run's reads at its own speed
+    (`host_clocks`, one per host run) where they were timed."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
         token, per_layer = 0.0, fit.coef["token_s"] / layers
     expert = min(max(expert_s, 0.0), per_layer / k)
+    beyond_read = fit.coef["copy_s"]
     seconds = {
         "token_overhead_s": token,
         "dense_layer_s": max(per_layer - k * expert, 0.0),  # not -1e-19 when expert is capped
         "expert_s": expert,
-        "copy_s": fit.coef["copy_s"],
+        "copy_s": beyond_read + (reference.per_read_s if reference is not None else 0.0),
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"],
     }
     if host_runs is not None:
-        seconds["host_expert_s"] = host_expert_by_pricing(seconds, host_runs)
+        own = None
+        if reference is not None and host_clocks:
+            own = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
+        seconds["host_expert_s"] = host_expert_by_pricing(seconds, host_runs, own)
     return seconds
 
 
@@ -234,8 +256,10 @@ def host_expert_by_pricing(
 
 # ------------------------------------------------------------------ the disk's speed per run
 # A shared disk's read time per expert drifts by up to half between runs a minute apart
-# (docs/measurements.md): a run priced at the calibration's copy time carries that drift. Priced
-# at the disk's speed while it ran, what is left is the pricing's own error.
+# (docs/measurements.md). The calibration takes each of its runs' reads at that run's speed and
+# the disk's speed from its median run; a run priced at that speed still carries the drift
+# between it and the calibration. Priced at the disk's speed while it ran, what is left is the
+# pricing's own error.
 
 
 @dataclass(frozen=True)
@@ -266,57 +290,28 @@ def copy_at_disk(copy_s: float, reference: DiskClock, run: DiskClock) -> float:
     return max(copy_s + run.per_read_s - reference.per_read_s, 0.0)
 
 
-def host_expert_at_disk(
-    seconds: dict[str, float],
-    host_runs: Sequence[tuple[np.ndarray, np.ndarray]],
-    reference: DiskClock,
-    host_clocks: Sequence[DiskClock],
-) -> float:
-    """`host_expert_by_pricing` with each host run's reads priced at its own disk speed: the
-    host's compute with the disk's drift between the host runs and the others taken out."""
-    copies = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
-    return host_expert_by_pricing(seconds, host_runs, run_copy_s=copies)
+def reference_clock(clocks: Sequence[DiskClock]) -> DiskClock | None:
+    """The calibration's disk speed: of its runs that read, the one at the median time per read
+    (the lower of two), so that a slow stretch of the disk, which takes a run or two, does not
+    set it; None where none read."""
+    read = sorted((c for c in clocks if c.reads), key=lambda c: c.per_read_s)
+    return read[(len(read) - 1) // 2] if read else None
 
 
 @dataclass(frozen=True)
 class AtRunDisk:
-    """What pricing a run at the disk's speed while it read needs: what the runs the copy term
-    was fitted on read (`reference`), and the host's term with each host run at its own speed."""
+    """What pricing a run at the disk's speed while it read needs: the calibration's reference
+    run (`reference_clock`), whose read time the copy term carries."""
 
     reference: DiskClock
-    host_expert_s: float
-
-    @staticmethod
-    def fit(
-        seconds: dict[str, float],
-        copy_runs: Sequence[DiskClock],
-        host_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
-        host_clocks: Sequence[DiskClock] = (),
-    ) -> AtRunDisk | None:
-        """From the calibration's copy runs (every mechanism's but the host's) and, where the
-        host reads over the link, its runs `(wall_s, counts)` with what each read; None where
-        the runs read no file."""
-        reference = DiskClock.pooled(copy_runs)
-        if not reference.reads:
-            return None
-        host_s = seconds["host_expert_s"]
-        if host_runs is not None:
-            host_s = host_expert_at_disk(seconds, host_runs, reference, host_clocks)
-        return AtRunDisk(reference, host_s)
 
     def costs(self, costs: UnitCosts, run: DiskClock) -> UnitCosts:
-        """`costs` at the disk's speed while `run` read (a run that read nothing keeps the
-        copy term)."""
-        return replace(
-            costs,
-            copy_s=copy_at_disk(costs.copy_s, self.reference, run),
-            host_expert_s=self.host_expert_s,
-        )
+        """`costs` at the disk's speed while `run` read (a run that read nothing keeps them)."""
+        return replace(costs, copy_s=copy_at_disk(costs.copy_s, self.reference, run))
 
     def to_dict(self) -> dict[str, float]:
-        return {"reads": self.reference.reads, "busy_s": self.reference.busy_s,
-                "host_expert_s": self.host_expert_s}  # fmt: skip
+        return {"reads": self.reference.reads, "busy_s": self.reference.busy_s}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> AtRunDisk:
-        return AtRunDisk(DiskClock(int(d["reads"]), float(d["busy_s"])), float(d["host_expert_s"]))
+        return AtRunDisk(DiskClock(int(d["reads"]), float(d["busy_s"])))

@@ -21,13 +21,11 @@ prices every policy's own per-token-layer counts, round by round (`moesub.pricin
 the measured means. `sim_rel_error_at_run_disk` does the same with each run's copies priced at the
 disk's speed while that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the
 pricing's arithmetic apart from the disk's drift between runs. The output holds one row per
-policy with time per token and its ratios to
-`fetch_every_miss` and `host_compute`, the pricing's prediction with its relative error, and the
-runs' CPU share (`contended` below 0.8: another process took the CPU).
+policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the
+pricing's prediction with its error, and the runs' CPU share (`contended` below 0.8).
 Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
 each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
-validation and calibration runs alike. Policy v3 runs as everywhere: the policies' pins come
-resolved per layer.
+validation and calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
 """
 
 from __future__ import annotations
@@ -44,7 +42,13 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.calibration import (
+    AtRunDisk,
+    TimedTokens,
+    fit_unit_costs,
+    reference_clock,
+    unit_costs_from_fit,
+)
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -213,14 +217,16 @@ def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float
 
 def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     """This machine's profile fitted to the rounds' calibration runs (`moesub.calibration`),
-    priced for the benchmark's experts."""
+    priced for the benchmark's experts, and their reference run on the disk (None: no reads)."""
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
-    runs = [timed_tokens(r) for n in names for r in rounds.runs[n]]
-    fit = fit_unit_costs(TimedTokens.concat(runs))
-    host_runs = [(r.wall_s, r.layer_counts) for r in rounds.runs[HOST_RUN]]
+    runs = [r for n in names for r in rounds.runs[n]]
+    fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
+    host = rounds.runs[HOST_RUN]
+    reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
-        host_runs=host_runs if rounds.host_reads_link else None,
+        host_runs=[(r.wall_s, r.layer_counts) for r in host] if rounds.host_reads_link else None,
+        reference=reference, host_clocks=[r.disk for r in host],
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(
@@ -228,7 +234,8 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     )
     info["cost_fit"] = fit.to_dict()
     info["profile"] = profile.to_dict()
-    return seconds, profile.price(ModelBytes(expert_bytes))
+    info["at_run_disk"] = None if reference is None else AtRunDisk(reference).to_dict()
+    return seconds, profile.price(ModelBytes(expert_bytes)), reference
 
 
 @dataclass
@@ -331,12 +338,9 @@ class _Rounds:
 def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
     slots per layer, or E for all_resident): a run inherits no thread state from the one
-    before. Measured on the disk tier with one tier per capacity, when its host worker still
-    computed the host's experts: once a host_compute run had used it (the worker then kept an
-    OpenMP team of its own, more OpenMP threads than cores, so libgomp throttled the
-    spin-waits of the decode's worker: its CPU time per token fell ~3x), every later run on
-    that tier was ~2-3 ms per token slower, and the cost model fitted to such runs
-    overpredicted all_resident (a tier of its own) by 15%."""
+    before (a shared tier's host worker once kept an OpenMP team after a host_compute run, and
+    every later run was ~2-3 ms per token slower). The fast tier's expert is timed on the
+    slots of the first C-slot run, once it has filled them."""
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
@@ -346,8 +350,6 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             tier = plan.make_tier(plan.capacity(name))
             description = description or tier.description
             host_reads_link = tier.host_reads_link
-            if micro is None and plan.capacity(name) == C:
-                micro = _microbenchmarks(tier, plan.store, p, info)
             engine, trace, layers = plan.engine(name, tier)
             show = p.progress and not name.startswith("cal_")
             run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name, show, layers)
@@ -355,11 +357,15 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             if (layers is not None or trace is plan.hits) and not all_hits:
                 raise RuntimeError(f"calibration run {name}: expected only hits")
             runs[name].append(run)
+            if micro is None and plan.capacity(name) == C:  # on slots the run has filled
+                micro = _microbenchmarks(tier, plan.store, p, info)
             tier.close()
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
-        if micro is None:  # every policy ran at C = E: time the terms on a C-slot tier
+        if micro is None:  # every policy ran at C = E: time the terms on a loaded C-slot tier
             tier = plan.make_tier(C)
+            for layer in range(p.layers):
+                tier.load(layer, plan.initial[layer])
             micro = _microbenchmarks(tier, plan.store, p, info)
     finally:
         if tier is not None:
@@ -461,12 +467,8 @@ def run_benchmark(
     finally:
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    seconds, costs = _fit_costs(rounds, p, info)
-    copy_names = [n for n in CALIBRATION_POLICIES if n != HOST_RUN]
-    run_disk, at = at_run_disk(
-        rounds.runs, copy_names, HOST_RUN, rounds.host_reads_link, seconds, costs
-    )
-    info["at_run_disk"] = None if at is None else at.to_dict()
+    seconds, costs, reference = _fit_costs(rounds, p, info)
+    run_disk = at_run_disk(rounds.runs, reference, costs)
     info["disk_read_s"] = {
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
         for name, rs in rounds.runs.items()

@@ -152,7 +152,7 @@ def by_status(counts: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def timed_tokens(r: BenchRun) -> TimedTokens:
-    return TimedTokens.from_counts(r.wall_s, r.layer_counts)
+    return TimedTokens.from_counts(r.wall_s, r.layer_counts, r.disk)
 
 
 def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:
@@ -214,29 +214,17 @@ def read_bench_counts(path: str | os.PathLike) -> dict[str, list[tuple[np.ndarra
 
 
 def at_run_disk(
-    runs: dict[str, list[BenchRun]],
-    copy_names: list[str],
-    host_name: str,
-    host_reads_link: bool,
-    seconds: dict[str, float],
-    costs: UnitCosts,
-) -> tuple[dict[str, list[UnitCosts]], AtRunDisk | None]:
-    """Per run name, one `costs` per round at the disk's speed while that run read
-    (`moesub.calibration.AtRunDisk`, from the calibration's copy runs `copy_names` and host runs
-    `host_name`, as the pipeline's calibration makes it): the pricing's arithmetic apart from
-    the disk's drift between runs; and the record (None on a tier that reads no file, the CUDA
-    tier's: every run keeps `costs`)."""
-    host = runs[host_name]
-    at = AtRunDisk.fit(
-        seconds, [r.disk for n in copy_names for r in runs[n]],
-        [(r.wall_s, r.layer_counts) for r in host] if host_reads_link else None,
-        [r.disk for r in host],
-    )  # fmt: skip
-    per_run = {
+    runs: dict[str, list[BenchRun]], reference: DiskClock | None, costs: UnitCosts
+) -> dict[str, list[UnitCosts]]:
+    """Per run name, one `costs` per round at the disk's speed while that run read, against the
+    calibration's `reference` run (`moesub.calibration.AtRunDisk`): the pricing's arithmetic
+    apart from the disk's drift between runs. Without a reference (a tier that reads no file,
+    the CUDA tier's) every run keeps `costs`."""
+    at = None if reference is None else AtRunDisk(reference)
+    return {
         name: [costs if at is None else at.costs(costs, r.disk) for r in rs]
         for name, rs in runs.items()
     }
-    return per_run, at
 
 
 def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:

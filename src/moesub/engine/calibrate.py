@@ -5,12 +5,14 @@ per run (`MECHANISMS`: every expert resident, so every one a hit; every miss fet
 computed by the host; background admissions), in interleaved rounds (`round_order`) so that the
 machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
 per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`;
-where the host reads its experts over the link, the host's term comes from the pricing of the
-host runs); the fast tier's expert time is a microbenchmark (`measure_expert_compute`) that
-splits the fitted per-layer constant. The output JSON holds the profile
-(`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it
-was made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
-`moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
+on the disk tier each run's copies are taken at the disk's speed while it read, and the disk's
+speed from the median run; where the host reads its experts over the link, the host's term
+comes from the pricing of the host runs); the fast tier's expert time is a microbenchmark
+(`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant. The
+output JSON holds the profile (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine`
+reads it), the seconds it was made from, what pricing a run at the disk's speed while it read
+needs (`at_run_disk`: `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share
+(`moesub.engine.contention`).
 
 On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
 expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
@@ -34,6 +36,7 @@ from moesub.calibration import (
     DiskClock,
     TimedTokens,
     fit_unit_costs,
+    reference_clock,
     unit_costs_from_fit,
 )
 from moesub.engine.contention import CpuMeter
@@ -73,15 +76,25 @@ def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: i
 
 def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
     """Seconds to compute one expert for one token from fast-tier slots (k at once, / k). Each
-    run uses k other random slots, so weights come from memory as in decoding, not from cache."""
+    run uses k other random slots of those that hold an expert, so weights come from memory as
+    in decoding, not from cache. Slots never written hold zeros: on the CPU their pages are
+    unmapped, so the first reads fault them in and later ones read one shared zero page from
+    cache (the engine bench once timed 0.48 ms so, against 0.44 ms on loaded slots and 0.21 ms
+    on the zero page): they are not timed."""
     s = tier.slots[0]
     if s.capacity < k:
         raise ValueError(f"capacity {s.capacity} < k={k}")
+    loaded = np.flatnonzero(s.gate_up[:, 0].ne(0).any(dim=-1).cpu().numpy())  # [C] -> ids
+    if len(loaded) < k:
+        raise ValueError(
+            f"measure_expert_compute: {len(loaded)} of layer 0's {s.capacity} slots hold an "
+            f"expert (the rest are all zero), fewer than k={k}: load the tier's slots first"
+        )
     g = torch.Generator().manual_seed(seed)
     H = s.gate_up.shape[-1]
     x = torch.randn(1, H, generator=g).to(device=s.gate_up.device, dtype=s.gate_up.dtype)
     rng = np.random.default_rng(seed)
-    sets = [rng.choice(s.capacity, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
+    sets = [rng.choice(loaded, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
     it = iter(sets)
     w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
 
@@ -168,7 +181,9 @@ def calibrate(
                 disk0 = disk_clock(eng.setup.tier)
                 r = eng.decode(ids)
                 disk[name].append(disk_clock(eng.setup.tier) - disk0)
-                timed[name].append(TimedTokens.from_counts(r["wall_s"], r["layer_counts"]))
+                timed[name].append(
+                    TimedTokens.from_counts(r["wall_s"], r["layer_counts"], disk[name][-1])
+                )
                 if name == HOST_RUN:
                     host_runs.append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
@@ -177,13 +192,11 @@ def calibrate(
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
     fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
+    reference = reference_clock([c for clocks in disk.values() for c in clocks])
     seconds = unit_costs_from_fit(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
-        host_runs=host_runs if host_reads_link else None,
-    )  # fmt: skip
-    at_disk = AtRunDisk.fit(
-        seconds, [c for name, cs in disk.items() if name != HOST_RUN for c in cs],
-        host_runs if host_reads_link else None, disk[HOST_RUN],
+        host_runs=host_runs if host_reads_link else None, reference=reference,
+        host_clocks=disk[HOST_RUN],
     )  # fmt: skip
     profile = measured_profile(
         seconds,
@@ -195,7 +208,7 @@ def calibrate(
         "profile": profile.to_dict(),
         "expert_bytes": float(expert_bytes),
         "unit_costs": seconds,
-        "at_run_disk": None if at_disk is None else at_disk.to_dict(),
+        "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
         "expert_compute_s": expert_s,
         "fit": fit.to_dict(),
         "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
