@@ -122,13 +122,12 @@ def main() -> None:
             for r in range(args.rounds):
                 for name in args.runs.split(","):
                     timer.run = f"{name} round {r}"
-                    tier = plan.make_tier(plan.capacity(name))
+                    engine, trace, layers = plan.engine(name, plan.make_tier(plan.capacity(name)))
                     try:
-                        engine, trace, layers = plan.engine(name, tier)
                         run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name,
                                          False, layers)  # fmt: skip
                     finally:
-                        tier.close()
+                        engine.close()  # the landed copies' buffers back, then the tier
                     L = run.layer_counts.shape[1]
                     print(f"{timer.run}: {1e3 * run.wall_s.mean():.2f} ms per token, "
                           f"{1e3 * run.disk.per_read_s:.2f} ms per read (clock)")  # fmt: skip

@@ -62,3 +62,23 @@ def test_copy_never_asked_for_and_wait_timeout(tmp_path, monkeypatch):
             copies.wait(lambda: True, "forever")
     finally:
         tier.close()
+
+
+def test_a_drain_that_cannot_finish_says_why(tmp_path):
+    """A read waiting for the only staging buffer, which the caller holds (a landed copy never
+    given back), would keep the drain waiting forever: it raises, and drains once it is back."""
+    store, _experts = small_store(tmp_path, L=2, E=E)
+    tier = DiskTier(store, 3, 2, ACT, staging_buffers=1)
+    try:
+        tier.request(0, 3)
+        tier.request(0, 4)
+        held = []
+        while not held:
+            held = tier.completed(0)
+        with pytest.raises(RuntimeError, match="1 expert reads wait for a staging buffer"):
+            tier.reader.drain(stall_s=0.2)
+        tier.discard(held[0])
+        tier.drain()
+        assert tier.reader._free.qsize() == 1
+    finally:
+        tier.close()

@@ -191,14 +191,8 @@ class BenchParams:
         return check_capacity(self.fraction, self.num_experts, self.top_k)
 
     def layout(self) -> StoreLayout:
-        return StoreLayout(
-            num_layers=self.layers,
-            num_experts=self.num_experts,
-            hidden=self.hidden,
-            width=self.width,
-            dtype=self.dtype,
-            fingerprint=f"random-seed{self.seed}",
-        )
+        return StoreLayout(self.layers, self.num_experts, self.hidden, self.width, self.dtype,
+                           fingerprint=f"random-seed{self.seed}")  # fmt: skip
 
 
 def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
@@ -344,7 +338,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
-    tier, description, micro, host_reads_link = None, "", None, False
+    tier, engine, description, micro, host_reads_link = None, None, "", None, False
     try:
         for name in plan.order:
             tier = plan.make_tier(plan.capacity(name))
@@ -359,7 +353,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             runs[name].append(run)
             if micro is None and plan.capacity(name) == C:  # on slots the run has filled
                 micro = _microbenchmarks(tier, plan.store, p, info)
-            tier.close()
+            engine.close()  # its landed copies' staging buffers back first: the drain needs them
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
         if micro is None:  # every policy ran at C = E: time the terms on a loaded C-slot tier
@@ -368,7 +362,9 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
                 tier.load(layer, plan.initial[layer])
             micro = _microbenchmarks(tier, plan.store, p, info)
     finally:
-        if tier is not None:
+        if engine is not None:
+            engine.close()
+        elif tier is not None:
             tier.close()
     return _Rounds(runs, micro, description, host_reads_link)
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from moesub.calibration import DiskClock
+from moesub.engine.copies import COPY_TIMEOUT_S
 from moesub.engine.host_memory import Allocator
 from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
@@ -225,13 +226,24 @@ class BackgroundReader:
         self._fence[idx] = fence
         self._free.put(idx)
 
-    def drain(self) -> None:
-        """Wait for every submitted read, then discard the results (stream boundary)."""
+    def drain(self, stall_s: float = COPY_TIMEOUT_S) -> None:
+        """Wait for every submitted read, then discard the results (stream boundary). A read
+        waiting for a buffer the caller holds (a landed copy not given back: close the engine,
+        not its tier) would wait forever: `stall_s` without a read done raises instead."""
+        left, since = self._requests.unfinished_tasks, time.perf_counter()
         while self._requests.unfinished_tasks:
             # reads block on a free buffer: keep releasing finished ones while waiting
             for layer in range(len(self._done)):
                 for _e, idx, _n in self.poll(layer):
                     self.release(idx)
+            if self._requests.unfinished_tasks < left:
+                left, since = self._requests.unfinished_tasks, time.perf_counter()
+            elif time.perf_counter() - since > stall_s:
+                raise RuntimeError(
+                    f"drain: {left} expert reads wait for a staging buffer that the caller "
+                    f"holds ({len(self.buffers)} buffers, {self._free.qsize()} free): give the "
+                    "landed copies back first (OffloadEngine.close, not the tier's close)"
+                )
             time.sleep(0.0005)
         for layer in range(len(self._done)):
             for _e, idx, _n in self.poll(layer):
