@@ -8,12 +8,13 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `kernels`: expert compute from slot buffers, planned on the host (grouped matmul where it
   is fast, per-expert matmuls elsewhere).
 - `host_memory`: the experts behind the GPU (`HostExperts`: a pinned budget, disk behind it).
+- `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
+  the slots awaiting them, waiting on them, the bytes installed), whatever they are for, and
+  `COPY_TIMEOUT_S`, the longest a copy is waited for (the tiers' drains too).
 - `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM); `disk_clock`,
   what a tier's expert file has read.
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
   side stream).
-- `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
-  the slots awaiting them, waiting on them, the bytes installed), whatever they are for.
 - `token_stats`: `TokenStats`, what one token cost (waits, bytes) and what each layer's policy
   did (per token-layer counts in `TOKEN_LAYER_FIELDS` layout).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
