@@ -29,6 +29,7 @@ from moesub.engine.tiers import disk_clock
 from moesub.hardware import UnitCosts
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
+from moesub.pricing import price_stream
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +231,5 @@ def at_run_disk(
 def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:
     """The pricing of each run's own per-token-layer counts (from an idle link, as every run
     starts) at its costs (one per run), the median over runs of their means."""
-    from moesub.pricing import price_stream
-
     return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
                             for r, c in zip(runs, costs, strict=True)]))  # fmt: skip

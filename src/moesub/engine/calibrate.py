@@ -43,7 +43,7 @@ from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
-from moesub.engine.tiers import DiskTier, disk_clock
+from moesub.engine.tiers import disk_clock
 from moesub.hardware import measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT
@@ -181,12 +181,9 @@ def calibrate(
                 disk0 = disk_clock(eng.setup.tier)
                 r = eng.decode(ids)
                 disk[name].append(disk_clock(eng.setup.tier) - disk0)
-                # on the disk tier every copy is a read of the expert file: timed at the run's
-                # speed (the CUDA tier's copies come from pinned memory, or some from disk)
-                every_copy_read = isinstance(eng.setup.tier, DiskTier)
-                timed[name].append(TimedTokens.from_counts(
-                    r["wall_s"], r["layer_counts"], disk[name][-1] if every_copy_read else None
-                ))  # fmt: skip
+                timed[name].append(
+                    TimedTokens.from_counts(r["wall_s"], r["layer_counts"], disk[name][-1])
+                )
                 if name == HOST_RUN:
                     host_runs.append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
@@ -195,9 +192,7 @@ def calibrate(
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
     fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
-    reference = None  # the disk's speed, where the fit took every run's reads at its own
-    if any(t.read_s.any() for runs in timed.values() for t in runs):
-        reference = reference_clock([c for clocks in disk.values() for c in clocks])
+    reference = reference_clock([c for clocks in disk.values() for c in clocks])
     seconds = unit_costs_from_fit(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
         host_runs=host_runs if host_reads_link else None, reference=reference,

@@ -56,13 +56,12 @@ class SlotBuffers:
 
 
 def disk_clock(tier) -> DiskClock:
-    """What the expert file a tier reads (the disk tier's, or the CUDA tier's for layers kept
-    on disk) has read so far (`ExpertStore.read_clock`; none for a tier without one): the
-    difference of two is what a run read."""
-    store = getattr(tier, "store", None)
-    if store is None:
-        store = getattr(getattr(tier, "host", None), "store", None)
-    return DiskClock(*store.read_clock()) if store is not None else DiskClock(0, 0.0)
+    """What the disk tier's expert file has read so far (`ExpertStore.read_clock`): the
+    difference of two is what a run read. Nothing for the CUDA tier: its copies come from
+    pinned memory, or only some from disk, so its file's reads do not time its copies."""
+    if isinstance(tier, DiskTier):
+        return DiskClock(*tier.store.read_clock())
+    return DiskClock(0, 0.0)
 
 
 def layer_capacities(capacity: int | Sequence[int], num_layers: int) -> tuple[int, ...]:
