@@ -9,6 +9,17 @@
 
 namespace moesub {
 
+// The end of `work` seconds of compute from `start` (`plain`: start + work, as the caller added
+// it), slowed by the fraction `drag` while reads run in [a, b).
+static double dragged_end(double start, double work, double plain, double a, double b,
+                          double drag) {
+  if (drag == 0.0 || plain <= a || start >= b) return plain;
+  const double from = std::max(start, a);
+  const double rest = work - (from - start);
+  const double window = (b - from) / (1.0 + drag);
+  return rest <= window ? from + rest * (1.0 + drag) : b + (rest - window);
+}
+
 template <typename Int>
 void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const UnitCosts& u,
                   double* token_s, double* parts) {
@@ -81,19 +92,23 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // the host path: its experts computed beside the fast path from the decision on, or
       // after it; where the host reads them over the link, the reads queue behind every copy
       // queued so far and the host computes once they are done (one processor: they overlap
-      // the fast path, the host's compute follows both)
+      // the fast path and slow its compute by `host_read_drag`, the host's compute follows)
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
       const int64_t n_host = c[kHost];
       double ready = decided;
+      double fast_done = fast_end;  // the fast path's end, slowed while the host's reads run
       if (u.host_reads_link && n_host) {
-        ready = enqueue(decided, n_host) + static_cast<double>(n_host) * u.copy_s;
+        const double reads = enqueue(decided, n_host);
+        ready = reads + static_cast<double>(n_host) * u.copy_s;
+        fast_done = dragged_end(sync_start + copies, experts, fast_end, reads, ready,
+                                u.host_read_drag);
       }
       double end;
       if (u.concurrent_host) {
-        end = std::max(fast_end, ready + host);
-        p[kHiddenHost] += std::min(host, std::max(0.0, fast_end - ready));
+        end = std::max(fast_done, ready + host);
+        p[kHiddenHost] += std::min(host, std::max(0.0, fast_done - ready));
       } else {
-        end = std::max(fast_end, ready) + host;
+        end = std::max(fast_done, ready) + host;
       }
       p[kHostExposed] += end - fast_end;
       clock = end;

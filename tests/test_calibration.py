@@ -184,6 +184,31 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
         host_expert_by_pricing(seconds, [(np.ones(20), none)])
 
 
+def test_the_host_term_is_fitted_beside_the_fast_paths_drag():
+    """While the host reads, the fast tier computes slower (`host_read_drag`, measured apart):
+    fitted with it, the host runs give the host's compute back; without it, the fast path's
+    lost time lands in the host's term."""
+    dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
+        TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5
+    )
+    rng = np.random.default_rng(7)
+    parts, host_runs = [], []
+    for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
+        c = mechanism_counts(kind, 300, layers, rng)
+        wall = price_stream_reference(c, 1, dragged).token_s
+        parts.append(TimedTokens.from_counts(wall, c))
+        if kind == "host":
+            host_runs.append((wall, c))
+    fit = fit_unit_costs(TimedTokens.concat(parts))
+    common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}
+    seconds = unit_costs_from_fit(fit, **common, host_read_drag=0.5)
+    assert seconds["host_read_drag"] == 0.5
+    assert seconds["host_expert_s"] == pytest.approx(dragged.host_expert_s, rel=0.05)
+    undragged = unit_costs_from_fit(fit, **common)
+    assert undragged["host_read_drag"] == 0.0
+    assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
+
+
 def test_host_runs_priced_at_their_own_disk_speed():
     """Two host runs, one while the disk read at half its speed: priced each at its own copy
     time, the compute comes back; priced at one copy time, the slow run's reads land in it."""

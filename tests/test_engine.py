@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import polars as pl
@@ -33,7 +34,7 @@ from moesub.engine import (
     write_store,
 )
 from moesub.engine.bench_runs import read_bench_counts
-from moesub.engine.calibrate import measure_expert_compute
+from moesub.engine.calibrate import measure_expert_compute, measure_host_read_drag
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -261,6 +262,51 @@ def test_expert_compute_is_timed_on_loaded_slots_only(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "expert_forward", spy)
         assert measure_expert_compute(tier, 4, reps=3) > 0
         assert len(timed) == 3 + 2 and all(sorted(ids.ravel()) == [0, 1, 2, 3] for ids in timed)
+    finally:
+        tier.close()
+
+
+def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeypatch):
+    """The drag microbenchmark times the loaded slots alone and while a thread reads experts as
+    the host does (fresh from disk), stops its reader and raises its error; a tier that is not
+    the disk tier's is not measured (0)."""
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
+    module = importlib.import_module("moesub.engine.calibrate")
+    timed, reads = [], []  # (start, end) of every timing and of every host read
+    real_time, real_read = module.measure_expert_compute, tier.host_read
+
+    def spy_time(t, k, reps, seed):
+        t0 = time.perf_counter()
+        out = real_time(t, k, reps, seed)
+        timed.append((t0, time.perf_counter()))
+        return out
+
+    def spy_read(layer, host_ids):
+        t0 = time.perf_counter()
+        out = real_read(layer, host_ids)
+        time.sleep(0.02)  # a read as long as a big expert's: the timing falls inside it
+        reads.append((t0, time.perf_counter()))
+        return out
+
+    def fail(layer, host_ids):
+        raise OSError("the disk went away")
+
+    try:
+        tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
+        threads = threading.active_count()
+        monkeypatch.setattr(module, "measure_expert_compute", spy_time)
+        monkeypatch.setattr(tier, "host_read", spy_read)
+        drag = measure_host_read_drag(tier, 4, rounds=3, reps=20)
+        assert math.isfinite(drag) and drag >= 0.0
+        overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
+        assert overlaps == [False, True] * 3  # alone, beside the reads, three times
+        assert threading.active_count() == threads  # the reader stopped
+        monkeypatch.setattr(tier, "host_read", fail)  # a failing reader's error comes back
+        with pytest.raises(OSError, match="the disk went away"):
+            measure_host_read_drag(tier, 4, rounds=1, reps=1)
+        assert measure_host_read_drag(SimpleNamespace(host_reads_link=True), 4) == 0.0
     finally:
         tier.close()
 

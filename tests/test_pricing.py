@@ -201,6 +201,34 @@ def test_host_reads_queue_behind_background_copies(
     assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
 
 
+@pytest.mark.parametrize("price", PRICERS)
+@pytest.mark.parametrize(
+    ("concurrent", "token_s", "host_exposed", "hidden"),
+    [(False, [245.0, 239.0], 270.0, 0.0), (True, [245.0, 189.0], 220.0, 50.0)],
+)
+def test_host_reads_drag_the_fast_path(price, concurrent, token_s, host_exposed, hidden):
+    """As above, the fast tier computing at half speed while the host's reads are in flight
+    (host_read_drag 1).
+
+    token 0: the reads take 85-145; the fast path computes 25-85 at full speed (60 of its 80),
+      the last 20 inside the reads at half speed: it ends at 125, not 105. The host's compute
+      follows the reads (145) either way: 245.
+    token 1 (from 245): the reads take 274-334, the fast path's first 30 take all of them (60),
+      its last 50 follow: it ends at 384, not 354. one processor: 384 + 100 = 484, a token of
+      239. concurrent: max(384, 334 + 100) = 434, a token of 189, 50 of the host's compute
+      hidden (it starts at 334, the fast path ends at 384).
+    The drag counts as the host's (host_exposed: the end past the undragged fast path)."""
+    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True, host_read_drag=1.0)
+    r = price(HOST_UPLOADS, 1, u)
+    assert r.token_s.tolist() == token_s
+    assert (r.parts["fast_compute"], r.parts["host_exposed"]) == (160.0, host_exposed)
+    assert r.hidden_host_s == hidden
+    assert sum(r.parts.values()) == r.token_s.sum()
+    # without the link there are no reads to drag the fast path
+    own_memory = price(HOST_UPLOADS, 1, replace(u, host_reads_link=False))
+    assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
+
+
 seconds = st.floats(0.0, 1e-3, allow_nan=False, allow_infinity=False)
 
 
@@ -213,6 +241,7 @@ def priced_streams(draw):
         *(draw(seconds) for _ in range(6)),
         concurrent_host=draw(st.booleans()),
         host_reads_link=draw(st.booleans()),
+        host_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
     )
     return counts, draw(st.integers(1, 5)), u
 

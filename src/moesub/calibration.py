@@ -174,6 +174,7 @@ def unit_costs_from_fit(
     host_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
     reference: DiskClock | None = None,
     host_clocks: Sequence[DiskClock] = (),
+    host_read_drag: float = 0.0,
 ) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
@@ -184,7 +185,8 @@ def unit_costs_from_fit(
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
     runs' `(wall_s (T,), counts (T, L, F))`), the host's term is its compute alone, found
     through the pricing (`host_expert_by_pricing`), each run's reads at its own speed
-    (`host_clocks`, one per host run) where they were timed."""
+    (`host_clocks`, one per host run) where they were timed, with the fast tier slowed by the
+    microbenchmarked `host_read_drag` while they run (kept in the seconds, as a fraction)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -198,6 +200,7 @@ def unit_costs_from_fit(
         "copy_s": beyond_read + (reference.per_read_s if reference is not None else 0.0),
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"],
+        "host_read_drag": max(host_read_drag, 0.0),
     }
     if host_runs is not None:
         own = None

@@ -82,6 +82,9 @@ class UnitCosts:
     install_s: float  # fast-tier work to install one landed background copy
     concurrent_host: bool  # host experts run while the fast tier works (else one after another)
     host_reads_link: bool = False  # the host's experts come over the link (a disk tier)
+    # the fraction by which the fast tier's compute slows while the host's reads are in flight
+    # (one processor that reads and computes: the disk tier); 0 on a GPU machine
+    host_read_drag: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -118,6 +121,9 @@ class HardwareProfile:
     # the host reads the experts it computes over the link, as the copies do (a disk tier whose
     # host computes from a fresh read); on a GPU machine it reads them from its own memory
     host_reads_link: bool = False
+    # the fraction by which the fast tier's compute slows while the host reads (a disk tier,
+    # measured: `moesub.engine.calibrate.measure_host_read_drag`); a GPU computes undisturbed
+    host_read_drag: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -128,7 +134,7 @@ class HardwareProfile:
                 raise ValueError(f"{where}.{key}={getattr(self, key)!r} must be a bool")
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
-        for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s"):
+        for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s", "host_read_drag"):
             _check_number(where, key, getattr(self, key))
         for key in ("host_core_Bps", "install_Bps"):
             if getattr(self, key) is not None:
@@ -169,6 +175,7 @@ class HardwareProfile:
             install_s=b / install,
             concurrent_host=self.concurrent_host,
             host_reads_link=self.host_reads_link,
+            host_read_drag=self.host_read_drag,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,8 +231,9 @@ def measured_profile(
     the bytes; a term measured as 0 s stays free), the dense layer and the token's fixed part stay
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
-    `host_reads_link` where the calibrated tier's host reads its experts over the link. Priced
-    for `ModelBytes(expert_bytes)` it gives the seconds back."""
+    `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
+    measured `host_read_drag` (a fraction, kept as it is). Priced for `ModelBytes(expert_bytes)`
+    it gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
@@ -250,6 +258,7 @@ def measured_profile(
         token_overhead_s=seconds["token_overhead_s"],
         install_Bps=rate("install_s"),
         host_reads_link=host_reads_link,
+        host_read_drag=seconds["host_read_drag"],
     )
 
 

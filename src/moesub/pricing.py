@@ -24,7 +24,8 @@ says where this simplifies the engine):
    disk tier, whose host computes each from a fresh disk read), their reads queue on the link
    behind every copy queued so far (this decision's background requests included, as the
    engine asks them first), take `copy_s` each, and the host computes once they are done
-   (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
+   (`host_expert_s` is then the compute alone), the fast tier computing `1 + host_read_drag`
+   times slower while they are in flight. With `concurrent_host` the layer ends when both
    paths have (max); else the host computes after the fast path and its own reads (the reads
    overlap the fast path: the disk tier's worker reads while the main thread computes).
 
@@ -120,7 +121,18 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
-            u.install_s, u.concurrent_host, u.host_reads_link)  # fmt: skip
+            u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag)  # fmt: skip
+
+
+def dragged_end(start: float, work: float, plain: float, a: float, b: float, drag: float) -> float:
+    """The end of `work` seconds of compute from `start` (`plain`: start + work as the caller
+    added it), slowed by the fraction `drag` while reads run in [a, b)."""
+    if drag == 0.0 or plain <= a or start >= b:
+        return plain
+    begin = max(start, a)
+    rest = work - (begin - start)
+    window = (b - begin) / (1.0 + drag)
+    return begin + rest * (1.0 + drag) if rest <= window else b + (rest - window)
 
 
 def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
@@ -196,17 +208,23 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             parts["fast_compute"] += n_fast * u.expert_s
             # the host path: its experts computed beside the fast path from the decision on, or
             # after it; read over the link, the reads queue behind every copy queued so far and
-            # the host computes once they are done (one processor: they overlap the fast path,
-            # the host's compute follows both)
+            # the host computes once they are done (one processor: they overlap the fast path
+            # and slow its compute by `host_read_drag`, the host's compute follows)
             host = c[HOST] * u.host_expert_s
             ready = decided
+            fast_done = fast_end  # the fast path's end, slowed while the host's reads run
             if u.host_reads_link and c[HOST]:
-                ready = enqueue(decided, c[HOST]) + c[HOST] * u.copy_s
+                reads = enqueue(decided, c[HOST])
+                ready = reads + c[HOST] * u.copy_s
+                fast_done = dragged_end(
+                    sync_start + n_sync * u.copy_s, n_fast * u.expert_s, fast_end, reads, ready,
+                    u.host_read_drag,
+                )  # fmt: skip
             if u.concurrent_host:
-                end = max(fast_end, ready + host)
-                hidden_host += min(host, max(0.0, fast_end - ready))
+                end = max(fast_done, ready + host)
+                hidden_host += min(host, max(0.0, fast_done - ready))
             else:
-                end = max(fast_end, ready) + host
+                end = max(fast_done, ready) + host
             parts["host_exposed"] += end - fast_end
             clock = end
         token_s[t] = clock - begin

@@ -73,6 +73,7 @@ from moesub.engine.calibrate import (
     HOST_RUN,
     MECHANISMS,
     measure_expert_compute,
+    measure_host_read_drag,
     round_order,
     spread,
 )
@@ -197,15 +198,16 @@ class BenchParams:
 
 def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
     """The fast tier's expert time (it splits the fit's per-layer constant,
-    `unit_costs_from_fit`) and, on the disk tier, the disk's read rate (for the record)."""
+    `unit_costs_from_fit`), its slowdown while the host reads, and, on the disk tier, the disk's
+    read rate (for the record)."""
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
-        info.update(
-            disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
-            store_mode=bw.mode,
-        )  # fmt: skip
-    micro = {"expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed)}
-    info["microbenchmarks"] = micro
+        info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
+                    store_mode=bw.mode)  # fmt: skip
+    info["microbenchmarks"] = micro = {
+        "expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed),
+        "host_read_drag": measure_host_read_drag(tier, p.top_k, seed=p.seed),
+    }
     return micro
 
 
@@ -221,6 +223,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
         fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if rounds.host_reads_link else None,
         reference=reference, host_clocks=[r.disk for r in host],
+        host_read_drag=rounds.micro["host_read_drag"],
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(

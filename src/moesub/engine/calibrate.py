@@ -8,7 +8,8 @@ per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub
 on the disk tier each run's copies are taken at the disk's speed while it read, and the disk's
 speed from the median run; where the host reads its experts over the link, the host's term
 comes from the pricing of the host runs); the fast tier's expert time is a microbenchmark
-(`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant. The
+(`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so is
+its slowdown while the host reads (`measure_host_read_drag`, the disk tier). The
 output JSON holds the profile (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine`
 reads it), the seconds it was made from, what pricing a run at the disk's speed while it read
 needs (`at_run_disk`: `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share
@@ -22,8 +23,10 @@ GPU memory. The real-size benchmark (`moesub.engine.bench`) fits the same way.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,7 @@ from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
-from moesub.engine.tiers import disk_clock
+from moesub.engine.tiers import DiskTier, disk_clock
 from moesub.hardware import measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT
@@ -105,6 +108,46 @@ def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float
 
     t = timeit(run, tier.synchronize, reps)
     return t / k
+
+
+def measure_host_read_drag(tier, k: int, rounds: int = 5, reps: int = 10, seed: int = 0) -> float:
+    """How much slower the fast tier computes its experts while the host's reads are in flight,
+    as a fraction (`UnitCosts.host_read_drag`): `measure_expert_compute` alone and while a
+    thread reads experts the way the host does (`tier.host_read`, fresh from disk, two at a
+    time), alternated `rounds` times; the ratio of the medians less 1, at least 0. On the disk
+    tier the reads' page pinning, copies and interrupts share the cores and the memory bus with
+    the slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68 beside the reads in the
+    engine bench's host runs, docs/measurements.md). The CUDA tier's GPU computes beside its
+    host undisturbed: 0."""
+    if not isinstance(tier, DiskTier):
+        return 0.0
+    E = tier.layout.num_experts
+    reading, stop = threading.Event(), threading.Event()
+
+    def read_loop() -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            while not stop.is_set():
+                ids = rng.choice(E, size=(1, min(2, k)), replace=False)
+                reading.set()
+                tier.host_read(0, ids)
+        finally:
+            reading.set()  # a reader that failed wakes the timing up; its result raises
+
+    alone, beside = [], []
+    with ThreadPoolExecutor(1, thread_name_prefix="moesub-drag-reads") as pool:
+        for r in range(rounds):
+            alone.append(measure_expert_compute(tier, k, reps, seed + r))
+            reading.clear()
+            stop.clear()
+            reader = pool.submit(read_loop)
+            try:
+                reading.wait()  # the first read is under way before the timing starts
+                beside.append(measure_expert_compute(tier, k, reps, seed + r))
+            finally:
+                stop.set()
+                reader.result()
+    return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
 
 
 def round_order(names: list[str], rounds: int) -> list[str]:
@@ -173,7 +216,7 @@ def calibrate(
     timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
     disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
     host_runs = []  # the host runs' (wall_s, counts): the host's term through the pricing
-    expert_s, expert_bytes, tier, host_reads_link = None, None, "", False
+    expert_s, drag, expert_bytes, tier, host_reads_link = None, 0.0, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
         with EngineModel(model_dir, specs[name]) as eng:
@@ -188,6 +231,7 @@ def calibrate(
                     host_runs.append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
+                drag = measure_host_read_drag(eng.setup.tier, info.top_k)
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
@@ -196,7 +240,7 @@ def calibrate(
     seconds = unit_costs_from_fit(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
         host_runs=host_runs if host_reads_link else None, reference=reference,
-        host_clocks=disk[HOST_RUN],
+        host_clocks=disk[HOST_RUN], host_read_drag=drag,
     )  # fmt: skip
     profile = measured_profile(
         seconds,
@@ -210,6 +254,7 @@ def calibrate(
         "unit_costs": seconds,
         "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
         "expert_compute_s": expert_s,
+        "host_read_drag": drag,
         "fit": fit.to_dict(),
         "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
         "rounds": opts.calibrate_rounds,
