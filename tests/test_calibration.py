@@ -154,20 +154,27 @@ def test_degenerate_fits_are_named():
     assert FIT_TERMS[0] == "token_s"
 
 
+def fit_priced_runs(costs: UnitCosts, seed: int):
+    """One run of every mechanism priced under `costs` (no noise): their fit, and the host run's
+    `(wall_s, counts)`."""
+    rng = np.random.default_rng(seed)
+    parts, host_runs = [], []
+    for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
+        c = mechanism_counts(kind, 300, layers, rng)
+        wall = price_stream_reference(c, 1, costs).token_s
+        parts.append(TimedTokens.from_counts(wall, c))
+        if kind == "host":
+            host_runs.append((wall, c))
+    return fit_unit_costs(TimedTokens.concat(parts)), host_runs
+
+
 def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
     """The disk tier: the host's reads are copies on the link beside the fast path, its term the
     compute alone, which no linear term over the host's count can say; from runs priced so, the
     compute comes back through the pricing."""
     link = replace(TRUE, host_expert_s=60e-6, host_reads_link=True)
+    fit, host_runs = fit_priced_runs(link, seed=6)
     rng = np.random.default_rng(6)
-    parts, host_runs = [], []
-    for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
-        c = mechanism_counts(kind, 300, layers, rng)
-        wall = price_stream_reference(c, 1, link).token_s
-        parts.append(TimedTokens.from_counts(wall, c))
-        if kind == "host":
-            host_runs.append((wall, c))
-    fit = fit_unit_costs(TimedTokens.concat(parts))
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s, host_runs=host_runs)
     assert seconds["host_expert_s"] == pytest.approx(link.host_expert_s, rel=0.05)
     # by construction the host runs are priced at their measured mean
@@ -191,15 +198,7 @@ def test_the_host_term_is_fitted_beside_the_fast_paths_drag():
     dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
         TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5
     )
-    rng = np.random.default_rng(7)
-    parts, host_runs = [], []
-    for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
-        c = mechanism_counts(kind, 300, layers, rng)
-        wall = price_stream_reference(c, 1, dragged).token_s
-        parts.append(TimedTokens.from_counts(wall, c))
-        if kind == "host":
-            host_runs.append((wall, c))
-    fit = fit_unit_costs(TimedTokens.concat(parts))
+    fit, host_runs = fit_priced_runs(dragged, seed=7)
     common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}
     seconds = unit_costs_from_fit(fit, **common, host_read_drag=0.5)
     assert seconds["host_read_drag"] == 0.5
