@@ -124,7 +124,7 @@ def _core_costs(u: UnitCosts) -> tuple:
             u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag)  # fmt: skip
 
 
-def dragged_end(start: float, work: float, plain: float, a: float, b: float, drag: float) -> float:
+def _dragged_end(start: float, work: float, plain: float, a: float, b: float, drag: float) -> float:
     """The end of `work` seconds of compute from `start` (`plain`: start + work as the caller
     added it), slowed by the fraction `drag` while reads run in [a, b)."""
     if drag == 0.0 or plain <= a or start >= b:
@@ -216,7 +216,7 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             if u.host_reads_link and c[HOST]:
                 reads = enqueue(decided, c[HOST])
                 ready = reads + c[HOST] * u.copy_s
-                fast_done = dragged_end(
+                fast_done = _dragged_end(
                     sync_start + n_sync * u.copy_s, n_fast * u.expert_s, fast_end, reads, ready,
                     u.host_read_drag,
                 )  # fmt: skip

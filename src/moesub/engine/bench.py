@@ -198,8 +198,8 @@ class BenchParams:
 
 def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
     """The fast tier's expert time (it splits the fit's per-layer constant,
-    `unit_costs_from_fit`), its slowdown while the host reads, and, on the disk tier, the disk's
-    read rate (for the record)."""
+    `unit_costs_from_fit`), its slowdown while the host reads (the disk tier's; else 0), and, on
+    the disk tier, the disk's read rate (for the record)."""
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,

@@ -115,10 +115,9 @@ def measure_host_read_drag(tier, k: int, rounds: int = 5, reps: int = 10, seed: 
     as a fraction (`UnitCosts.host_read_drag`): `measure_expert_compute` alone and while a
     thread reads experts the way the host does (`tier.host_read`, fresh from disk, two at a
     time), alternated `rounds` times; the ratio of the medians less 1, at least 0. On the disk
-    tier the reads' page pinning, copies and interrupts share the cores and the memory bus with
-    the slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68 beside the reads in the
-    engine bench's host runs, docs/measurements.md). The CUDA tier's GPU computes beside its
-    host undisturbed: 0."""
+    tier the reads take CPU time and memory bandwidth from the slots' experts (0.42-0.45 ms per
+    expert alone against 0.49-0.68 beside the reads in the engine bench's host runs,
+    docs/measurements.md). The CUDA tier's GPU computes beside its host's reads: 0."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E = tier.layout.num_experts
