@@ -275,11 +275,11 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
     module = importlib.import_module("moesub.engine.calibrate")
     timed, reads = [], []  # (start, end) of every timing and of every host read
-    real_time, real_read = module.measure_expert_compute, tier.host_read
+    real_time, real_read = module.mean_step_s, tier.host_read
 
-    def spy_time(t, k, reps, seed):
+    def spy_time(step, sync, min_s):
         t0 = time.perf_counter()
-        out = real_time(t, k, reps, seed)
+        out = real_time(step, sync, min_s)
         timed.append((t0, time.perf_counter()))
         return out
 
@@ -296,16 +296,16 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
     try:
         tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
         threads = threading.active_count()
-        monkeypatch.setattr(module, "measure_expert_compute", spy_time)
+        monkeypatch.setattr(module, "mean_step_s", spy_time)
         monkeypatch.setattr(tier, "host_read", spy_read)
-        drag = measure_host_read_drag(tier, 4, rounds=3, reps=20)
+        drag = measure_host_read_drag(tier, 4, rounds=3, min_s=0.005)
         assert math.isfinite(drag) and drag >= 0.0
         overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
         assert overlaps == [False, True] * 3  # alone, beside the reads, three times
         assert threading.active_count() == threads  # the reader stopped
         monkeypatch.setattr(tier, "host_read", fail)  # a failing reader's error comes back
         with pytest.raises(OSError, match="the disk went away"):
-            measure_host_read_drag(tier, 4, rounds=1, reps=1)
+            measure_host_read_drag(tier, 4, rounds=1, min_s=0.0)
         assert measure_host_read_drag(SimpleNamespace(host_reads_link=True), 4) == 0.0
     finally:
         tier.close()

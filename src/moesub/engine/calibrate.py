@@ -22,6 +22,7 @@ GPU memory. The real-size benchmark (`moesub.engine.bench`) fits the same way.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -77,50 +78,72 @@ def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: i
     return float(np.median(times))
 
 
-def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
-    """Seconds to compute one expert for one token from fast-tier slots (k at once, / k). Each
-    run uses k other random slots of those that hold an expert, so weights come from memory as
-    in decoding, not from cache. Slots never written hold zeros: on the CPU their pages are
-    unmapped, so the first reads fault them in and later ones read one shared zero page from
-    cache (the engine bench once timed 0.48 ms so, against 0.44 ms on loaded slots and 0.21 ms
-    on the zero page): they are not timed."""
+def expert_step(tier, k: int, seed: int = 0) -> Callable[[], None]:
+    """One decode step's k experts for one token from fast-tier slots, each call k other random
+    slots of those that hold an expert, so weights come from memory as in decoding, not from
+    cache. Slots never written hold zeros: on the CPU their pages are unmapped, so the first
+    reads fault them in and later ones read one shared zero page from cache (the engine bench
+    once timed 0.48 ms so, against 0.44 ms on loaded slots and 0.21 ms on the zero page): they
+    are not used."""
     s = tier.slots[0]
     if s.capacity < k:
         raise ValueError(f"capacity {s.capacity} < k={k}")
     loaded = np.flatnonzero(s.gate_up[:, 0].ne(0).any(dim=-1).cpu().numpy())  # [C] -> ids
     if len(loaded) < k:
         raise ValueError(
-            f"measure_expert_compute: {len(loaded)} of layer 0's {s.capacity} slots hold an "
+            f"expert microbenchmark: {len(loaded)} of layer 0's {s.capacity} slots hold an "
             f"expert (the rest are all zero), fewer than k={k}: load the tier's slots first"
         )
     g = torch.Generator().manual_seed(seed)
     H = s.gate_up.shape[-1]
     x = torch.randn(1, H, generator=g).to(device=s.gate_up.device, dtype=s.gate_up.dtype)
     rng = np.random.default_rng(seed)
-    sets = [rng.choice(loaded, size=k, replace=False).reshape(1, k) for _ in range(reps + 2)]
-    it = iter(sets)
+    sets = itertools.cycle([rng.choice(loaded, size=k, replace=False).reshape(1, k)
+                            for _ in range(64)])  # fmt: skip
     w = torch.full((1, k), 1.0 / k, device=x.device, dtype=x.dtype)
 
-    def run() -> None:
+    def step() -> None:
         expert_forward(
-            x, next(it), w, s.gate_up, s.down, tier.act, tier.path, lambda a: tier.upload(0, a)
+            x, next(sets), w, s.gate_up, s.down, tier.act, tier.path, lambda a: tier.upload(0, a)
         )
 
-    t = timeit(run, tier.synchronize, reps)
-    return t / k
+    return step
 
 
-def measure_host_read_drag(tier, k: int, rounds: int = 5, reps: int = 10, seed: int = 0) -> float:
+def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
+    """Seconds to compute one expert for one token from fast-tier slots: the median over `reps`
+    steps of k experts (`expert_step`), / k."""
+    return timeit(expert_step(tier, k, seed), tier.synchronize, reps) / k
+
+
+def mean_step_s(step: Callable[[], None], sync: Callable[[], None], min_s: float) -> float:
+    """Mean seconds of `step()` over as many calls as fill `min_s` (at least 3), synchronized."""
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < min_s:
+        step()
+        n += 1
+    sync()
+    return (time.perf_counter() - t0) / n
+
+
+def measure_host_read_drag(
+    tier, k: int, rounds: int = 5, min_s: float = 0.1, seed: int = 0
+) -> float:
     """How much slower the fast tier computes its experts while the host's reads are in flight,
-    as a fraction (`UnitCosts.host_read_drag`): `measure_expert_compute` alone and while a
-    thread reads experts the way the host does (`tier.host_read`, fresh from disk, two at a
-    time), alternated `rounds` times; the ratio of the medians less 1, at least 0. On the disk
-    tier the reads take CPU time and memory bandwidth from the slots' experts (0.42-0.45 ms per
-    expert alone against 0.49-0.68 beside the reads in the engine bench's host runs,
-    docs/measurements.md). The CUDA tier's GPU computes beside its host's reads: 0."""
+    as a fraction (`UnitCosts.host_read_drag`): steps of k experts (`expert_step`) timed alone
+    and while a thread reads experts the way the host does (`tier.host_read`, fresh from disk,
+    two at a time), alternated `rounds` times, each timing the mean over `min_s` seconds of
+    steps; the ratio of the medians less 1, at least 0. Means, not medians of single steps: on
+    small experts the reader's Python work holds the GIL in stretches, which the median of a
+    few short steps either misses or counts in full (0.8 to 2.8 on the embedded model, whose
+    step takes 0.3 ms). On the disk tier the reads take CPU time and memory bandwidth from the
+    slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68 beside the reads in the
+    engine bench's host runs, docs/measurements.md). The CUDA tier's GPU computes beside its
+    host's reads: 0."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E = tier.layout.num_experts
+    step = expert_step(tier, k, seed)
     reading, stop = threading.Event(), threading.Event()
 
     def read_loop() -> None:
@@ -135,14 +158,14 @@ def measure_host_read_drag(tier, k: int, rounds: int = 5, reps: int = 10, seed: 
 
     alone, beside = [], []
     with ThreadPoolExecutor(1, thread_name_prefix="moesub-drag-reads") as pool:
-        for r in range(rounds):
-            alone.append(measure_expert_compute(tier, k, reps, seed + r))
+        for _ in range(rounds):
+            alone.append(mean_step_s(step, tier.synchronize, min_s))
             reading.clear()
             stop.clear()
             reader = pool.submit(read_loop)
             try:
                 reading.wait()  # the first read is under way before the timing starts
-                beside.append(measure_expert_compute(tier, k, reps, seed + r))
+                beside.append(mean_step_s(step, tier.synchronize, min_s))
             finally:
                 stop.set()
                 reader.result()
