@@ -171,11 +171,16 @@ HOST_UPLOADS = np.array(
 
 @pytest.mark.parametrize("price", PRICERS)
 @pytest.mark.parametrize(
-    ("concurrent", "token_s", "host_exposed", "hidden"),
-    [(False, [245.0, 209.0], 240.0, 0.0), (True, [245.0, 189.0], 220.0, 20.0)],
+    ("drag", "concurrent", "token_s", "host_exposed", "hidden"),
+    [
+        (0.0, False, [245.0, 209.0], 240.0, 0.0),
+        (0.0, True, [245.0, 189.0], 220.0, 20.0),
+        (1.0, False, [245.0, 239.0], 270.0, 0.0),
+        (1.0, True, [245.0, 189.0], 220.0, 50.0),
+    ],
 )
 def test_host_reads_queue_behind_background_copies(
-    price, concurrent, token_s, host_exposed, hidden
+    price, drag, concurrent, token_s, host_exposed, hidden
 ):
     """copy 30, expert 10, host expert 50 (its compute: the read is a copy on the link), dense
     20, overhead 5, install 2; the host reads over the link.
@@ -189,42 +194,22 @@ def test_host_reads_queue_behind_background_copies(
       one processor: max(354, 334) + 100 = 454, a token of 209 (the reads hidden behind the
       fast path). concurrent: max(354, 334 + 100) = 434, a token of 189; 20 of the host's
       compute hidden.
-    Without the link the host computes from the decision on (no reads): 205 and 125 for token
-    0, then 209 and 129."""
-    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True)
+    With the fast tier at half speed while the host's reads are in flight (host_read_drag 1):
+    token 0: the fast path computes 25-85 at full speed (60 of its 80), the last 20 inside the
+      reads at half speed: it ends at 125, not 105; the host's compute follows the reads (145)
+      either way: 245.
+    token 1: the fast path's first 30 take all of the reads (274-334), its last 50 follow: it
+      ends at 384. one processor: 384 + 100 = 484, a token of 239. concurrent: max(384, 334 +
+      100) = 434, a token of 189, 50 of the host's compute hidden. The drag counts as the
+      host's (host_exposed: the end past the undragged fast path).
+    Without the link the host computes from the decision on (no reads, nothing to drag): 205
+    and 125 for token 0, then 209 and 129."""
+    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True, host_read_drag=drag)
     r = price(HOST_UPLOADS, 1, u)
     assert r.token_s.tolist() == token_s
-    assert (r.parts["link_wait"], r.parts["host_exposed"]) == (0.0, host_exposed)
-    assert r.hidden_host_s == hidden
+    assert (r.parts["link_wait"], r.parts["fast_compute"]) == (0.0, 160.0)
+    assert (r.parts["host_exposed"], r.hidden_host_s) == (host_exposed, hidden)
     assert sum(r.parts.values()) == r.token_s.sum()
-    own_memory = price(HOST_UPLOADS, 1, replace(u, host_reads_link=False))
-    assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
-
-
-@pytest.mark.parametrize("price", PRICERS)
-@pytest.mark.parametrize(
-    ("concurrent", "token_s", "host_exposed", "hidden"),
-    [(False, [245.0, 239.0], 270.0, 0.0), (True, [245.0, 189.0], 220.0, 50.0)],
-)
-def test_host_reads_drag_the_fast_path(price, concurrent, token_s, host_exposed, hidden):
-    """As above, the fast tier computing at half speed while the host's reads are in flight
-    (host_read_drag 1).
-
-    token 0: the reads take 85-145; the fast path computes 25-85 at full speed (60 of its 80),
-      the last 20 inside the reads at half speed: it ends at 125, not 105. The host's compute
-      follows the reads (145) either way: 245.
-    token 1 (from 245): the reads take 274-334, the fast path's first 30 take all of them (60),
-      its last 50 follow: it ends at 384, not 354. one processor: 384 + 100 = 484, a token of
-      239. concurrent: max(384, 334 + 100) = 434, a token of 189, 50 of the host's compute
-      hidden (it starts at 334, the fast path ends at 384).
-    The drag counts as the host's (host_exposed: the end past the undragged fast path)."""
-    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True, host_read_drag=1.0)
-    r = price(HOST_UPLOADS, 1, u)
-    assert r.token_s.tolist() == token_s
-    assert (r.parts["fast_compute"], r.parts["host_exposed"]) == (160.0, host_exposed)
-    assert r.hidden_host_s == hidden
-    assert sum(r.parts.values()) == r.token_s.sum()
-    # without the link there are no reads to drag the fast path
     own_memory = price(HOST_UPLOADS, 1, replace(u, host_reads_link=False))
     assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
 

@@ -134,12 +134,12 @@ def measure_host_read_drag(
     and while a thread reads experts the way the host does (`tier.host_read`, fresh from disk,
     two at a time), alternated `rounds` times, each timing the mean over `min_s` seconds of
     steps; the ratio of the medians less 1, at least 0. Means, not medians of single steps: on
-    small experts the reader's Python work holds the GIL in stretches, which the median of a
-    few short steps either misses or counts in full (0.8 to 2.8 on the embedded model, whose
-    step takes 0.3 ms). On the disk tier the reads take CPU time and memory bandwidth from the
-    slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68 beside the reads in the
-    engine bench's host runs, docs/measurements.md). The CUDA tier's GPU computes beside its
-    host's reads: 0."""
+    the embedded model, whose step takes 0.3 ms, the median of 10 steps swung from 0.8 to 2.8
+    between calls (the slowdown falls on some short steps and not others; the reader's hold on
+    the GIL is the likely cause, not isolated). On the disk tier the reads take CPU time and
+    memory bandwidth from the slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68
+    beside the reads in the engine bench's host runs, docs/measurements.md). The CUDA tier's
+    GPU computes beside its host's reads: 0."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E = tier.layout.num_experts
@@ -276,7 +276,6 @@ def calibrate(
         "unit_costs": seconds,
         "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
         "expert_compute_s": expert_s,
-        "host_read_drag": drag,
         "fit": fit.to_dict(),
         "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
         "rounds": opts.calibrate_rounds,
