@@ -25,11 +25,21 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
                   double* token_s, double* parts) {
   double p[kParts] = {};  // the parts, in registers while the loop runs
   double clock = 0.0, link_free = 0.0;
+  const double drag = u.host_reads_link ? u.host_read_drag : 0.0;
   // n copies queued at `at` behind those already queued: when the first starts
   auto enqueue = [&](double at, int64_t n) {
     const double start = std::max(at, link_free);
     link_free = start + static_cast<double>(n) * u.copy_s;
     return start;
+  };
+  // the fast tier's `seconds` of `part` from `start`: when they end, slowed while the link reads
+  // (the copies queued so far run back to back from `start` until `link_free`)
+  auto work = [&](double start, double seconds, int part) {
+    const double plain = start + seconds;
+    const double end = dragged_end(start, seconds, plain, start, link_free, drag);
+    p[part] += seconds;
+    p[kReadDrag] += end - plain;
+    return end;
   };
   // admission requests per (layer, token % delay): start on the link, copies
   const int64_t ring = std::min<int64_t>(delay, std::max<int64_t>(T, 1));
@@ -39,8 +49,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
   for (int64_t t = 0; t < T; ++t) {
     const double begin = clock;
     const int64_t phase = t % delay;
-    clock += u.token_overhead_s;
-    p[kOverhead] += u.token_overhead_s;
+    clock = work(clock, u.token_overhead_s, kOverhead);
     for (int64_t l = 0; l < L; ++l) {
       const Int* c = counts + (t * L + l) * kFields;
       Int sign = 0;
@@ -53,8 +62,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // clock never goes back), so it is done without a branch.
       const int64_t pf = c[kPrefetched];
       if (l == 0) prefetch_done[0] = enqueue(clock, pf) + static_cast<double>(pf) * u.copy_s;
-      clock += u.dense_layer_s;
-      p[kDense] += u.dense_layer_s;
+      clock = work(clock, u.dense_layer_s, kDense);
       if (l + 1 < L) {
         const int64_t next = c[kFields + kPrefetched];
         prefetch_done[l + 1] = enqueue(clock, next) + static_cast<double>(next) * u.copy_s;
@@ -68,13 +76,11 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
                  : clock;
       p[kAdmitWait] += admitted - clock;
       clock = admitted;
-      clock += static_cast<double>(c[kLanded]) * u.install_s;
-      p[kInstall] += static_cast<double>(c[kLanded]) * u.install_s;
+      clock = work(clock, static_cast<double>(c[kLanded]) * u.install_s, kInstall);
       const double prefetched = pf ? std::max(clock, prefetch_done[l]) : clock;
       p[kPrefetchWait] += prefetched - clock;
       clock = prefetched;
-      clock += static_cast<double>(pf) * u.install_s;
-      p[kInstall] += static_cast<double>(pf) * u.install_s;
+      clock = work(clock, static_cast<double>(pf) * u.install_s, kInstall);
       // the decision: synchronous copies, then the new background requests, on the link
       const double decided = clock;
       const int64_t n_sync = static_cast<int64_t>(c[kFetch]) + c[kForced];
@@ -92,17 +98,17 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // the host path: its experts computed beside the fast path from the decision on, or
       // after it; where the host reads them over the link, the reads queue behind every copy
       // queued so far and the host computes once they are done (one processor: they overlap
-      // the fast path and slow its compute by `host_read_drag`, the host's compute follows)
+      // the fast path, the host's compute follows)
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
       const int64_t n_host = c[kHost];
       double ready = decided;
-      double fast_done = fast_end;  // the fast path's end, slowed while the host's reads run
-      if (u.host_reads_link && n_host) {
-        const double reads = enqueue(decided, n_host);
-        ready = reads + static_cast<double>(n_host) * u.copy_s;
-        fast_done = dragged_end(sync_start + copies, experts, fast_end, reads, ready,
-                                u.host_read_drag);
-      }
+      if (u.host_reads_link && n_host)
+        ready = enqueue(decided, n_host) + static_cast<double>(n_host) * u.copy_s;
+      // the fast tier's experts slowed while the link reads (this decision's requests and the
+      // host's reads among them)
+      const double fast_done =
+          dragged_end(sync_start + copies, experts, fast_end, sync_start + copies, link_free, drag);
+      p[kReadDrag] += fast_done - fast_end;
       double end;
       if (u.concurrent_host) {
         end = std::max(fast_done, ready + host);
@@ -110,7 +116,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       } else {
         end = std::max(fast_done, ready) + host;
       }
-      p[kHostExposed] += end - fast_end;
+      p[kHostExposed] += end - fast_done;
       clock = end;
     }
     token_s[t] = clock - begin;

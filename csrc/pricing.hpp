@@ -2,8 +2,8 @@
 // price_stream_reference is the specification): one clock for the fast tier, one FIFO link for
 // every copy, admissions landing `delay` tokens after their request, prefetches issued one MoE
 // layer early, host experts beside (concurrent) or after the fast tier's, their reads on the
-// link where the host reads its experts over it (a disk tier), the fast tier's compute slowed
-// while they are in flight.
+// link where the host reads its experts over it (a disk tier), the fast tier's work slowed
+// while that link reads.
 #pragma once
 
 #include <cstdint>
@@ -15,14 +15,14 @@ enum PriceField { kHit, kFetch, kSub, kHost, kForced, kPrefetched, kRequests, kL
 // Where the seconds went (moesub.pricing.BREAKDOWN), then the hidden host seconds.
 enum PricePart {
   kOverhead, kDense, kAdmitWait, kPrefetchWait, kInstall, kLinkWait, kSyncCopy, kFastCompute,
-  kHostExposed, kHiddenHost, kParts
+  kHostExposed, kReadDrag, kHiddenHost, kParts
 };
 
 struct UnitCosts {
   double copy_s, expert_s, host_expert_s, dense_layer_s, token_overhead_s, install_s;
   bool concurrent_host;
   bool host_reads_link;  // the host's experts come over the link (queued behind its copies)
-  double host_read_drag;  // the fast tier's compute slows by this fraction while they are read
+  double host_read_drag;  // the fast tier's work slows by this fraction while the link reads
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

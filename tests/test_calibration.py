@@ -15,8 +15,8 @@ from moesub.calibration import (
     DiskClock,
     TimedTokens,
     fit_unit_costs,
-    host_expert_by_pricing,
     reference_clock,
+    term_by_pricing,
     unit_costs_from_fit,
 )
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
@@ -155,17 +155,17 @@ def test_degenerate_fits_are_named():
 
 
 def fit_priced_runs(costs: UnitCosts, seed: int):
-    """One run of every mechanism priced under `costs` (no noise): their fit, and the host run's
-    `(wall_s, counts)`."""
+    """One run of every mechanism priced under `costs` (no noise): their fit, and the host and
+    admission runs' `(wall_s, counts)` (one each)."""
     rng = np.random.default_rng(seed)
-    parts, host_runs = [], []
+    parts, priced = [], {"host": [], "admit": []}
     for kind, layers in (("hits", L), ("hits", 1), ("fetch", L), ("host", L), ("admit", L)):
         c = mechanism_counts(kind, 300, layers, rng)
         wall = price_stream_reference(c, 1, costs).token_s
         parts.append(TimedTokens.from_counts(wall, c))
-        if kind == "host":
-            host_runs.append((wall, c))
-    return fit_unit_costs(TimedTokens.concat(parts)), host_runs
+        if kind in priced:
+            priced[kind].append((wall, c))
+    return fit_unit_costs(TimedTokens.concat(parts)), priced["host"], priced["admit"]
 
 
 def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
@@ -173,7 +173,7 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
     compute alone, which no linear term over the host's count can say; from runs priced so, the
     compute comes back through the pricing."""
     link = replace(TRUE, host_expert_s=60e-6, host_reads_link=True)
-    fit, host_runs = fit_priced_runs(link, seed=6)
+    fit, host_runs, _admit = fit_priced_runs(link, seed=6)
     rng = np.random.default_rng(6)
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s, host_runs=host_runs)
     assert seconds["host_expert_s"] == pytest.approx(link.host_expert_s, rel=0.05)
@@ -183,29 +183,34 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
     assert priced == pytest.approx(host_runs[0][0].mean(), rel=1e-9)
     # a host faster than free (measured under the price of its reads alone): 0, not negative
     fast = [(w * 0.5, c) for w, c in host_runs]
-    assert host_expert_by_pricing(seconds, fast) == 0.0
-    with pytest.raises(ValueError, match="no host runs"):
-        host_expert_by_pricing(seconds, [])
+    assert term_by_pricing(seconds, "host_expert_s", fast) == 0.0
+    with pytest.raises(ValueError, match="host_expert_s by pricing: no runs"):
+        term_by_pricing(seconds, "host_expert_s", [])
     none = mechanism_counts("hits", 20, L, rng)
-    with pytest.raises(ValueError, match="no host experts"):
-        host_expert_by_pricing(seconds, [(np.ones(20), none)])
+    with pytest.raises(ValueError, match="host_expert_s by pricing: the runs do not exercise it"):
+        term_by_pricing(seconds, "host_expert_s", [(np.ones(20), none)])
 
 
-def test_the_host_term_is_fitted_beside_the_fast_paths_drag():
-    """While the host reads, the fast tier computes slower (`host_read_drag`, measured apart):
-    fitted with it, the host runs give the host's compute back; without it, the fast path's
-    lost time lands in the host's term."""
+def test_the_host_and_install_terms_are_fitted_beside_the_drag():
+    """While the link reads (the host's reads, the admissions' copies), the fast tier works
+    slower (`host_read_drag`, measured apart): fitted with it, the host and admission runs give
+    the host's compute and the install back; without it, the fast path's lost time lands in
+    the host's term, and the linear fit's install is off by over half (the admissions' drag falls
+    into its terms wherever the least squares puts it)."""
     dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
         TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5
     )
-    fit, host_runs = fit_priced_runs(dragged, seed=7)
+    fit, host_runs, admit_runs = fit_priced_runs(dragged, seed=7)
     common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}
-    seconds = unit_costs_from_fit(fit, **common, host_read_drag=0.5)
+    seconds = unit_costs_from_fit(fit, **common, host_read_drag=0.5, admit_runs=admit_runs)
     assert seconds["host_read_drag"] == 0.5
     assert seconds["host_expert_s"] == pytest.approx(dragged.host_expert_s, rel=0.05)
+    assert seconds["install_s"] == pytest.approx(dragged.install_s, rel=0.1)
+    assert abs(fit.coef["install_s"] - dragged.install_s) > 0.5 * dragged.install_s
     undragged = unit_costs_from_fit(fit, **common)
     assert undragged["host_read_drag"] == 0.0
     assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
+    assert undragged["install_s"] == fit.coef["install_s"]  # no admission runs: the linear term
 
 
 def test_host_runs_priced_at_their_own_disk_speed():
@@ -220,11 +225,11 @@ def test_host_runs_priced_at_their_own_disk_speed():
         runs.append((price_stream_reference(c, 1, costs).token_s, c))
     seconds = {f: getattr(link, f) for f in ("copy_s", "expert_s", "host_expert_s",
                "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
-    own = host_expert_by_pricing(seconds, runs, run_copy_s=[link.copy_s, slow.copy_s])
+    own = term_by_pricing(seconds, "host_expert_s", runs, run_copy_s=[link.copy_s, slow.copy_s])
     assert own == pytest.approx(link.host_expert_s, rel=1e-6)
-    assert host_expert_by_pricing(seconds, runs) > 1.2 * link.host_expert_s
-    with pytest.raises(ValueError, match="1 copy times for 2 host runs"):
-        host_expert_by_pricing(seconds, runs, run_copy_s=[link.copy_s])
+    assert term_by_pricing(seconds, "host_expert_s", runs) > 1.2 * link.host_expert_s
+    with pytest.raises(ValueError, match="1 copy times for 2 runs"):
+        term_by_pricing(seconds, "host_expert_s", runs, run_copy_s=[link.copy_s])
 
 
 def test_runs_on_a_drifting_disk_are_fitted_at_their_own_read_speed():

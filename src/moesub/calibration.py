@@ -26,8 +26,10 @@ a microbenchmarked expert time, and gives the pricing's seconds
 (`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its
 experts over the link (the disk tier), the engine overlaps those reads with the fast path, and
 the host's term is instead its compute alone, found through the pricing of the host runs, each
-with its reads at its own disk speed (`host_expert_by_pricing`); the fit's `host_extra_s` then
-only keeps the host runs' tokens from pulling the other terms. A term no run exercises, or
+with its reads at its own disk speed (`term_by_pricing`); the fit's `host_extra_s` then
+only keeps the host runs' tokens from pulling the other terms. There the reads also slow the
+fast tier's work (`host_read_drag`, microbenchmarked), and the install is found through the
+pricing of the admission runs the same way. A term no run exercises, or
 terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
 """
 
@@ -175,6 +177,8 @@ def unit_costs_from_fit(
     reference: DiskClock | None = None,
     host_clocks: Sequence[DiskClock] = (),
     host_read_drag: float = 0.0,
+    admit_runs: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    admit_clocks: Sequence[DiskClock] = (),
 ) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
@@ -183,10 +187,12 @@ def unit_costs_from_fit(
     a host expert is a fast one plus the fitted excess. Where the fit's tokens had their reads
     timed (`read_s`), a copy is the fitted work beyond the read plus a read at `reference`'s
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
-    runs' `(wall_s (T,), counts (T, L, F))`), the host's term is its compute alone, found
-    through the pricing (`host_expert_by_pricing`), each run's reads at its own speed
-    (`host_clocks`, one per host run) where they were timed, with the fast tier slowed by the
-    microbenchmarked `host_read_drag` while they run (kept in the seconds, as a fraction)."""
+    runs' `(wall_s (T,), counts (T, L, F))`), its work slows by the microbenchmarked
+    `host_read_drag` while the link reads (kept in the seconds, as a fraction), and two terms
+    are found through the pricing (`term_by_pricing`), each run's reads at its own speed
+    (`host_clocks`, `admit_clocks`: one per run) where they were timed: the host's compute
+    alone, from the host runs, and the install, from the admission runs (`admit_runs`; the
+    linear fit's install would carry the drag of the reads it overlapped)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -203,53 +209,62 @@ def unit_costs_from_fit(
         "host_read_drag": max(host_read_drag, 0.0),
     }
     if host_runs is not None:
-        own = None
-        if reference is not None and host_clocks:
-            own = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
-        seconds["host_expert_s"] = host_expert_by_pricing(seconds, host_runs, own)
+
+        def own(clocks: Sequence[DiskClock]) -> list[float] | None:
+            if reference is None or not clocks:
+                return None
+            return [copy_at_disk(seconds["copy_s"], reference, c) for c in clocks]
+
+        seconds["host_expert_s"] = term_by_pricing(
+            seconds, "host_expert_s", host_runs, own(host_clocks)
+        )
+        if admit_runs:
+            seconds["install_s"] = term_by_pricing(
+                seconds, "install_s", admit_runs, own(admit_clocks)
+            )
     return seconds
 
 
-def host_expert_by_pricing(
+def term_by_pricing(
     seconds: dict[str, float],
-    host_runs: Sequence[tuple[np.ndarray, np.ndarray]],
+    term: str,
+    runs: Sequence[tuple[np.ndarray, np.ndarray]],
     run_copy_s: Sequence[float] | None = None,
 ) -> float:
-    """The host's compute per expert at which the pricing (one processor, the host's reads
-    copies on the link beside the fast path: `moesub.pricing`) of the host runs' own counts
-    takes their measured mean time per token, over all their tokens as the linear fit pools its
-    runs, by bisection (the price grows with it; 0 when the host runs took less than their reads
-    and fast path alone are priced at). The engine overlaps the reads with the fast path, so a
-    host expert's time is not linear in the host's count and the linear fit's term would price a
-    policy with other counts per layer wrong (docs/pricing.md). `run_copy_s` (one per host run):
-    each run's reads priced at its own copy time (default `seconds["copy_s"]` for all)."""
-    if not host_runs:
-        raise ValueError("host expert by pricing: no host runs")
-    copies = [seconds["copy_s"]] * len(host_runs) if run_copy_s is None else list(run_copy_s)
-    if len(copies) != len(host_runs):
-        raise ValueError(
-            f"host expert by pricing: {len(copies)} copy times for {len(host_runs)} host runs"
-        )
-    measured = float(np.concatenate([np.asarray(w, float) for w, _ in host_runs]).mean())
-    tokens = sum(len(w) for w, _ in host_runs)
+    """The value of `term` (seconds per expert: `host_expert_s`, `install_s`) at which the
+    pricing (one processor, the host's reads on the link: `moesub.pricing`) of calibration runs'
+    own counts (delay 1) takes their measured mean time per token, over all their tokens as the
+    linear fit pools its runs, by bisection (the price grows with it; 0 when the runs took less
+    than the rest of their price). The engine overlaps the host's reads with the fast path, and
+    slows the fast path while the link reads, so neither the host's nor an install's time is
+    linear in the counts, and the linear fit's terms would price a policy with other counts per
+    layer wrong (docs/pricing.md). `run_copy_s` (one per run): each run's reads priced at its
+    own copy time (default `seconds["copy_s"]` for all)."""
+    if not runs:
+        raise ValueError(f"{term} by pricing: no runs")
+    copies = [seconds["copy_s"]] * len(runs) if run_copy_s is None else list(run_copy_s)
+    if len(copies) != len(runs):
+        raise ValueError(f"{term} by pricing: {len(copies)} copy times for {len(runs)} runs")
+    measured = float(np.concatenate([np.asarray(w, float) for w, _ in runs]).mean())
+    tokens = sum(len(w) for w, _ in runs)
 
-    def excess(host_s: float) -> float:  # priced minus measured, mean seconds per token
+    def excess(value: float) -> float:  # priced minus measured, mean seconds per token
         priced = 0.0
-        for (_, counts), copy_s in zip(host_runs, copies, strict=True):
-            u = UnitCosts(**{**seconds, "host_expert_s": host_s, "copy_s": copy_s},
+        for (_, counts), copy_s in zip(runs, copies, strict=True):
+            u = UnitCosts(**{**seconds, term: value, "copy_s": copy_s},
                           concurrent_host=False, host_reads_link=True)  # fmt: skip
             priced += float(price_stream(counts, 1, u).token_s.sum())
         return priced / tokens - measured
 
     if excess(0.0) >= 0.0:
         return 0.0
-    hi = max(seconds["host_expert_s"], 1e-6)
+    hi = max(seconds[term], 1e-6)
     for _ in range(64):
         if excess(hi) >= 0.0:
             break
         hi *= 2.0
     else:
-        raise ValueError("host expert by pricing: the host runs have no host experts to price")
+        raise ValueError(f"{term} by pricing: the runs do not exercise it")
     lo = 0.0
     for _ in range(60):  # to ~1e-18 of `hi`: as exact as the floats
         mid = 0.5 * (lo + hi)

@@ -82,8 +82,8 @@ class UnitCosts:
     install_s: float  # fast-tier work to install one landed background copy
     concurrent_host: bool  # host experts run while the fast tier works (else one after another)
     host_reads_link: bool = False  # the host's experts come over the link (a disk tier)
-    # the fraction by which the fast tier's compute slows while the host's reads are in flight
-    # (one processor that reads and computes: the disk tier); 0 on a GPU machine
+    # the fraction by which the fast tier's work slows while the host reads over the link (one
+    # processor that reads and computes: the disk tier); 0 on a GPU machine
     host_read_drag: float = 0.0
 
     def __post_init__(self) -> None:
@@ -121,8 +121,9 @@ class HardwareProfile:
     # the host reads the experts it computes over the link, as the copies do (a disk tier whose
     # host computes from a fresh read); on a GPU machine it reads them from its own memory
     host_reads_link: bool = False
-    # the fraction by which the fast tier's compute slows while the host reads (a disk tier,
-    # measured: `moesub.engine.calibrate.measure_host_read_drag`); a GPU computes undisturbed
+    # the fraction by which the fast tier's work slows while the host reads over the link (a
+    # disk tier, measured: `moesub.engine.calibrate.measure_host_read_drag`); a GPU computes
+    # undisturbed beside its DMA copies
     host_read_drag: float = 0.0
 
     def __post_init__(self) -> None:

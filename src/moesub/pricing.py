@@ -24,10 +24,14 @@ says where this simplifies the engine):
    disk tier, whose host computes each from a fresh disk read), their reads queue on the link
    behind every copy queued so far (this decision's background requests included, as the
    engine asks them first), take `copy_s` each, and the host computes once they are done
-   (`host_expert_s` is then the compute alone), the fast tier computing `1 + host_read_drag`
-   times slower while they are in flight. With `concurrent_host` the layer ends when both
+   (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
    paths have (max); else the host computes after the fast path and its own reads (the reads
    overlap the fast path: the disk tier's worker reads while the main thread computes).
+
+Where the host reads over the link, the fast tier's work (overhead, dense, installs, experts)
+runs `1 + host_read_drag` times slower while the link reads (the host's reads and the background
+copies alike: the disk tier's worker and I/O thread take CPU time and memory bandwidth from it);
+those seconds are the `read_drag` part.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -59,6 +63,7 @@ BREAKDOWN = (
     "sync_copy",  # synchronous copies (fetch, forced)
     "fast_compute",  # experts computed on the fast tier
     "host_exposed",  # the host's experts (and reads), where the fast path did not hide them
+    "read_drag",  # the fast tier's work slowed while the host reads experts (`host_read_drag`)
 )
 
 
@@ -149,6 +154,7 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
     token_s = np.zeros(T, np.float64)
     clock = 0.0  # the fast tier's time
     link_free = 0.0  # when the link has carried every copy queued so far
+    drag = u.host_read_drag if u.host_reads_link else 0.0
 
     def enqueue(at: float, n: int) -> float:
         """n copies queued at time `at` behind those already queued: when the first starts."""
@@ -157,6 +163,15 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
         link_free = start + n * u.copy_s
         return start
 
+    def work(start: float, seconds: float, part: str) -> float:
+        """The fast tier's `seconds` of `part` from `start`: when they end, slowed while the link
+        reads (the copies queued so far run back to back from `start` until `link_free`)."""
+        plain = start + seconds
+        end = _dragged_end(start, seconds, plain, start, link_free, drag)
+        parts[part] += seconds
+        parts["read_drag"] += end - plain
+        return end
+
     # admission requests per layer and token modulo delay: (start on the link, copies); step 1
     # at token t reads those of token t - delay before step 5 overwrites them
     ring = min(delay, max(T, 1))
@@ -164,15 +179,13 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
     prefetch_done = [0.0] * L  # when layer l's prefetch copies of this token have all landed
     for t in range(T):
         begin = clock
-        clock += u.token_overhead_s
-        parts["overhead"] += u.token_overhead_s
+        clock = work(clock, u.token_overhead_s, "overhead")
         for layer in range(L):
             c = [int(x) for x in a[t, layer]]
             if layer == 0 and c[PREFETCHED]:
                 start = enqueue(clock, c[PREFETCHED])
                 prefetch_done[0] = start + c[PREFETCHED] * u.copy_s
-            clock += u.dense_layer_s
-            parts["dense"] += u.dense_layer_s
+            clock = work(clock, u.dense_layer_s, "dense")
             nxt = int(a[t, layer + 1, PREFETCHED]) if layer + 1 < L else 0
             if nxt:
                 start = enqueue(clock, nxt)
@@ -186,15 +199,13 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
                 ready = max(clock, start + landed * u.copy_s)
                 parts["admit_wait"] += ready - clock
                 clock = ready
-            clock += c[LANDED] * u.install_s
-            parts["install"] += c[LANDED] * u.install_s
+            clock = work(clock, c[LANDED] * u.install_s, "install")
             # step 1b: prefetched experts wait for their copies, then are installed
             if c[PREFETCHED]:
                 ready = max(clock, prefetch_done[layer])
                 parts["prefetch_wait"] += ready - clock
                 clock = ready
-            clock += c[PREFETCHED] * u.install_s
-            parts["install"] += c[PREFETCHED] * u.install_s
+            clock = work(clock, c[PREFETCHED] * u.install_s, "install")
             # the decision: synchronous copies, then the new background requests, on the link
             decided = clock
             n_sync = c[FETCH] + c[FORCED]
@@ -208,24 +219,25 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             parts["fast_compute"] += n_fast * u.expert_s
             # the host path: its experts computed beside the fast path from the decision on, or
             # after it; read over the link, the reads queue behind every copy queued so far and
-            # the host computes once they are done (one processor: they overlap the fast path
-            # and slow its compute by `host_read_drag`, the host's compute follows)
+            # the host computes once they are done (one processor: they overlap the fast path,
+            # the host's compute follows)
             host = c[HOST] * u.host_expert_s
             ready = decided
-            fast_done = fast_end  # the fast path's end, slowed while the host's reads run
             if u.host_reads_link and c[HOST]:
-                reads = enqueue(decided, c[HOST])
-                ready = reads + c[HOST] * u.copy_s
-                fast_done = _dragged_end(
-                    sync_start + n_sync * u.copy_s, n_fast * u.expert_s, fast_end, reads, ready,
-                    u.host_read_drag,
-                )  # fmt: skip
+                ready = enqueue(decided, c[HOST]) + c[HOST] * u.copy_s
+            # the fast tier's experts slowed while the link reads (this decision's requests and
+            # the host's reads among them)
+            fast_done = _dragged_end(
+                sync_start + n_sync * u.copy_s, n_fast * u.expert_s, fast_end,
+                sync_start + n_sync * u.copy_s, link_free, drag,
+            )  # fmt: skip
+            parts["read_drag"] += fast_done - fast_end
             if u.concurrent_host:
                 end = max(fast_done, ready + host)
                 hidden_host += min(host, max(0.0, fast_done - ready))
             else:
                 end = max(fast_done, ready) + host
-            parts["host_exposed"] += end - fast_end
+            parts["host_exposed"] += end - fast_done
             clock = end
         token_s[t] = clock - begin
     return StreamTime(token_s, parts, hidden_host)

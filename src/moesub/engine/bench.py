@@ -70,6 +70,7 @@ from moesub.engine.bench_runs import (
     write_bench_counts,
 )
 from moesub.engine.calibrate import (
+    ADMIT_RUN,
     HOST_RUN,
     MECHANISMS,
     measure_expert_compute,
@@ -217,13 +218,15 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
     runs = [r for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
-    host = rounds.runs[HOST_RUN]
+    host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
     reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if rounds.host_reads_link else None,
         reference=reference, host_clocks=[r.disk for r in host],
         host_read_drag=rounds.micro["host_read_drag"],
+        admit_runs=[(r.wall_s, r.layer_counts) for r in admit],
+        admit_clocks=[r.disk for r in admit],
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(

@@ -7,7 +7,8 @@ machine's load falls on all alike, each run on an engine of its own. Every token
 per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`;
 on the disk tier each run's copies are taken at the disk's speed while it read, and the disk's
 speed from the median run; where the host reads its experts over the link, the host's term
-comes from the pricing of the host runs); the fast tier's expert time is a microbenchmark
+and the install come from the pricing of the host and admission runs); the fast tier's expert
+time is a microbenchmark
 (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so is
 its slowdown while the host reads (`measure_host_read_drag`, the disk tier). The
 output JSON holds the profile (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine`
@@ -61,7 +62,9 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
 }
-HOST_RUN = "cal_host"  # the mechanism whose runs fit the host's term where it reads over the link
+# the mechanisms whose runs find the host's term and the install through the pricing where the
+# host reads over the link
+HOST_RUN, ADMIT_RUN = "cal_host", "cal_admit"
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -237,7 +240,8 @@ def calibrate(
     ]
     timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
     disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
-    host_runs = []  # the host runs' (wall_s, counts): the host's term through the pricing
+    # the host and admission runs' (wall_s, counts): their terms through the pricing
+    priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
     expert_s, drag, expert_bytes, tier, host_reads_link = None, 0.0, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
@@ -249,8 +253,8 @@ def calibrate(
                 timed[name].append(
                     TimedTokens.from_counts(r["wall_s"], r["layer_counts"], disk[name][-1])
                 )
-                if name == HOST_RUN:
-                    host_runs.append((r["wall_s"], r["layer_counts"]))
+                if name in priced_runs:
+                    priced_runs[name].append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
                 drag = measure_host_read_drag(eng.setup.tier, info.top_k)
@@ -261,8 +265,9 @@ def calibrate(
     reference = reference_clock([c for clocks in disk.values() for c in clocks])
     seconds = unit_costs_from_fit(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
-        host_runs=host_runs if host_reads_link else None, reference=reference,
+        host_runs=priced_runs[HOST_RUN] if host_reads_link else None, reference=reference,
         host_clocks=disk[HOST_RUN], host_read_drag=drag,
+        admit_runs=priced_runs[ADMIT_RUN], admit_clocks=disk[ADMIT_RUN],
     )  # fmt: skip
     profile = measured_profile(
         seconds,
