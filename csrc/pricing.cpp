@@ -9,15 +9,31 @@
 
 namespace moesub {
 
-// The end of `work` seconds of compute from `start` (`plain`: start + work, as the caller added
-// it), slowed by the fraction `drag` while reads run in [a, b).
-static double dragged_end(double start, double work, double plain, double a, double b,
-                          double drag) {
-  if (drag == 0.0 || plain <= a || start >= b) return plain;
-  const double from = std::max(start, a);
-  const double rest = work - (from - start);
-  const double window = (b - from) / (1.0 + drag);
-  return rest <= window ? from + rest * (1.0 + drag) : b + (rest - window);
+// A stretch of time in which the fast tier's work runs `drag` times slower than alone.
+struct DragWindow {
+  double a, b, drag;
+};
+
+// The end of `work` seconds of the fast tier's work from `start` (`plain`: start + work, as the
+// caller added it), slowed in each of n windows (in time order, apart): `plain` where none
+// slows it.
+static double dragged_end(double start, double work, double plain, const DragWindow* w, int n) {
+  double t = start, rest = work;
+  bool slowed = false;
+  for (int i = 0; i < n; ++i) {
+    const DragWindow& x = w[i];
+    if (x.drag == 0.0 || x.a >= x.b || x.b <= t || t + rest <= x.a) continue;
+    if (x.a > t) {  // full speed up to the window
+      rest -= x.a - t;
+      t = x.a;
+    }
+    const double fits = (x.b - t) / (1.0 + x.drag);  // the work the window holds
+    slowed = true;
+    if (rest <= fits) return t + rest * (1.0 + x.drag);
+    rest -= fits;
+    t = x.b;
+  }
+  return slowed ? t + rest : plain;
 }
 
 template <typename Int>
@@ -25,7 +41,8 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
                   double* token_s, double* parts) {
   double p[kParts] = {};  // the parts, in registers while the loop runs
   double clock = 0.0, link_free = 0.0;
-  const double drag = u.host_reads_link ? u.host_read_drag : 0.0;
+  const double host_drag = u.host_reads_link ? u.host_read_drag : 0.0;
+  const double background_drag = u.host_reads_link ? u.background_read_drag : 0.0;
   // n copies queued at `at` behind those already queued: when the first starts
   auto enqueue = [&](double at, int64_t n) {
     const double start = std::max(at, link_free);
@@ -33,10 +50,12 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
     return start;
   };
   // the fast tier's `seconds` of `part` from `start`: when they end, slowed while the link reads
-  // (the copies queued so far run back to back from `start` until `link_free`)
+  // background copies (those queued so far run back to back from `start` until `link_free`; the
+  // host's reads are done by then)
   auto work = [&](double start, double seconds, int part) {
     const double plain = start + seconds;
-    const double end = dragged_end(start, seconds, plain, start, link_free, drag);
+    const DragWindow window{start, link_free, background_drag};
+    const double end = dragged_end(start, seconds, plain, &window, 1);
     p[part] += seconds;
     p[kReadDrag] += end - plain;
     return end;
@@ -102,12 +121,17 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
       const int64_t n_host = c[kHost];
       double ready = decided;
-      if (u.host_reads_link && n_host)
-        ready = enqueue(decided, n_host) + static_cast<double>(n_host) * u.copy_s;
-      // the fast tier's experts slowed while the link reads (this decision's requests and the
-      // host's reads among them)
-      const double fast_done =
-          dragged_end(sync_start + copies, experts, fast_end, sync_start + copies, link_free, drag);
+      double reads = link_free;  // the background copies queued so far end, the host's reads start
+      if (u.host_reads_link && n_host) {
+        reads = enqueue(decided, n_host);
+        ready = reads + static_cast<double>(n_host) * u.copy_s;
+      }
+      // the fast tier's experts slowed while the link reads: this decision's background requests
+      // and those before, then the host's reads
+      const double fast_start = sync_start + copies;
+      const DragWindow windows[2] = {{fast_start, reads, background_drag},
+                                     {reads, link_free, host_drag}};
+      const double fast_done = dragged_end(fast_start, experts, fast_end, windows, 2);
       p[kReadDrag] += fast_done - fast_end;
       double end;
       if (u.concurrent_host) {

@@ -22,7 +22,9 @@ struct UnitCosts {
   double copy_s, expert_s, host_expert_s, dense_layer_s, token_overhead_s, install_s;
   bool concurrent_host;
   bool host_reads_link;  // the host's experts come over the link (queued behind its copies)
-  double host_read_drag;  // the fast tier's work slows by this fraction while the link reads
+  // the fast tier's work slows by these fractions while the link reads (host_reads_link only):
+  // the host's experts, background copies
+  double host_read_drag, background_read_drag;
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

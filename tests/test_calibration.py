@@ -193,22 +193,24 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
 
 def test_the_host_and_install_terms_are_fitted_beside_the_drag():
     """While the link reads (the host's reads, the admissions' copies), the fast tier works
-    slower (`host_read_drag`, measured apart): fitted with it, the host and admission runs give
-    the host's compute and the install back; without it, the fast path's lost time lands in
-    the host's term, and the linear fit's install is off by over half (the admissions' drag falls
-    into its terms wherever the least squares puts it)."""
+    slower (`host_read_drag`, `background_read_drag`, measured apart): fitted with them, the host
+    and admission runs give the host's compute and the install back; without them, the fast
+    path's lost time lands in the host's term, and the linear fit's install is off by over half
+    (the admissions' drag falls into its terms wherever the least squares puts it)."""
     dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
-        TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5
-    )
+        TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5,
+        background_read_drag=0.25,
+    )  # fmt: skip
     fit, host_runs, admit_runs = fit_priced_runs(dragged, seed=7)
     common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}
-    seconds = unit_costs_from_fit(fit, **common, host_read_drag=0.5, admit_runs=admit_runs)
-    assert seconds["host_read_drag"] == 0.5
+    drags = {"host_read_drag": 0.5, "background_read_drag": 0.25}
+    seconds = unit_costs_from_fit(fit, **common, **drags, admit_runs=admit_runs)
+    assert {d: seconds[d] for d in drags} == drags
     assert seconds["host_expert_s"] == pytest.approx(dragged.host_expert_s, rel=0.05)
     assert seconds["install_s"] == pytest.approx(dragged.install_s, rel=0.1)
     assert abs(fit.coef["install_s"] - dragged.install_s) > 0.5 * dragged.install_s
     undragged = unit_costs_from_fit(fit, **common)
-    assert undragged["host_read_drag"] == 0.0
+    assert (undragged["host_read_drag"], undragged["background_read_drag"]) == (0.0, 0.0)
     assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
     assert undragged["install_s"] == fit.coef["install_s"]  # no admission runs: the linear term
 

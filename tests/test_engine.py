@@ -34,7 +34,11 @@ from moesub.engine import (
     write_store,
 )
 from moesub.engine.bench_runs import read_bench_counts
-from moesub.engine.calibrate import measure_expert_compute, measure_host_read_drag
+from moesub.engine.calibrate import (
+    measure_background_read_drag,
+    measure_expert_compute,
+    measure_host_read_drag,
+)
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
@@ -307,6 +311,45 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
         with pytest.raises(OSError, match="the disk went away"):
             measure_host_read_drag(tier, 4, rounds=1, min_s=0.0)
         assert measure_host_read_drag(SimpleNamespace(host_reads_link=True), 4) == 0.0
+    finally:
+        tier.close()
+
+
+def test_background_read_drag_times_the_slots_beside_the_io_threads_reads(tmp_path, monkeypatch):
+    """The background drag microbenchmark times the loaded slots alone and while the I/O thread
+    reads one expert after another, fed between steps as the engine feeds it; it leaves nothing
+    in flight and every staging buffer free; a tier that is not the disk tier's gives 0."""
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
+    module = importlib.import_module("moesub.engine.calibrate")
+    timed, reads = [], []  # (start, end) of every timing and of every background read
+    real_time, real_read = module.mean_step_s, tier.store.read_into
+
+    def spy_time(step, sync, min_s):
+        t0 = time.perf_counter()
+        out = real_time(step, sync, min_s)
+        timed.append((t0, time.perf_counter()))
+        return out
+
+    def spy_read(*args):
+        t0 = time.perf_counter()
+        out = real_read(*args)
+        time.sleep(0.005)  # a read as long as a big expert's
+        reads.append((t0, time.perf_counter()))
+        return out
+
+    try:
+        tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
+        monkeypatch.setattr(module, "mean_step_s", spy_time)
+        monkeypatch.setattr(tier.store, "read_into", spy_read)
+        drag = measure_background_read_drag(tier, 4, rounds=3, min_s=0.02)
+        assert math.isfinite(drag) and drag >= 0.0
+        overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
+        assert overlaps == [False, True] * 3  # alone, beside the reads, three times
+        assert tier.reader._requests.unfinished_tasks == 0
+        assert tier.reader._free.qsize() == len(tier.reader.buffers)
+        assert measure_background_read_drag(SimpleNamespace(host_reads_link=True), 4) == 0.0
     finally:
         tier.close()
 

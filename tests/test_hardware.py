@@ -118,7 +118,8 @@ SECONDS = {
     "dense_layer_s": 300e-6,
     "token_overhead_s": 1e-3,
     "install_s": 5e-6,
-    "host_read_drag": 0.25,  # a fraction: priced for any expert size as it is
+    "host_read_drag": 0.25,  # fractions: priced for any expert size as they are
+    "background_read_drag": 0.125,
 }
 
 
@@ -141,7 +142,7 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     free = measured_profile({**SECONDS, "install_s": 0.0}, 98_304.0, "free installs")
     u = free.price(ModelBytes(2 * 98_304.0))
     assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
-    assert u.host_read_drag == 0.25
+    assert (u.host_read_drag, u.background_read_drag) == (0.25, 0.125)
     assert math.isinf(free.install_Bps)
 
 
@@ -150,8 +151,9 @@ def test_this_machine_names_a_bad_calibration():
         measured_profile({k: v for k, v in SECONDS.items() if k != "install_s"}, 1.0, "x")
     with pytest.raises(ValueError, match=r"hardware\.this_machine\.expert_s=-1"):
         measured_profile({**SECONDS, "expert_s": -1}, 1.0, "x")
-    with pytest.raises(ValueError, match=r"hardware\.this_machine\.host_read_drag=-0\.1"):
-        measured_profile({**SECONDS, "host_read_drag": -0.1}, 1.0, "x")
+    for drag in ("host_read_drag", "background_read_drag"):
+        with pytest.raises(ValueError, match=rf"hardware\.this_machine\.{drag}=-0\.1"):
+            measured_profile({**SECONDS, drag: -0.1}, 1.0, "x")
     with pytest.raises(ValueError, match="no `profile`"):
         this_machine({"link_bandwidth_Bps": 1e9})
     bad = {**measured_profile(SECONDS, 1.0, "x").to_dict(), "dense_layer_s": -1.0}

@@ -111,18 +111,18 @@ def test_late_prefetches_are_waited_for(price, drag, prefetch_wait, read_drag):
     Layer 0 waits 280 for its copy, installs (-> 302), computes 10 experts (-> 402); layer 1:
     dense -> 422, waits 778 for its copies (-> 1200), installs 3 (-> 1206), 10 experts -> 1306.
     With the host reading the copies (the disk tier) and its work at half speed meanwhile
-    (host_read_drag 1): layer 0's dense work takes 40, its install 4 (300-304) and its experts
+    (background_read_drag 1): layer 0's dense work takes 40, its install 4 (300-304) and its experts
     200 (-> 504), all inside the link's reads; layer 1's dense work 40 (-> 544), it waits 656
     for its copies; past 1200 nothing is read: 1206, 1306. The waits absorb the 142 seconds of
     drag (1058 - 916)."""
     u = UnitCosts(300.0, 10.0, 50.0, 20.0, 0.0, 2.0, True)
     counts = np.array([[token_layer(hit=10, prefetched=1), token_layer(hit=10, prefetched=3)]])
-    r = price(counts, 1, replace(u, host_reads_link=True, host_read_drag=drag))
+    r = price(counts, 1, replace(u, host_reads_link=True, background_read_drag=drag))
     assert r.token_s.tolist() == [1306.0]
     assert (r.parts["prefetch_wait"], r.parts["read_drag"]) == (prefetch_wait, read_drag)
     assert sum(r.parts.values()) == r.token_s.sum()
     # copies the host does not read (a DMA engine's) leave its work at full speed
-    r = price(counts, 1, replace(u, host_read_drag=drag))
+    r = price(counts, 1, replace(u, background_read_drag=drag))
     assert (r.parts["prefetch_wait"], r.parts["read_drag"]) == (1058.0, 0.0)
 
 
@@ -182,16 +182,20 @@ HOST_UPLOADS = np.array(
 
 @pytest.mark.parametrize("price", PRICERS)
 @pytest.mark.parametrize(
-    ("drag", "concurrent", "token_s", "host_exposed", "read_drag", "hidden"),
+    ("drags", "concurrent", "token_s", "host_exposed", "read_drag", "hidden"),
     [
-        (0.0, False, [245.0, 209.0], 240.0, 0.0, 0.0),
-        (0.0, True, [245.0, 189.0], 220.0, 0.0, 20.0),
-        (1.0, False, [265.0, 239.0], 200.0, 90.0, 0.0),
-        (1.0, True, [245.0, 189.0], 130.0, 90.0, 70.0),
+        ((0.0, 0.0), False, [245.0, 209.0], 240.0, 0.0, 0.0),
+        ((0.0, 0.0), True, [245.0, 189.0], 220.0, 0.0, 20.0),
+        ((1.0, 0.0), False, [245.0, 239.0], 220.0, 50.0, 0.0),
+        ((1.0, 0.0), True, [245.0, 189.0], 170.0, 50.0, 50.0),
+        ((0.0, 1.0), False, [245.0, 209.0], 210.0, 30.0, 0.0),
+        ((0.0, 1.0), True, [245.0, 189.0], 190.0, 30.0, 20.0),
+        ((1.0, 1.0), False, [265.0, 239.0], 200.0, 90.0, 0.0),
+        ((1.0, 1.0), True, [245.0, 189.0], 130.0, 90.0, 70.0),
     ],
 )
 def test_host_reads_queue_behind_background_copies(
-    price, drag, concurrent, token_s, host_exposed, read_drag, hidden
+    price, drags, concurrent, token_s, host_exposed, read_drag, hidden
 ):
     """copy 30, expert 10, host expert 50 (its compute: the read is a copy on the link), dense
     20, overhead 5, install 2; the host reads over the link.
@@ -205,20 +209,29 @@ def test_host_reads_queue_behind_background_copies(
       one processor: max(354, 334) + 100 = 454, a token of 209 (the reads hidden behind the
       fast path). concurrent: max(354, 334 + 100) = 434, a token of 189; 20 of the host's
       compute hidden.
-    With the fast tier at half speed while the link reads (host_read_drag 1: the uploads' reads
-    and the host's):
-    token 0: the fast path's 80 take the whole link (25-145) for 60 of them, the last 20 follow:
-      it ends at 165, not 105 (60 of drag). one processor: 165 + 100 = 265. concurrent:
-      max(165, 145 + 100) = 245, 20 of the host's compute hidden.
-    token 1 (one processor: from 265): overhead, dense and installs run on an idle link: the
-      decision at 294, the reads 294-354; the fast path's first 30 take them all, its last 50
-      follow: it ends at 404 (30 of drag). 404 + 100 = 504, a token of 239. concurrent (from
-      245): the reads 274-334, the fast path ends at 384; max(384, 334 + 100) = 434, a token of
-      189, 50 of the host's compute hidden. The drag is its own part (read_drag); the host's
-      is the end past the dragged fast path (host_exposed).
+    With the fast tier at half speed while the host reads its experts (host_read_drag 1):
+    token 0: its 80 run at full speed to 85 (60 of them), the last 20 inside the host's reads
+      at half speed: the fast path ends at 125 (20 of drag); the host's compute follows the
+      reads (145) either way: 245.
+    token 1: the fast path's first 30 take all of the reads (274-334), its last 50 follow: it
+      ends at 384 (30 of drag). one processor: 384 + 100 = 484, a token of 239. concurrent:
+      max(384, 334 + 100) = 434, a token of 189, 50 of the host's compute hidden.
+    At half speed while the uploads are read (background_read_drag 1): token 0's first 30 take
+      the uploads' reads (25-85), its last 50 follow: 135 (30 of drag), still before the host's
+      reads end: 245. Token 1 reads no upload: 209, or 189 (20 hidden).
+    Both: token 0's 80 take the whole link (25-145) for 60, the last 20 follow: 165 (60 of
+      drag). one processor: 165 + 100 = 265, then (from 265, on an idle link until the
+      decision at 294) the reads 294-354 and the fast path to 404: 504, a token of 239.
+      concurrent: max(165, 145 + 100) = 245 (20 hidden), then as with the host's drag alone.
+    The drag is its own part (read_drag); the host's is the end past the dragged fast path
+    (host_exposed).
     Without the link the host computes from the decision on (no reads, nothing to drag): 205
     and 125 for token 0, then 209 and 129."""
-    u = replace(units(concurrent, copy_s=30.0), host_reads_link=True, host_read_drag=drag)
+    host_drag, background_drag = drags
+    u = replace(
+        units(concurrent, copy_s=30.0), host_reads_link=True, host_read_drag=host_drag,
+        background_read_drag=background_drag,
+    )  # fmt: skip
     r = price(HOST_UPLOADS, 1, u)
     assert r.token_s.tolist() == token_s
     assert (r.parts["link_wait"], r.parts["fast_compute"]) == (0.0, 160.0)
@@ -243,6 +256,7 @@ def priced_streams(draw):
         concurrent_host=draw(st.booleans()),
         host_reads_link=draw(st.booleans()),
         host_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
+        background_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
     )
     return counts, draw(st.integers(1, 5)), u
 

@@ -177,6 +177,7 @@ def unit_costs_from_fit(
     reference: DiskClock | None = None,
     host_clocks: Sequence[DiskClock] = (),
     host_read_drag: float = 0.0,
+    background_read_drag: float = 0.0,
     admit_runs: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     admit_clocks: Sequence[DiskClock] = (),
 ) -> dict[str, float]:
@@ -188,7 +189,8 @@ def unit_costs_from_fit(
     timed (`read_s`), a copy is the fitted work beyond the read plus a read at `reference`'s
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
     runs' `(wall_s (T,), counts (T, L, F))`), its work slows by the microbenchmarked
-    `host_read_drag` while the link reads (kept in the seconds, as a fraction), and two terms
+    `host_read_drag` and `background_read_drag` while the link reads the host's experts and
+    background copies (kept in the seconds, as fractions), and two terms
     are found through the pricing (`term_by_pricing`), each run's reads at its own speed
     (`host_clocks`, `admit_clocks`: one per run) where they were timed: the host's compute
     alone, from the host runs, and the install, from the admission runs (`admit_runs`; the
@@ -207,6 +209,7 @@ def unit_costs_from_fit(
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"],
         "host_read_drag": max(host_read_drag, 0.0),
+        "background_read_drag": max(background_read_drag, 0.0),
     }
     if host_runs is not None:
 

@@ -82,9 +82,11 @@ class UnitCosts:
     install_s: float  # fast-tier work to install one landed background copy
     concurrent_host: bool  # host experts run while the fast tier works (else one after another)
     host_reads_link: bool = False  # the host's experts come over the link (a disk tier)
-    # the fraction by which the fast tier's work slows while the host reads over the link (one
-    # processor that reads and computes: the disk tier); 0 on a GPU machine
+    # the fractions by which the fast tier's work slows while the host reads over the link (one
+    # processor that reads and computes: the disk tier): the host's reads of the experts it
+    # computes, and the background copies; 0 on a GPU machine
     host_read_drag: float = 0.0
+    background_read_drag: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,10 +123,11 @@ class HardwareProfile:
     # the host reads the experts it computes over the link, as the copies do (a disk tier whose
     # host computes from a fresh read); on a GPU machine it reads them from its own memory
     host_reads_link: bool = False
-    # the fraction by which the fast tier's work slows while the host reads over the link (a
-    # disk tier, measured: `moesub.engine.calibrate.measure_host_read_drag`); a GPU computes
-    # undisturbed beside its DMA copies
+    # the fractions by which the fast tier's work slows while the host reads over the link (a
+    # disk tier, measured: `moesub.engine.calibrate.measure_read_drag`): the host's reads of the
+    # experts it computes, and the background copies; a GPU computes undisturbed beside its DMA
     host_read_drag: float = 0.0
+    background_read_drag: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -135,7 +138,8 @@ class HardwareProfile:
                 raise ValueError(f"{where}.{key}={getattr(self, key)!r} must be a bool")
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
-        for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s", "host_read_drag"):
+        for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s",
+                    "host_read_drag", "background_read_drag"):  # fmt: skip
             _check_number(where, key, getattr(self, key))
         for key in ("host_core_Bps", "install_Bps"):
             if getattr(self, key) is not None:
@@ -177,6 +181,7 @@ class HardwareProfile:
             concurrent_host=self.concurrent_host,
             host_reads_link=self.host_reads_link,
             host_read_drag=self.host_read_drag,
+            background_read_drag=self.background_read_drag,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -233,8 +238,8 @@ def measured_profile(
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
-    measured `host_read_drag` (a fraction, kept as it is). Priced for `ModelBytes(expert_bytes)`
-    it gives the seconds back."""
+    measured `host_read_drag` and `background_read_drag` (fractions, kept as they are). Priced
+    for `ModelBytes(expert_bytes)` it gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
@@ -260,6 +265,7 @@ def measured_profile(
         install_Bps=rate("install_s"),
         host_reads_link=host_reads_link,
         host_read_drag=seconds["host_read_drag"],
+        background_read_drag=seconds["background_read_drag"],
     )
 
 

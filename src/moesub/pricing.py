@@ -126,18 +126,30 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
-            u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag)  # fmt: skip
+            u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag,
+            u.background_read_drag)  # fmt: skip
 
 
-def _dragged_end(start: float, work: float, plain: float, a: float, b: float, drag: float) -> float:
-    """The end of `work` seconds of compute from `start` (`plain`: start + work as the caller
-    added it), slowed by the fraction `drag` while reads run in [a, b)."""
-    if drag == 0.0 or plain <= a or start >= b:
-        return plain
-    begin = max(start, a)
-    rest = work - (begin - start)
-    window = (b - begin) / (1.0 + drag)
-    return begin + rest * (1.0 + drag) if rest <= window else b + (rest - window)
+def _dragged_end(
+    start: float, work: float, plain: float, windows: Sequence[tuple[float, float, float]]
+) -> float:
+    """The end of `work` seconds of the fast tier's work from `start` (`plain`: start + work as
+    the caller added it), slowed by the fraction `drag` in each window `(a, b, drag)` (in time
+    order, apart): `plain` where none slows it."""
+    t, rest, slowed = start, work, False
+    for a, b, drag in windows:
+        if drag == 0.0 or a >= b or b <= t or t + rest <= a:
+            continue
+        if a > t:  # full speed up to the window
+            rest -= a - t
+            t = a
+        fits = (b - t) / (1.0 + drag)  # the work the window holds
+        slowed = True
+        if rest <= fits:
+            return t + rest * (1.0 + drag)
+        rest -= fits
+        t = b
+    return t + rest if slowed else plain
 
 
 def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
@@ -154,7 +166,8 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
     token_s = np.zeros(T, np.float64)
     clock = 0.0  # the fast tier's time
     link_free = 0.0  # when the link has carried every copy queued so far
-    drag = u.host_read_drag if u.host_reads_link else 0.0
+    host_drag = u.host_read_drag if u.host_reads_link else 0.0
+    background_drag = u.background_read_drag if u.host_reads_link else 0.0
 
     def enqueue(at: float, n: int) -> float:
         """n copies queued at time `at` behind those already queued: when the first starts."""
@@ -165,9 +178,10 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
 
     def work(start: float, seconds: float, part: str) -> float:
         """The fast tier's `seconds` of `part` from `start`: when they end, slowed while the link
-        reads (the copies queued so far run back to back from `start` until `link_free`)."""
+        reads background copies (those queued so far run back to back from `start` until
+        `link_free`; the host's reads are done by then)."""
         plain = start + seconds
-        end = _dragged_end(start, seconds, plain, start, link_free, drag)
+        end = _dragged_end(start, seconds, plain, ((start, link_free, background_drag),))
         parts[part] += seconds
         parts["read_drag"] += end - plain
         return end
@@ -223,13 +237,16 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             # the host's compute follows)
             host = c[HOST] * u.host_expert_s
             ready = decided
+            reads = link_free  # the background copies queued so far end, the host's reads start
             if u.host_reads_link and c[HOST]:
-                ready = enqueue(decided, c[HOST]) + c[HOST] * u.copy_s
-            # the fast tier's experts slowed while the link reads (this decision's requests and
-            # the host's reads among them)
+                reads = enqueue(decided, c[HOST])
+                ready = reads + c[HOST] * u.copy_s
+            # the fast tier's experts slowed while the link reads: this decision's background
+            # requests and those before, then the host's reads
+            fast_start = sync_start + n_sync * u.copy_s
             fast_done = _dragged_end(
-                sync_start + n_sync * u.copy_s, n_fast * u.expert_s, fast_end,
-                sync_start + n_sync * u.copy_s, link_free, drag,
+                fast_start, n_fast * u.expert_s, fast_end,
+                ((fast_start, reads, background_drag), (reads, link_free, host_drag)),
             )  # fmt: skip
             parts["read_drag"] += fast_done - fast_end
             if u.concurrent_host:

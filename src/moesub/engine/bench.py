@@ -74,7 +74,7 @@ from moesub.engine.calibrate import (
     HOST_RUN,
     MECHANISMS,
     measure_expert_compute,
-    measure_host_read_drag,
+    measure_read_drags,
     round_order,
     spread,
 )
@@ -198,16 +198,15 @@ class BenchParams:
 
 
 def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
-    """The fast tier's expert time (it splits the fit's per-layer constant,
-    `unit_costs_from_fit`), its slowdown while the host reads (the disk tier's; else 0), and, on
-    the disk tier, the disk's read rate (for the record)."""
+    """The fast tier's expert time (it splits the fit's per-layer constant), its drags while the
+    host reads (the disk tier's; else 0), and the disk's read rate (for the record)."""
     if isinstance(tier, DiskTier):
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
     info["microbenchmarks"] = micro = {
         "expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed),
-        "host_read_drag": measure_host_read_drag(tier, p.top_k, seed=p.seed),
+        **measure_read_drags(tier, p.top_k, seed=p.seed),
     }
     return micro
 
@@ -224,7 +223,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
         fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if rounds.host_reads_link else None,
         reference=reference, host_clocks=[r.disk for r in host],
-        host_read_drag=rounds.micro["host_read_drag"],
+        **{d: rounds.micro[d] for d in ("host_read_drag", "background_read_drag")},
         admit_runs=[(r.wall_s, r.layer_counts) for r in admit],
         admit_clocks=[r.disk for r in admit],
     )  # fmt: skip
@@ -458,8 +457,7 @@ def run_benchmark(
     Also writes every run's per-token-layer counts to `counts_path` (default
     `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
     """
-    p = BenchParams.from_dict(params)
-    dev = require_cuda(device)
+    p, dev = BenchParams.from_dict(params), require_cuda(device)
     if p.threads:
         torch.set_num_threads(p.threads)
     plan = _plan(p, dev, Path(out_path))

@@ -10,7 +10,8 @@ speed from the median run; where the host reads its experts over the link, the h
 and the install come from the pricing of the host and admission runs); the fast tier's expert
 time is a microbenchmark
 (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so is
-its slowdown while the host reads (`measure_host_read_drag`, the disk tier). The
+its slowdown while the host reads (`measure_host_read_drag`, `measure_background_read_drag`:
+the disk tier). The
 output JSON holds the profile (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine`
 reads it), the seconds it was made from, what pricing a run at the disk's speed while it read
 needs (`at_run_disk`: `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share
@@ -175,6 +176,54 @@ def measure_host_read_drag(
     return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
 
 
+def measure_background_read_drag(
+    tier, k: int, rounds: int = 5, min_s: float = 0.1, seed: int = 0
+) -> float:
+    """How much slower the fast tier computes its experts while the I/O thread reads background
+    copies (admissions, uploads, prefetches), as a fraction (`UnitCosts.background_read_drag`):
+    steps of k experts (`expert_step`) timed alone and with the I/O thread kept reading one
+    expert after another, fed between steps by the timing thread as the engine's main thread
+    feeds it (`BackgroundReader.submit`; landed buffers released), alternated `rounds` times,
+    each the mean step time over `min_s` seconds; the ratio of the medians less 1, at least 0.
+    Apart from the host's reads' drag: the I/O thread reads one expert at a time, fresh from
+    disk, where the host's worker reads its experts back to back, and drags the fast tier about
+    half as much (ad hoc on this machine, 2026-12-03: 0.15-0.18 against 0.37-0.43 on the engine
+    bench's experts, 1.2-1.25 against 2.3-3.1 on the embedded model). 0 off the disk tier."""
+    if not isinstance(tier, DiskTier):
+        return 0.0
+    E, reader = tier.layout.num_experts, tier.reader
+    step = expert_step(tier, k, seed)
+    depth = min(2, len(reader.buffers))  # a read queued behind the one in flight
+    rng = np.random.default_rng(seed)
+    queued = 0
+
+    def fed_step() -> None:
+        nonlocal queued
+        for _expert, idx, _bytes in reader.poll(0):
+            reader.release(idx)
+            queued -= 1
+        while queued < depth:
+            reader.submit(0, int(rng.integers(E)))
+            queued += 1
+        step()
+
+    alone, beside = [], []
+    for _ in range(rounds):
+        alone.append(mean_step_s(step, tier.synchronize, min_s))
+        beside.append(mean_step_s(fed_step, tier.synchronize, min_s))
+        reader.drain()  # the reads left in flight, their buffers released
+        queued = 0
+    return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
+
+
+def measure_read_drags(tier, k: int, seed: int = 0) -> dict[str, float]:
+    """Both drags of a tier, keyed as the profile's fields (0 off the disk tier)."""
+    return {
+        "host_read_drag": measure_host_read_drag(tier, k, seed=seed),
+        "background_read_drag": measure_background_read_drag(tier, k, seed=seed),
+    }
+
+
 def round_order(names: list[str], rounds: int) -> list[str]:
     """Every name once per round, each round the one before rotated by about len / rounds: over
     the rounds a name runs near a round's start, middle and end alike (drift in the machine's
@@ -242,7 +291,7 @@ def calibrate(
     disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
     # the host and admission runs' (wall_s, counts): their terms through the pricing
     priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
-    expert_s, drag, expert_bytes, tier, host_reads_link = None, 0.0, None, "", False
+    expert_s, drags, expert_bytes, tier, host_reads_link = None, {}, None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
         with EngineModel(model_dir, specs[name]) as eng:
@@ -257,7 +306,7 @@ def calibrate(
                     priced_runs[name].append((r["wall_s"], r["layer_counts"]))
             if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
-                drag = measure_host_read_drag(eng.setup.tier, info.top_k)
+                drags = measure_read_drags(eng.setup.tier, info.top_k)
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
@@ -266,7 +315,7 @@ def calibrate(
     seconds = unit_costs_from_fit(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
         host_runs=priced_runs[HOST_RUN] if host_reads_link else None, reference=reference,
-        host_clocks=disk[HOST_RUN], host_read_drag=drag,
+        host_clocks=disk[HOST_RUN], **drags,
         admit_runs=priced_runs[ADMIT_RUN], admit_clocks=disk[ADMIT_RUN],
     )  # fmt: skip
     profile = measured_profile(
