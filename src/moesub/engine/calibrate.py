@@ -186,9 +186,9 @@ def measure_background_read_drag(
     feeds it (`BackgroundReader.submit`; landed buffers released), alternated `rounds` times,
     each the mean step time over `min_s` seconds; the ratio of the medians less 1, at least 0.
     Apart from the host's reads' drag: the I/O thread reads one expert at a time, fresh from
-    disk, where the host's worker reads its experts back to back, and drags the fast tier about
-    half as much (ad hoc on this machine, 2026-12-03: 0.15-0.18 against 0.37-0.43 on the engine
-    bench's experts, 1.2-1.25 against 2.3-3.1 on the embedded model). 0 off the disk tier."""
+    disk, where the host's worker reads its experts back to back (on this machine, 2026-12-03:
+    0.77-0.83 against 1.12-1.17 on three small user checkpoints, 1.82 against 2.06 on the
+    embedded model, 0.147 against 0.114 in an engine bench). 0 off the disk tier."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E, reader = tier.layout.num_experts, tier.reader
