@@ -28,8 +28,8 @@ experts over the link (the disk tier), the engine overlaps those reads with the 
 the host's term is instead its compute alone, found through the pricing of the host runs, each
 with its reads at its own disk speed (`term_by_pricing`); the fit's `host_extra_s` then
 only keeps the host runs' tokens from pulling the other terms. There the reads also slow the
-fast tier's work (`host_read_drag`, microbenchmarked), and the install is found through the
-pricing of the admission runs the same way. A term no run exercises, or
+fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked), and the install
+is found through the pricing of the admission runs the same way. A term no run exercises, or
 terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
 """
 
@@ -190,11 +190,11 @@ def unit_costs_from_fit(
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
     runs' `(wall_s (T,), counts (T, L, F))`), its work slows by the microbenchmarked
     `host_read_drag` and `background_read_drag` while the link reads the host's experts and
-    background copies (kept in the seconds, as fractions), and two terms
-    are found through the pricing (`term_by_pricing`), each run's reads at its own speed
-    (`host_clocks`, `admit_clocks`: one per run) where they were timed: the host's compute
-    alone, from the host runs, and the install, from the admission runs (`admit_runs`; the
-    linear fit's install would carry the drag of the reads it overlapped)."""
+    background copies (kept in the seconds, as fractions), and two terms are found through the
+    pricing (`term_by_pricing`), each run's reads at its own speed (`host_clocks`,
+    `admit_clocks`: one per run) where they were timed: the host's compute alone, from the host
+    runs, and the install, from the admission runs (`admit_runs`; the linear fit's install would
+    carry the drag of the reads it overlapped)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:

@@ -21,11 +21,11 @@ prices every policy's own per-token-layer counts, round by round (`moesub.pricin
 the measured means. `sim_rel_error_at_run_disk` does the same with each run's copies priced at the
 disk's speed while that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the
 pricing's arithmetic apart from the disk's drift between runs. The output holds one row per
-policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the
-pricing's prediction with its error, and the runs' CPU share (`contended` below 0.8).
-Beside it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with
-each token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the
-validation and calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
+policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the pricing's
+prediction with its error, and the runs' CPU share (`contended` below 0.8). Beside it
+(`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's
+wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the validation and
+calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
 """
 
 from __future__ import annotations
@@ -303,9 +303,7 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
     )  # fmt: skip
     store = None
     if dev.type == "cpu":
-        store = open_or_write_store(
-            store_path, lay, random_experts(lay, p.seed), progress=p.progress
-        )
+        store = open_or_write_store(store_path, lay, random_experts(lay, p.seed), p.progress)
     g = torch.Generator().manual_seed(p.seed + 1)
     dt = lay.torch_dtype
     router_w = [
@@ -356,7 +354,8 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             if (layers is not None or trace is plan.hits) and not all_hits:
                 raise RuntimeError(f"calibration run {name}: expected only hits")
             runs[name].append(run)
-            if micro is None and plan.capacity(name) == C:  # on slots the run has filled
+            if micro is None and plan.capacity(name) == C:  # on slots the run has filled,
+                engine.reset(load=False)  # with nothing in flight
                 micro = _microbenchmarks(tier, plan.store, p, info)
             engine.close()  # its landed copies' staging buffers back first: the drain needs them
             tier = engine = None  # frees the slot buffers before the next run allocates its own

@@ -1,21 +1,19 @@
 """The engine's calibration: `this_machine`'s hardware profile, fitted to timed engine runs.
 
-`calibrate` times the real engine on the model, on the calibration streams, under one mechanism
-per run (`MECHANISMS`: every expert resident, so every one a hit; every miss fetched; every miss
+`calibrate` times the real engine on the model, on the calibration streams, under one mechanism per
+run (`MECHANISMS`: every expert resident, so every one a hit; every miss fetched; every miss
 computed by the host; background admissions), in interleaved rounds (`round_order`) so that the
 machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
-per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`;
-on the disk tier each run's copies are taken at the disk's speed while it read, and the disk's
-speed from the median run; where the host reads its experts over the link, the host's term
-and the install come from the pricing of the host and admission runs); the fast tier's expert
-time is a microbenchmark
-(`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so is
-its slowdown while the host reads (`measure_host_read_drag`, `measure_background_read_drag`:
-the disk tier). The
-output JSON holds the profile (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine`
-reads it), the seconds it was made from, what pricing a run at the disk's speed while it read
-needs (`at_run_disk`: `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share
-(`moesub.engine.contention`).
+per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`; on
+the disk tier each run's copies are taken at the disk's speed while it read, and the disk's speed
+from the median run; where the host reads its experts over the link, the host's term and the
+install come from the pricing of the host and admission runs); the fast tier's expert time is a
+microbenchmark (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer
+constant, and so are its slowdowns while the host reads (`measure_host_read_drag`,
+`measure_background_read_drag`: the disk tier). The output JSON holds the profile
+(`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
+made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
+`moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
 
 On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
 expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
@@ -188,7 +186,8 @@ def measure_background_read_drag(
     Apart from the host's reads' drag: the I/O thread reads one expert at a time, fresh from
     disk, where the host's worker reads its experts back to back (on this machine, 2026-12-03:
     0.77-0.83 against 1.12-1.17 on three small user checkpoints, 1.82 against 2.06 on the
-    embedded model, 0.147 against 0.114 in an engine bench). 0 off the disk tier."""
+    embedded model, 0.147 against 0.114 in an engine bench). 0 off the disk tier. Nothing may be
+    in flight on the tier's reader, nor its buffers held (an engine's: `OffloadEngine.reset`)."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E, reader = tier.layout.num_experts, tier.reader
@@ -304,7 +303,8 @@ def calibrate(
                 )
                 if name in priced_runs:
                     priced_runs[name].append((r["wall_s"], r["layer_counts"]))
-            if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier
+            if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier, loaded,
+                eng.engine.reset(load=False)  # with nothing in flight
                 expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
                 drags = measure_read_drags(eng.setup.tier, info.top_k)
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
