@@ -9,7 +9,7 @@
 
 namespace moesub {
 
-// A stretch of time in which the fast tier's work runs `drag` times slower than alone.
+// A stretch of time [a, b) in which the fast tier's work runs `1 + drag` times slower than alone.
 struct DragWindow {
   double a, b, drag;
 };
