@@ -28,10 +28,11 @@ says where this simplifies the engine):
    paths have (max); else the host computes after the fast path and its own reads (the reads
    overlap the fast path: the disk tier's worker reads while the main thread computes).
 
-Where the host reads over the link, the fast tier's work (overhead, dense, installs, experts)
-runs `1 + host_read_drag` times slower while the link reads (the host's reads and the background
-copies alike: the disk tier's worker and I/O thread take CPU time and memory bandwidth from it);
-those seconds are the `read_drag` part.
+Where the host reads over the link (the disk tier's worker and I/O thread take CPU time and
+memory bandwidth from the fast tier), the fast tier's work (overhead, dense, installs, experts)
+runs `1 + background_read_drag` times slower while the link reads background copies, and its
+experts `1 + host_read_drag` times slower while it reads the host's; those seconds are the
+`read_drag` part.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -63,7 +64,7 @@ BREAKDOWN = (
     "sync_copy",  # synchronous copies (fetch, forced)
     "fast_compute",  # experts computed on the fast tier
     "host_exposed",  # the host's experts (and reads), where the fast path did not hide them
-    "read_drag",  # the fast tier's work slowed while the host reads experts (`host_read_drag`)
+    "read_drag",  # the fast tier's work slowed while the host reads over the link (the drags)
 )
 
 
