@@ -213,6 +213,8 @@ def test_the_host_and_install_terms_are_fitted_beside_the_drag():
     assert (undragged["host_read_drag"], undragged["background_read_drag"]) == (0.0, 0.0)
     assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
     assert undragged["install_s"] == fit.coef["install_s"]  # no admission runs: the linear term
+    with pytest.raises(ValueError, match="admission runs priced through the pricing need"):
+        unit_costs_from_fit(fit, k=K, layers=L, expert_s=dragged.expert_s, admit_runs=admit_runs)
 
 
 def test_host_runs_priced_at_their_own_disk_speed():

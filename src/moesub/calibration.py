@@ -195,6 +195,11 @@ def unit_costs_from_fit(
     `admit_clocks`: one per run) where they were timed: the host's compute alone, from the host
     runs, and the install, from the admission runs (`admit_runs`; the linear fit's install would
     carry the drag of the reads it overlapped)."""
+    if admit_runs and host_runs is None:
+        raise ValueError(
+            "unit costs: admission runs priced through the pricing need the host runs too (a "
+            "tier whose host reads over the link); pass neither for the linear install"
+        )
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:

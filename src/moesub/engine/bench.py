@@ -218,13 +218,14 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     runs = [r for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
     host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
+    priced = rounds.host_reads_link  # the host and admission terms through the pricing
     reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
-        host_runs=[(r.wall_s, r.layer_counts) for r in host] if rounds.host_reads_link else None,
+        host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,
         reference=reference, host_clocks=[r.disk for r in host],
         **{d: rounds.micro[d] for d in ("host_read_drag", "background_read_drag")},
-        admit_runs=[(r.wall_s, r.layer_counts) for r in admit],
+        admit_runs=[(r.wall_s, r.layer_counts) for r in admit] if priced else (),
         admit_clocks=[r.disk for r in admit],
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes

@@ -128,20 +128,31 @@ def mean_step_s(step: Callable[[], None], sync: Callable[[], None], min_s: float
     return (time.perf_counter() - t0) / n
 
 
+def alternated_drag(
+    time_alone: Callable[[], float], time_beside: Callable[[], float], rounds: int
+) -> float:
+    """A drag as a fraction: mean step times alone and beside some reads (`mean_step_s`),
+    alternated `rounds` times; the ratio of the medians less 1, at least 0."""
+    alone, beside = [], []
+    for _ in range(rounds):
+        alone.append(time_alone())
+        beside.append(time_beside())
+    return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
+
+
 def measure_host_read_drag(
     tier, k: int, rounds: int = 5, min_s: float = 0.1, seed: int = 0
 ) -> float:
     """How much slower the fast tier computes its experts while the host's reads are in flight,
     as a fraction (`UnitCosts.host_read_drag`): steps of k experts (`expert_step`) timed alone
     and while a thread reads experts the way the host does (`tier.host_read`, fresh from disk,
-    two at a time), alternated `rounds` times, each timing the mean over `min_s` seconds of
-    steps; the ratio of the medians less 1, at least 0. Means, not medians of single steps: on
-    the embedded model, whose step takes 0.3 ms, the median of 10 steps swung from 0.8 to 2.8
-    between calls (the slowdown falls on some short steps and not others; the reader's hold on
-    the GIL is the likely cause, not isolated). On the disk tier the reads take CPU time and
-    memory bandwidth from the slots' experts (0.42-0.45 ms per expert alone against 0.49-0.68
-    beside the reads in the engine bench's host runs, docs/measurements.md). The CUDA tier's
-    GPU computes beside its host's reads: 0."""
+    two at a time), each timing the mean over `min_s` seconds of steps (`alternated_drag`).
+    Means, not medians of single steps: on the embedded model, whose step takes 0.3 ms, the
+    median of 10 steps swung from 0.8 to 2.8 between calls (the slowdown falls on some short
+    steps and not others; the reader's hold on the GIL is the likely cause, not isolated). On
+    the disk tier the reads take CPU time and memory bandwidth from the slots' experts
+    (0.42-0.45 ms per expert alone against 0.49-0.68 beside the reads in the engine bench's host
+    runs, docs/measurements.md). The CUDA tier's GPU computes beside its host's reads: 0."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E = tier.layout.num_experts
@@ -158,20 +169,21 @@ def measure_host_read_drag(
         finally:
             reading.set()  # a reader that failed wakes the timing up; its result raises
 
-    alone, beside = [], []
     with ThreadPoolExecutor(1, thread_name_prefix="moesub-drag-reads") as pool:
-        for _ in range(rounds):
-            alone.append(mean_step_s(step, tier.synchronize, min_s))
+
+        def beside_reads() -> float:
             reading.clear()
             stop.clear()
             reader = pool.submit(read_loop)
             try:
                 reading.wait()  # the first read is under way before the timing starts
-                beside.append(mean_step_s(step, tier.synchronize, min_s))
+                return mean_step_s(step, tier.synchronize, min_s)
             finally:
                 stop.set()
                 reader.result()
-    return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
+
+        return alternated_drag(lambda: mean_step_s(step, tier.synchronize, min_s),
+                               beside_reads, rounds)  # fmt: skip
 
 
 def measure_background_read_drag(
@@ -181,13 +193,13 @@ def measure_background_read_drag(
     copies (admissions, uploads, prefetches), as a fraction (`UnitCosts.background_read_drag`):
     steps of k experts (`expert_step`) timed alone and with the I/O thread kept reading one
     expert after another, fed between steps by the timing thread as the engine's main thread
-    feeds it (`BackgroundReader.submit`; landed buffers released), alternated `rounds` times,
-    each the mean step time over `min_s` seconds; the ratio of the medians less 1, at least 0.
-    Apart from the host's reads' drag: the I/O thread reads one expert at a time, fresh from
-    disk, where the host's worker reads its experts back to back (on this machine, 2026-12-03:
-    0.77-0.83 against 1.12-1.17 on three small user checkpoints, 1.82 against 2.06 on the
-    embedded model, 0.147 against 0.114 in an engine bench). 0 off the disk tier. Nothing may be
-    in flight on the tier's reader, nor its buffers held (an engine's: `OffloadEngine.reset`)."""
+    feeds it (`BackgroundReader.submit`; landed buffers released), each the mean step time over
+    `min_s` seconds (`alternated_drag`). Apart from the host's reads' drag: the I/O thread reads
+    one expert at a time, fresh from disk, where the host's worker reads its experts back to
+    back (on this machine, 2026-12-03: 0.77-0.83 against 1.12-1.17 on three small user
+    checkpoints, 1.82 against 2.06 on the embedded model, 0.147 against 0.114 in an engine
+    bench). 0 off the disk tier. Nothing may be in flight on the tier's reader, nor its buffers
+    held (an engine's: `OffloadEngine.reset`)."""
     if not isinstance(tier, DiskTier):
         return 0.0
     E, reader = tier.layout.num_experts, tier.reader
@@ -206,13 +218,15 @@ def measure_background_read_drag(
             queued += 1
         step()
 
-    alone, beside = [], []
-    for _ in range(rounds):
-        alone.append(mean_step_s(step, tier.synchronize, min_s))
-        beside.append(mean_step_s(fed_step, tier.synchronize, min_s))
+    def beside_reads() -> float:
+        nonlocal queued
+        out = mean_step_s(fed_step, tier.synchronize, min_s)
         reader.drain()  # the reads left in flight, their buffers released
         queued = 0
-    return max(0.0, float(np.median(beside) / np.median(alone)) - 1.0)
+        return out
+
+    return alternated_drag(lambda: mean_step_s(step, tier.synchronize, min_s),
+                           beside_reads, rounds)  # fmt: skip
 
 
 def measure_read_drags(tier, k: int, seed: int = 0) -> dict[str, float]:
@@ -316,7 +330,8 @@ def calibrate(
         fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
         host_runs=priced_runs[HOST_RUN] if host_reads_link else None, reference=reference,
         host_clocks=disk[HOST_RUN], **drags,
-        admit_runs=priced_runs[ADMIT_RUN], admit_clocks=disk[ADMIT_RUN],
+        admit_runs=priced_runs[ADMIT_RUN] if host_reads_link else (),
+        admit_clocks=disk[ADMIT_RUN],
     )  # fmt: skip
     profile = measured_profile(
         seconds,
