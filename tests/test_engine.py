@@ -578,6 +578,15 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     assert cal["expert_bytes"] == 3 * 64 * 16 * 4 and cal["fit"]["tokens"] == 4 * 24
     assert all(v >= 0 for v in cal["unit_costs"].values())
     assert 0 < cal["cpu_share"] <= 1 and isinstance(cal["contended"], bool)
+    # the microbenchmarks after each run of a C-slot tier (three mechanisms, one round), their
+    # medians in the profile
+    micro = cal["microbenchmarks"]
+    assert len(micro["runs"]) == 3 and micro["median"]["expert_compute_s"] > 0
+    for key, value in micro["median"].items():
+        assert value == pytest.approx(np.median([run[key] for run in micro["runs"]])), key
+    for key in ("host_read_drag", "background_read_drag"):
+        assert cal["unit_costs"][key] == micro["median"][key]
+    assert cal["expert_compute_s"] == micro["median"]["expert_compute_s"]
     profile = this_machine(out)  # the profile the price stage reads
     # one processor; the disk tier's host computes from fresh disk reads, over the copies' link
     assert (profile.source, profile.concurrent_host, profile.host_reads_link) == (

@@ -73,8 +73,7 @@ from moesub.engine.calibrate import (
     ADMIT_RUN,
     HOST_RUN,
     MECHANISMS,
-    measure_expert_compute,
-    measure_read_drags,
+    microbenchmarks,
     round_order,
     spread,
 )
@@ -204,10 +203,7 @@ def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
-    info["microbenchmarks"] = micro = {
-        "expert_compute_s": measure_expert_compute(tier, p.top_k, seed=p.seed),
-        **measure_read_drags(tier, p.top_k, seed=p.seed),
-    }
+    info["microbenchmarks"] = micro = microbenchmarks(tier, p.top_k, seed=p.seed)
     return micro
 
 

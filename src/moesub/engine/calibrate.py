@@ -10,7 +10,8 @@ from the median run; where the host reads its experts over the link, the host's 
 install come from the pricing of the host and admission runs); the fast tier's expert time is a
 microbenchmark (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer
 constant, and so are its slowdowns while the host reads (`measure_host_read_drag`,
-`measure_background_read_drag`: the disk tier). The output JSON holds the profile
+`measure_background_read_drag`: the disk tier), all three taken after every run of a C-slot
+tier and their medians used (`microbenchmarks`). The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
 made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
 `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
@@ -64,6 +65,9 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
 # the mechanisms whose runs find the host's term and the install through the pricing where the
 # host reads over the link
 HOST_RUN, ADMIT_RUN = "cal_host", "cal_admit"
+# alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
+# over the calibration's runs does the rest
+DRAG_ROUNDS = 2
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -229,11 +233,20 @@ def measure_background_read_drag(
                            beside_reads, rounds)  # fmt: skip
 
 
-def measure_read_drags(tier, k: int, seed: int = 0) -> dict[str, float]:
+def measure_read_drags(tier, k: int, rounds: int = 5, seed: int = 0) -> dict[str, float]:
     """Both drags of a tier, keyed as the profile's fields (0 off the disk tier)."""
     return {
-        "host_read_drag": measure_host_read_drag(tier, k, seed=seed),
-        "background_read_drag": measure_background_read_drag(tier, k, seed=seed),
+        "host_read_drag": measure_host_read_drag(tier, k, rounds, seed=seed),
+        "background_read_drag": measure_background_read_drag(tier, k, rounds, seed=seed),
+    }
+
+
+def microbenchmarks(tier, k: int, drag_rounds: int = 5, seed: int = 0) -> dict[str, float]:
+    """The fast tier's expert time and both drags, keyed as `moesub.calibration.unit_costs_from_fit`
+    takes them."""
+    return {
+        "expert_compute_s": measure_expert_compute(tier, k, seed=seed),
+        **measure_read_drags(tier, k, drag_rounds, seed),
     }
 
 
@@ -304,7 +317,11 @@ def calibrate(
     disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
     # the host and admission runs' (wall_s, counts): their terms through the pricing
     priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
-    expert_s, drags, expert_bytes, tier, host_reads_link = None, {}, None, "", False
+    # the microbenchmarks after every run of a C-slot tier: the small models' drags swing between
+    # jobs and within one (on the embedded model 2.1-3.4 between calibrations, 2.2-3.2 between
+    # two processes minutes apart), so their median is taken beside every stretch of the runs
+    micro: list[dict[str, float]] = []
+    expert_bytes, tier, host_reads_link = None, "", False
     meter = CpuMeter().start()
     for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
         with EngineModel(model_dir, specs[name]) as eng:
@@ -317,19 +334,20 @@ def calibrate(
                 )
                 if name in priced_runs:
                     priced_runs[name].append((r["wall_s"], r["layer_counts"]))
-            if expert_s is None and MECHANISMS[name] is not None:  # a C-slot tier, loaded,
-                eng.engine.reset(load=False)  # with nothing in flight
-                expert_s = measure_expert_compute(eng.setup.tier, info.top_k)
-                drags = measure_read_drags(eng.setup.tier, info.top_k)
+            if MECHANISMS[name] is not None:  # a C-slot tier, loaded, with nothing in flight
+                eng.engine.reset(load=False)
+                micro.append(microbenchmarks(eng.setup.tier, info.top_k, DRAG_ROUNDS))
                 expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
                 host_reads_link = eng.setup.tier.host_reads_link
     cpu = meter.stop()
+    median = {key: float(np.median([m[key] for m in micro])) for key in micro[0]}
     fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
     reference = reference_clock([c for clocks in disk.values() for c in clocks])
     seconds = unit_costs_from_fit(
-        fit, k=info.top_k, layers=info.num_layers, expert_s=expert_s,
+        fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
         host_runs=priced_runs[HOST_RUN] if host_reads_link else None, reference=reference,
-        host_clocks=disk[HOST_RUN], **drags,
+        host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
+        background_read_drag=median["background_read_drag"],
         admit_runs=priced_runs[ADMIT_RUN] if host_reads_link else (),
         admit_clocks=disk[ADMIT_RUN],
     )  # fmt: skip
@@ -344,7 +362,8 @@ def calibrate(
         "expert_bytes": float(expert_bytes),
         "unit_costs": seconds,
         "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
-        "expert_compute_s": expert_s,
+        "expert_compute_s": median["expert_compute_s"],
+        "microbenchmarks": {"median": median, "runs": micro},
         "fit": fit.to_dict(),
         "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
         "rounds": opts.calibrate_rounds,
