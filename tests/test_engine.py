@@ -30,21 +30,26 @@ from moesub.engine import (
     measure_read_bandwidth,
     run_benchmark,
     run_engine,
+    run_engine_stage,
     summarize_engine,
     write_store,
 )
 from moesub.engine.bench_runs import read_bench_counts
 from moesub.engine.calibrate import (
+    MECHANISMS,
+    Calibration,
     measure_background_read_drag,
     measure_expert_compute,
     measure_host_read_drag,
+    round_order,
+    spread,
 )
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.runtime import HostInputs, OffloadEngine
-from moesub.engine.stage import ROW_COLUMNS
+from moesub.engine.stage import ROW_COLUMNS, PolicyRun
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
 from moesub.engine.tiers import DiskTier, require_cuda
 from moesub.hardware import THIS_MACHINE, HardwareProfile, ModelBytes, UnitCosts, this_machine
@@ -625,6 +630,57 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     # no disk record (the CUDA tier; an older artefact): nothing to price it at
     assert costs_at_run_disk(costs, None, ref_speed) is None
     assert costs_at_run_disk(costs, disk, {}) is None
+
+
+def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, monkeypatch):
+    """The pipeline's engine job: the calibration's runs spread among the policies' and rotated
+    over the rounds, as in the engine bench, each policy decoding its share of the streams per
+    round; its rows are a one-engine run's but for the times, and the calibration is whole."""
+    opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
+            "calibrate_tokens": 12, "calibrate_rounds": 2}  # fmt: skip
+    policies = {"fetch_every_miss": {"rule": "fetch_all"},
+                "rule_015": {"rule": "threshold", "tau": 0.15}}  # fmt: skip
+    runs = {str(tmp_path / f"{n}.parquet"): (n, p, FRACTION, None) for n, p in policies.items()}
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    cal_run, decode = Calibration.run, PolicyRun.decode
+
+    def record_cal(self, name):
+        calls.append((name, ()))
+        cal_run(self, name)
+
+    def record_decode(self, parts, progress=True):
+        calls.append((next(o for o, r in runs.items() if r[0] == self.name), tuple(parts)))
+        decode(self, parts, progress)
+
+    monkeypatch.setattr(Calibration, "run", record_cal)
+    monkeypatch.setattr(PolicyRun, "decode", record_decode)
+    cal_path = tmp_path / "calibration.json"
+    run_engine_stage(stage / "model", "cpu", stage / "tokens.parquet", stage / "tokens.parquet",
+                     stage / "initial.parquet", runs, FRACTION, cal_path, opts)  # fmt: skip
+    order = round_order(spread(list(MECHANISMS), list(runs)), 2)
+    assert [key for key, _ in calls] == order
+    per_round = len(order) // 2
+    for step, (key, parts) in enumerate(calls):  # two streams: one per round, in order
+        assert parts == (() if key in MECHANISMS else (step // per_round,)), (step, key)
+    cal = json.loads(cal_path.read_text())
+    assert cal["runs"] == dict.fromkeys(MECHANISMS, 2 * 24)  # two rounds of both streams
+    assert len(cal["microbenchmarks"]["runs"]) == 6
+    monkeypatch.undo()
+    timing = {"wall_s", "fetch_wait_s", "admit_wait_s", "prefetch_wait_s", "host_wait_s"}
+    for out, (name, policy, _size, _alloc) in runs.items():
+        staged, meta = pl.read_parquet(out), read_metadata(out)
+        alone, alone_meta = engine_run(stage, name, policy, tmp_path / "alone", **opts)
+        same = [c for c in alone.columns if c not in timing]
+        assert staged.select(same).equals(alone.select(same)), name
+        assert meta["summary"]["ppl"] == alone_meta["summary"]["ppl"]
+        assert meta["disk_reads"] == alone_meta["disk_reads"] and 0 < meta["cpu_share"] <= 1
+    # a run not decoded whole is never written
+    run = PolicyRun(stage / "model", stage / "tokens.parquet", stage / "initial.parquet",
+                    "fetch_every_miss", {"rule": "fetch_all"}, FRACTION, "cpu", opts)  # fmt: skip
+    run.decode([1])
+    with pytest.raises(ValueError, match=r"streams \[0\] were not decoded"):
+        run.write(tmp_path / "half.parquet")
+    assert not (tmp_path / "half.parquet").exists()
 
 
 # ----------------------------------------------------------------------------------- bench

@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
 # The profile's per-rule threads are sized for cluster nodes; this node has `nproc` CPUs.
-THREADS = ["model_embedded=2", "capture=1", "calibrate=1", "engine=1", "engine_bench=1"]
-GPU_RULES = {"calibrate", "engine", "engine_bench"}  # profiles/slurm: slurm_partition gpu, gpu 1
+THREADS = ["model_embedded=2", "capture=1", "engine=1", "engine_bench=1"]
+GPU_RULES = {"engine", "engine_bench"}  # profiles/slurm: slurm_partition gpu, gpu 1
 
 
 def _unavailable(reason: str) -> None:

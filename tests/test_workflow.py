@@ -37,7 +37,7 @@ TEST_CONFIG = "tests/config/config.yaml"
 # Every rule of the DAG for an embedded model ("all" is the target).
 STAGES = {
     "model_embedded", "streams", "capture", "expert_ranking", "simulate", "hardware_profile",
-    "price", "calibrate", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
+    "price", "emulate", "expb_feasibility", "expb", "expb_factorial_feasibility",
     "expb_factorial", "engine", "engine_bench", "generate", "regime", "analysis", "recommend",
     "plan", "report",
 }  # fmt: skip
@@ -281,7 +281,7 @@ def test_dry_run_lists_every_stage(tmp_path, configfile):
     }
     # a trace model: no emulate, engine, Experiment B or generation jobs
     for rule, out in jobs:
-        if rule in ("emulate", "engine", "expb", "expb_feasibility", "generate", "calibrate"):
+        if rule in ("emulate", "engine", "expb", "expb_feasibility", "generate"):
             assert out.split("/")[1] not in traced, (rule, out)
     # one profile and one pricing per (model, hardware profile priced): this_machine is fitted
     # to the engine, which a trace model has none of
@@ -407,18 +407,20 @@ def test_planned_policy_jobs_and_their_allocation(tmp_path):
             "results/embedded/capture/calib_router.parquet",
             "results/embedded/expert_ranking.parquet",
         }
-    for rule in ("simulate", "emulate", "engine"):
+    for rule in ("simulate", "emulate"):
         for inputs, out in jobs[rule]:
             size = out.split(", ")[0].rsplit("/", 1)[1].removesuffix(".parquet")
             planned = "/rule_015_planned/" in out
             assert (alloc.format(size) in inputs) == planned, (rule, out)
+    # one engine job per model and device runs every policy: the planned runs' allocations
+    # (the engine's sizes only) are its inputs
+    ((inputs, out),) = jobs["engine"]
+    assert {i for i in inputs if "/allocation/" in i} == {alloc.format("f0.25")}
     assert {out for _, out in jobs["emulate"]} >= {
         "results/embedded/emulate/rule_015_planned/b3GiB.parquet",
         "results/embedded/emulate/quality/b3GiB.parquet",
     }
-    assert "results/embedded/engine/cpu/rule_015_planned/f0.25.parquet" in {
-        out for _, out in jobs["engine"]
-    }
+    assert "results/embedded/engine/cpu/rule_015_planned/f0.25.parquet" in out.split(", ")
 
 
 def _bad(cfg: dict, edit) -> dict:
@@ -657,9 +659,12 @@ def test_one_policy_change_reruns_only_that_policy(full_run):
     jobs = planned_jobs(full_run, "--configfile", "tau.yaml") - {("all", "")}
     touched = {(rule, out.split("/")[-2] if rule != "engine_bench" else "") for rule, out in jobs}
     for rule, out in jobs:
-        if rule in ("simulate", "emulate", "engine", "generate"):
+        if rule in ("simulate", "emulate", "generate"):
             assert out.split("/")[-2] == "quality", (rule, out)
-    expected = {("simulate", "quality"), ("emulate", "quality"), ("engine", "quality")}
+    expected = {("simulate", "quality"), ("emulate", "quality")}
+    # the engine job runs every policy of the model, interleaved with the calibration: it reruns
+    # whole (its first output is the calibration), and this_machine's profile with it
+    expected |= {("engine", "cpu"), ("hardware_profile", "hardware")}
     expected |= {("generate", "quality")}  # both tasks: same (rule, policy) key
     # the real-size benchmark times the quality policy among others in one job
     expected |= {("engine_bench", ""), ("analysis", "analysis"), ("report", "results")}
@@ -793,5 +798,6 @@ def test_touching_capture_script_reruns_capture_not_model(full_run):
     assert {"expert_ranking", "simulate", "emulate", "engine", "analysis", "report"} <= rules
     # the real-size benchmark replays the captured trace (engine.bench.routing: trace)
     assert "engine_bench" in rules
-    # this_machine's calibration times the engine on the calibration capture's tokens
-    assert "calibrate" in rules and not rules & {"model_embedded", "streams"}
+    # the engine job's calibration times the engine on the calibration capture's tokens, and
+    # this_machine's profile is fitted to it
+    assert "hardware_profile" in rules and not rules & {"model_embedded", "streams"}

@@ -94,6 +94,8 @@ TASK_POLICIES = {
 }
 PLANNED_POLICIES = [name for name, spec in POLICIES.items() if is_planned(spec)]
 ENGINE_DEVICES = config["engine"]["devices"]
+# the engine job's runs (one job per model and device runs them all, interleaved)
+ENGINE_RUNS = [(p, s) for p in ENGINE_POLICIES for s in STAGE_SIZES["engine"]]
 TASKS = list(config["generate"]["tasks"])
 # Experiment B: design -> its targets and decision rule (schema defaults filled in); the study
 # and matched designs run at target masses, the factorial design runs cells.
@@ -236,12 +238,36 @@ def regime_allocation_files(wildcards):
     ]
 
 
+def allocation_path(model, policy, size):
+    """A planned policy's per-layer slots at a size (None: the policy is not planned)."""
+    if is_planned(POLICIES.get(policy, {})):
+        return f"results/{model}/allocation/{policy}/{size}.json"
+    return None
+
+
 def allocation_input(wildcards):
     """A planned policy's per-layer slots at this size: an input of its jobs only."""
-    if is_planned(POLICIES.get(wildcards.policy, {})):
-        path = f"results/{wildcards.model}/allocation/{wildcards.policy}/{wildcards.size}.json"
-        return {"allocation": path}
-    return {}
+    path = allocation_path(wildcards.model, wildcards.policy, wildcards.size)
+    return {"allocation": path} if path else {}
+
+
+def engine_run_params(wildcards):
+    """Per engine run, in the engine job's output order (`ENGINE_RUNS`): the policy's name, its
+    settings, the resolved size and its allocation (None: uniform slots)."""
+    return [
+        [
+            policy,
+            policy_dict(policy),
+            canonical(MODEL_SIZES[wildcards.model][size].to_dict()),
+            allocation_path(wildcards.model, policy, size),
+        ]
+        for policy, size in ENGINE_RUNS
+    ]
+
+
+def engine_allocation_files(wildcards):
+    """The planned engine runs' allocations: inputs of the engine job."""
+    return [path for _, _, _, path in engine_run_params(wildcards) if path]
 
 
 def coactivation_input(wildcards):

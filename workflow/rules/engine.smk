@@ -1,54 +1,37 @@
-# Stage 5 (engine): the real offloading engine. The calibration (this machine's hardware
-# profile, fitted to timed engine runs on the calibration streams), per-policy runs on the
-# model's evaluation streams, and the real-expert-size benchmark (replaying a captured router
-# trace, engine.bench.trace_model's, or synthetic routing). profiles/slurm sends these
+# Stage 5 (engine): the real offloading engine. One job per model and device: the calibration
+# (this machine's hardware profile, fitted to timed engine runs on the calibration streams) and
+# every policy's runs on the model's evaluation streams, interleaved in rounds so that the
+# machine's drift falls on all alike; and the real-expert-size benchmark (replaying a captured
+# router trace, engine.bench.trace_model's, or synthetic routing). profiles/slurm sends these
 # jobs to the GPU partition.
-
-
-rule calibrate:
-    input:
-        model=model_input,
-        tokens="results/{model}/capture/calib_tokens.parquet",
-        ranking="results/{model}/expert_ranking.parquet",
-    output:
-        "results/{model}/engine/{device}/calibration.json",
-    log:
-        "logs/{model}/engine/{device}/calibrate.log",
-    benchmark:
-        "results/benchmarks/{model}/engine/{device}/calibrate.tsv"
-    conda:
-        engine_env
-    threads: ALL_CORES
-    params:
-        model_dir=model_dir,
-        engine=engine_params,
-        size=regime_params,  # the regime's size (nearest a quarter of E)
-        core=core_build_id,
-    script:
-        "../scripts/calibrate.py"
 
 
 rule engine:
     input:
-        unpack(allocation_input),
+        engine_allocation_files,
         model=model_input,
         tokens="results/{model}/capture/eval_tokens.parquet",
+        calib_tokens="results/{model}/capture/calib_tokens.parquet",
         ranking="results/{model}/expert_ranking.parquet",
     output:
-        "results/{model}/engine/{device}/{policy}/{size}.parquet",
+        calibration="results/{model}/engine/{device}/calibration.json",
+        runs=[
+            f"results/{{model}}/engine/{{device}}/{policy}/{size}.parquet"
+            for policy, size in ENGINE_RUNS
+        ],
     log:
-        "logs/{model}/engine/{device}/{policy}_{size}.log",
+        "logs/{model}/engine/{device}.log",
     benchmark:
-        "results/benchmarks/{model}/engine/{device}/{policy}_{size}.tsv"
+        "results/benchmarks/{model}/engine/{device}.tsv"
     conda:
         engine_env
     threads: ALL_CORES
     params:
         model_dir=model_dir,
-        policy=policy_params,
-        size=size_params,
-        core=core_build_id,
         engine=engine_params,
+        calibration_size=regime_params,  # the regime's size (nearest a quarter of E)
+        runs=engine_run_params,
+        core=core_build_id,
     script:
         "../scripts/engine.py"
 

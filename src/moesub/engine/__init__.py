@@ -22,9 +22,10 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
 - `decode`: the KV-cache decode loop, one token per step (teacher forced or greedy).
 - `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
-- `stage`: `run_engine` (the pipeline stage: NLL and time per token) and `summarize_engine`.
+- `stage`: `run_engine_stage` (the pipeline stage: the calibration and every policy's runs,
+  interleaved), `run_engine` (one policy: NLL and time per token) and `summarize_engine`.
 - `calibrate`: `calibrate`, this machine's hardware profile fitted to timed engine runs (one
-  mechanism per run, `moesub.calibration`).
+  mechanism per run, `moesub.calibration`; `Calibration` runs them one at a time).
 - `bench_inputs`: the benchmark's router logits (a captured trace mapped onto its shape, or
   synthetic), its initial set, random experts and resource checks.
 - `bench_runs`: one timed run of the engine over router logits (`run_policy`, `BenchRun`) and
@@ -37,7 +38,7 @@ from moesub.engine.bench import BenchParams, run_benchmark
 from moesub.engine.calibrate import calibrate
 from moesub.engine.generate import EngineDecodeResult, EngineModel, generate, open_engine
 from moesub.engine.spec import EngineParams
-from moesub.engine.stage import run_engine, summarize_engine
+from moesub.engine.stage import run_engine, run_engine_stage, summarize_engine
 from moesub.engine.store import ExpertStore, StoreLayout, measure_read_bandwidth, write_store
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "open_engine",
     "run_benchmark",
     "run_engine",
+    "run_engine_stage",
     "summarize_engine",
     "write_store",
 ]

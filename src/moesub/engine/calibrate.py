@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import polars as pl
@@ -52,6 +52,8 @@ from moesub.engine.tiers import DiskTier, disk_clock
 from moesub.hardware import measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT
+
+T = TypeVar("T")
 
 # the calibration's runs, one mechanism each; the hits run is every expert resident (C = E).
 # cal_admit's beta 0.1 admits ~1.8 experts per token on the bench's calibration tokens (beta
@@ -264,7 +266,7 @@ def round_order(names: list[str], rounds: int) -> list[str]:
     return order
 
 
-def spread(runs: list[str], among: list[str]) -> list[str]:
+def spread(runs: list[T], among: list[T]) -> list[T]:
     """`among` with `runs` spread evenly through it (after every len(among) / len(runs) of its
     names): a round's calibration runs then sit near every stretch of its policy runs."""
     out, placed = [], 0
@@ -274,6 +276,123 @@ def spread(runs: list[str], among: list[str]) -> list[str]:
             out.append(runs[placed])
             placed += 1
     return out + runs[placed:]
+
+
+class Calibration:
+    """The calibration's runs, one at a time (`run(name)`: a mechanism of `MECHANISMS` over the
+    calibration streams on an engine of its own, then the microbenchmarks on its tier), and the
+    profile fitted to them (`result`). `calibrate` runs them in rounds; the pipeline's engine
+    stage spreads them among the policies' runs (`moesub.engine.stage.run_engine_stage`).
+    Every input is checked on construction, before a run."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        device: str,
+        tokens_path: str | os.PathLike,
+        ranking_path: str | os.PathLike,
+        size: float | Mapping[str, Any],
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        from moesub.artefacts import check_token_table, iter_streams
+
+        self.model_dir, self.device = model_dir, device
+        self.opts = opts = EngineParams.from_dict(params)
+        require_file(tokens_path, "tokens_path")
+        self.specs = {
+            name: resolve_engine(
+                model_dir,
+                ALL_RESIDENT if policy is None else name,
+                policy,
+                size,
+                device,
+                params,
+                ranking_path=None if policy is None else ranking_path,
+            )  # fmt: skip
+            for name, policy in MECHANISMS.items()
+        }
+        self.info = self.specs["cal_fetch"].info
+        table = check_token_table(pl.read_parquet(tokens_path), self.info.vocab_size)
+        self.streams = [
+            rows["token_id"].to_numpy()[: opts.calibrate_tokens]
+            for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
+        ]
+        self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
+        self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
+        # the host and admission runs' (wall_s, counts): their terms through the pricing
+        self.priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
+        # the microbenchmarks after every run of a C-slot tier: the small models' drags swing
+        # between jobs and within one (on the embedded model 2.1-3.4 between calibrations,
+        # 2.2-3.2 between two processes minutes apart), so their medians are taken beside every
+        # stretch of the runs
+        self.micro: list[dict[str, float]] = []
+        self.expert_bytes, self.tier, self.host_reads_link = None, "", False
+        self.meter = CpuMeter()
+
+    def order(self) -> list[str]:
+        """Every mechanism once per round, `calibrate_rounds` rounds (`round_order`)."""
+        return round_order(list(MECHANISMS), self.opts.calibrate_rounds)
+
+    def run(self, name: str) -> None:
+        """One run of mechanism `name` over the calibration streams, on an engine of its own."""
+        k = self.info.top_k
+        with EngineModel(self.model_dir, self.specs[name]) as eng:
+            self.meter.start()
+            for ids in self.streams:
+                disk0 = disk_clock(eng.setup.tier)
+                r = eng.decode(ids)
+                self.disk[name].append(disk_clock(eng.setup.tier) - disk0)
+                self.timed[name].append(
+                    TimedTokens.from_counts(r["wall_s"], r["layer_counts"], self.disk[name][-1])
+                )
+                if name in self.priced_runs:
+                    self.priced_runs[name].append((r["wall_s"], r["layer_counts"]))
+            self.meter.pause()
+            if MECHANISMS[name] is not None:  # a C-slot tier, loaded, with nothing in flight
+                eng.engine.reset(load=False)
+                self.micro.append(microbenchmarks(eng.setup.tier, k, DRAG_ROUNDS))
+                self.expert_bytes, self.tier = eng.setup.expert_bytes, eng.setup.tier.description
+                self.host_reads_link = eng.setup.tier.host_reads_link
+
+    def result(self) -> dict[str, Any]:
+        """The profile fitted to every run so far (module doc), with what it was made from."""
+        if not self.micro or not all(self.timed.values()):
+            raise ValueError("calibration: every mechanism must have run at least once")
+        timed, disk, info = self.timed, self.disk, self.info
+        median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
+        fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
+        reference = reference_clock([c for clocks in disk.values() for c in clocks])
+        priced = self.host_reads_link  # the host and admission terms through the pricing
+        seconds = unit_costs_from_fit(
+            fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
+            host_runs=self.priced_runs[HOST_RUN] if priced else None, reference=reference,
+            host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
+            background_read_drag=median["background_read_drag"],
+            admit_runs=self.priced_runs[ADMIT_RUN] if priced else (),
+            admit_clocks=disk[ADMIT_RUN],
+        )  # fmt: skip
+        profile = measured_profile(
+            seconds,
+            self.expert_bytes,
+            f"the engine's calibration on {self.device} ({self.tier}), {self.model_dir}",
+            self.host_reads_link,
+        )
+        return {
+            "profile": profile.to_dict(),
+            "expert_bytes": float(self.expert_bytes),
+            "unit_costs": seconds,
+            "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
+            "expert_compute_s": median["expert_compute_s"],
+            "microbenchmarks": {"median": median, "runs": self.micro},
+            "fit": fit.to_dict(),
+            "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
+            "rounds": self.opts.calibrate_rounds,
+            "device": self.device,
+            "tier": self.tier,
+            "size": self.specs["cal_fetch"].size.to_dict(),
+            "threads": torch.get_num_threads(),
+            **self.meter.stop(),
+        }
 
 
 def calibrate(
@@ -289,89 +408,12 @@ def calibrate(
     (module doc): `engine.calibrate_rounds` rounds of every mechanism over the first
     `engine.calibrate_streams` streams of the calibration token table `tokens_path` (their first
     `engine.calibrate_tokens` tokens each), at cache size `size` (a resolved size or a fraction),
-    each layer's initial experts from the expert ranking at `ranking_path`. Writes
-    the JSON to `out_json` (atomically) and returns it. Every input is checked before a run."""
-    from moesub.artefacts import check_token_table, iter_streams
-
-    opts = EngineParams.from_dict(params)
-    require_file(tokens_path, "tokens_path")
-    specs = {
-        name: resolve_engine(
-            model_dir,
-            ALL_RESIDENT if policy is None else name,
-            policy,
-            size,
-            device,
-            params,
-            ranking_path=None if policy is None else ranking_path,
-        )  # fmt: skip
-        for name, policy in MECHANISMS.items()
-    }
-    info = specs["cal_fetch"].info
-    table = check_token_table(pl.read_parquet(tokens_path), info.vocab_size)
-    streams = [
-        rows["token_id"].to_numpy()[: opts.calibrate_tokens]
-        for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
-    ]
-    timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
-    disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # what each run read
-    # the host and admission runs' (wall_s, counts): their terms through the pricing
-    priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
-    # the microbenchmarks after every run of a C-slot tier: the small models' drags swing between
-    # jobs and within one (on the embedded model 2.1-3.4 between calibrations, 2.2-3.2 between
-    # two processes minutes apart), so their median is taken beside every stretch of the runs
-    micro: list[dict[str, float]] = []
-    expert_bytes, tier, host_reads_link = None, "", False
-    meter = CpuMeter().start()
-    for name in round_order(list(MECHANISMS), opts.calibrate_rounds):
-        with EngineModel(model_dir, specs[name]) as eng:
-            for ids in streams:
-                disk0 = disk_clock(eng.setup.tier)
-                r = eng.decode(ids)
-                disk[name].append(disk_clock(eng.setup.tier) - disk0)
-                timed[name].append(
-                    TimedTokens.from_counts(r["wall_s"], r["layer_counts"], disk[name][-1])
-                )
-                if name in priced_runs:
-                    priced_runs[name].append((r["wall_s"], r["layer_counts"]))
-            if MECHANISMS[name] is not None:  # a C-slot tier, loaded, with nothing in flight
-                eng.engine.reset(load=False)
-                micro.append(microbenchmarks(eng.setup.tier, info.top_k, DRAG_ROUNDS))
-                expert_bytes, tier = eng.setup.expert_bytes, eng.setup.tier.description
-                host_reads_link = eng.setup.tier.host_reads_link
-    cpu = meter.stop()
-    median = {key: float(np.median([m[key] for m in micro])) for key in micro[0]}
-    fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
-    reference = reference_clock([c for clocks in disk.values() for c in clocks])
-    seconds = unit_costs_from_fit(
-        fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
-        host_runs=priced_runs[HOST_RUN] if host_reads_link else None, reference=reference,
-        host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
-        background_read_drag=median["background_read_drag"],
-        admit_runs=priced_runs[ADMIT_RUN] if host_reads_link else (),
-        admit_clocks=disk[ADMIT_RUN],
-    )  # fmt: skip
-    profile = measured_profile(
-        seconds,
-        expert_bytes,
-        f"the engine's calibration on {device} ({tier}), {model_dir}",
-        host_reads_link,
-    )
-    out = {
-        "profile": profile.to_dict(),
-        "expert_bytes": float(expert_bytes),
-        "unit_costs": seconds,
-        "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
-        "expert_compute_s": median["expert_compute_s"],
-        "microbenchmarks": {"median": median, "runs": micro},
-        "fit": fit.to_dict(),
-        "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
-        "rounds": opts.calibrate_rounds,
-        "device": device,
-        "tier": tier,
-        "size": specs["cal_fetch"].size.to_dict(),
-        "threads": torch.get_num_threads(),
-        **cpu,
-    }
+    each layer's initial experts from the expert ranking at `ranking_path` (`Calibration`).
+    Writes the JSON to `out_json` (atomically) and returns it. Every input is checked before a
+    run."""
+    cal = Calibration(model_dir, device, tokens_path, ranking_path, size, params)
+    for name in cal.order():
+        cal.run(name)
+    out = cal.result()
     write_json(out, Path(out_json))
     return out

@@ -37,21 +37,38 @@ def _schedstat() -> tuple[float, float] | None:
 
 
 class CpuMeter:
-    """CPU share of the process between `start()` and `stop()` (module doc)."""
+    """CPU share of the process over one or more intervals, each from `start()` to `pause()`
+    (a stage that interleaves several runs meters each over its own stretches); `stop()` ends
+    the last one and sums them (module doc)."""
+
+    def __init__(self) -> None:
+        self._wall = self._cpu = self._on = self._wait = 0.0
+        self._sched_ok = True
+        self._load: tuple[float, float, float] | None = None
 
     def start(self) -> CpuMeter:
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
-        self._sched = _schedstat()
-        self._load = os.getloadavg()
+        self._marks = (time.perf_counter(), time.process_time(), _schedstat())
+        if self._load is None:
+            self._load = os.getloadavg()
         return self
+
+    def pause(self) -> None:
+        wall0, cpu0, sched0 = self._marks
+        self._wall += time.perf_counter() - wall0
+        self._cpu += time.process_time() - cpu0
+        sched = _schedstat()
+        if sched0 is None or sched is None:
+            self._sched_ok = False
+        else:
+            self._on += sched[0] - sched0[0]
+            self._wait += sched[1] - sched0[1]
 
     def stop(self) -> dict[str, Any]:
         """`cpu_share`, `contended`, `cpu_time_per_wall`, the load averages at start and end."""
-        wall = time.perf_counter() - self._wall
-        cpu = time.process_time() - self._cpu
-        sched = _schedstat()
-        if self._sched is not None and sched is not None:
-            on, wait = (b - a for a, b in zip(self._sched, sched, strict=True))
+        self.pause()
+        wall, cpu = self._wall, self._cpu
+        if self._sched_ok:
+            on, wait = self._on, self._wait
             share = on / (on + wait) if on + wait > 0 else 1.0
         else:
             share = min(cpu / wall, 1.0) if wall > 0 else 1.0
