@@ -254,8 +254,9 @@ def run_engine_stage(
     cal = Calibration(model_dir, device, calib_tokens_path, ranking_path, calibration_size,
                       params)  # fmt: skip
     policy_runs = {
-        out: PolicyRun(model_dir, tokens_path, ranking_path, name, policy, size, device, params,
-                       allocation)  # fmt: skip
+        out: PolicyRun(
+            model_dir, tokens_path, ranking_path, name, policy, size, device, params, allocation
+        )  # fmt: skip
         for out, (name, policy, size, allocation) in runs.items()
     }
     rounds = cal.opts.calibrate_rounds
