@@ -1,5 +1,6 @@
-"""The engine stage: every stream of a capture decoded under one policy (`run_engine`), and the
-per-policy summary of the stage's outputs (`summarize_engine`)."""
+"""The engine stage: every stream of a capture decoded under one policy (`PolicyRun`,
+`run_engine`), the pipeline's job that interleaves every policy's runs with the calibration
+(`run_engine_stage`), and the per-policy summary of the stage's outputs (`summarize_engine`)."""
 
 from __future__ import annotations
 
@@ -246,8 +247,9 @@ def run_engine_stage(
     (`spread`), that order rotated over `engine.calibrate_rounds` rounds (`round_order`), each
     run decoding its share of the streams in each round (on an engine of its own, as every
     calibration run). The simulator is held to these runs with the profile fitted beside them:
-    a machine whose speed drifts by a fifth within minutes (two runs of one policy's counts on
-    a small checkpoint, 2026-12-03) then slows calibration and runs alike. Every input is
+    a machine whose speed drifts by a fifth within minutes (two policies' runs of nearly the
+    same counts on a small checkpoint, in jobs minutes apart, 2026-12-03) then slows the
+    calibration and the runs alike. Every input is
     checked before a run; every output is written at the end, each atomically."""
     from moesub.engine.calibrate import MECHANISMS, Calibration, round_order, spread
 
