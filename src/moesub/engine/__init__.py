@@ -22,10 +22,10 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
 - `decode`: the KV-cache decode loop, one token per step (teacher forced or greedy).
 - `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
-- `stage`: `run_engine_stage` (the pipeline stage: the calibration and every policy's runs,
-  interleaved), `run_engine` (one policy: NLL and time per token) and `summarize_engine`.
 - `calibrate`: `calibrate`, this machine's hardware profile fitted to timed engine runs (one
   mechanism per run, `moesub.calibration`; `Calibration` runs them one at a time).
+- `stage`: `run_engine_stage` (the pipeline stage: the calibration and every policy's runs,
+  interleaved), `run_engine` (one policy: NLL and time per token) and `summarize_engine`.
 - `bench_inputs`: the benchmark's router logits (a captured trace mapped onto its shape, or
   synthetic), its initial set, random experts and resource checks.
 - `bench_runs`: one timed run of the engine over router logits (`run_policy`, `BenchRun`) and
