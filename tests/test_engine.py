@@ -570,6 +570,33 @@ def test_run_engine_faults_and_atomic_output(stage, tmp_path, monkeypatch):
                    for p in tmp_path.iterdir())  # fmt: skip
 
 
+def test_cpu_meter_sums_its_intervals_only(monkeypatch):
+    """A meter paused between runs counts only its intervals, and `stop` after a `pause` adds
+    nothing (fake clocks: wall, CPU and schedstat's on-CPU / waiting seconds)."""
+    import moesub.engine.contention as contention
+
+    now = {"wall": 0.0, "cpu": 0.0, "on": 0.0, "wait": 0.0}
+    monkeypatch.setattr(contention.time, "perf_counter", lambda: now["wall"])
+    monkeypatch.setattr(contention.time, "process_time", lambda: now["cpu"])
+    monkeypatch.setattr(contention, "_schedstat", lambda: (now["on"], now["wait"]))
+
+    def advance(wall, cpu, on, wait):
+        for key, dt in zip(("wall", "cpu", "on", "wait"), (wall, cpu, on, wait), strict=True):
+            now[key] += dt
+
+    meter = contention.CpuMeter().start()
+    advance(2.0, 2.0, 1.8, 0.2)
+    meter.pause()
+    advance(10.0, 1.0, 1.0, 9.0)  # another run's stretch, waiting: not this meter's
+    meter.start()
+    advance(1.0, 1.0, 0.9, 0.1)
+    meter.pause()
+    advance(5.0, 0.0, 0.0, 5.0)  # between the last run and the write
+    out = meter.stop()
+    assert out["cpu_share"] == pytest.approx(2.7 / 3.0)
+    assert out["cpu_time_per_wall"] == pytest.approx(1.0) and not out["contended"]
+
+
 def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     out = tmp_path / "calibration.json"
     opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,

@@ -45,6 +45,7 @@ class CpuMeter:
         self._wall = self._cpu = self._on = self._wait = 0.0
         self._sched_ok = True
         self._load: tuple[float, float, float] | None = None
+        self._marks: tuple[float, float, tuple[float, float] | None] | None = None  # running
 
     def start(self) -> CpuMeter:
         self._marks = (time.perf_counter(), time.process_time(), _schedstat())
@@ -53,7 +54,10 @@ class CpuMeter:
         return self
 
     def pause(self) -> None:
-        wall0, cpu0, sched0 = self._marks
+        """End the running interval (none running: nothing to add)."""
+        if self._marks is None:
+            return
+        (wall0, cpu0, sched0), self._marks = self._marks, None
         self._wall += time.perf_counter() - wall0
         self._cpu += time.process_time() - cpu0
         sched = _schedstat()
