@@ -811,6 +811,24 @@ def test_benchmark_prices_a_pinned_policy(tmp_path):
     assert row["est_time_per_token_s"] > 0 and row["sub_rate"] > 0
 
 
+def test_benchmark_times_the_microbenchmarks_every_round(tmp_path):
+    """The expert's time and both drags are measured in every round (on the slots of its first
+    C-slot run) and the profile takes their medians, as the pipeline's calibration does."""
+    params = dict(
+        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=12,
+        warmup=2, calib_tokens=200, store_path=str(tmp_path / "b.bin"), progress=False,
+        routing="synthetic", rounds=3, policies={"fetch_every_miss": {"rule": "fetch_all"}},
+    )  # fmt: skip
+    run_benchmark(params, "cpu", tmp_path / "bench.parquet")
+    micro = read_metadata(tmp_path / "bench.parquet")["microbenchmarks"]
+    assert len(micro["runs"]) == 3 and micro["runs"][0] != micro["runs"][1]
+    assert micro["median"] == {
+        key: np.median([r[key] for r in micro["runs"]]) for key in micro["median"]
+    }
+    profile = read_metadata(tmp_path / "bench.parquet")["profile"]
+    assert profile["host_read_drag"] == micro["median"]["host_read_drag"]
+
+
 # ----------------------------------------------------------------------------------- CUDA
 # every CUDA test runs on each device present: events and streams must be the tier's device's
 CUDA_DEVICES = [

@@ -197,30 +197,31 @@ class BenchParams:
 
 
 def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
-    """The fast tier's expert time (it splits the fit's per-layer constant), its drags while the
-    host reads (the disk tier's; else 0), and the disk's read rate (for the record)."""
-    if isinstance(tier, DiskTier):
+    """The fast tier's expert time (it splits the fit's per-layer constant) and its drags while
+    the host reads (the disk tier's; else 0); the disk's read rate the first time (the record)."""
+    if isinstance(tier, DiskTier) and "disk_read_bandwidth_Bps" not in info:
         bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
-    info["microbenchmarks"] = micro = microbenchmarks(tier, p.top_k, seed=p.seed)
-    return micro
+    return microbenchmarks(tier, p.top_k, seed=p.seed)
 
 
 def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
-    """This machine's profile fitted to the rounds' calibration runs (`moesub.calibration`),
-    priced for the benchmark's experts, and their reference run on the disk (None: no reads)."""
+    """This machine's profile fitted to the rounds' calibration runs with the medians of their
+    microbenchmarks (`moesub.calibration`, as the pipeline's calibration does), priced for the
+    benchmark's experts, and their reference run on the disk (None: no reads)."""
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
     runs = [r for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
     host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
+    micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
     priced = rounds.host_reads_link  # the host and admission terms through the pricing
     reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
-        fit, k=p.top_k, layers=p.layers, expert_s=rounds.micro["expert_compute_s"],
+        fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,
         reference=reference, host_clocks=[r.disk for r in host],
-        **{d: rounds.micro[d] for d in ("host_read_drag", "background_read_drag")},
+        **{d: micro[d] for d in ("host_read_drag", "background_read_drag")},
         admit_runs=[(r.wall_s, r.layer_counts) for r in admit] if priced else (),
         admit_clocks=[r.disk for r in admit],
     )  # fmt: skip
@@ -228,6 +229,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     profile = measured_profile(
         seconds, expert_bytes, "the engine benchmark's calibration runs", rounds.host_reads_link
     )
+    info["microbenchmarks"] = {"median": micro, "runs": rounds.micro}  # one per round
     info["cost_fit"] = fit.to_dict()
     info["profile"] = profile.to_dict()
     info["at_run_disk"] = None if reference is None else AtRunDisk(reference).to_dict()
@@ -324,7 +326,7 @@ class _Rounds:
     """What the rounds measured."""
 
     runs: dict[str, list[BenchRun]]  # per run name, one per round
-    micro: dict[str, float]  # the terms timed in isolation (`_microbenchmarks`)
+    micro: list[dict[str, float]]  # per round, the terms timed in isolation (`_microbenchmarks`)
     tier: str  # the tier's description
     host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
@@ -333,14 +335,16 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
     slots per layer, or E for all_resident): a run inherits no thread state from the one
     before (a shared tier's host worker once kept an OpenMP team after a host_compute run, and
-    every later run was ~2-3 ms per token slower). The fast tier's expert is timed on the
-    slots of the first C-slot run, once it has filled them."""
+    every later run was ~2-3 ms per token slower). The fast tier's expert and its drags are
+    timed in every round, on the slots of the round's first C-slot run once it has filled them."""
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
-    tier, engine, description, micro, host_reads_link = None, None, "", None, False
+    per_round = len(plan.order) // p.rounds
+    micro: list[dict[str, float]] = []
+    tier, engine, description, host_reads_link = None, None, "", False
     try:
-        for name in plan.order:
+        for i, name in enumerate(plan.order):
             tier = plan.make_tier(plan.capacity(name))
             description = description or tier.description
             host_reads_link = tier.host_reads_link
@@ -351,17 +355,13 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             if (layers is not None or trace is plan.hits) and not all_hits:
                 raise RuntimeError(f"calibration run {name}: expected only hits")
             runs[name].append(run)
-            if micro is None and plan.capacity(name) == C:  # on slots the run has filled,
+            # every round has C-slot runs (the calibration's): the first, on the slots it filled
+            if len(micro) == i // per_round and plan.capacity(name) == C:
                 engine.reset(load=False)  # with nothing in flight
-                micro = _microbenchmarks(tier, plan.store, p, info)
+                micro.append(_microbenchmarks(tier, plan.store, p, info))
             engine.close()  # its landed copies' staging buffers back first: the drain needs them
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
-        if micro is None:  # every policy ran at C = E: time the terms on a loaded C-slot tier
-            tier = plan.make_tier(C)
-            for layer in range(p.layers):
-                tier.load(layer, plan.initial[layer])
-            micro = _microbenchmarks(tier, plan.store, p, info)
     finally:
         if engine is not None:
             engine.close()
