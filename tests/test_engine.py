@@ -20,6 +20,7 @@ import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
 import moesub.engine.store
+import moesub.models
 from moesub.artefacts import layout_for, load_trace
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
@@ -662,25 +663,34 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
 def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, monkeypatch):
     """The pipeline's engine job: the calibration's runs spread among the policies' and rotated
     over the rounds, as in the engine bench, each policy decoding its share of the streams per
-    round; its rows are a one-engine run's but for the times, and the calibration is whole."""
+    round; its rows are a one-engine run's but for the times, and the calibration is whole.
+    The model is loaded once, and every run's engine is built on it."""
     opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
             "calibrate_tokens": 12, "calibrate_rounds": 2}  # fmt: skip
     policies = {"fetch_every_miss": {"rule": "fetch_all"},
                 "rule_015": {"rule": "threshold", "tau": 0.15}}  # fmt: skip
     runs = {str(tmp_path / f"{n}.parquet"): (n, p, FRACTION, None) for n, p in policies.items()}
     calls: list[tuple[str, tuple[int, ...]]] = []
-    cal_run, decode = Calibration.run, PolicyRun.decode
+    cal_run, decode, load = Calibration.run, PolicyRun.decode, moesub.models.load_model
+    models, shared = [], set()
 
-    def record_cal(self, name):
+    def record_cal(self, name, loaded=None):
         calls.append((name, ()))
-        cal_run(self, name)
+        shared.add(id(loaded))
+        cal_run(self, name, loaded)
 
-    def record_decode(self, parts, progress=True):
+    def record_decode(self, parts, progress=True, loaded=None):
         calls.append((next(o for o, r in runs.items() if r[0] == self.name), tuple(parts)))
-        decode(self, parts, progress)
+        shared.add(id(loaded))
+        decode(self, parts, progress, loaded)
+
+    def record_load(*args, **kwargs):
+        models.append(load(*args, **kwargs))
+        return models[-1]
 
     monkeypatch.setattr(Calibration, "run", record_cal)
     monkeypatch.setattr(PolicyRun, "decode", record_decode)
+    monkeypatch.setattr(moesub.models, "load_model", record_load)
     cal_path = tmp_path / "calibration.json"
     run_engine_stage(stage / "model", "cpu", stage / "tokens.parquet", stage / "tokens.parquet",
                      stage / "initial.parquet", runs, FRACTION, cal_path, opts)  # fmt: skip
@@ -692,6 +702,7 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
     cal = json.loads(cal_path.read_text())
     assert cal["runs"] == dict.fromkeys(MECHANISMS, 2 * 24)  # two rounds of both streams
     assert len(cal["microbenchmarks"]["runs"]) == 6
+    assert len(models) == 1 and len(shared) == 1 and id(None) not in shared
     monkeypatch.undo()
     timing = {"wall_s", "fetch_wait_s", "admit_wait_s", "prefetch_wait_s", "host_wait_s"}
     for out, (name, policy, _size, _alloc) in runs.items():

@@ -1,8 +1,9 @@
 """The model adapter: a Hugging Face MoE model whose routed experts live in an engine tier.
 
-`build_engine_model` loads the model, moves its experts to the slow tier (the expert store on
-disk; for the CUDA engine pinned host memory filled from it), allocates the slots and swaps
-every block's experts module for `EngineExperts`. What it knows of the model's layout comes from
+`load_engine_model` loads the model and moves its experts to the slow tier (the expert store on
+disk; for the CUDA engine pinned host memory filled from it, once); `build_engine_model` gives
+it a fresh tier with its slots and swaps every block's experts module for `EngineExperts` (many
+engines, one after another, on one loaded model). What it knows of the model's layout comes from
 the family's adapter (`moesub.models.moe_family`): the router module, the experts in the
 engine's expert layout and their activation, how the block's experts are swapped.
 
@@ -39,6 +40,7 @@ from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.spec import EngineParams, engine_dtype
 from moesub.engine.store import (
     DTYPES,
+    ExpertStore,
     StoreLayout,
     measure_read_bandwidth,
     model_experts,
@@ -261,32 +263,51 @@ def default_store_path(model_dir: str | os.PathLike, dtype: str) -> Path:
     return Path(model_dir).resolve().parent / "engine" / f"experts-{dtype}.bin"
 
 
-def build_engine_model(
-    model_dir: str | os.PathLike,
-    device: str,
-    opts: EngineParams,
-    capacity: int | Sequence[int] | None,
-    measure_bandwidth: bool = False,
-    prefetch: int = 0,
-) -> EngineSetup:
-    """Load the model, write its experts to the expert store (once: later runs reuse the file),
-    drop them from the model, then build the tier from the store: the disk tier reads the file;
-    the CUDA tier reads it layer by layer straight into pinned memory (as many layers as
-    `opts.pinned_budget_gb` holds; the others stay on disk). Allocates `capacity` slots per
-    layer (an int, or one per layer; default k) and swaps in `EngineExperts`. `prefetch`: the
-    policy's, for the number of staging buffers (`staging_for`).
+@dataclass
+class LoadedModel:
+    """A model loaded once, its experts in the expert store and no longer in the model (see
+    `load_engine_model`): what every engine built on it shares (`build_engine_model(loaded=)`),
+    so that a job running many engines on one model (the pipeline's engine stage) reads the
+    checkpoint, writes or checks the store and fills the pinned host memory once."""
 
-    Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
-    released before the tier allocates anything, so the host never holds two copies of them."""
-    from moesub.models import load_model, moe_blocks, moe_info
+    model: nn.Module  # on the engine's device, each block's experts module swapped per engine
+    info: Any  # moesub.models.MoEInfo
+    family: Any  # moesub.models.moe_family(model)
+    blocks: list[nn.Module]  # the MoE blocks (found by their experts, which are gone)
+    act: Any
+    store: ExpertStore
+    host: HostExperts | None  # the CUDA tier's experts in pinned host memory
+    expert_bytes: int
+    device: torch.device
+    dtype: str
+    pinned_budget_gb: float | None
+    bandwidth: dict[str, Any] | None  # measured read bandwidth of the store
 
-    dev = require_cuda(device)
-    staging = staging_for(opts, dev, prefetch)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    dtype_key = engine_dtype(opts, dev)
-    model, _tok = load_model(model_dir, dtype=DTYPES[dtype_key], device="cpu")
-    info, family = moe_info(model), moe_family(model)
+    def tier(self, caps: list[int], staging: int | None) -> DiskTier | CudaTier:
+        """A fresh tier of `caps` slots per layer on the shared store (or pinned experts)."""
+        if self.device.type == "cpu":
+            return DiskTier(self.store, caps, self.info.top_k, self.act, staging)
+        if self.host is None:
+            budget = None if self.pinned_budget_gb is None else int(self.pinned_budget_gb * 2**30)
+            self.host = HostExperts(self.store, budget)
+        return CudaTier(self.host, caps, self.device, self.act, staging)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def check(self, device: torch.device, opts: EngineParams) -> None:
+        """An engine's options must be those the model was loaded with."""
+        want = (device, engine_dtype(opts, device), opts.pinned_budget_gb)
+        have = (self.device, self.dtype, self.pinned_budget_gb)
+        if want != have:
+            raise ValueError(
+                f"engine: the loaded model has (device, dtype, pinned_budget_gb) {have}, the "
+                f"engine asks for {want}"
+            )
+
+
+def check_capacities(capacity: int | Sequence[int] | None, info: Any) -> list[int]:
+    """Slots per layer (an int, or one per layer; default k), each within [k, E]."""
     E, k = info.num_experts, info.top_k
     caps = layer_capacities(k if capacity is None else capacity, info.num_layers)
     for layer, C in enumerate(caps):
@@ -295,6 +316,32 @@ def build_engine_model(
         except ValueError as e:
             where = "" if isinstance(capacity, int) else f" of layer {layer}"
             raise ValueError(f"cache capacity {C}{where} (E={E}, k={k}): {e}") from e
+    return caps
+
+
+def load_engine_model(
+    model_dir: str | os.PathLike,
+    device: str,
+    opts: EngineParams,
+    capacity: int | Sequence[int] | None = None,
+    measure_bandwidth: bool = False,
+) -> LoadedModel:
+    """Load the model, write its experts to the expert store (once: later runs reuse the file),
+    drop them from the model and move the rest to the device. `capacity` (slots per layer, if
+    given) is checked against the model before the store is written.
+
+    Host memory: loading the checkpoint holds its experts once (transformers' loader); they are
+    released before any tier allocates, so the host never holds two copies of them."""
+    from moesub.models import load_model, moe_blocks, moe_info
+
+    dev = require_cuda(device)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    dtype_key = engine_dtype(opts, dev)
+    model, _tok = load_model(model_dir, dtype=DTYPES[dtype_key], device="cpu")
+    info, family = moe_info(model), moe_family(model)
+    if capacity is not None:
+        check_capacities(capacity, info)
     blocks = moe_blocks(model)
     act = family.expert_act(blocks[0])
     weights = [family.expert_weights(b) for b in blocks]  # (E, 2I, H), (E, H, I) per layer
@@ -312,22 +359,44 @@ def build_engine_model(
         family.set_experts(block, None)
     del weights
     gc.collect()
-    try:
-        if dev.type == "cpu":
-            tier: DiskTier | CudaTier = DiskTier(store, caps, info.top_k, act, staging)
-        else:
-            budget = None if opts.pinned_budget_gb is None else int(opts.pinned_budget_gb * 2**30)
-            tier = CudaTier(HostExperts(store, budget), caps, dev, act, staging)
-    except BaseException:
-        store.close()
-        raise
     bandwidth = None
     if measure_bandwidth:
         bw = measure_read_bandwidth(store, reads=min(32, info.num_layers * info.num_experts))
         bandwidth = {"read_bandwidth_Bps": bw.bytes_per_s, "read_latency_s": bw.latency_s}
-    experts = []
-    for layer, block in enumerate(blocks):
-        experts.append(EngineExperts(layer))
-        family.set_experts(block, experts[-1])
     model.to(dev)
-    return EngineSetup(model, info, tier, experts, act, layout.expert_bytes, dev, bandwidth)
+    return LoadedModel(
+        model, info, family, blocks, act, store, None, layout.expert_bytes, dev, dtype_key,
+        opts.pinned_budget_gb, bandwidth,
+    )  # fmt: skip
+
+
+def build_engine_model(
+    model_dir: str | os.PathLike,
+    device: str,
+    opts: EngineParams,
+    capacity: int | Sequence[int] | None,
+    measure_bandwidth: bool = False,
+    prefetch: int = 0,
+    loaded: LoadedModel | None = None,
+) -> EngineSetup:
+    """The model (`loaded`, else loaded here: `load_engine_model`) with a fresh tier built from
+    the store: the disk tier reads the file; the CUDA tier reads it layer by layer straight into
+    pinned memory once per loaded model (as many layers as `opts.pinned_budget_gb` holds; the
+    others stay on disk). Allocates `capacity` slots per layer (an int, or one per layer;
+    default k) and swaps in `EngineExperts`. `prefetch`: the policy's, for the number of staging
+    buffers (`staging_for`)."""
+    dev = require_cuda(device)
+    staging = staging_for(opts, dev, prefetch)
+    if loaded is None:
+        loaded = load_engine_model(model_dir, device, opts, capacity, measure_bandwidth)
+    loaded.check(dev, opts)
+    caps = check_capacities(capacity, loaded.info)
+    tier = loaded.tier(caps, staging)
+    experts = []
+    for layer, block in enumerate(loaded.blocks):
+        experts.append(EngineExperts(layer))
+        loaded.family.set_experts(block, experts[-1])
+    return EngineSetup(
+        loaded.model, loaded.info, tier, experts, loaded.act, loaded.expert_bytes, dev,
+        loaded.bandwidth,
+    )  # fmt: skip

@@ -44,6 +44,7 @@ from moesub.calibration import (
     reference_clock,
     unit_costs_from_fit,
 )
+from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
@@ -333,10 +334,11 @@ class Calibration:
         """Every mechanism once per round, `calibrate_rounds` rounds (`round_order`)."""
         return round_order(list(MECHANISMS), self.opts.calibrate_rounds)
 
-    def run(self, name: str) -> None:
-        """One run of mechanism `name` over the calibration streams, on an engine of its own."""
+    def run(self, name: str, loaded: LoadedModel | None = None) -> None:
+        """One run of mechanism `name` over the calibration streams, on an engine of its own
+        (on `loaded`, the model loaded once for many engines, if given)."""
         k = self.info.top_k
-        with EngineModel(self.model_dir, self.specs[name]) as eng:
+        with EngineModel(self.model_dir, self.specs[name], loaded) as eng:
             self.meter.start()
             for ids in self.streams:
                 disk0 = disk_clock(eng.setup.tier)
@@ -412,8 +414,12 @@ def calibrate(
     Writes the JSON to `out_json` (atomically) and returns it. Every input is checked before a
     run."""
     cal = Calibration(model_dir, device, tokens_path, ranking_path, size, params)
-    for name in cal.order():
-        cal.run(name)
+    loaded = load_engine_model(model_dir, device, cal.opts)  # once, for every run's engine
+    try:
+        for name in cal.order():
+            cal.run(name, loaded)
+    finally:
+        loaded.close()
     out = cal.result()
     write_json(out, Path(out_json))
     return out

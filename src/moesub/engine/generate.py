@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from moesub.engine.adapter import EngineRouter, PrefetchHook, build_engine_model
+from moesub.engine.adapter import (
+    EngineRouter,
+    LoadedModel,
+    PrefetchHook,
+    build_engine_model,
+    load_engine_model,
+)
 from moesub.engine.decode import decode_tokens
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.spec import EngineSpec, resolve_engine
@@ -114,12 +120,22 @@ class EngineModel:
     starts from fresh caches holding the initial resident set. `close()` (or `with`) releases it.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, spec: EngineSpec) -> None:
+    def __init__(
+        self, model_dir: str | os.PathLike, spec: EngineSpec, loaded: LoadedModel | None = None
+    ) -> None:
         self.spec = spec
-        self.setup = build_engine_model(
-            model_dir, str(spec.device), spec.opts, spec.slots, measure_bandwidth=True,
-            prefetch=spec.policy.prefetch,
+        # a model loaded here is this engine's; one passed in is shared and stays open
+        self._owned = None if loaded is not None else load_engine_model(
+            model_dir, str(spec.device), spec.opts, spec.slots, measure_bandwidth=True
         )  # fmt: skip
+        try:
+            self.setup = build_engine_model(
+                model_dir, str(spec.device), spec.opts, spec.slots,
+                prefetch=spec.policy.prefetch, loaded=loaded or self._owned,
+            )  # fmt: skip
+        except BaseException:
+            self._close_owned()
+            raise
         info = self.setup.info
         try:
             self.engine = OffloadEngine(
@@ -128,6 +144,7 @@ class EngineModel:
             )  # fmt: skip
         except BaseException:
             self.setup.tier.close()
+            self._close_owned()
             raise
         for m in self.setup.experts:
             m.engine = self.engine
@@ -188,6 +205,11 @@ class EngineModel:
             self._hook.__exit__(None, None, None)
             self._router.close()
             self.engine.close()
+            self._close_owned()
+
+    def _close_owned(self) -> None:
+        if self._owned is not None:
+            self._owned.close()
 
     def __enter__(self) -> EngineModel:
         return self

@@ -15,6 +15,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from moesub.calibration import DiskClock
+from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
 from moesub.engine.spec import resolve_engine
@@ -103,10 +104,13 @@ class PolicyRun:
         self.setup_meta: dict[str, Any] = {}
         self.bandwidth: dict[str, Any] = {}
 
-    def decode(self, parts: Sequence[int], progress: bool = True) -> None:
-        """Decode the streams at positions `parts` on a fresh engine (a bar per stream if
-        `progress` and the engine's options allow)."""
-        with EngineModel(self.model_dir, self.spec) as eng:
+    def decode(
+        self, parts: Sequence[int], progress: bool = True, loaded: LoadedModel | None = None
+    ) -> None:
+        """Decode the streams at positions `parts` on a fresh engine (on `loaded`, the model
+        loaded once for many engines, if given; a bar per stream if `progress` and the engine's
+        options allow)."""
+        with EngineModel(self.model_dir, self.spec, loaded) as eng:
             setup = eng.setup
             disk0 = disk_clock(setup.tier)
             self.meter.start()
@@ -250,7 +254,9 @@ def run_engine_stage(
     a machine whose speed drifts by a fifth within minutes (two policies' runs of nearly the
     same counts on a small checkpoint, in jobs minutes apart, 2026-12-03) then slows the
     calibration and the runs alike. Every input is
-    checked before a run; every output is written at the end, each atomically."""
+    checked before a run; every output is written at the end, each atomically. The model is
+    loaded once (`load_engine_model`: the checkpoint read, the store checked, on CUDA the pinned
+    experts filled) and every run's engine is built on it with a tier of its own."""
     from moesub.engine.calibrate import MECHANISMS, Calibration, round_order, spread
 
     cal = Calibration(model_dir, device, calib_tokens_path, ranking_path, calibration_size,
@@ -266,12 +272,16 @@ def run_engine_stage(
              for out, r in policy_runs.items()}  # fmt: skip
     order = round_order(spread(list(MECHANISMS), list(policy_runs)), rounds)
     per_round = len(MECHANISMS) + len(policy_runs)
-    bar = tqdm(order, desc="engine stage", unit="run", disable=not cal.opts.progress)
-    for step, key in enumerate(bar):
-        if key in MECHANISMS:
-            cal.run(key)
-        elif len(part := parts[key][step // per_round]):
-            policy_runs[key].decode(part.tolist(), progress=False)
+    loaded = load_engine_model(model_dir, device, cal.opts, measure_bandwidth=True)
+    try:
+        bar = tqdm(order, desc="engine stage", unit="run", disable=not cal.opts.progress)
+        for step, key in enumerate(bar):
+            if key in MECHANISMS:
+                cal.run(key, loaded)
+            elif len(part := parts[key][step // per_round]):
+                policy_runs[key].decode(part.tolist(), progress=False, loaded=loaded)
+    finally:
+        loaded.close()
     for out, run in policy_runs.items():
         run.write(out)
     write_json(cal.result(), Path(calibration_path))
