@@ -47,11 +47,16 @@ POLICIES = {
 }
 
 
-def tables(spec: dict[str, dict], bench_errors: list[float] | None = None) -> dict:
+def tables(
+    spec: dict[str, dict],
+    bench_errors: list[float] | None = None,
+    at_disk_errors: list[float] | None = None,
+) -> dict:
     """One model's analysis tables at fraction F from {policy: {screen, report, all (Δppl
     upper bounds: the interval is [0, hi], the estimate hi / 2; none: not emulated), lossless
     (by construction, when not emulated), sim (seconds), engine (seconds, or (t, lo, hi)),
-    streams (per-stream mean ΔNLL)}}; `bench_errors`: the engine bench's sim_rel_error."""
+    streams (per-stream mean ΔNLL)}}; `bench_errors`: the engine bench's sim_rel_error,
+    `at_disk_errors` its sim_rel_error_at_run_disk (default: the same)."""
     summary, halves, space, sq, pip, priced = [], [], [], [], [], []
     for name, s in spec.items():
         if "all" in s:
@@ -74,8 +79,10 @@ def tables(spec: dict[str, dict], bench_errors: list[float] | None = None) -> di
                        "time_per_token_s": t, "time_ci_lo": lo, "time_ci_hi": hi})  # fmt: skip
     bench = pd.DataFrame(
         [
-            {"policy": f"p{i}", "device": "cpu", "sim_rel_error": e}
-            for i, e in enumerate(bench_errors or [])
+            {"policy": f"p{i}", "device": "cpu", "sim_rel_error": e, "sim_rel_error_at_run_disk": d}
+            for i, (e, d) in enumerate(
+                zip(bench_errors or [], at_disk_errors or bench_errors or [], strict=True)
+            )
         ]  # fmt: skip
     )
     return {
@@ -570,10 +577,11 @@ def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
 
 def test_one_ranking_per_priced_hardware_none_mixing_sources():
     """Each priced profile is a simulator ranking of its own (its times only); a documented
-    profile's interval says it is an estimate, this machine's is the bench's model error."""
+    profile's interval says it is an estimate and is the bench's error at each run's disk
+    speed (the pricing's own), this machine's is the bench's error as measured."""
     spec = {**BASE, "quality": {"screen": 0.2, "report": 0.3, "all": 0.3, "sim": 0.010,
                                 "engine": 0.012}}  # fmt: skip
-    t = tables(spec, bench_errors=[-0.05, 0.05])
+    t = tables(spec, bench_errors=[-0.05, 0.05], at_disk_errors=[-0.02, 0.01])
     gpu = t["priced"].assign(hardware="rtx3090_pcie4_ddr4",
                              time_per_token_s=t["priced"]["time_per_token_s"] / 10)  # fmt: skip
     t["priced"] = pd.concat([t["priced"], gpu], ignore_index=True)
@@ -585,8 +593,14 @@ def test_one_ranking_per_priced_hardware_none_mixing_sources():
     gpu_pick = by[("rtx3090_pcie4_ddr4", "simulator")]["within_budget"]
     assert gpu_pick["policy"] == "quality"
     assert gpu_pick["time_per_token_s"] == pytest.approx(0.001)
-    assert "profile estimate" in by[("rtx3090_pcie4_ddr4", "simulator")]["timing"]["method"]
-    assert by[("this_machine", "simulator")]["timing"]["method"] == "simulator model error"
+    gpu_timing = by[("rtx3090_pcie4_ddr4", "simulator")]["timing"]
+    assert (
+        "profile estimate" in gpu_timing["method"] and "at its disk's speed" in gpu_timing["text"]
+    )
+    assert (gpu_timing["rel_error_min"], gpu_timing["rel_error_max"]) == (-0.02, 0.01)
+    own = by[("this_machine", "simulator")]["timing"]
+    assert own["method"] == "simulator model error" and "(as measured)" in own["text"]
+    assert (own["rel_error_min"], own["rel_error_max"]) == (-0.05, 0.05)
 
 
 # ---- a model given as a router trace ---------------------------------------------------------

@@ -200,6 +200,7 @@ def rankings(
     (`moesub.recommend.trace`)."""
     times = time_rows(tables)
     sim_timing = simulator_timing(tables["engine_bench"])
+    pricing_timing = simulator_timing(tables["engine_bench"], "sim_rel_error_at_run_disk")
     base, host = baselines
     out = []
     keys = ["hardware", "time_source", "device", "fraction"]
@@ -209,7 +210,7 @@ def rankings(
             if source == "engine"
             else sim_timing
             if hardware == THIS_MACHINE
-            else profile_timing(sim_timing, hardware)
+            else profile_timing(pricing_timing, hardware)
         )
         cands = quality_candidates(tables, policies, float(fraction))
         ranked = cands.merge(with_intervals(g, timing), on="policy", how="left")

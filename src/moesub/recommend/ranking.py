@@ -12,6 +12,10 @@ be trusted (`Timing`):
   bench's `sim_rel_error` e_p per policy. A policy's true time is estimate / (1 + e), and a
   common error cancels in a ratio; so each estimate t gets [t / (1 + max e), t / (1 + min e)],
   and two estimates are told apart only when their ratio exceeds (1 + max e) / (1 + min e).
+  On this machine the error is the bench's as measured: its disk's drift between runs is part
+  of what this machine's estimates miss. A documented profile's is the bench's at each run's
+  disk speed (`sim_rel_error_at_run_disk`): the pricing's own error, without the drift of this
+  machine's disk, which a GPU host's link does not share (`profile_timing`).
   Without an engine bench the interval is the point.
 
 Speedups compare with the baseline in the same ranking; their interval is the interval of the
@@ -64,28 +68,36 @@ ENGINE_TIMING = Timing(
 )
 
 
-def simulator_timing(engine_bench: pd.DataFrame) -> Timing:
-    """The simulator's model error from the engine bench (module doc): its `sim_rel_error` over
-    the policies of one device (a CUDA one if any ran, else the first by name)."""
-    need = {"device", "sim_rel_error"}
+# the bench's error columns, as each timing quotes them
+BENCH_ERRORS = {
+    "sim_rel_error": "as measured",
+    "sim_rel_error_at_run_disk": "each run priced at its disk's speed",
+}
+
+
+def simulator_timing(engine_bench: pd.DataFrame, column: str = "sim_rel_error") -> Timing:
+    """The simulator's model error from the engine bench (module doc): its `column`
+    (`BENCH_ERRORS`) over the policies of one device (a CUDA one if any ran, else the first by
+    name)."""
+    need = {"device", column}
     if engine_bench.empty or not need <= set(engine_bench.columns):
         return Timing(
             "none",
             "simulator estimate: the pricing is deterministic, and no engine bench measured "
             "its error, so times carry no interval",
         )
-    rows = engine_bench[np.isfinite(engine_bench["sim_rel_error"].astype(float))]
+    rows = engine_bench[np.isfinite(engine_bench[column].astype(float))]
     if rows.empty:
-        return simulator_timing(rows.iloc[:0])
+        return simulator_timing(rows.iloc[:0], column)
     devices = sorted(rows["device"].astype(str).unique(), key=lambda d: (d != "cuda", d))
-    e = rows[rows["device"].astype(str) == devices[0]]["sim_rel_error"].astype(float)
+    e = rows[rows["device"].astype(str) == devices[0]][column].astype(float)
     lo, hi = float(e.min()), float(e.max())
     return Timing(
         "simulator model error",
         f"simulator estimate: the pricing is deterministic; its error against the engine bench "
-        f"on {devices[0]} ranged {lo:+.1%} to {hi:+.1%} over {len(e)} policies, so an estimate "
-        f"t stands for [t / {1 + hi:.3f}, t / {1 + lo:.3f}] and two estimates tie unless "
-        f"their ratio exceeds {(1 + hi) / (1 + lo):.3f}",
+        f"on {devices[0]} ({BENCH_ERRORS[column]}) ranged {lo:+.1%} to {hi:+.1%} over {len(e)} "
+        f"policies, so an estimate t stands for [t / {1 + hi:.3f}, t / {1 + lo:.3f}] and two "
+        f"estimates tie unless their ratio exceeds {(1 + hi) / (1 + lo):.3f}",
         lo_factor=1.0 / (1.0 + hi),
         hi_factor=1.0 / (1.0 + lo),
         rel_error_min=lo,
@@ -96,8 +108,9 @@ def simulator_timing(engine_bench: pd.DataFrame) -> Timing:
 
 def profile_timing(measured: Timing, hardware: str) -> Timing:
     """A documented profile's timing: its constants are estimates (docs/hardware.md), never
-    measured here, so the only error figure is the pricing's own on this machine (`measured`),
-    carried over as the interval and said to be a lower bound on the profile's error."""
+    measured here, so the only error figure is the pricing's own on this machine (`measured`:
+    the bench's at each run's disk speed, module doc), carried over as the interval and said to
+    be a lower bound on the profile's error."""
     return replace(
         measured,
         method=f"{measured.method} (profile estimate)",
