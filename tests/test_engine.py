@@ -769,6 +769,15 @@ def test_benchmark_table(tmp_path, monkeypatch):
     assert math.isnan(by[ALL_RESIDENT]["disk_read_s"])
     assert by[ALL_RESIDENT]["est_at_run_disk_s"] == by[ALL_RESIDENT]["est_time_per_token_s"]
     assert by["fetch_every_miss"]["disk_read_s"] == meta["disk_read_s"]["fetch_every_miss"][0] > 0
+    # that speed against the calibration's reference run's, flagged beyond 15%
+    reference_read_s = meta["at_run_disk"]["busy_s"] / meta["at_run_disk"]["reads"]
+    for row in df.iter_rows(named=True):
+        ratio = row["disk_vs_calibration"]
+        if row["policy"] == ALL_RESIDENT:
+            assert math.isnan(ratio) and row["disk_drifted"] is False
+            continue
+        assert ratio == pytest.approx(row["disk_read_s"] / reference_read_s, rel=1e-12)
+        assert row["disk_drifted"] == (abs(ratio - 1) > 0.15)
     assert (df["est_at_run_disk_s"] > 0).all()
     assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
     # every run's per-token-layer counts beside the table: the validation runs' sum to their

@@ -22,7 +22,9 @@ the measured means. `sim_rel_error_at_run_disk` does the same with each run's co
 disk's speed while that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the
 pricing's arithmetic apart from the disk's drift between runs. The output holds one row per
 policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the pricing's
-prediction with its error, and the runs' CPU share (`contended` below 0.8). Beside it
+prediction with its error, the runs' CPU share (`contended` below 0.8) and disk speed against
+the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift
+alone can move a copy-heavy policy's time by the 10% its price is held to). Beside it
 (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's
 wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the validation and
 calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
@@ -44,6 +46,7 @@ import torch
 
 from moesub.calibration import (
     AtRunDisk,
+    DiskClock,
     TimedTokens,
     fit_unit_costs,
     reference_clock,
@@ -115,6 +118,9 @@ CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
     name: policy for name, policy in MECHANISMS.items() if policy is not None
 }
 CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
+# `disk_drifted`: the median run's read time per expert this far from the reference run's (a
+# run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
+DISK_DRIFT_BEYOND = 0.15
 ACT = torch.nn.functional.silu  # the benchmark's experts' activation (Qwen's)
 
 
@@ -375,9 +381,11 @@ def _policy_rows(
     runs: dict[str, list[BenchRun]],
     costs: UnitCosts,
     run_disk: dict[str, list[UnitCosts]],
+    reference: DiskClock | None,
 ) -> pl.DataFrame:
     """One row per policy over its rounds, the pricing's estimate on the same tokens beside
-    (`costs`, and `run_disk`'s: `at_run_disk`), and the speedups."""
+    (`costs`, and `run_disk`'s: `at_run_disk`, against the calibration's `reference` run), and
+    the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
     L = plan.p.layers
@@ -391,6 +399,8 @@ def _policy_rows(
         est_disk = priced_median(runs[name], delay, run_disk[name])
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         read_s = [run.disk.per_read_s for run in runs[name] if run.disk.reads]
+        drift = math.nan if not read_s or reference is None else float(
+            np.median(read_s) / reference.per_read_s)  # fmt: skip
         rows.append(
             {
                 "policy": name,
@@ -416,6 +426,8 @@ def _policy_rows(
                 "sim_rel_error_at_run_disk": float((est_disk - run_median) / run_median),
                 "cpu_share": r.cpu_share,
                 "contended": bool(r.cpu_share < CONTENDED_BELOW),
+                "disk_vs_calibration": drift,
+                "disk_drifted": bool(abs(drift - 1) > DISK_DRIFT_BEYOND),  # False for NaN
             }
         )
     out = pl.DataFrame(rows)
@@ -437,19 +449,11 @@ def run_benchmark(
 ) -> pl.DataFrame:
     """Real-size engine benchmark on `device` ('cpu' = disk->RAM tier, 'cuda' = pinned->GPU).
 
-    Writes one row per policy (`policy, device, tier, layers, tokens, time_per_token_median_s,
-    time_per_token_p90_s, fetch_wait_s, bytes_sync, bytes_bg, hit_rate, sub_rate,
-    speedup_vs_fetch_every_miss, speedup_vs_host_compute`, plus `time_per_token_mean_s,
-    time_per_token_run_median_s, syncs_per_token, admit_latency_tokens, est_time_per_token_s,
-    sim_rel_error`) to `out_path` atomically and returns the table. `fetch_wait_s`,
-    `bytes_sync`, `bytes_bg` are means per token; `admit_latency_tokens` is the mean number of
-    tokens from an admission's request to its install; `time_per_token_run_median_s` is the
-    median over rounds of each run's mean time per token, which `est_time_per_token_s` (the
-    cost model fitted in this run, priced on the policy's counters) is compared with:
-    `sim_rel_error = (est - run median) / run median`; `disk_read_s` (median over rounds of the
-    disk's seconds per expert read during the run), `est_at_run_disk_s` and
-    `sim_rel_error_at_run_disk` price each run at that speed (`at_run_disk`).
-
+    Writes one row per policy (module doc; the columns: docs/architecture.md) to `out_path`
+    atomically and returns the table: per token means and medians over its runs, the pricing's
+    estimate `est_time_per_token_s` against `time_per_token_run_median_s` (the median over
+    rounds of each run's mean), `sim_rel_error = (est - run median) / run median`, and the same
+    at each run's disk speed (`disk_read_s`, `est_at_run_disk_s`, `sim_rel_error_at_run_disk`).
     Also writes every run's per-token-layer counts to `counts_path` (default
     `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
     """
@@ -469,7 +473,7 @@ def run_benchmark(
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
         for name, rs in rounds.runs.items()
     }
-    out = _policy_rows(plan, rounds.runs, costs, run_disk)
+    out = _policy_rows(plan, rounds.runs, costs, run_disk, reference)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,
