@@ -525,7 +525,7 @@ def test_report_table_has_one_row_per_hardware_size_and_source():
 def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
     from moesub.hardware import PROFILES, STUDY_PROFILE, reference_model_bytes
     from moesub.recommend.study import study_comparison
-    from moesub.report.recommendation import study_lines
+    from moesub.report.recommendation import against_study, study_lines
 
     spec = {
         **BASE,
@@ -562,8 +562,14 @@ def test_study_comparison_quotes_the_study_profile_ranking_and_says_why():
     lines = study_lines([{"model": "m", "study": s}])
     assert lines[0] == (
         f"m: quality vs fetch_every_miss on {STUDY_PROFILE} at 25% resident: 2.50× "
-        "(simulator); the study measured 2.5-3×."
+        "(simulator); the study measured 2.5-3×: the interval reaches the study's range, "
+        "consistent with it."
     )
+    assert lines[2].endswith("2.8-3×: the interval lies below the study's range, against it.")
+    above = {"speedup": 3.4, "speedup_lo": 3.1, "speedup_hi": 3.8, "study_low": 2.5,
+             "study_high": 3.0}  # fmt: skip
+    assert against_study(above) == "the interval lies above the study's range, against it"
+    assert "reaches" in against_study(above | {"speedup_lo": 2.9})
     assert "misses 20.0% of expert calls (the study's cache: 8.5%)" in lines[3]
     assert "rule_015 substitutes 4.0% (the study's: 7.5%)" in lines[3]
     assert f"a copy takes {1e6 * c:.3g} µs" in lines[4]

@@ -194,6 +194,16 @@ def _ids(ids: list[int]) -> str:
     return ", ".join(str(i) for i in ids)
 
 
+def against_study(c: dict[str, Any]) -> str:
+    """Where a predicted speedup's interval lies against the study's range, said as such."""
+    lo, hi = (c[k] if finite(c.get(k)) else c["speedup"] for k in ("speedup_lo", "speedup_hi"))
+    if hi < c["study_low"]:
+        return "the interval lies below the study's range, against it"
+    if lo > c["study_high"]:
+        return "the interval lies above the study's range, against it"
+    return "the interval reaches the study's range, consistent with it"
+
+
 def study_lines(docs: list[Doc], models: list[str] | None = None) -> list[str]:
     """Against the study's table (`moesub.recommend.study`), per model: the predicted speedups
     beside the study's, then why they differ, from the run's rates and the profile's seconds."""
@@ -208,7 +218,10 @@ def study_lines(docs: list[Doc], models: list[str] | None = None) -> list[str]:
             lines.append(f"{m}: {at}: no prediction: {s['reason']}.")
         for c in s["comparisons"] if s["priced"] else []:
             study = f"the study measured {c['study_low']:g}-{c['study_high']:g}×"
-            x = speedup("speedup")(c) if finite(c.get("speedup")) else "not predicted"
+            if finite(c.get("speedup")):
+                x, study = speedup("speedup")(c), f"{study}: {against_study(c)}"
+            else:
+                x = "not predicted"
             lines.append(
                 f"{m}: {c['policy']} vs {c['reference']} on {at}: {x} (simulator); {study}."
             )
