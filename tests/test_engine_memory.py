@@ -379,3 +379,29 @@ def test_build_checks_the_capacity_before_the_store(tmp_path):
     with pytest.raises(ValueError, match=r"cache capacity 17 \(E=16, k=4\)"):
         build_engine_model(tmp_path / "model", "cpu", opts, capacity=17)
     assert not (tmp_path / "experts.bin").exists()
+
+
+def test_engines_share_one_loaded_model(tmp_path):
+    """Engines built one after another on one loaded model (`load_engine_model`): each gets a
+    tier of its own on the shared store, and the model keeps its store open between them; an
+    engine asking for other options than the model was loaded with is refused."""
+    from test_engine import tiny_model
+
+    from moesub.engine.adapter import build_engine_model, load_engine_model
+    from moesub.engine.spec import EngineParams
+
+    tiny_model().save_pretrained(tmp_path / "model")
+    opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
+    loaded = load_engine_model(tmp_path / "model", "cpu", opts, capacity=4)
+    try:
+        first = build_engine_model(tmp_path / "model", "cpu", opts, 4, loaded=loaded)
+        first.tier.close()
+        second = build_engine_model(tmp_path / "model", "cpu", opts, [4, 8], loaded=loaded)
+        assert second.tier is not first.tier and second.tier.store is loaded.store
+        assert second.model is loaded.model and second.experts[0] is not first.experts[0]
+        second.tier.close()
+        with pytest.raises(ValueError, match=r"loaded model has \(device, dtype, pinned_budget"):
+            build_engine_model(tmp_path / "model", "cpu", EngineParams(dtype="bfloat16",
+                               store_path=opts.store_path), 4, loaded=loaded)  # fmt: skip
+    finally:
+        loaded.close()
