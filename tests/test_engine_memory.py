@@ -325,7 +325,7 @@ def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, a
 
 
 def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
-    """`build_engine_model` keeps no reference to the loaded model's expert weights once the
+    """`load_engine_model` keeps no reference to the loaded model's expert weights once the
     store is written, before the tier allocates: the host never holds them next to the tier's
     copy (pinned memory or slots)."""
     import gc
@@ -357,27 +357,29 @@ def test_build_drops_the_models_experts_before_the_tier(tmp_path, monkeypatch):
     monkeypatch.setattr(moesub.models, "load_model", load_and_watch)
     monkeypatch.setattr(adapter, "DiskTier", tier_after_check)
     opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
-    setup = adapter.build_engine_model(tmp_path / "model", "cpu", opts, capacity=None)
+    model = adapter.load_engine_model(tmp_path / "model", "cpu", opts)
+    setup = adapter.build_engine_model(model, "cpu", opts, capacity=None)
     try:
         assert loaded and alive_at_tier == [0]  # every expert weight freed before the tier
         assert (tmp_path / "experts.bin").is_file()
     finally:
         setup.tier.close()
+        model.close()
 
 
 def test_build_checks_the_capacity_before_the_store(tmp_path):
     """k <= C <= E (`check_capacity`), checked before the expert store is written."""
     from test_engine import tiny_model
 
-    from moesub.engine.adapter import build_engine_model
+    from moesub.engine.adapter import load_engine_model
     from moesub.engine.spec import EngineParams
 
     tiny_model().save_pretrained(tmp_path / "model")
     opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
     with pytest.raises(ValueError, match=r"cache capacity 3 \(E=16, k=4\): .*C=3, outside \[k=4"):
-        build_engine_model(tmp_path / "model", "cpu", opts, capacity=3)
+        load_engine_model(tmp_path / "model", "cpu", opts, capacity=3)
     with pytest.raises(ValueError, match=r"cache capacity 17 \(E=16, k=4\)"):
-        build_engine_model(tmp_path / "model", "cpu", opts, capacity=17)
+        load_engine_model(tmp_path / "model", "cpu", opts, capacity=17)
     assert not (tmp_path / "experts.bin").exists()
 
 
@@ -394,14 +396,13 @@ def test_engines_share_one_loaded_model(tmp_path):
     opts = EngineParams(store_path=str(tmp_path / "experts.bin"), progress=False)
     loaded = load_engine_model(tmp_path / "model", "cpu", opts, capacity=4)
     try:
-        first = build_engine_model(tmp_path / "model", "cpu", opts, 4, loaded=loaded)
+        first = build_engine_model(loaded, "cpu", opts, 4)
         first.tier.close()
-        second = build_engine_model(tmp_path / "model", "cpu", opts, [4, 8], loaded=loaded)
+        second = build_engine_model(loaded, "cpu", opts, [4, 8])
         assert second.tier is not first.tier and second.tier.store is loaded.store
         assert second.model is loaded.model and second.experts[0] is not first.experts[0]
         second.tier.close()
         with pytest.raises(ValueError, match=r"loaded model has \(device, dtype, pinned_budget"):
-            build_engine_model(tmp_path / "model", "cpu", EngineParams(dtype="bfloat16",
-                               store_path=opts.store_path), 4, loaded=loaded)  # fmt: skip
+            build_engine_model(loaded, "cpu", EngineParams(dtype="bfloat16"), 4)
     finally:
         loaded.close()

@@ -19,7 +19,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
   did (per token-layer counts in `TOKEN_LAYER_FIELDS` layout).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.
 - `spec`: the `engine:` options (`EngineParams`) and an engine's checked inputs (`EngineSpec`).
-- `adapter`: a Hugging Face MoE model whose experts live in a tier (`build_engine_model`).
+- `adapter`: a Hugging Face MoE model whose experts live in a tier (`load_engine_model` once,
+  `build_engine_model` per engine).
 - `decode`: the KV-cache decode loop, one token per step (teacher forced or greedy).
 - `generate`: `EngineModel` (a built engine, reused), `open_engine`, `generate`.
 - `calibrate`: `calibrate`, this machine's hardware profile fitted to timed engine runs (one

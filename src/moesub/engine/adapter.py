@@ -266,7 +266,7 @@ def default_store_path(model_dir: str | os.PathLike, dtype: str) -> Path:
 @dataclass
 class LoadedModel:
     """A model loaded once, its experts in the expert store and no longer in the model (see
-    `load_engine_model`): what every engine built on it shares (`build_engine_model(loaded=)`),
+    `load_engine_model`): what every engine built on it shares (`build_engine_model`),
     so that a job running many engines on one model (the pipeline's engine stage) reads the
     checkpoint, writes or checks the store and fills the pinned host memory once."""
 
@@ -371,24 +371,20 @@ def load_engine_model(
 
 
 def build_engine_model(
-    model_dir: str | os.PathLike,
+    loaded: LoadedModel,
     device: str,
     opts: EngineParams,
     capacity: int | Sequence[int] | None,
-    measure_bandwidth: bool = False,
     prefetch: int = 0,
-    loaded: LoadedModel | None = None,
 ) -> EngineSetup:
-    """The model (`loaded`, else loaded here: `load_engine_model`) with a fresh tier built from
-    the store: the disk tier reads the file; the CUDA tier reads it layer by layer straight into
-    pinned memory once per loaded model (as many layers as `opts.pinned_budget_gb` holds; the
-    others stay on disk). Allocates `capacity` slots per layer (an int, or one per layer;
-    default k) and swaps in `EngineExperts`. `prefetch`: the policy's, for the number of staging
-    buffers (`staging_for`)."""
+    """The loaded model (`load_engine_model`) with a fresh tier built from its store: the disk
+    tier reads the file; the CUDA tier reads from the pinned host memory filled once per loaded
+    model (as many layers as `opts.pinned_budget_gb` holds; the others stay on disk). Allocates
+    `capacity` slots per layer (an int, or one per layer; default k) and swaps in
+    `EngineExperts`. `prefetch`: the policy's, for the number of staging buffers
+    (`staging_for`)."""
     dev = require_cuda(device)
     staging = staging_for(opts, dev, prefetch)
-    if loaded is None:
-        loaded = load_engine_model(model_dir, device, opts, capacity, measure_bandwidth)
     loaded.check(dev, opts)
     caps = check_capacities(capacity, loaded.info)
     tier = loaded.tier(caps, staging)

@@ -1,8 +1,9 @@
 """Generation on the offloading engine, and the built engine every decode runs on.
 
-`EngineModel` is a model built once for the engine under one policy (`build_engine_model`, the
-policy cores, the router hook) and reused for any number of streams (`decode`, the stage's
-teacher forcing) or prompts (`generate`, free-running greedy). `open_engine` builds one from
+`EngineModel` is a model built once for the engine under one policy (`build_engine_model` on a
+model loaded here, or shared by a job running many engines: `load_engine_model`; the policy
+cores, the router hook) and reused for any number of streams (`decode`, the stage's teacher
+forcing) or prompts (`generate`, free-running greedy). `open_engine` builds one from
 checked inputs; `generate` is the engine's counterpart of `moesub.greedy.greedy_decode`.
 """
 
@@ -130,8 +131,8 @@ class EngineModel:
         )  # fmt: skip
         try:
             self.setup = build_engine_model(
-                model_dir, str(spec.device), spec.opts, spec.slots,
-                prefetch=spec.policy.prefetch, loaded=loaded or self._owned,
+                loaded or self._owned, str(spec.device), spec.opts, spec.slots,
+                prefetch=spec.policy.prefetch,
             )  # fmt: skip
         except BaseException:
             self._close_owned()
