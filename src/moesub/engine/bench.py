@@ -202,16 +202,6 @@ class BenchParams:
                            fingerprint=f"random-seed{self.seed}")  # fmt: skip
 
 
-def _microbenchmarks(tier, store, p: BenchParams, info: dict) -> dict[str, float]:
-    """The fast tier's expert time (it splits the fit's per-layer constant) and its drags while
-    the host reads (the disk tier's; else 0); the disk's read rate the first time (the record)."""
-    if isinstance(tier, DiskTier) and "disk_read_bandwidth_Bps" not in info:
-        bw = measure_read_bandwidth(store, reads=32, seed=p.seed)
-        info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
-                    store_mode=bw.mode)  # fmt: skip
-    return microbenchmarks(tier, p.top_k, seed=p.seed)
-
-
 def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     """This machine's profile fitted to the rounds' calibration runs with the medians of their
     microbenchmarks (`moesub.calibration`, as the pipeline's calibration does), priced for the
@@ -332,7 +322,7 @@ class _Rounds:
     """What the rounds measured."""
 
     runs: dict[str, list[BenchRun]]  # per run name, one per round
-    micro: list[dict[str, float]]  # per round, the terms timed in isolation (`_microbenchmarks`)
+    micro: list[dict[str, float]]  # per round, the terms timed in isolation (`microbenchmarks`)
     tier: str  # the tier's description
     host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
@@ -348,6 +338,10 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
     per_round = len(plan.order) // p.rounds
     micro: list[dict[str, float]] = []
+    if plan.store is not None:  # the disk's read rate, for the record
+        bw = measure_read_bandwidth(plan.store, reads=32, seed=p.seed)
+        info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
+                    store_mode=bw.mode)  # fmt: skip
     tier, engine, description, host_reads_link = None, None, "", False
     try:
         for i, name in enumerate(plan.order):
@@ -364,7 +358,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             # every round has C-slot runs (the calibration's): the first, on the slots it filled
             if len(micro) == i // per_round and plan.capacity(name) == C:
                 engine.reset(load=False)  # with nothing in flight
-                micro.append(_microbenchmarks(tier, plan.store, p, info))
+                micro.append(microbenchmarks(tier, p.top_k, seed=p.seed))
             engine.close()  # its landed copies' staging buffers back first: the drain needs them
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
