@@ -18,6 +18,8 @@ from fixtures_artefacts import POLICIES, make_study
 
 from moesub.io import write_json, write_parquet
 from moesub.report import FIGURES, render_report
+from moesub.report.load import AnalysisOutputs
+from moesub.report.pricing import bench_lines
 from moesub.stats import run_analysis
 
 CHROMIUM_FLAGS = [
@@ -115,6 +117,70 @@ def test_report_is_self_contained_and_complete(rendered):
     assert '"primary": 0.2' in unescape(html)  # the config's Experiment B rule
     for path in rendered["inputs"]["emulate"]:
         assert path in html
+
+
+def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
+    html = unescape(Path(rendered["html"]).read_text())
+    # make_study prices every engine run within 10% of its time, and at its disk's speed
+    line = " ".join(re.search(r"Pricing vs engine \(tiny\): (.*?)</p>", html, re.S)[1].split())
+    runs = re.match(r"n = (\d+) runs,", line)[1]
+    assert f"n = {runs} runs, {runs} within 10% (what the pricing is held to)," in line
+    assert f"at the disk's speed while it read, median 2.3%, max 2.3%, {runs} within;" in line
+    # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk
+    (met, at_disk) = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
+    n = len(POLICIES)
+    assert met.startswith(
+        f"The pricing is held to 10% of the engine's time for every policy. As "
+        f"measured, {n} of {n} policies are within it, largest |error| 4.0%"
+    )
+    assert met.endswith(": the criterion is met in this run.")
+    assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
+
+
+def test_bench_lines_name_the_rows_outside():
+    def outputs(rows: list[dict]) -> AnalysisOutputs:
+        return AnalysisOutputs(Path("."), {}, {"engine_bench": pd.DataFrame(rows)})
+
+    rows = [
+        {"policy": "fetch_every_miss", "sim_rel_error": -0.021, "sim_rel_error_at_run_disk": -0.025,
+         "disk_vs_calibration": 0.99, "contended": False},
+        {"policy": "host_compute", "sim_rel_error": -0.167, "sim_rel_error_at_run_disk": -0.010,
+         "disk_vs_calibration": 1.32, "contended": False},
+        {"policy": "speed", "sim_rel_error": 0.10, "sim_rel_error_at_run_disk": 0.02,
+         "disk_vs_calibration": float("nan"), "contended": True},
+    ]  # fmt: skip
+    measured, at_disk, contended = bench_lines(outputs(rows))
+    # 10% exactly is within; the row outside is named with its disk's drift
+    assert measured == (
+        "The pricing is held to 10% of the engine's time for every policy. As measured, 2 of 3 "
+        "policies are within it, largest |error| 16.7% (host_compute); outside: host_compute "
+        "-16.7%, its runs' disk at 1.32x the calibration's: the criterion is not met in this run."
+    )
+    assert at_disk.startswith(
+        "At each run's disk speed, 3 of 3 are within 10%, largest |error| "
+        "2.5% (fetch_every_miss): the rows outside as measured are within"
+    )
+    assert contended == "Contended runs (another process slowed them): speed."
+    # outside at the run's disk too: not put down to the disk
+    rows[1]["sim_rel_error_at_run_disk"] = 0.12
+    _, at_disk, _ = bench_lines(outputs(rows))
+    assert at_disk == (
+        "At each run's disk speed, 2 of 3 are within 10%, largest |error| 12.0% (host_compute)."
+    )
+    # two outside, one of them at its disk too; a row without an error is left out
+    rows[2]["sim_rel_error"] = 0.125
+    rows.append({"policy": "quality", "sim_rel_error": float("nan")})
+    measured, at_disk, _ = bench_lines(outputs(rows))
+    assert "As measured, 1 of 3 policies" in measured
+    assert (
+        "outside: host_compute -16.7%, its runs' disk at 1.32x the calibration's; speed +12.5%:"
+        in measured
+    )
+    assert at_disk.endswith("largest |error| 12.0% (host_compute).")
+    # a table from before the at-disk column, and none
+    old = [{k: v for k, v in r.items() if k == "policy" or k == "sim_rel_error"} for r in rows]
+    assert len(bench_lines(outputs(old))) == 1
+    assert bench_lines(outputs([])) == []
 
 
 def test_factorial_section(rendered):

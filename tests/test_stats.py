@@ -364,6 +364,7 @@ def test_speed_quality_frontier(study):
     assert doc["median_abs_rel_error"] == pytest.approx(0.05) and doc["n_contended"] == 0
     assert doc["median_abs_rel_error_at_run_disk"] == pytest.approx(0.02)
     assert doc["n_at_run_disk"] == len(sve)
+    assert doc["n_within"] == doc["n_within_at_run_disk"] == len(sve)  # 5% and 2%: within 10%
     assert doc["median_abs_token_set_effect"] == pytest.approx(1.1 / 1.05 - 1)
 
 

@@ -28,6 +28,8 @@ from typing import Any
 from moesub.slots import REFERENCE_GEOMETRY
 
 SOURCES = ("estimate", "measured")  # a profile from spec sheets, or from a calibration run
+# what the pricing is held to: a policy's price within this share of the engine's measured time
+PRICE_HELD_TO = 0.10
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import jinja2
 
-from moesub.hardware import STUDY_PROFILE
+from moesub.hardware import PRICE_HELD_TO, STUDY_PROFILE
 from moesub.io import atomic_path
 from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
 from moesub.report.degeneration import degeneration_lines, degeneration_table
@@ -38,7 +38,7 @@ from moesub.report.load import (
     summarize_reasons,
 )
 from moesub.report.plotting import FigureData
-from moesub.report.pricing import concurrency_table, sim_vs_engine_table
+from moesub.report.pricing import bench_lines, concurrency_table, sim_vs_engine_table
 from moesub.report.recommendation import (
     plans_table,
     recommendation_lines,
@@ -186,6 +186,8 @@ def render_report(
         "degeneration": degeneration_table(out),
         "degeneration_lines": degeneration_lines(out),
         "engine_bench": frame_table("bench-table", out.table("engine_bench")),
+        "bench_lines": bench_lines(out),
+        "price_held_to": PRICE_HELD_TO,
         "models": models_table(out),
         "absent": out.absent,
         "machine": machine_info(),

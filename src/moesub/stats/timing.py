@@ -22,6 +22,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from moesub.hardware import PRICE_HELD_TO
 from moesub.metrics import speedup
 from moesub.stats.intervals import correlation, median_ci
 from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
@@ -283,8 +284,10 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
         "max_abs_rel_error": float(err.max()),
+        "n_within": int((err <= PRICE_HELD_TO).sum()),  # of n, within what the pricing is held to
         # priced at the disk's speed while each run read (the disk tier's runs)
         "n_at_run_disk": int(at_disk.size),
+        "n_within_at_run_disk": int((at_disk <= PRICE_HELD_TO).sum()),
         "median_abs_rel_error_at_run_disk": float(np.median(at_disk)) if at_disk.size else None,
         "max_abs_rel_error_at_run_disk": float(at_disk.max()) if at_disk.size else None,
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
