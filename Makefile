@@ -7,7 +7,7 @@ CORES ?= 2
 
 .PHONY: install install-test report test lint bench wheelhouse clean
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+$(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*)
 	bash scripts/install.sh $(VENV)
 	touch $@
 
