@@ -154,7 +154,8 @@ def test_bench_lines_name_the_rows_outside():
     assert measured == (
         "The pricing is held to 10% of the engine's time for every policy. As measured, 2 of 3 "
         "policies are within it, largest |error| 16.7% (host_compute); outside: host_compute "
-        "-16.7%, its runs' disk at 1.32x the calibration's: the criterion is not met in this run."
+        "-16.7% (its runs' disk at 1.32x the calibration's; -1.0% at it): the criterion is not "
+        "met in this run."
     )
     assert at_disk.startswith(
         "At each run's disk speed, 3 of 3 are within 10%, largest |error| "
@@ -173,8 +174,8 @@ def test_bench_lines_name_the_rows_outside():
     measured, at_disk, _ = bench_lines(outputs(rows))
     assert "As measured, 1 of 3 policies" in measured
     assert (
-        "outside: host_compute -16.7%, its runs' disk at 1.32x the calibration's; speed +12.5%:"
-        in measured
+        "outside: host_compute -16.7% (its runs' disk at 1.32x the calibration's; +12.0% at "
+        "it); speed +12.5%: the criterion is not met" in measured
     )
     assert at_disk.endswith("largest |error| 12.0% (host_compute).")
     # a table from before the at-disk column, and none

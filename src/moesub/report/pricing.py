@@ -73,8 +73,13 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         return f"largest |error| {100 * abs(r[key]):.1f}% ({r['policy']})"
 
     def drift(r: Row) -> str:
-        d = r.get("disk_vs_calibration")
-        return f", its runs' disk at {d:.2f}x the calibration's" if finite(d) else ""
+        """Where a row's runs read, and its error there."""
+        d, at = r.get("disk_vs_calibration"), r.get("sim_rel_error_at_run_disk")
+        if not finite(d):
+            return ""
+        return f" (its runs' disk at {d:.2f}x the calibration's" + (
+            f"; {100 * at:+.1f}% at it)" if finite(at) else ")"
+        )
 
     missed = outside("sim_rel_error")
     n = len(rows)
