@@ -132,7 +132,8 @@ class PolicyRun:
                 "expert_bytes": int(setup.expert_bytes),
                 "num_layers": setup.info.num_layers,
             }
-            self.bandwidth = dict(setup.bandwidth or {})  # the expert store's reads, measured
+            # the expert store's reads, measured once when the job loaded the model
+            self.bandwidth = dict(setup.bandwidth or {})
 
     def write(self, out_path: str | os.PathLike) -> Path:
         """The rows of every stream in order (`run_engine` says which) and the run's metadata,
