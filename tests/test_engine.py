@@ -20,6 +20,7 @@ import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
 import moesub.engine.store
+import moesub.engine.tiers
 import moesub.models
 from moesub.artefacts import layout_for, load_trace
 from moesub.capture import run_capture, run_expert_ranking
@@ -52,7 +53,7 @@ from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.stage import ROW_COLUMNS, PolicyRun
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
-from moesub.engine.tiers import DiskTier, require_cuda
+from moesub.engine.tiers import DiskTier, SlotImage, require_cuda
 from moesub.hardware import THIS_MACHINE, HardwareProfile, ModelBytes, UnitCosts, this_machine
 from moesub.io import read_metadata, write_parquet
 from moesub.policy import (
@@ -145,6 +146,50 @@ def test_store_read_clock_counts_overlapping_reads_once(tmp_path, monkeypatch):
     assert reads == 2 and 0.05 <= busy < 0.095
 
 
+@pytest.mark.parametrize("alone_bytes", [0, 2**40])  # every expert read alone; in runs
+@pytest.mark.parametrize("imaged", [(), (9, 15, 1)])  # experts held in RAM (1: not resident)
+def test_tier_load_fills_the_slots_off_the_read_clock(tmp_path, monkeypatch, alone_bytes, imaged):
+    """A load puts each resident expert in its slot: copied from the tier's image if it holds
+    it, else read alone (large experts) or in runs of nearby ones (small); the read clock, which
+    times the decode's reads, is left alone."""
+    monkeypatch.setattr(moesub.engine.tiers, "LOAD_ALONE_BYTES", alone_bytes)
+    lay = small_layout()
+    experts = write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin")
+    image = SlotImage.read(store, [np.array([], np.int64), np.array(imaged, np.int64)])
+    spied, read_into, read_raw = [], store.read_into, store.read_raw
+
+    def spy_into(layer, e, *args, **kwargs):
+        spied.append(e)
+        return read_into(layer, e, *args, **kwargs)
+
+    def spy_raw(offset, nbytes, buf):
+        spied.append(offset)
+        return read_raw(offset, nbytes, buf)
+
+    monkeypatch.setattr(store, "read_into", spy_into)
+    monkeypatch.setattr(store, "read_raw", spy_raw)
+    tier = DiskTier(store, 6, 4, ACT, image=image if imaged else None)
+    try:
+        resident = np.array([9, 2, 3, -1, 15, 4], np.int32)
+        tier.slots[1].gate_up.zero_()
+        tier.load(1, resident)
+        for slot, e in enumerate(resident.tolist()):
+            gu, dn = tier.slots[1].gate_up[slot], tier.slots[1].down[slot]
+            if e < 0:
+                assert not gu.any()
+            else:
+                want = experts[lay.num_experts + e]
+                assert torch.equal(gu, want[0]) and torch.equal(dn, want[1])
+        assert store.read_clock() == (0, 0.0)
+        if alone_bytes == 0:  # one read per expert not in the image
+            assert sorted(spied) == sorted({9, 2, 3, 15, 4} - set(imaged))
+        else:  # this small an expert: 2-15 (or 2-4) are close enough for one sequential read
+            assert len(spied) == 1
+    finally:
+        tier.close()
+
+
 def test_store_faults(tmp_path):
     lay = small_layout()
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -217,6 +262,31 @@ def test_disk_engine_matches_core_and_full_weights(tmp_path, rule):
     # no admission: the engine's decisions are exactly the whole-stream scan's
     assert np.array_equal(status, scan(trace, k, C, pol).status)
     assert (status == {"fetch_all": FETCH, "threshold": SUB, "host_compute": HOST}[rule]).any()
+
+
+def test_reset_reloads_the_slots_only_after_a_token(tmp_path, monkeypatch):
+    """A reset right after the engine was built keeps the slots it just loaded (a run that
+    resets the engine it was given reads them once); after tokens, whose admissions overwrote
+    slots, it reloads them, and the next pass is exact against the full weights again."""
+    lay = small_layout()
+    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
+    experts = write_random(tmp_path / "x.bin", lay)
+    trace = synthetic_logits(40, L, E, seed=5)
+    tier = DiskTier(ExpertStore(tmp_path / "x.bin", expected=lay), C, k, ACT)
+    loads, load = [], tier.load
+    monkeypatch.setattr(tier, "load", lambda layer, ids: (loads.append(layer), load(layer, ids)))
+    pol = Policy(rule="first_choice", eviction="lfu", beta=0.5)  # admits: slots change
+    engine = OffloadEngine(tier, E, k, C, pol, None, ACT)
+    try:
+        engine.reset()
+        assert loads == list(range(L))
+        drive(engine, trace, experts, E, lay.hidden)
+        engine.reset()
+        assert loads == list(range(L)) * 2
+        drive(engine, trace, experts, E, lay.hidden)  # each output checked (when copies land
+        # varies with the disk, and the statuses with it)
+    finally:
+        engine.close()
 
 
 def test_background_admission_installs_real_copies(tmp_path):

@@ -11,8 +11,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
   the slots awaiting them, waiting on them, the bytes installed), whatever they are for, and
   `COPY_TIMEOUT_S`, the longest a copy is waited for (the tiers' drains too).
-- `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM); `disk_clock`,
-  what a tier's expert file has read.
+- `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM; `SlotImage`,
+  experts read once that its loads copy); `disk_clock`, what a tier's expert file has read.
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
   side stream).
 - `token_stats`: `TokenStats`, what one token cost (waits, bytes) and what each layer's policy

@@ -14,7 +14,8 @@ in `rounds` with the calibration runs (other tokens, mechanism policies: all hit
 and over one, every miss fetched, host compute, background admissions) spread among them (`spread`)
 and the order rotated every round (`round_order`: no run twice in a row), so that the machine's
 load and its disk's drift hit all alike; every run has a tier of its own, as an engine serving one
-policy does (no thread state carried over from another policy's run). The machine's profile is
+policy does (no thread state carried over from another policy's run), its slots loaded, untimed,
+from the initial set read once into RAM (`SlotImage`). The machine's profile is
 fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration does) and
 prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
 `sim_rel_error` compares the median over rounds of the priced means with the median over rounds of
@@ -91,7 +92,7 @@ from moesub.engine.store import (
     open_or_write_store,
     random_experts,
 )
-from moesub.engine.tiers import DiskTier, require_cuda
+from moesub.engine.tiers import DiskTier, SlotImage, require_cuda
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.io import write_parquet
 from moesub.layout import build_layout
@@ -245,6 +246,7 @@ class _Plan:
     router_w: list[torch.Tensor]  # per layer [E, H] on the device
     h0: torch.Tensor  # [1, H] on the device: every token's hidden state entering layer 0
     store: ExpertStore | None  # the disk tier's expert file
+    image: SlotImage | None  # the initial set in RAM, read once: every disk tier loads from it
     host: HostExperts | None  # the CUDA tier's experts in pinned host memory
     order: list[str]  # the runs' names in run order (`round_order`)
 
@@ -255,7 +257,7 @@ class _Plan:
     def make_tier(self, capacity: int) -> DiskTier | CudaTier:
         p = self.p
         if self.dev.type == "cpu":
-            return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers)
+            return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers, self.image)
         return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
 
     def policy(self, name: str) -> Policy:
@@ -283,6 +285,7 @@ class _Plan:
         return engine, trace, layers
 
     def close(self) -> None:
+        self.image = None
         if self.store is not None:
             self.store.close()
 
@@ -296,9 +299,12 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
         p.routing, L, E, p.calib_tokens, p.warmup + p.tokens, p.warmup + p.calibration_tokens,
         p.seed, p.trace_dir,
     )  # fmt: skip
-    store = None
+    store = image = None
+    ranking = frequency_initial(logits.initial, k, E)
+    initial = np.ascontiguousarray(ranking[:, :C])
     if dev.type == "cpu":
         store = open_or_write_store(store_path, lay, random_experts(lay, p.seed), p.progress)
+        image = SlotImage.read(store, initial)
     g = torch.Generator().manual_seed(p.seed + 1)
     dt = lay.torch_dtype
     router_w = [
@@ -306,15 +312,13 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
         for _ in range(L)
     ]
     h0 = torch.randn(1, p.hidden, generator=g).to(device=dev, dtype=dt)
-    ranking = frequency_initial(logits.initial, k, E)
-    initial = np.ascontiguousarray(ranking[:, :C])
     host = None
     if dev.type == "cuda":  # random experts made on the GPU, kept in pinned host memory
         host = HostExperts(None, layout=lay, fill=random_fill(lay, p.seed, dev))
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
     order = round_order(spread(cal_names, list(p.policies)), p.rounds)
     hits = hits_only(logits.calibration, initial)
-    return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, host, order)
+    return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, image, host, order)
 
 
 @dataclass

@@ -296,9 +296,17 @@ class ExpertStore:
         if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
             raise IndexError(f"expert store: no (layer {layer}, expert {expert})")
 
-    def read_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+    def read_into(
+        self,
+        layer: int,
+        expert: int,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        clocked: bool = True,
+    ) -> int:
         """Read one expert from the device into `gate_up [2I, H]` and `down [H, I]` (contiguous
-        CPU tensors of the store's dtype, e.g. two slot views). Returns the bytes read."""
+        CPU tensors of the store's dtype, e.g. two slot views). Returns the bytes read.
+        `clocked=False`: not counted by `read_clock` (an untimed load of the slots)."""
         self._check_index(layer, expert)
         lay = self.layout
         bufs = [byte_view(gate_up), byte_view(down)]
@@ -306,10 +314,11 @@ class ExpertStore:
             raise ValueError("read_into: destination shapes/dtypes do not match the store")
         off = lay.offset(layer, expert)
         aligned = gate_up.data_ptr() % ALIGN == 0 and down.data_ptr() % ALIGN == 0
-        with self._clock_lock:
-            if self._in_flight == 0:
-                self._busy_since = time.perf_counter()
-            self._in_flight += 1
+        if clocked:
+            with self._clock_lock:
+                if self._in_flight == 0:
+                    self._busy_since = time.perf_counter()
+                self._in_flight += 1
         try:
             if self._dfd >= 0 and aligned:
                 _preadv_full(self._dfd, bufs, off)
@@ -318,11 +327,12 @@ class ExpertStore:
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(self._fd, off, lay.expert_stride, os.POSIX_FADV_DONTNEED)
         finally:
-            with self._clock_lock:
-                self._in_flight -= 1
-                self._reads += 1
-                if self._in_flight == 0:
-                    self._busy_s += time.perf_counter() - self._busy_since
+            if clocked:
+                with self._clock_lock:
+                    self._in_flight -= 1
+                    self._reads += 1
+                    if self._in_flight == 0:
+                        self._busy_s += time.perf_counter() - self._busy_since
         return lay.expert_bytes
 
     def read_clock(self) -> tuple[int, float]:

@@ -19,7 +19,8 @@ experts (host_compute, light_miss="host") are read by a worker thread, each fres
 ("host weights" live there), while the main thread computes the slots' experts, which then
 computes the host's: the tier has one processor, and a worker computing beside the main thread
 put two OpenMP teams on the cores, whose runs were bimodal on a 2-core machine, 25-45% apart
-(docs/measurements.md).
+(docs/measurements.md). Loading the slots (untimed) copies the experts a `SlotImage` holds
+rather than reading them again: the engine benchmark's runs each start from the same initial set.
 """
 
 from __future__ import annotations
@@ -55,6 +56,30 @@ class SlotBuffers:
         return self.gate_up.shape[0]
 
 
+@dataclass
+class SlotImage:
+    """Some experts of each layer read once into RAM: per layer their `ids` (n,) and their
+    weights in `SlotBuffers` order. A disk tier given one copies these experts from it when it
+    loads its slots, instead of reading them from the disk again (the engine benchmark's runs
+    each load the same initial set: untimed, but 2-3 s a run from this VM's disk)."""
+
+    ids: list[np.ndarray]
+    slots: list[SlotBuffers]
+
+    @staticmethod
+    def read(store: ExpertStore, ids: Sequence[np.ndarray]) -> SlotImage:
+        """Layer l's experts `ids[l]` read from `store` (not on its read clock)."""
+        lay, slots = store.layout, []
+        for layer, layer_ids in enumerate(ids):
+            n, dt = len(layer_ids), lay.torch_dtype
+            s = SlotBuffers(aligned_empty((n, *lay.gate_up_shape), dt),
+                            aligned_empty((n, *lay.down_shape), dt))  # fmt: skip
+            for i, e in enumerate(np.asarray(layer_ids).tolist()):
+                store.read_into(layer, e, s.gate_up[i], s.down[i], clocked=False)
+            slots.append(s)
+        return SlotImage([np.asarray(i) for i in ids], slots)
+
+
 def disk_clock(tier) -> DiskClock:
     """What the disk tier's expert file has read so far (`ExpertStore.read_clock`): the
     difference of two is what a run read. Nothing for the CUDA tier: its copies come from
@@ -88,6 +113,11 @@ def host_ids_to_local(host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 RUN_GAP_BYTES = 2**20  # experts this close in the file are read in one sequential read
 RUN_BYTES = 256 * 2**20  # at most this much per read
+# experts this large are loaded one read each, straight into their slots: a read's latency is a
+# small part of its transfer, and a sequential run goes through a bounce buffer and a copy (the
+# benchmark's 6 MiB experts, 2 layers: 1.4 s against 2.6 s for 128 slots each, 6.5 s against
+# 17.5 s for all 512; 2026-12-03)
+LOAD_ALONE_BYTES = 2**20
 
 
 def expert_runs(experts: np.ndarray, stride: int) -> list[tuple[int, list[int]]]:
@@ -280,9 +310,10 @@ class DiskTier:
         k: int,
         act: Callable[[torch.Tensor], torch.Tensor],
         staging_buffers: int | None = None,
+        image: SlotImage | None = None,
     ) -> None:
         lay: StoreLayout = store.layout
-        self.store, self.layout, self.act = store, lay, act
+        self.store, self.layout, self.act, self.image = store, lay, act, image
         self.device = torch.device("cpu")
         dt = lay.torch_dtype
         self.slots = [
@@ -310,10 +341,22 @@ class DiskTier:
         )
 
     def load(self, layer: int, resident: np.ndarray) -> None:
-        """Fill the slots with `resident` (C,) experts (-1 = leave empty); not timed. Experts
-        close together in the file are read together (`expert_runs`)."""
+        """Fill the slots with `resident` (C,) experts (-1 = leave empty); not timed (nor on the
+        store's read clock). Experts the tier's `image` holds are copied from it; of the rest,
+        small experts close together in the file are read together (`expert_runs`), large ones
+        alone (`LOAD_ALONE_BYTES`)."""
         s = self.slots[layer]
         slot_of = {e: slot for slot, e in enumerate(resident.tolist()) if e >= 0}
+        if self.image is not None:
+            held = self.image.slots[layer]
+            for i, e in enumerate(self.image.ids[layer].tolist()):
+                if (slot := slot_of.pop(e, None)) is not None:
+                    s.gate_up[slot].copy_(held.gate_up[i])
+                    s.down[slot].copy_(held.down[i])
+        if self.layout.expert_bytes >= LOAD_ALONE_BYTES:
+            for e, slot in slot_of.items():
+                self.store.read_into(layer, e, s.gate_up[slot], s.down[slot], clocked=False)
+            return
         for lo, run in expert_runs(np.array(sorted(slot_of)), self.layout.expert_stride):
             gu, dn = read_experts(self.store, layer, lo, run[-1] - lo + 1)
             for e in run:
