@@ -10,7 +10,8 @@
 #
 # The requirements are read from pyproject.toml (build-system.requires, project.dependencies,
 # the dev extra) less SKIPPED below, plus cmake and ninja (scikit-build-core's tools, which an
-# offline build cannot fetch). DIR/requirements.txt records them for the installing side.
+# offline build cannot fetch), at the versions in constraints.txt (the suite's; MOESUB_CONSTRAINTS=
+# takes the newest the ranges allow). DIR/requirements.txt records them for the installing side.
 # `--omit` leaves out distributions the target already has (only to keep the wheelhouse small:
 # the install keeps whatever the target has that satisfies a requirement); `--device` omits
 # those of the GPU image. `--lzma MIB` recompresses the wheels over MIB MiB with LZMA (pip reads
@@ -78,9 +79,12 @@ for req in reqs:
 PYEOF
 
 echo "build_wheelhouse: Python $PYVER, manylinux up to glibc $GLIBC -> $DEST"
+CONSTRAINTS=${MOESUB_CONSTRAINTS-constraints.txt}
+PINNED=()
+[ -z "$CONSTRAINTS" ] || PINNED=(-c "$CONSTRAINTS")
 download() {
   python3 -m pip download -q --only-binary=:all: --implementation cp --python-version "$PYVER" \
-    "${PLATFORMS[@]}" -d "$TMP" "$@"
+    "${PLATFORMS[@]}" "${PINNED[@]}" -d "$TMP" "$@"
 }
 # A requirement that depends on torch (accelerate) would make pip fetch a multi-GB torch and its
 # CUDA libraries: such a requirement is fetched alone (--no-deps) and only its other
