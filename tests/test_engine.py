@@ -264,31 +264,6 @@ def test_disk_engine_matches_core_and_full_weights(tmp_path, rule):
     assert (status == {"fetch_all": FETCH, "threshold": SUB, "host_compute": HOST}[rule]).any()
 
 
-def test_reset_reloads_the_slots_only_after_a_token(tmp_path, monkeypatch):
-    """A reset right after the engine was built keeps the slots it just loaded (a run that
-    resets the engine it was given reads them once); after tokens, whose admissions overwrote
-    slots, it reloads them, and the next pass is exact against the full weights again."""
-    lay = small_layout()
-    E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
-    experts = write_random(tmp_path / "x.bin", lay)
-    trace = synthetic_logits(40, L, E, seed=5)
-    tier = DiskTier(ExpertStore(tmp_path / "x.bin", expected=lay), C, k, ACT)
-    loads, load = [], tier.load
-    monkeypatch.setattr(tier, "load", lambda layer, ids: (loads.append(layer), load(layer, ids)))
-    pol = Policy(rule="first_choice", eviction="lfu", beta=0.5)  # admits: slots change
-    engine = OffloadEngine(tier, E, k, C, pol, None, ACT)
-    try:
-        engine.reset()
-        assert loads == list(range(L))
-        drive(engine, trace, experts, E, lay.hidden)
-        engine.reset()
-        assert loads == list(range(L)) * 2
-        drive(engine, trace, experts, E, lay.hidden)  # each output checked (when copies land
-        # varies with the disk, and the statuses with it)
-    finally:
-        engine.close()
-
-
 def test_background_admission_installs_real_copies(tmp_path):
     lay = small_layout()
     E, k, C, L = lay.num_experts, 4, 6, lay.num_layers
@@ -805,7 +780,13 @@ def test_benchmark_table(tmp_path, monkeypatch):
             assert all(t.closed for t in tiers), "a tier is still open"
             super().__init__(*args, **kwargs)
             self.closed = False
+            self.loads = []  # the layers whose slots were loaded (from the initial set's image)
             tiers.append(self)
+
+        def load(self, layer, resident):
+            assert self.image is not None
+            self.loads.append(layer)
+            super().load(layer, resident)
 
         def close(self):
             super().close()
@@ -815,6 +796,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer)
     assert len(tiers) == 11 and all(t.closed for t in tiers)
+    assert all(t.loads == [0, 1] for t in tiers)  # each run's slots loaded once
     assert set(df["policy"]) == {
         "fetch_every_miss", "host_compute", "rule_015", "quality", "speed", ALL_RESIDENT,
     }  # fmt: skip

@@ -66,9 +66,9 @@ def run_policy(
     progress: bool,
     layers: int | None = None,
 ) -> BenchRun:
-    """Drive the engine over `trace` (T, L, E) (its first `layers` layers, default all); the
-    first `warmup` tokens are not recorded."""
-    engine.reset()
+    """Drive a freshly built engine over `trace` (T, L, E) (its first `layers` layers, default
+    all); the first `warmup` tokens are not recorded. The build left the caches at the initial
+    set and loaded the slots: a reset here would read them all again."""
     T, L, _E = trace.shape
     L = layers or L
     n = T - warmup

@@ -147,14 +147,11 @@ class OffloadEngine:
         self.token = 0  # tokens begun since the last reset
         self.prefilling = False  # a prompt's rows are being routed (until end_prefill)
         self._syncs_at_begin = 0
-        self._slots_initial = False  # the slots hold the initial set, no token begun since
         self.reset()
 
     def reset(self, load: bool = True) -> None:
-        """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed,
-        unless no token was begun since they were (a run that resets the engine it was just
-        given reads them once; `load=False`: not yet, a prefill follows and `end_prefill` loads
-        them)."""
+        """Fresh caches holding the initial set (start of a stream); slots reloaded, untimed
+        (`load=False`: not yet, a prefill follows and `end_prefill` loads them)."""
         self._drop_landed()
         self.copies.reset()
         self.prefilling = False
@@ -176,10 +173,9 @@ class OffloadEngine:
             )  # fmt: skip
             for layer in range(L)
         ]
-        if load and not self._slots_initial:
-            for layer, cache in enumerate(self.caches):
+        for layer, cache in enumerate(self.caches):
+            if load:
                 self.tier.load(layer, cache.resident())
-            self._slots_initial = True
         self.tier.synchronize()
         self.tier.take_wait_s()
         self.stats = self._fresh_stats()
@@ -192,7 +188,6 @@ class OffloadEngine:
         """Start a token: with admission="completion", every admission copy that has completed
         (all layers) is installed now, which also frees its staging buffer for new requests."""
         self.token += 1
-        self._slots_initial = False  # copies and prefills change the slots from here
         self.stats = self._fresh_stats()
         self._syncs_at_begin = self.tier.syncs.count
         self.tier.begin_token()
