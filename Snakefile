@@ -10,6 +10,7 @@
 from snakemake.utils import min_version
 
 from moesub.config import validate_config
+from moesub.cpu_kernels import pin_cpu_kernels
 
 min_version("9.0")
 
@@ -24,6 +25,8 @@ if not workflow.overwrite_configfiles:
 # The schema's checks and defaults (workflow/schemas/config.schema.yaml); a bad key is one short
 # error naming its path and what is allowed there.
 validate_config(config)
+# Jobs inherit the kernels pinned here (read once per process, at its first kernel).
+pin_cpu_kernels(config["cpu_kernels"])
 
 
 include: "workflow/rules/common.smk"

@@ -14,7 +14,7 @@ rule model_embedded:
         model=alternation(EMBEDDED_MODELS),
     conda:
         "../../envs/cpu.yaml"
-    threads: ALL_CORES
+    threads: config["embedded"]["threads"] or ALL_CORES
     params:
         model_dir=model_dir,
         embedded=section("embedded"),

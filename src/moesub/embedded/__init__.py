@@ -17,12 +17,13 @@ atomically. The recipe is ``moesub.embedded.config`` (``EmbeddedConfig``, ``mode
 training loop ``moesub.embedded.training``.
 
 Determinism: corpus, split and tokenizer depend on the Python installation only; weights depend
-on ``seed`` and the torch thread count. A run with only a token budget (``max_tokens`` set,
-``train_seconds=None``) is bit-reproducible (training runs with torch's deterministic
-algorithms: the grouped_mm experts backward is otherwise thread-order dependent). Under a
-wall-clock budget the cosine schedule follows the elapsed time, so the number of steps (and the
-weights) vary with machine load; the steps, tokens and time actually used are recorded in
-``train_summary.json``.
+on ``seed``, the torch thread count (``threads``; the pipeline fixes it) and the CPU kernels
+(``moesub.cpu_kernels``; the pipeline pins them to AVX2 on x86-64). A run with only a token
+budget (``max_tokens`` set, ``train_seconds=None``) is bit-reproducible (training runs with
+torch's deterministic algorithms: the grouped_mm experts backward is otherwise thread-order
+dependent). Under a wall-clock budget the cosine schedule follows the elapsed time, so the
+number of steps (and the weights) vary with machine load; the steps, tokens and time actually
+used are recorded in ``train_summary.json``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from moesub.corpus import (
     stdlib_dir,
     train_tokenizer,
 )
+from moesub.cpu_kernels import kernel_facts
 from moesub.embedded.config import EmbeddedConfig, model_config
 from moesub.embedded.training import _deterministic, heldout_perplexity, train
 from moesub.io import atomic_dir, write_json, write_parquet
@@ -152,7 +154,7 @@ def build_model(out_dir: str | os.PathLike, params: dict[str, Any] | None = None
             "eval_corpus_tokens": int(eval_ids.size),
             "python": platform.python_version(),
             "stdlib": str(stdlib_dir()),
-            "torch_threads": torch.get_num_threads(),
+            "cpu_kernels": kernel_facts(),  # what the bits depend on beyond the pins
             "torch": torch.__version__,
             "build_seconds": time.perf_counter() - wall0,
         }

@@ -74,7 +74,7 @@ class EmbeddedConfig:
     eval_tokens: int = _DEFAULTS["eval_tokens"]
     # cap the training text (tests, smoke runs); None = all
     train_max_bytes: int | None = _DEFAULTS["train_max_bytes"]
-    threads: int | None = None  # torch.set_num_threads; None = leave as is
+    threads: int | None = _DEFAULTS["threads"]  # torch.set_num_threads; None = leave as is
     # torch deterministic algorithms while training: the default grouped_mm experts backward
     # accumulates gradients in a thread-dependent order otherwise
     deterministic: bool = True
