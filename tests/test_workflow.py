@@ -433,7 +433,7 @@ BAD_CONFIGS = {
     "unknown_top_key": (
         lambda c: c.update(polices={}),
         "config key polices: unknown key (did you mean 'policies'?)\n"
-        "  allowed keys at the top level: models, embedded, streams,",
+        "  allowed keys at the top level: models, embedded, cpu_kernels, streams,",
     ),
     "unknown_policy_key": (
         lambda c: c["policies"]["quality"].update(tua=0.1),
