@@ -3,6 +3,7 @@ without the processor's AVX-512."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -11,37 +12,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_embedded import TINY
 
 from moesub.cpu_kernels import PINNED, pin_cpu_kernels
 
-# A few training steps of a test-size embedded model (tests/test_embedded.py's TINY geometry),
-# then a digest of every weight: the bits that the kernels round.
+# A few training steps of a test-size embedded model (argv: its params), as build_model trains
+# it, then a digest of every weight: the bits that the kernels round.
 TRAIN_AND_DIGEST = """
-import hashlib, types
+import hashlib, json, sys, types
 import numpy as np, torch
 from transformers import Qwen3NextForCausalLM
 from moesub.embedded.config import EmbeddedConfig, model_config
 from moesub.embedded.training import train
-cfg = EmbeddedConfig.from_params({
-    "hidden_size": 32, "num_hidden_layers": 2, "full_attention_interval": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "num_experts": 64, "num_experts_per_tok": 4,
-    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16, "vocab_size": 300,
-    "seq_len": 64, "batch_size": 4, "warmup_steps": 2, "train_seconds": None,
-    "max_tokens": 64 * 4 * 4, "threads": 2,
-})
+cfg = EmbeddedConfig.from_params(json.loads(sys.argv[1]))
 torch.set_num_threads(cfg.threads)
-torch.use_deterministic_algorithms(True)  # as build_model trains
-torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(cfg.seed)
 ids = types.SimpleNamespace(bos_token_id=0, eos_token_id=1, pad_token_id=1)
 model = Qwen3NextForCausalLM(model_config(cfg, ids))
-train(model, np.random.default_rng(0).integers(0, 300, 20000).astype(np.int32), cfg)
+train(model, np.random.default_rng(0).integers(0, cfg.vocab_size, 20000).astype(np.int32), cfg)
 digest = hashlib.sha256()
 for name, p in sorted(model.state_dict().items()):
     digest.update(p.detach().numpy().tobytes())
 print(torch.backends.cpu.get_cpu_capability(), digest.hexdigest())
 """
+FOUR_STEPS = {**TINY, "vocab_size": 300, "warmup_steps": 2, "max_tokens": 64 * 4 * 4, "threads": 2}
 
 
 def test_avx2_pins_atens_and_mkls_kernels_over_what_the_environment_had():
@@ -77,7 +72,8 @@ def test_pinned_kernels_train_the_same_bits_with_and_without_avx512():
     def trained(**variables: str) -> tuple[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
         out = subprocess.run(
-            [sys.executable, "-c", TRAIN_AND_DIGEST], env={**env, **variables},
+            [sys.executable, "-c", TRAIN_AND_DIGEST, json.dumps(FOUR_STEPS)],
+            env={**env, **variables},
             capture_output=True, text=True, check=True, timeout=300,
         )  # fmt: skip
         capability, digest = out.stdout.split()[-2:]

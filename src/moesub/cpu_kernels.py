@@ -36,8 +36,9 @@ def pin_cpu_kernels(
 
 
 def kernel_facts() -> dict[str, object]:
-    """What this process computes with, for a run's summary: torch's kernel capability, MKL's
-    reproducibility branch (None: the processor's own) and torch's thread count."""
+    """What this process computes with, for a run's summary: torch's kernel capability, the MKL
+    branch its environment asks for (`MKL_CBWR`; None: the processor's own) and torch's thread
+    count."""
     import torch
 
     return {
