@@ -16,10 +16,8 @@ from fixtures_artefacts import FACTORIAL_CELLS, tokens_table, write_capture, wri
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
-from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.artefacts import Trace, load_trace
-from moesub.capture import run_capture, run_expert_ranking
 from moesub.expb import (
     CELLS,
     CONTRASTS,
@@ -32,7 +30,7 @@ from moesub.expb import (
     run_factorial_feasibility,
     select_stratum,
 )
-from moesub.io import read_metadata, write_parquet
+from moesub.io import read_metadata
 from moesub.stats import FactorialRule, run_analysis
 from moesub.stats.expb_factorial import TESTS, contrast_matrix
 from moesub.stats.multiplicity import FAMILY, benjamini_hochberg, holm
@@ -225,39 +223,21 @@ def test_check_feasible_names_the_empty_cell():
 
 
 # --------------------------------------------------------------------------- the stage
-VOCAB = 97
 STAGE_SPEC = {"low_ranks": [2, 3], "high_ranks": [5, 6], "light": [0.06, 0.1],
               "heavy": [0.1, 0.16], "share": 0.2}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def stage(tmp_path_factory):
-    root = tmp_path_factory.mktemp("factorial")
-    model = tiny_qwen3_next(
-        vocab=VOCAB, layers=L, experts=E, k=K, special_tokens=False, gate_std=0.6,
-        layer_types=["linear_attention", "linear_attention", "full_attention"], expert_std=0.4,
-    )  # fmt: skip
-    model.save_pretrained(root / "model")
-    for split, seed in (("calib", 1), ("eval", 2)):
-        write_parquet(random_streams([64] * 4, VOCAB, seed), root / f"{split}_streams.parquet")
-        run_capture(
-            root / "model", root / f"{split}_streams.parquet", root / f"{split}_tokens.parquet",
-            root / f"{split}_router.parquet", {"batch_tokens": 128},
-        )  # fmt: skip
-    run_expert_ranking(root / "calib_router.parquet", root / "ranking.parquet")
-    return root
-
-
-def test_run_factorial_feasibility(stage):
-    out = stage / "bad.parquet"
+def test_run_factorial_feasibility(expb_stage):
+    out = expb_stage / "bad.parquet"
     bad = {**STAGE_SPEC, "heavy": [0.4, 0.6]}
     with pytest.raises(ValueError, match=r"expb.designs.factorial: infeasible: .*high_heavy"):
-        run_factorial_feasibility(stage / "calib_router.parquet", out, bad, 0)
+        run_factorial_feasibility(expb_stage / "calib_router.parquet", out, bad, 0)
     assert not out.exists()
-    out = run_factorial_feasibility(stage / "calib_router.parquet", stage / "feas.parquet",
-                                    STAGE_SPEC, 0)  # fmt: skip
+    out = run_factorial_feasibility(
+        expb_stage / "calib_router.parquet", expb_stage / "feas.parquet", STAGE_SPEC, 0
+    )
     table, meta = pl.read_parquet(out), read_metadata(out)
-    plan = factorial_plan(load_trace(stage / "calib_router.parquet"),
+    plan = factorial_plan(load_trace(expb_stage / "calib_router.parquet"),
                           FactorialSpec.from_dict(STAGE_SPEC), 0)  # fmt: skip
     assert table["cell"].to_list() == list(CELLS)
     assert table["eligible"].to_list() == [plan.eligible[c] for c in CELLS]
@@ -266,17 +246,18 @@ def test_run_factorial_feasibility(stage):
     assert meta["max_share"] == plan.max_share and meta["all_cells"] == 0.0
 
 
-def test_run_factorial_substitutes_the_plan(stage):
-    feas = run_factorial_feasibility(stage / "calib_router.parquet", stage / "feas.parquet",
-                                     STAGE_SPEC, 0)  # fmt: skip
-    args = (stage / "model", stage / "eval_tokens.parquet", stage / "ranking.parquet",
-            stage / "eval_router.parquet", feas)  # fmt: skip
+def test_run_factorial_substitutes_the_plan(expb_stage):
+    feas = run_factorial_feasibility(
+        expb_stage / "calib_router.parquet", expb_stage / "feas.parquet", STAGE_SPEC, 0
+    )
+    inputs = ("model", "eval_tokens.parquet", "ranking.parquet", "eval_router.parquet")
+    args = (*(expb_stage / name for name in inputs), feas)
     params = {"fraction": 0.75, "progress": False, "seed": 0}
-    plan = factorial_plan(load_trace(stage / "eval_router.parquet"),
+    plan = factorial_plan(load_trace(expb_stage / "eval_router.parquet"),
                           FactorialSpec.from_dict(STAGE_SPEC), 0)  # fmt: skip
     subs = {}
     for cell in ("low_light", "high_light"):
-        path = run_factorial(*args, cell, stage / f"{cell}.parquet", STAGE_SPEC, params)
+        path = run_factorial(*args, cell, expb_stage / f"{cell}.parquet", STAGE_SPEC, params)
         df, meta = pl.read_parquet(path), read_metadata(path)
         assert meta["design"] == "factorial" and meta["condition"] == cell
         assert meta["plan_count"] == plan.count and meta["plan_shared"] == plan.shared
@@ -289,11 +270,11 @@ def test_run_factorial_substitutes_the_plan(stage):
     both = (subs["low_light"] & subs["high_light"]).sum()
     assert both >= 0.8 * plan.shared["rank_at_light"] * plan.count  # the same token-layers
     with pytest.raises(ValueError, match="feasibility_path: made for"):  # a stale feasibility
-        run_factorial(*args, "low_light", stage / "x.parquet", {**STAGE_SPEC, "share": 0.1},
+        run_factorial(*args, "low_light", expb_stage / "x.parquet", {**STAGE_SPEC, "share": 0.1},
                       params)  # fmt: skip
     with pytest.raises(ValueError, match="cell must be one of"):
-        run_factorial(*args, "low", stage / "x.parquet", STAGE_SPEC, params)
-    assert not (stage / "x.parquet").exists()
+        run_factorial(*args, "low", expb_stage / "x.parquet", STAGE_SPEC, params)
+    assert not (expb_stage / "x.parquet").exists()
 
 
 # --------------------------------------------------------------------------- the statistics

@@ -9,10 +9,8 @@ import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import random_streams, tiny_qwen3_next
 
 from moesub.artefacts import Trace, load_trace
-from moesub.capture import run_capture, run_expert_ranking
 from moesub.expb import (
     ForcedRouter,
     PlannedIds,
@@ -25,10 +23,10 @@ from moesub.expb import (
     run_feasibility,
     token_layer_hash,
 )
-from moesub.io import read_metadata, write_parquet
+from moesub.io import read_metadata
 from moesub.policy import forced_substitution
 
-VOCAB, E, K, L = 97, 24, 8, 3
+E, K, L = 24, 8, 3
 
 
 # --------------------------------------------------------------------------- matched_masks
@@ -218,52 +216,34 @@ def test_planned_ids_substitute_exactly_the_plan():
 
 
 # --------------------------------------------------------------------------- the stage
-@pytest.fixture(scope="module")
-def stage(tmp_path_factory):
-    root = tmp_path_factory.mktemp("matched")
-    model = tiny_qwen3_next(
-        vocab=VOCAB, layers=L, experts=E, k=K, special_tokens=False, gate_std=0.6,
-        layer_types=["linear_attention", "linear_attention", "full_attention"], expert_std=0.4,
-    )  # fmt: skip
-    model.save_pretrained(root / "model")
-    for split, seed in (("calib", 1), ("eval", 2)):
-        write_parquet(random_streams([64] * 4, VOCAB, seed), root / f"{split}_streams.parquet")
-        run_capture(
-            root / "model", root / f"{split}_streams.parquet", root / f"{split}_tokens.parquet",
-            root / f"{split}_router.parquet", {"batch_tokens": 128},
-        )  # fmt: skip
-    run_expert_ranking(root / "calib_router.parquet", root / "ranking.parquet")
-    return root
-
-
-def test_run_feasibility_refuses_an_unreachable_target(stage):
-    out = stage / "feasibility.parquet"
+def test_run_feasibility_refuses_an_unreachable_target(expb_stage):
+    out = expb_stage / "feasibility.parquet"
     with pytest.raises(ValueError, match=r"expb\.designs\.matched\.masses.*reachable range"):
-        run_feasibility(stage / "calib_router.parquet", out, 0.1, [0.9])
+        run_feasibility(expb_stage / "calib_router.parquet", out, 0.1, [0.9])
     assert not out.exists()
-    run_feasibility(stage / "calib_router.parquet", out, 0.1, [0.002])
+    run_feasibility(expb_stage / "calib_router.parquet", out, 0.1, [0.002])
     table = pl.read_parquet(out)
     assert table.filter(pl.col("configured"))["heavy_mass"].to_list() == [0.1]
     assert read_metadata(out)["mass_unit"] == "per token-layer"
 
 
-def test_run_expb_matched(stage):
-    feas = stage / "feasibility.parquet"
-    run_feasibility(stage / "calib_router.parquet", feas, 0.1, [0.002])
+def test_run_expb_matched(expb_stage):
+    feas = expb_stage / "feasibility.parquet"
+    run_feasibility(expb_stage / "calib_router.parquet", feas, 0.1, [0.002])
     top = pl.read_parquet(feas).filter(pl.col("configured"))["max_target"][0]
     target = round(0.5 * top, 4)
     params = {"fraction": 0.75, "progress": False, "heavy_mass": 0.1}
-    args = (stage / "model", stage / "eval_tokens.parquet", stage / "ranking.parquet")
-    kw = {"router_path": stage / "eval_router.parquet", "feasibility_path": feas}
+    args = tuple(expb_stage / name for name in ("model", "eval_tokens.parquet", "ranking.parquet"))
+    kw = {"router_path": expb_stage / "eval_router.parquet", "feasibility_path": feas}
     out = {
         c: pl.read_parquet(
-            run_expb(*args, "matched", c, target, stage / f"{c}.parquet", params, **kw)
+            run_expb(*args, "matched", c, target, expb_stage / f"{c}.parquet", params, **kw)
         )
         for c in ("heavy", "light")
     }
-    meta = read_metadata(stage / "heavy.parquet")
+    meta = read_metadata(expb_stage / "heavy.parquet")
     assert meta["design"] == "matched" and meta["heavy_mass"] == 0.1 and 0 < meta["plan_share"] <= 1
-    plan = matched_plan(load_trace(stage / "eval_router.parquet"), 0.1, target, 0)
+    plan = matched_plan(load_trace(expb_stage / "eval_router.parquet"), 0.1, target, 0)
     assert meta["plan_token_layers"] == plan.planned_token_layers
     planned = np.concatenate([(h >= 0).any(axis=2) for h in plan.ids["heavy"]])  # (N, L)
     for c, df in out.items():
@@ -278,7 +258,7 @@ def test_run_expb_matched(stage):
         out["heavy"]["rank_sum"].sum() / out["heavy"]["n_sub"].sum()
     )
     with pytest.raises(ValueError, match="reachable range"):  # checked before the model runs
-        run_expb(*args, "matched", "heavy", 0.9, stage / "x.parquet", params, **kw)
+        run_expb(*args, "matched", "heavy", 0.9, expb_stage / "x.parquet", params, **kw)
 
 
 def test_workflow_plans_the_matched_design(tmp_path):
