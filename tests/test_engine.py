@@ -832,6 +832,8 @@ def test_benchmark_table(tmp_path, monkeypatch):
         assert row["disk_drifted"] == (abs(ratio - 1) > 0.15)
     assert (df["est_at_run_disk_s"] > 0).all()
     assert ((df["cpu_share"] > 0) & (df["cpu_share"] <= 1)).all()
+    # one round: no spread between rounds, and trivially the same decisions
+    assert df["round_spread"].is_nan().all() and df["rounds_identical"].all()
     # every run's per-token-layer counts beside the table: the validation runs' sum to their
     # rows' rates, and each stands for one run from fresh caches (T tokens x L layers x F)
     counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")

@@ -6,6 +6,7 @@ is a benchmark figure, `results/engine_bench/{device}.parquet`, not tested.)"""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from moesub.artefacts import router_rows, router_writer
 from moesub.calibration import AtRunDisk, DiskClock, reference_clock
 from moesub.engine.bench_inputs import bench_logits, map_trace
-from moesub.engine.bench_runs import BenchRun, at_run_disk, priced_median
+from moesub.engine.bench_runs import BenchRun, at_run_disk, priced_median, round_spread
 from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 from moesub.hardware import UnitCosts
@@ -136,6 +137,22 @@ def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> Ben
     zeros = np.zeros(T)
     return BenchRun(wall, zeros, zeros, zeros, np.zeros((T, 5)), counts, zeros, zeros, 0, 0, 1.0,
                     DiskClock(reads, busy_s))  # fmt: skip
+
+
+def test_round_spread_is_the_rounds_range_over_their_median():
+    """Rounds that made the same decisions are said so; their spread is (max - min) / median
+    of their mean times per token, NaN with one round."""
+    c = np.zeros((3, 2, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+    c[..., 0] = 4
+    other = c.copy()
+    other[0, 0, :2] = (3, 1)  # one hit fetched instead
+    walls = [np.array([0.01, 0.03, 0.02]), np.array([0.03, 0.03, 0.03]), np.array([0.025] * 3)]
+    runs = [_run(w, c, 0, 0.0) for w in walls]  # means 20, 30, 25 ms
+    assert round_spread(runs) == (pytest.approx((0.030 - 0.020) / 0.025, rel=1e-12), True)
+    spread, same = round_spread([*runs[:2], _run(walls[2], other, 0, 0.0)])
+    assert spread == pytest.approx(0.4, rel=1e-12) and same is False
+    spread, same = round_spread(runs[:1])
+    assert math.isnan(spread) and same is True
 
 
 def test_pricing_at_the_disk_speed_each_run_read_at():

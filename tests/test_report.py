@@ -162,6 +162,18 @@ def test_bench_lines_name_the_rows_outside():
         "2.5% (fetch_every_miss): the rows outside as measured are within"
     )
     assert contended == "Contended runs (another process slowed them): speed."
+    # rounds that repeated the same work: their spread is the machine's noise
+    spreads = [(0.055, True), (0.37, True), (0.9, False)]
+    noisy = [{**r, "round_spread": s, "rounds_identical": same}
+             for r, (s, same) in zip(rows, spreads, strict=True)]  # fmt: skip
+    noise = bench_lines(outputs(noisy))[2]
+    assert noise == (
+        "The machine's noise between runs: 2 of 3 policies made the same decisions in every "
+        "round, and their rounds' times spread by a median of 21.2% (max - min over the "
+        "median; largest 37.0%, host_compute), more than the 10% the pricing is held to."
+    )
+    noisy[1]["round_spread"] = 0.06
+    assert bench_lines(outputs(noisy))[2].endswith("largest 6.0%, host_compute).")
     # outside at the run's disk too: not put down to the disk
     rows[1]["sim_rel_error_at_run_disk"] = 0.12
     _, at_disk, _ = bench_lines(outputs(rows))

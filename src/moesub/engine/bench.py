@@ -25,7 +25,9 @@ pricing's arithmetic apart from the disk's drift between runs. The output holds 
 policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the pricing's
 prediction with its error, the runs' CPU share (`contended` below 0.8) and disk speed against
 the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift
-alone can move a copy-heavy policy's time by the 10% its price is held to). Beside it
+alone can move a copy-heavy policy's time by the 10% its price is held to), and the spread of its
+rounds' times (`round_spread`) with whether they made the same decisions (`rounds_identical`:
+then they repeated the same work, and the spread is the machine's run-to-run noise). Beside it
 (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's
 wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the validation and
 calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
@@ -69,6 +71,7 @@ from moesub.engine.bench_runs import (
     counts_path_for,
     hits_only,
     priced_median,
+    round_spread,
     run_policy,
     timed_tokens,
     write_bench_counts,
@@ -396,6 +399,7 @@ def _policy_rows(
         est = priced_median(runs[name], delay, [costs] * len(runs[name]))
         est_disk = priced_median(runs[name], delay, run_disk[name])
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
+        spread, same_work = round_spread(runs[name])
         read_s = [run.disk.per_read_s for run in runs[name] if run.disk.reads]
         drift = math.nan if not read_s or reference is None else float(
             np.median(read_s) / reference.per_read_s)  # fmt: skip
@@ -410,6 +414,8 @@ def _policy_rows(
                 "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
                 "time_per_token_mean_s": float(r.wall_s.mean()),
                 "time_per_token_run_median_s": run_median,
+                "round_spread": spread,
+                "rounds_identical": same_work,
                 "fetch_wait_s": float(r.fetch_wait_s.mean()),
                 "bytes_sync": float(r.bytes_sync.mean()),
                 "bytes_bg": float(r.bytes_bg.mean()),

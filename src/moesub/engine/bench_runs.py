@@ -233,3 +233,16 @@ def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> f
     starts) at its costs (one per run), the median over runs of their means."""
     return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
                             for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
+
+
+def round_spread(runs: list[BenchRun]) -> tuple[float, bool]:
+    """A policy's rounds against each other: the spread of their mean times per token, (max -
+    min) / median (NaN with one round), and whether every round made the same decisions (the
+    same per-token-layer counts). Where they did, each round repeated the same work, so the
+    spread is the machine's run-to-run noise alone: the noise any pricing error is read
+    against."""
+    same = all(np.array_equal(runs[0].layer_counts, r.layer_counts) for r in runs[1:])
+    if len(runs) < 2:
+        return float("nan"), same
+    means = np.array([r.wall_s.mean() for r in runs])
+    return float((means.max() - means.min()) / np.median(means)), same

@@ -6,6 +6,7 @@ GPU profile (`moesub.price`'s `priced.parquet`).
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from moesub.hardware import PRICE_HELD_TO, STUDY_PROFILE
@@ -56,7 +57,8 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
 def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[str]:
     """The engine benchmark's pricing against the criterion it is held to (every policy within
     `held_to` of the engine), said as met or not: as measured, naming the rows outside with
-    their disk's drift, then at each run's disk speed (the disk's drift between runs out)."""
+    their disk's drift, then at each run's disk speed (the disk's drift between runs out), then
+    the machine's own noise (the spread of rounds that repeated the same work)."""
     bench = out.table("engine_bench")
     if bench.empty or "sim_rel_error" not in bench.columns:
         return []
@@ -103,6 +105,22 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
                 "disk's drift between runs, which no profile knows in advance, moved them"
             )
         lines.append(line + ".")
+    # the machine's noise: rounds that repeated the same work, timed apart
+    repeats = [
+        r for r in rows if r.get("rounds_identical") is True and finite(r.get("round_spread"))
+    ]
+    if repeats:
+        spreads = [r["round_spread"] for r in repeats]
+        widest = max(repeats, key=lambda r: r["round_spread"])
+        median = float(np.median(spreads))
+        lines.append(
+            f"The machine's noise between runs: {len(repeats)} of {n} policies made the same "
+            f"decisions in every round, and their rounds' times spread by a median of "
+            f"{100 * median:.1f}% (max - min over the median; largest "
+            f"{100 * widest['round_spread']:.1f}%, {widest['policy']})"
+            + (f", more than the {bound} the pricing is held to" if median > held_to else "")
+            + "."
+        )
     contended = [r["policy"] for r in rows if r.get("contended") is True]
     if contended:
         lines.append(f"Contended runs (another process slowed them): {', '.join(contended)}.")
