@@ -12,22 +12,21 @@ core decides from the synthetic logits; attention and the shared expert are not 
 Every policy runs in ONE process over the same tokens from the same frequency-initial resident set,
 in `rounds` with the calibration runs (other tokens, mechanism policies: all hits, over all layers
 and over one, every miss fetched, host compute, background admissions) spread among them (`spread`)
-and the order rotated every round (`round_order`: no run twice in a row), so that the machine's
-load and its disk's drift hit all alike; every run has a tier of its own, as an engine serving one
-policy does (no thread state carried over from another policy's run), its slots loaded, untimed,
-from the initial set read once into RAM (`SlotImage`). The machine's profile is
-fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration does) and
-prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
-`sim_rel_error` compares the median over rounds of the priced means with the median over rounds of
-the measured means. `sim_rel_error_at_run_disk` does the same with each run's copies priced at the
-disk's speed while that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the
-pricing's arithmetic apart from the disk's drift between runs. The output holds one row per
-policy with time per token and its ratios to `fetch_every_miss` and `host_compute`, the pricing's
-prediction with its error, the runs' CPU share (`contended` below 0.8) and disk speed against
-the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift
-alone can move a copy-heavy policy's time by the 10% its price is held to), and the spread of its
-rounds' times (`round_spread`) with whether they made the same decisions (`rounds_identical`:
-then they repeated the same work, and the spread is the machine's run-to-run noise). Beside it
+and the order rotated every round (`round_order`: no run twice in a row), so that the machine's load
+and its disk's drift hit all alike; every run has a tier of its own, as an engine serving one policy
+does (no thread state carried over from another policy's run), its slots loaded, untimed, from the
+initial set read once into RAM (`SlotImage`). The machine's profile is fitted to the calibration
+runs (`moesub.calibration`, as the pipeline's calibration does) and prices every policy's own
+per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compares the median over
+rounds of the priced means with the median over rounds of the measured means.
+`sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
+that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
+apart from the disk's drift between runs. The output holds one row per policy with time per token
+and its ratios to `fetch_every_miss` and `host_compute`, the pricing's prediction with its error,
+the runs' CPU share (`contended` below 0.8) and disk speed against the calibration's reference run
+(`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift alone can move a copy-heavy policy's
+time by the 10% its price is held to), and its rounds' spread (`round_spread`; `rounds_identical`:
+the same decisions in every round, so the spread is the machine's run-to-run noise). Beside it
 (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's
 wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the validation and
 calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
@@ -407,7 +406,7 @@ def _policy_rows(
             {
                 "policy": name,
                 "device": plan.dev.type,
-                "tier": tier_kind(plan.dev),
+                "tier": (DiskTier if plan.dev.type == "cpu" else CudaTier).kind,
                 "layers": L,
                 "tokens": len(r.wall_s),
                 "time_per_token_median_s": float(np.median(r.wall_s)),
@@ -498,7 +497,3 @@ def run_benchmark(
     )  # fmt: skip
     write_parquet(out, Path(out_path), metadata=meta)
     return out
-
-
-def tier_kind(dev: torch.device) -> str:
-    return DiskTier.kind if dev.type == "cpu" else CudaTier.kind
