@@ -5,7 +5,7 @@ the engine calibrated on that model (`results/{model}/priced/this_machine.parque
 engine), against the run's measured mean time per token.
 
     python benchmarks/sim_vs_engine_checkpoints.py --out /tmp/ckpts        # checkpoints + config
-    snakemake --cores 2 --configfile /tmp/ckpts/config.yaml \\
+    snakemake --cores 2 --configfile /tmp/ckpts/config.yaml -- \\
         results/{embedded,ckpt_qwen3_next,ckpt_qwen3_moe,ckpt_olmoe}/priced/this_machine.parquet
     python benchmarks/sim_vs_engine_checkpoints.py --out /tmp/ckpts --summarize
 
