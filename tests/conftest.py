@@ -19,9 +19,6 @@ def one_torch_thread():
 # Experiment B's stage inputs (tests/test_expb_matched.py, tests/test_expb_factorial.py): one
 # tiny model, its calibration and evaluation captures and its expert ranking, built once
 EXPB_VOCAB, EXPB_E, EXPB_K, EXPB_L = 97, 24, 8, 3
-EXPB_INPUTS = ("model", "calib_streams.parquet", "calib_tokens.parquet",
-               "calib_router.parquet", "eval_streams.parquet", "eval_tokens.parquet",
-               "eval_router.parquet", "ranking.parquet")  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +50,6 @@ def expb_inputs(tmp_path_factory):
 def expb_stage(expb_inputs, tmp_path_factory):
     """A directory of the module's own with the shared inputs linked in: its outputs stay apart."""
     root = tmp_path_factory.mktemp("expb_stage")
-    for name in EXPB_INPUTS:
-        (root / name).symlink_to(expb_inputs / name)
+    for path in expb_inputs.iterdir():
+        (root / path.name).symlink_to(path)
     return root
