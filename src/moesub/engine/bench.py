@@ -330,6 +330,7 @@ class _Rounds:
     runs: dict[str, list[BenchRun]]  # per run name, one per round
     micro: list[dict[str, float]]  # per round, the terms timed in isolation (`microbenchmarks`)
     tier: str  # the tier's description
+    kind: str  # the tier's kind (a CUDA tier's depends on where its host copy lives)
     host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
 
@@ -348,11 +349,11 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
         bw = measure_read_bandwidth(plan.store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
-    tier, engine, description, host_reads_link = None, None, "", False
+    tier, engine, description, kind, host_reads_link = None, None, "", "", False
     try:
         for i, name in enumerate(plan.order):
             tier = plan.make_tier(plan.capacity(name))
-            description = description or tier.description
+            description, kind = description or tier.description, tier.kind
             host_reads_link = tier.host_reads_link
             engine, trace, layers = plan.engine(name, tier)
             show = p.progress and not name.startswith("cal_")
@@ -373,12 +374,12 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
             engine.close()
         elif tier is not None:
             tier.close()
-    return _Rounds(runs, micro, description, host_reads_link)
+    return _Rounds(runs, micro, description, kind, host_reads_link)
 
 
 def _policy_rows(
     plan: _Plan,
-    runs: dict[str, list[BenchRun]],
+    rounds: _Rounds,
     costs: UnitCosts,
     run_disk: dict[str, list[UnitCosts]],
     reference: DiskClock | None,
@@ -388,7 +389,7 @@ def _policy_rows(
     the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
-    L = plan.p.layers
+    L, runs = plan.p.layers, rounds.runs
     rows = []
     for name in plan.p.policies:
         r = concat_runs(runs[name])
@@ -406,7 +407,7 @@ def _policy_rows(
             {
                 "policy": name,
                 "device": plan.dev.type,
-                "tier": (DiskTier if plan.dev.type == "cpu" else CudaTier).kind,
+                "tier": rounds.kind,
                 "layers": L,
                 "tokens": len(r.wall_s),
                 "time_per_token_median_s": float(np.median(r.wall_s)),
@@ -476,7 +477,7 @@ def run_benchmark(
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
         for name, rs in rounds.runs.items()
     }
-    out = _policy_rows(plan, rounds.runs, costs, run_disk, reference)
+    out = _policy_rows(plan, rounds, costs, run_disk, reference)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,
