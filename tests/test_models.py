@@ -17,6 +17,8 @@ from moesub.models import (
     MoEInfo,
     RouterHook,
     align_ids,
+    cache_argument,
+    cached_forward,
     check_checkpoint,
     families,
     load_model,
@@ -108,6 +110,46 @@ def test_moe_info_matches_structure(family_model):
         gate_up, down = moe_family(model).expert_weights(b)
         assert gate_up.shape == (E, 2 * width, 32) and down.shape == (E, 32, width)
         assert gate_up is b.experts.gate_up_proj  # a view of the real parameter, not a copy
+
+
+class _PastKeyValuesNames(nn.Module):
+    """A model as transformers before the rename takes and returns its KV cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        out = self.model(input_ids=input_ids, use_cache=use_cache, cache=past_key_values)
+        return dataclasses.make_dataclass("Out", ["logits", "past_key_values"])(
+            out.logits, out.cache
+        )
+
+
+def test_cached_forward_uses_the_cache_under_either_name(family_model):
+    """Token-by-token decoding through `cached_forward` gives the full forward's logits (a cache
+    passed under a name the model ignores would lose the context), under `cache` and under the
+    older `past_key_values`."""
+    _, model = family_model
+    ids = torch.tensor([[5, 17, 42, 8, 63, 21]])
+    full = _logits(model, ids)[0]  # (T, V)
+    for m, name in ((model, "cache"), (_PastKeyValuesNames(model), "past_key_values")):
+        assert cache_argument(type(m)) == name
+        cache, rows = None, []
+        with torch.inference_mode():
+            for t in range(ids.shape[1]):
+                out, cache = cached_forward(m, ids[:, t : t + 1], cache)
+                rows.append(out.logits[0, -1])
+        torch.testing.assert_close(torch.stack(rows), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_argument_names_a_forward_without_one():
+    class NoCache(nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return input_ids
+
+    with pytest.raises(TypeError, match=r"NoCache.forward takes none of \('cache'"):
+        cache_argument(NoCache)
 
 
 def _logits(model, ids, hook=None):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from moesub.models import input_device
+from moesub.models import cached_forward, input_device
 from moesub.replay import (
     BatchRouter,
     forward_step,
@@ -135,12 +135,12 @@ def greedy_decode_batched(
             step_ids = torch.tensor(batch, dtype=torch.long, device=device)  # (B, P), then (B, 1)
             cache = None
             for i in range(max_new_tokens):
-                out = model(input_ids=step_ids, cache=cache, use_cache=True)
+                out, cache = cached_forward(model, step_ids, cache)
                 nxt = torch.argmax(out.logits[:, -1].to(torch.float64), dim=-1)  # (B,)
                 tokens[:, i] = nxt.cpu().numpy()
                 if routers is not None:
                     masses[:, i] = [r.last_mass() for r in routers]
-                step_ids, cache = nxt[:, None], out.cache
+                step_ids = nxt[:, None]
                 bar.update(len(batch))
         results += [
             DecodeResult(tokens=t.tolist(), mass=m.tolist(), stopped=False)

@@ -32,6 +32,7 @@ from moesub.io import read_metadata
 from moesub.models import (
     RouterHook,
     align_ids,
+    cached_forward,
     load_model,
     moe_info,
     router_weights,
@@ -405,8 +406,8 @@ def policy_router(
 def forward_step(model, input_ids: torch.Tensor, cache):
     """One cached forward over input_ids [1, n]: (next-token logits of the last row [V] float64,
     the updated KV cache)."""
-    out = model(input_ids=input_ids, cache=cache, use_cache=True)
-    return out.logits[0, -1].to(torch.float64), out.cache
+    out, cache = cached_forward(model, input_ids, cache)
+    return out.logits[0, -1].to(torch.float64), cache
 
 
 def router_context(model, router):

@@ -18,13 +18,14 @@ from torch import nn
 from moesub.engine.adapter import EngineSetup
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.token_stats import NUM_FIELDS, SCALAR_STATS, TokenStats
+from moesub.models import cached_forward
 from moesub.policy import STATUS_NAMES
 
 
 def step(model: nn.Module, token: int, cache: Any, device: torch.device):
     ids = torch.tensor([[token]], dtype=torch.long, device=device)
-    out = model(input_ids=ids, cache=cache, use_cache=True)
-    return out.logits[0, -1], out.cache
+    out, cache = cached_forward(model, ids, cache)
+    return out.logits[0, -1], cache
 
 
 @torch.inference_mode()
@@ -76,14 +77,14 @@ def decode_tokens(
         engine.begin_token()
         engine.prefilling = True
         ids = torch.tensor([list(inputs[: P - 1])], dtype=torch.long, device=setup.device)
-        out = setup.model(input_ids=ids, cache=None, use_cache=True)
+        out, cache = cached_forward(setup.model, ids, None)
         engine.end_prefill()
         engine.end_token()
         logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (P - 1, V), as stream_nll
         targets = torch.as_tensor(np.asarray(inputs[1:P]), device=logp.device)
         nll[1:P] = (-logp.gather(1, targets[:, None])[:, 0]).cpu().numpy()
         cols["wall_s"][0] = time.perf_counter() - t0
-        cache, token, start = out.cache, int(inputs[P - 1]), P - 1
+        token, start = int(inputs[P - 1]), P - 1
     for t in range(start, S):
         t0 = time.perf_counter()
         engine.begin_token()

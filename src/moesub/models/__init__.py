@@ -11,11 +11,14 @@
 - `routing`: `RouterHook` (observe or replace every MoE layer's routing during a forward, with
   the lookahead logits on request), `align_ids`, `router_weights`;
 - `nll`: `stream_batches` and `stream_nll`, the one teacher-forced forward that capture,
-  emulation and Experiment B share (bit-exactness between them depends on it).
+  emulation and Experiment B share (bit-exactness between them depends on it);
+- `cache`: `cached_forward`, one decoding forward with the KV cache under the name the
+  installed transformers gives it (`cache_argument`).
 
 The router hook and `stream_nll` work the same on a model loaded whole and on a placed one.
 """
 
+from moesub.models.cache import cache_argument, cached_forward
 from moesub.models.families import (
     SUPPORTED_FAMILIES,
     MoEFamily,
@@ -45,6 +48,8 @@ __all__ = [
     "RouteFn",
     "RouterHook",
     "align_ids",
+    "cache_argument",
+    "cached_forward",
     "check_checkpoint",
     "has_tokenizer",
     "input_device",
