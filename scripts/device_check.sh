@@ -13,9 +13,13 @@
 #                   environment must already hold every requirement
 # --cpu-only        for a machine with no GPU only (refused where torch sees one): a CPU torch is
 #                   accepted, the CUDA tests are collected but not run, the GPU benchmark is not
-# Environment: PYTHON (python3), OUT (results: log, summary, test reports, benchmark table;
+# Environment: PYTHON (python3), OUT (results: log, summary, test reports, benchmark tables;
 # default $TMPDIR/moesub_device_check), BUDGET_S (300), LAYERS (4), TOKENS (128), TIMEOUT_SCALE
-# (1; multiplies every stage's timeout, for slow machines: a CPU proof on 2 shared cores).
+# (1; a whole number that multiplies every stage's timeout, for slow machines: a CPU proof on 2
+# shared cores), TRACE_DIR (results/embedded/capture: the benchmarks route by that captured
+# trace when it holds one, carried along, else by synthetic routing, said in the stage's line),
+# CPU_BENCH (0; 1 adds the disk -> RAM tier's benchmark on this machine's CPU and disk, when
+# every stage before passed and the budget leaves it time).
 set -uo pipefail # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,6 +29,8 @@ BUDGET_S=${BUDGET_S:-300}
 TIMEOUT_SCALE=${TIMEOUT_SCALE:-1}
 LAYERS=${LAYERS:-4}
 TOKENS=${TOKENS:-128}
+TRACE_DIR=${TRACE_DIR:-results/embedded/capture}
+CPU_BENCH=${CPU_BENCH:-0}
 WHEELHOUSE=""
 CPU_ONLY=0
 while [ $# -gt 0 ]; do
@@ -34,6 +40,11 @@ while [ $# -gt 0 ]; do
     *) echo "device_check: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
+if ! [[ $TIMEOUT_SCALE =~ ^[1-9][0-9]*$ ]] || ! [[ $BUDGET_S =~ ^[1-9][0-9]*$ ]]; then
+  echo "device_check: TIMEOUT_SCALE and BUDGET_S take whole numbers of at least 1, got" \
+    "TIMEOUT_SCALE=$TIMEOUT_SCALE BUDGET_S=$BUDGET_S" >&2
+  exit 2
+fi
 if [ -n "$WHEELHOUSE" ] && [ ! -f "$WHEELHOUSE/requirements.txt" ]; then
   echo "device_check: $WHEELHOUSE/requirements.txt missing; build the wheelhouse with" \
     "scripts/build_wheelhouse.sh" >&2
@@ -176,14 +187,23 @@ PYEOF
   return $rc
 }
 
+# run_bench DEVICE LAYERS: the real-size benchmark on that tier, routed by the carried capture if
+# there is one
 run_bench() {
-  "$PY" benchmarks/bench_engine.py --device cuda --layers "$LAYERS" --tokens "$TOKENS" \
-    --warmup 16 --rounds 2 --quiet --out "$OUT/engine_bench_cuda.parquet" \
-    --store "$WORK/bench_experts_L$LAYERS.bin"
+  local device=$1 layers=$2 routing=(--routing synthetic)
+  if [ -f "$TRACE_DIR/calib_router.parquet" ] && [ -f "$TRACE_DIR/eval_router.parquet" ]; then
+    routing=(--routing trace --trace-dir "$TRACE_DIR")
+    note "routing: the trace in $TRACE_DIR"
+  else
+    note "routing: synthetic (no capture in $TRACE_DIR)"
+  fi
+  "$PY" benchmarks/bench_engine.py --device "$device" --layers "$layers" --tokens "$TOKENS" \
+    --warmup 16 --rounds 2 --quiet "${routing[@]}" --out "$OUT/engine_bench_$device.parquet" \
+    --store "$WORK/bench_experts_L$layers.bin" --delete-store
 }
 
 # --------------------------------------------------------------------------------- the run
-export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS NOTE_FILE
+export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS TRACE_DIR NOTE_FILE
 export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench
 
 main() {
@@ -205,10 +225,17 @@ main() {
     # import is reported (and fails the stage) without stopping the others
     stage cuda-tests 90 run_pytest "$OUT/cuda_tests.xml" -m cuda --continue-on-collection-errors \
       tests/
-    stage benchmark 150 run_bench
+    stage benchmark 150 run_bench cuda "$LAYERS"
   else
     record cuda-tests FAIL 0 "not run: no usable CUDA device (see stage device)"
     record benchmark FAIL 0 "not run: no usable CUDA device (see stage device)"
+  fi
+  if [ "$CPU_BENCH" = 1 ]; then
+    if [[ " ${RESULTS[*]} " == *" FAIL "* ]]; then
+      skip cpu-benchmark "a stage before failed"
+    else
+      stage cpu-benchmark 150 run_bench cpu 2
+    fi
   fi
 
   echo
