@@ -2,8 +2,8 @@
 
 transformers renamed the forward's `past_key_values` argument (and the output's field) to
 `cache` within 5.x; pyproject allows every 5.x and GPU images ship older ones (the device
-check's had 5.17, where `cache=` is swallowed by `**kwargs`: every step would decode without
-its context). The name is read from the model class's forward signature, once per class.
+check's had 5.17: there `cache=` fell into `**kwargs` unused and the output had no `.cache`).
+The name is read from the model class's forward signature, once per class.
 """
 
 from __future__ import annotations
