@@ -781,6 +781,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
             super().__init__(*args, **kwargs)
             self.closed = False
             self.loads = []  # the layers whose slots were loaded (from the initial set's image)
+            self.kind = "disk->RAM (this instance)"  # the rows name the tier that ran, as CUDA's
             tiers.append(self)
 
         def load(self, layer, resident):
@@ -796,6 +797,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer)
     assert len(tiers) == 11 and all(t.closed for t in tiers)
+    assert set(df["tier"]) == {"disk->RAM (this instance)"}
     assert all(t.loads == [0, 1] for t in tiers)  # each run's slots loaded once
     assert set(df["policy"]) == {
         "fetch_every_miss", "host_compute", "rule_015", "quality", "speed", ALL_RESIDENT,
