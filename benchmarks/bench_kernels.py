@@ -77,9 +77,11 @@ def measure(C: int, H: int, I: int, k: int, prefill: int, reps: int, tier_path: 
     rng = np.random.default_rng(C)
     on_gpu = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if on_gpu else (lambda: None)
-    gate_up = torch.empty((C, 2 * I, H), dtype=dt, device=dev) if on_gpu else aligned_empty(
-        (C, 2 * I, H), dt)  # fmt: skip
-    down = torch.empty((C, H, I), dtype=dt, device=dev) if on_gpu else aligned_empty((C, H, I), dt)
+
+    def slots(shape: tuple[int, ...]) -> torch.Tensor:  # the CPU tier's are page-aligned
+        return torch.empty(shape, dtype=dt, device=dev) if on_gpu else aligned_empty(shape, dt)
+
+    gate_up, down = slots((C, 2 * I, H)), slots((C, H, I))
     for e in range(C):  # real values (untouched pages would read as shared zero pages)
         gate_up[e].normal_(0, H**-0.5)
         down[e].normal_(0, I**-0.5)
