@@ -326,7 +326,7 @@ def priced_row(
         "time_per_token_serial_s": time, "hidden_host_per_token_s": 0.0,
         **{f"{p}_s": time if p == "fast_compute" else 0.0 for p in BREAKDOWN},
         "measured_time_per_token_s": measured, "cpu_share": 0.95 if measured else None,
-        "contended": False if measured else None,
+        "other_cores": 0.01 if measured else None, "contended": False if measured else None,
         "time_per_token_at_run_disk_s": 1.02 * measured if measured else None,
     }  # fmt: skip
 
@@ -336,7 +336,8 @@ def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
     import polars as pl
 
     path = root / "priced" / f"{hardware}.parquet"
-    types = {"device": pl.String, "cpu_share": pl.Float64, "contended": pl.Boolean,
+    types = {"device": pl.String, "cpu_share": pl.Float64, "other_cores": pl.Float64,
+             "contended": pl.Boolean,
              "measured_time_per_token_s": pl.Float64,
              "time_per_token_at_run_disk_s": pl.Float64}  # fmt: skip
     new = pl.DataFrame(rows, schema_overrides=types)

@@ -621,26 +621,67 @@ def test_cpu_meter_sums_its_intervals_only(monkeypatch):
     nothing (fake clocks: wall, CPU and schedstat's on-CPU / waiting seconds)."""
     import moesub.engine.contention as contention
 
-    now = {"wall": 0.0, "cpu": 0.0, "on": 0.0, "wait": 0.0}
+    now = {"wall": 0.0, "cpu": 0.0, "on": 0.0, "wait": 0.0, "busy": 0.0, "steal": 0.0}
     monkeypatch.setattr(contention.time, "perf_counter", lambda: now["wall"])
     monkeypatch.setattr(contention.time, "process_time", lambda: now["cpu"])
     monkeypatch.setattr(contention, "_schedstat", lambda: (now["on"], now["wait"]))
+    monkeypatch.setattr(contention, "_machine_busy", lambda: (now["busy"], now["steal"]))
 
-    def advance(wall, cpu, on, wait):
-        for key, dt in zip(("wall", "cpu", "on", "wait"), (wall, cpu, on, wait), strict=True):
+    def advance(wall, cpu, on, wait, others=0.0, steal=0.0):
+        """`wall` seconds in which the process ran `cpu` (`on` CPU, `wait`ing for one) and the
+        machine's other processes `others`, its host stealing `steal`."""
+        deltas = (wall, cpu, on, wait, cpu + others, steal)
+        for key, dt in zip(("wall", "cpu", "on", "wait", "busy", "steal"), deltas, strict=True):
             now[key] += dt
 
     meter = contention.CpuMeter().start()
-    advance(2.0, 2.0, 1.8, 0.2)
+    advance(2.0, 2.0, 1.8, 0.2, others=0.1)
     meter.pause()
-    advance(10.0, 1.0, 1.0, 9.0)  # another run's stretch, waiting: not this meter's
+    advance(10.0, 1.0, 1.0, 9.0, others=9.0)  # another run's stretch, busy: not this meter's
     meter.start()
-    advance(1.0, 1.0, 0.9, 0.1)
+    advance(1.0, 1.0, 0.9, 0.1, others=0.2, steal=0.06)
     meter.pause()
-    advance(5.0, 0.0, 0.0, 5.0)  # between the last run and the write
+    advance(5.0, 0.0, 0.0, 5.0, others=5.0)  # between the last run and the write
     out = meter.stop()
     assert out["cpu_share"] == pytest.approx(2.7 / 3.0)
+    assert out["other_cores"] == pytest.approx(0.3 / 3.0)
+    assert out["steal_cores"] == pytest.approx(0.06 / 3.0)
     assert out["cpu_time_per_wall"] == pytest.approx(1.0) and not out["contended"]
+
+    # a share near 1 beside another job that kept half a core busy: contended all the same
+    meter = contention.CpuMeter().start()
+    advance(4.0, 4.0, 3.8, 0.2, others=1.8, steal=0.2)
+    out = meter.stop()
+    assert out["cpu_share"] == pytest.approx(0.95) and out["other_cores"] == pytest.approx(0.45)
+    assert out["contended"]
+    # without the machine's counters (not Linux) the others are unknown and the share decides
+    monkeypatch.setattr(contention, "_machine_busy", lambda: None)
+    meter = contention.CpuMeter().start()
+    advance(4.0, 4.0, 3.8, 0.2, others=1.8)
+    out = meter.stop()
+    assert math.isnan(out["other_cores"]) and not out["contended"]
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="needs Linux /proc/stat")
+def test_cpu_meter_sees_another_process_beside_a_quiet_run():
+    """A process spinning beside a run that sleeps: the run's share stays near 1 (it asked for
+    no CPU), the machine's counters show the other process's core, and the run is contended."""
+    import subprocess
+    import sys
+
+    from moesub.engine.contention import CpuMeter
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter started and spinning
+        meter = CpuMeter().start()
+        time.sleep(1.0)
+        out = meter.stop()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert out["other_cores"] > 0.5, out
+    assert out["contended"]
 
 
 def test_calibrate_fits_this_machines_profile(stage, tmp_path):

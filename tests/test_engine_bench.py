@@ -136,7 +136,7 @@ def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> Ben
     T = len(wall)
     zeros = np.zeros(T)
     return BenchRun(wall, zeros, zeros, zeros, np.zeros((T, 5)), counts, zeros, zeros, 0, 0, 1.0,
-                    DiskClock(reads, busy_s))  # fmt: skip
+                    0.0, DiskClock(reads, busy_s))  # fmt: skip
 
 
 def test_round_spread_is_the_rounds_range_over_their_median():

@@ -161,7 +161,10 @@ def test_bench_lines_name_the_rows_outside():
         "At each run's disk speed, 3 of 3 are within 10%, largest |error| "
         "2.5% (fetch_every_miss): the rows outside as measured are within"
     )
-    assert contended == "Contended runs (another process slowed them): speed."
+    assert contended == (
+        "Contended runs (less than 80% of the CPU they asked for, or other processes kept more "
+        "than a quarter of a core busy beside them): speed."
+    )
     # rounds that repeated the same work: their spread is the machine's noise
     spreads = [(0.055, True), (0.37, True), (0.9, False)]
     noisy = [{**r, "round_spread": s, "rounds_identical": same}

@@ -358,6 +358,7 @@ def test_speed_quality_frontier(study):
     assert np.allclose(sve["rel_error"], 0.05)
     assert np.allclose(sve["token_set_effect"], 1.1 / 1.05 - 1)
     assert not sve["contended"].any() and np.allclose(sve["cpu_share"], 0.95)
+    assert np.allclose(sve["other_cores"], 0.01)
     # and at the disk's speed while each run read, 1.02 x measured
     assert np.allclose(sve["rel_error_at_run_disk"], 0.02)
     doc = study["doc"]["sim_vs_engine"][0]

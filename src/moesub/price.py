@@ -22,6 +22,7 @@ A profile change reruns its two jobs, never a replay.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
@@ -48,7 +49,8 @@ from moesub.vocabulary import Policy
 PRICED_COLUMNS = (
     "hardware", "source", "device", "policy", "fraction", "size", "tokens", "time_per_token_s",
     "time_per_token_serial_s", "hidden_host_per_token_s", *(f"{p}_s" for p in BREAKDOWN),
-    "measured_time_per_token_s", "cpu_share", "contended", "time_per_token_at_run_disk_s",
+    "measured_time_per_token_s", "cpu_share", "other_cores", "contended",
+    "time_per_token_at_run_disk_s",
 )  # fmt: skip
 
 
@@ -150,6 +152,7 @@ def run_price(
         row = _row(hardware, "engine", costs, stream_counts(df), meta)
         row["measured_time_per_token_s"] = float(df["wall_s"].mean())
         row["cpu_share"] = meta.get("cpu_share")
+        row["other_cores"] = meta.get("other_cores", math.nan) + meta.get("steal_cores", 0.0)
         row["contended"] = meta.get("contended")
         at_disk = costs_at_run_disk(costs, at_run_disk, meta)
         if at_disk is not None:

@@ -21,15 +21,15 @@ per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compa
 rounds of the priced means with the median over rounds of the measured means.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
-apart from the disk's drift between runs. The output holds one row per policy with time per token
-and its ratios to `fetch_every_miss` and `host_compute`, the pricing's prediction with its error,
-the runs' CPU share (`contended` below 0.8) and disk speed against the calibration's reference run
-(`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift alone can move a copy-heavy policy's
-time by the 10% its price is held to), and its rounds' spread (`round_spread`; `rounds_identical`:
-the same decisions in every round, so the spread is the machine's run-to-run noise). Beside it
-(`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's
-wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), the validation and
-calibration runs alike. Policy v3 runs as everywhere (pins resolved per layer).
+apart from the disk's drift between runs. One row per policy: time per token, its ratios to
+`fetch_every_miss` and `host_compute`, the pricing's prediction and error, the runs' CPU share and
+the cores others used beside them (`contended`: `moesub.engine.contention`), the disk's speed
+against the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the
+drift alone can move a copy-heavy policy's time by the 10% its price is held to), the rounds'
+spread (`round_spread`; `rounds_identical`: the same decisions in every round, so the spread is
+the machine's run-to-run noise). Beside it (`counts_path`) every run's per-token-layer counts in
+`TOKEN_LAYER_FIELDS` layout with each token's wall time (`bench_runs.counts_frame`, read back by
+`read_bench_counts`), validation and calibration runs alike. Policy v3 runs as everywhere.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from moesub.engine.calibrate import (
     round_order,
     spread,
 )
-from moesub.engine.contention import CONTENDED_BELOW
+from moesub.engine.contention import is_contended
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.runtime import OffloadEngine
@@ -125,8 +125,6 @@ CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
 # run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
 DISK_DRIFT_BEYOND = 0.15
 ACT = torch.nn.functional.silu  # the benchmark's experts' activation (Qwen's)
-
-
 _DEFAULTS = schema_defaults("engine.bench")  # workflow/schemas/config.schema.yaml
 
 
@@ -429,7 +427,8 @@ def _policy_rows(
                 "est_at_run_disk_s": est_disk,
                 "sim_rel_error_at_run_disk": float((est_disk - run_median) / run_median),
                 "cpu_share": r.cpu_share,
-                "contended": bool(r.cpu_share < CONTENDED_BELOW),
+                "other_cores": r.other_cores,
+                "contended": is_contended(r.cpu_share, r.other_cores),
                 "disk_vs_calibration": drift,
                 "disk_drifted": bool(abs(drift - 1) > DISK_DRIFT_BEYOND),  # False for NaN
             }

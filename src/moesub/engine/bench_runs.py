@@ -52,6 +52,7 @@ class BenchRun:
     admitted: int  # background copies installed
     admit_latency: int  # tokens from request to install, summed over those installed
     cpu_share: float  # the run's CPU share (`moesub.engine.contention`)
+    other_cores: float  # the cores other processes kept busy beside it (and a VM host's steal)
     disk: DiskClock = DiskClock(0, 0.0)  # what the measured tokens read from the disk tier
 
 
@@ -109,13 +110,13 @@ def run_policy(
             admissions[i] = st.admissions
             admitted += st.admitted
             admit_latency += st.admit_latency
-    share = meter.stop()["cpu_share"]
+    use = meter.stop()
     disk = disk_clock(engine.tier) - disk0
     if not torch.isfinite(hidden.float()).all():
         raise RuntimeError("benchmark hidden state became non-finite")
     return BenchRun(
         wall, wait, bsync, bbg, counts, layer_counts, admissions, syncs, admitted, admit_latency,
-        share, disk,
+        use["cpu_share"], use["other_cores"] + use["steal_cores"], disk,
     )  # fmt: skip
 
 
@@ -132,6 +133,7 @@ def concat_runs(runs: list[BenchRun]) -> BenchRun:
         admitted=sum(r.admitted for r in runs),
         admit_latency=sum(r.admit_latency for r in runs),
         cpu_share=float(np.median([r.cpu_share for r in runs])),
+        other_cores=float(np.median([r.other_cores for r in runs])),
         disk=DiskClock.pooled([r.disk for r in runs]),
     )
 

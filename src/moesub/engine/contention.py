@@ -1,14 +1,25 @@
-"""How much of the machine a timed engine run had: its CPU share, and a flag when it was shared.
+"""How much of the machine a timed engine run had: its CPU share, what other processes used
+beside it, and a flag when it was shared.
 
 An engine, calibration or benchmark job runs with every core of the run (Snakemake `threads:
 ALL_CORES`), so no other job of the pipeline runs beside it; other processes on the machine
 still can. `CpuMeter` measures, over a run, the process's time on a CPU and the time its
 threads were runnable but waiting for one (Linux `/proc/self/task/*/schedstat`):
-`cpu_share = on CPU / (on CPU + waiting for a CPU)`. A run below `CONTENDED_BELOW` is flagged
-`contended`: its times are slower than the machine's. Time blocked on I/O (the disk tier's
+`cpu_share = on CPU / (on CPU + waiting for a CPU)`. Time blocked on I/O (the disk tier's
 reads) is neither, so a quiet run that waits for the disk keeps its share near 1, and the share
-does not depend on how many threads the run has. `cpu_time_per_wall` (process CPU time / wall)
-is recorded beside it. Without schedstat (not Linux), the share is CPU time / wall.
+does not depend on how many threads the run has. Beside it, from the machine's counters
+(`/proc/stat`): `other_cores`, the cores other processes kept busy on average over the run (the
+machine's busy time less the process's own CPU time, per second of wall time), and
+`steal_cores`, the time a virtual machine's host ran something else instead of its CPUs. The
+share alone can miss another job: the default run of 2026-12-04 ran its engine stage at a load
+average of 3.2 on the 2-core machine with shares of 0.82-0.91, unflagged, and its times per
+token were 10-44% above the same stage's, run alone two hours later (shares 0.92-1.00); one busy
+process beside a 2-thread engine run tripled its time (share 0.58-0.63, others 0.74-0.82 cores;
+docs/measurements.md). A run is flagged `contended` (its times are slower than the machine's)
+when its share is below `CONTENDED_BELOW` or the others and the steal together kept more than
+`SHARED_ABOVE` cores busy. `cpu_time_per_wall` (process CPU time / wall) is recorded beside
+them. Without schedstat (not Linux), the share is CPU time / wall; without `/proc/stat` the
+others are not known (NaN) and only the share flags a run.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 CONTENDED_BELOW = 0.8  # a run that had less of the CPU it wanted is flagged "contended"
+SHARED_ABOVE = 0.25  # ... and so is one beside which others kept more cores busy than this
 _TASKS = Path("/proc/self/task")
+_STAT = Path("/proc/stat")
 
 
 def _schedstat() -> tuple[float, float] | None:
@@ -36,19 +49,39 @@ def _schedstat() -> tuple[float, float] | None:
     return on * 1e-9, wait * 1e-9
 
 
+def _machine_busy() -> tuple[float, float] | None:
+    """(seconds the machine's CPUs were busy, seconds stolen by a VM's host), summed over its
+    CPUs since boot (`/proc/stat`'s first line: user nice system idle iowait irq softirq steal
+    ...; guest time is inside user)."""
+    try:
+        fields = _STAT.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def is_contended(cpu_share: float, other_cores: float) -> bool:
+    """The flag `CpuMeter.stop` sets (module doc); `other_cores` NaN: the share alone."""
+    return bool(cpu_share < CONTENDED_BELOW or other_cores > SHARED_ABOVE)
+
+
 class CpuMeter:
     """CPU share of the process over one or more intervals, each from `start()` to `pause()`
     (a stage that interleaves several runs meters each over its own stretches); `stop()` ends
     the last one and sums them (module doc)."""
 
     def __init__(self) -> None:
-        self._wall = self._cpu = self._on = self._wait = 0.0
-        self._sched_ok = True
+        self._wall = self._cpu = self._on = self._wait = self._busy = self._steal = 0.0
+        self._sched_ok = self._machine_ok = True
         self._load: tuple[float, float, float] | None = None
-        self._marks: tuple[float, float, tuple[float, float] | None] | None = None  # running
+        self._marks: tuple | None = None  # (wall, cpu, schedstat, machine) while running
 
     def start(self) -> CpuMeter:
-        self._marks = (time.perf_counter(), time.process_time(), _schedstat())
+        self._marks = (time.perf_counter(), time.process_time(), _schedstat(), _machine_busy())
         if self._load is None:
             self._load = os.getloadavg()
         return self
@@ -57,9 +90,15 @@ class CpuMeter:
         """End the running interval (none running: nothing to add)."""
         if self._marks is None:
             return
-        (wall0, cpu0, sched0), self._marks = self._marks, None
+        (wall0, cpu0, sched0, machine0), self._marks = self._marks, None
         self._wall += time.perf_counter() - wall0
         self._cpu += time.process_time() - cpu0
+        machine = _machine_busy()
+        if machine0 is None or machine is None:
+            self._machine_ok = False
+        else:
+            self._busy += machine[0] - machine0[0]
+            self._steal += machine[1] - machine0[1]
         sched = _schedstat()
         if sched0 is None or sched is None:
             self._sched_ok = False
@@ -68,9 +107,15 @@ class CpuMeter:
             self._wait += sched[1] - sched0[1]
 
     def stop(self) -> dict[str, Any]:
-        """`cpu_share`, `contended`, `cpu_time_per_wall`, the load averages at start and end."""
+        """`cpu_share`, `other_cores`, `steal_cores`, `contended`, `cpu_time_per_wall`, the load
+        averages at start and end."""
         self.pause()
         wall, cpu = self._wall, self._cpu
+        others = steal = float("nan")
+        if self._machine_ok and wall > 0:
+            # the machine's counters tick at 1/SC_CLK_TCK: a short run's own time may exceed
+            # them by a tick or two
+            others, steal = max(self._busy - cpu, 0.0) / wall, self._steal / wall
         if self._sched_ok:
             on, wait = self._on, self._wait
             share = on / (on + wait) if on + wait > 0 else 1.0
@@ -78,7 +123,9 @@ class CpuMeter:
             share = min(cpu / wall, 1.0) if wall > 0 else 1.0
         return {
             "cpu_share": float(share),
-            "contended": bool(share < CONTENDED_BELOW),
+            "other_cores": float(others),
+            "steal_cores": float(steal),
+            "contended": is_contended(share, others + steal),
             "cpu_time_per_wall": float(cpu / wall) if wall > 0 else float("nan"),
             "load_avg_start": list(self._load),
             "load_avg_end": list(os.getloadavg()),

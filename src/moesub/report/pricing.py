@@ -49,6 +49,7 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
         ),  # fmt: skip
         Col("token-set effect", lambda r: pct(r.get("token_set_effect"))),
         Col("CPU share", lambda r: num(r.get("cpu_share"), "{:.2f}")),
+        Col("other processes (cores)", lambda r: num(r.get("other_cores"), "{:.2f}")),
         Col("", flag, False),
     ]
     return make_table("sim-engine-table", se.to_dict("records"), cols)
@@ -123,7 +124,10 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         )
     contended = [r["policy"] for r in rows if r.get("contended") is True]
     if contended:
-        lines.append(f"Contended runs (another process slowed them): {', '.join(contended)}.")
+        lines.append(
+            "Contended runs (less than 80% of the CPU they asked for, or other processes kept "
+            f"more than a quarter of a core busy beside them): {', '.join(contended)}."
+        )
     return lines
 
 

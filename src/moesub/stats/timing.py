@@ -244,9 +244,9 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     the engine's mean, `rel_error`; beside it the simulator's tokens priced (`sim` totals'
     `est_time_per_token_s`: `sim_time_per_token_s`) and `token_set_effect` = simulator / engine
     tokens - 1 (same profile, other tokens and the simulator's admission timing); the run's
-    CPU share and `contended` flag; `rel_error_at_run_disk`: the engine's tokens priced at the
-    disk's speed while the run read (`moesub.price.costs_at_run_disk`; NaN where the tier
-    reads no file)."""
+    CPU share, the cores other processes used beside it (`other_cores`) and `contended` flag;
+    `rel_error_at_run_disk`: the engine's tokens priced at the disk's speed while the run read
+    (`moesub.price.costs_at_run_disk`; NaN where the tier reads no file)."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
@@ -256,8 +256,10 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     engine_rows = engine_rows.assign(  # a priced table from before the column: NaN
         time_per_token_at_run_disk_s=engine_rows.get("time_per_token_at_run_disk_s", np.nan)
     )
+    engine_rows = engine_rows.assign(other_cores=engine_rows.get("other_cores", np.nan))
     est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
-                       "time_per_token_at_run_disk_s", "cpu_share", "contended"]]  # fmt: skip
+                       "time_per_token_at_run_disk_s", "cpu_share", "other_cores",
+                       "contended"]]  # fmt: skip
     j = j.merge(
         est.rename(columns={"time_per_token_s": "est_time_per_token_s",
                             "time_per_token_at_run_disk_s": "est_at_run_disk_s"}),
