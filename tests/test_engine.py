@@ -635,24 +635,24 @@ def test_cpu_meter_sums_its_intervals_only(monkeypatch):
             now[key] += dt
 
     meter = contention.CpuMeter().start()
-    advance(2.0, 2.0, 1.8, 0.2, others=0.1)
+    advance(2.0, 2.0, 1.8, 0.2, others=0.05)
     meter.pause()
     advance(10.0, 1.0, 1.0, 9.0, others=9.0)  # another run's stretch, busy: not this meter's
     meter.start()
-    advance(1.0, 1.0, 0.9, 0.1, others=0.2, steal=0.06)
+    advance(1.0, 1.0, 0.9, 0.1, others=0.1, steal=0.06)
     meter.pause()
     advance(5.0, 0.0, 0.0, 5.0, others=5.0)  # between the last run and the write
     out = meter.stop()
     assert out["cpu_share"] == pytest.approx(2.7 / 3.0)
-    assert out["other_cores"] == pytest.approx(0.3 / 3.0)
+    assert out["other_cores"] == pytest.approx(0.21 / 3.0)  # steal included
     assert out["steal_cores"] == pytest.approx(0.06 / 3.0)
     assert out["cpu_time_per_wall"] == pytest.approx(1.0) and not out["contended"]
 
-    # a share near 1 beside another job that kept half a core busy: contended all the same
+    # a share near 1 beside another job that kept a fifth of a core busy: contended all the same
     meter = contention.CpuMeter().start()
-    advance(4.0, 4.0, 3.8, 0.2, others=1.8, steal=0.2)
+    advance(4.0, 4.0, 3.8, 0.2, others=0.7, steal=0.1)
     out = meter.stop()
-    assert out["cpu_share"] == pytest.approx(0.95) and out["other_cores"] == pytest.approx(0.45)
+    assert out["cpu_share"] == pytest.approx(0.95) and out["other_cores"] == pytest.approx(0.2)
     assert out["contended"]
     # without the machine's counters (not Linux) the others are unknown and the share decides
     monkeypatch.setattr(contention, "_machine_busy", lambda: None)

@@ -152,7 +152,7 @@ def run_price(
         row = _row(hardware, "engine", costs, stream_counts(df), meta)
         row["measured_time_per_token_s"] = float(df["wall_s"].mean())
         row["cpu_share"] = meta.get("cpu_share")
-        row["other_cores"] = meta.get("other_cores", math.nan) + meta.get("steal_cores", 0.0)
+        row["other_cores"] = meta.get("other_cores", math.nan)
         row["contended"] = meta.get("contended")
         at_disk = costs_at_run_disk(costs, at_run_disk, meta)
         if at_disk is not None:

@@ -116,7 +116,7 @@ def run_policy(
         raise RuntimeError("benchmark hidden state became non-finite")
     return BenchRun(
         wall, wait, bsync, bbg, counts, layer_counts, admissions, syncs, admitted, admit_latency,
-        use["cpu_share"], use["other_cores"] + use["steal_cores"], disk,
+        use["cpu_share"], use["other_cores"], disk,
     )  # fmt: skip
 
 

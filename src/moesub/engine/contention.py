@@ -8,18 +8,19 @@ threads were runnable but waiting for one (Linux `/proc/self/task/*/schedstat`):
 `cpu_share = on CPU / (on CPU + waiting for a CPU)`. Time blocked on I/O (the disk tier's
 reads) is neither, so a quiet run that waits for the disk keeps its share near 1, and the share
 does not depend on how many threads the run has. Beside it, from the machine's counters
-(`/proc/stat`): `other_cores`, the cores other processes kept busy on average over the run (the
-machine's busy time less the process's own CPU time, per second of wall time), and
-`steal_cores`, the time a virtual machine's host ran something else instead of its CPUs. The
+(`/proc/stat`): `other_cores`, the cores kept busy by anything else on average over the run (the
+machine's busy time less the process's own CPU time, plus the time a virtual machine's host ran
+something else instead of its CPUs, per second of wall time), and `steal_cores`, the host's part
+of it. The
 share alone can miss another job: the default run of 2026-12-04 ran its engine stage at a load
 average of 3.2 on the 2-core machine with shares of 0.82-0.91, unflagged, and its times per
 token were 10-44% above the same stage's, run alone two hours later (shares 0.92-1.00); one busy
 process beside a 2-thread engine run tripled its time (share 0.58-0.63, others 0.74-0.82 cores;
 docs/measurements.md). A run is flagged `contended` (its times are slower than the machine's)
-when its share is below `CONTENDED_BELOW` or the others and the steal together kept more than
-`SHARED_ABOVE` cores busy. `cpu_time_per_wall` (process CPU time / wall) is recorded beside
-them. Without schedstat (not Linux), the share is CPU time / wall; without `/proc/stat` the
-others are not known (NaN) and only the share flags a run.
+when its share is below `CONTENDED_BELOW` or `other_cores` is above `SHARED_ABOVE`.
+`cpu_time_per_wall` (process CPU time / wall) is recorded beside them. Without schedstat (not
+Linux), the share is CPU time / wall; without `/proc/stat` the others are not known (NaN) and
+only the share flags a run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 CONTENDED_BELOW = 0.8  # a run that had less of the CPU it wanted is flagged "contended"
-SHARED_ABOVE = 0.25  # ... and so is one beside which others kept more cores busy than this
+# ... and so is one beside which others kept more cores busy than this: runs alone had 0.00-0.05,
+# and the runs beside 0.18-0.22 cores of other load were 17-52% slower (2026-12-04)
+SHARED_ABOVE = 0.1
 _TASKS = Path("/proc/self/task")
 _STAT = Path("/proc/stat")
 
@@ -115,7 +118,8 @@ class CpuMeter:
         if self._machine_ok and wall > 0:
             # the machine's counters tick at 1/SC_CLK_TCK: a short run's own time may exceed
             # them by a tick or two
-            others, steal = max(self._busy - cpu, 0.0) / wall, self._steal / wall
+            steal = self._steal / wall
+            others = max(self._busy - cpu, 0.0) / wall + steal
         if self._sched_ok:
             on, wait = self._on, self._wait
             share = on / (on + wait) if on + wait > 0 else 1.0
@@ -125,7 +129,7 @@ class CpuMeter:
             "cpu_share": float(share),
             "other_cores": float(others),
             "steal_cores": float(steal),
-            "contended": is_contended(share, others + steal),
+            "contended": is_contended(share, others),
             "cpu_time_per_wall": float(cpu / wall) if wall > 0 else float("nan"),
             "load_avg_start": list(self._load),
             "load_avg_end": list(os.getloadavg()),

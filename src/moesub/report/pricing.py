@@ -126,7 +126,7 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     if contended:
         lines.append(
             "Contended runs (less than 80% of the CPU they asked for, or other processes kept "
-            f"more than a quarter of a core busy beside them): {', '.join(contended)}."
+            f"more than a tenth of a core busy beside them): {', '.join(contended)}."
         )
     return lines
 
