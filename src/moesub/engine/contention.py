@@ -11,11 +11,11 @@ does not depend on how many threads the run has. Beside it, from the machine's c
 (`/proc/stat`): `other_cores`, the cores kept busy by anything else on average over the run (the
 machine's busy time less the process's own CPU time, plus the time a virtual machine's host ran
 something else instead of its CPUs, per second of wall time), and `steal_cores`, the host's part
-of it. The
-share alone can miss another job: the default run of 2026-12-04 ran its engine stage at a load
-average of 3.2 on the 2-core machine with shares of 0.82-0.91, unflagged, and its times per
-token were 10-44% above the same stage's, run alone two hours later (shares 0.92-1.00); one busy
-process beside a 2-thread engine run tripled its time (share 0.58-0.63, others 0.74-0.82 cores;
+of it. The share alone can miss another job: the default run of 2026-12-04 ran its engine stage
+at a load average of 3.2 on the 2-core machine with shares of 0.82-0.91, unflagged, and its
+times per token were 10-44% above the same stage's, run alone two hours later (shares
+0.91-1.00). One process spinning beside a 2-thread engine run made it 3-4 times slower (share
+0.60-0.63, others 0.74-0.78 cores: benchmarks/bench_contention.py,
 docs/measurements.md). A run is flagged `contended` (its times are slower than the machine's)
 when its share is below `CONTENDED_BELOW` or `other_cores` is above `SHARED_ABOVE`.
 `cpu_time_per_wall` (process CPU time / wall) is recorded beside them. Without schedstat (not
