@@ -20,11 +20,12 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from moesub.engine.adapter import load_engine_model
-from moesub.engine.contention import CpuMeter
+from moesub.engine.spec import EngineParams
 from moesub.engine.stage import PolicyRun
 from moesub.policy import STUDY_POLICIES
 
@@ -32,13 +33,12 @@ RESULTS = "results/embedded"
 POLICIES = ("all_resident", "fetch_every_miss", "host_compute")
 
 
-def timed_runs(runs: dict[str, PolicyRun], loaded, streams: list[int]) -> dict[str, dict]:
-    """Each run decodes `streams` on an engine of its own: time per token and the meter's
-    figures."""
+def timed_runs(policy_run: Callable[[str], PolicyRun], loaded, streams: list[int]):
+    """Each policy decodes `streams` on a fresh `PolicyRun` (its own rows and meter) on an
+    engine of its own: time per token and the meter's figures, by policy."""
     out = {}
-    for name, run in runs.items():
-        run.frames.clear()
-        run.meter = CpuMeter()  # one measurement, one meter
+    for name in POLICIES:
+        run = policy_run(name)
         run.decode(streams, progress=False, loaded=loaded)
         wall = np.concatenate([f["wall_s"].to_numpy() for f in run.frames.values()])
         out[name] = {"ms": 1e3 * float(wall.mean()), **run.meter.stop()}
@@ -52,20 +52,19 @@ def main() -> None:
     args = ap.parse_args()
     params = {"max_streams": args.streams, "max_tokens": args.tokens, "progress": False}
     inputs = (f"{RESULTS}/capture/eval_tokens.parquet", f"{RESULTS}/expert_ranking.parquet")
-    runs = {
-        name: PolicyRun(
-            f"{RESULTS}/model", *inputs, name, STUDY_POLICIES.get(name, {}), 0.25, "cpu", params
-        )
-        for name in POLICIES
-    }
-    loaded = load_engine_model(f"{RESULTS}/model", "cpu", next(iter(runs.values())).spec.opts)
+
+    def policy_run(name: str) -> PolicyRun:
+        policy = STUDY_POLICIES.get(name, {})
+        return PolicyRun(f"{RESULTS}/model", *inputs, name, policy, 0.25, "cpu", params)
+
+    loaded = load_engine_model(f"{RESULTS}/model", "cpu", EngineParams.from_dict(params))
     streams = list(range(args.streams))
     try:
-        alone = timed_runs(runs, loaded, streams)
+        alone = timed_runs(policy_run, loaded, streams)
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             time.sleep(0.5)  # the spinner is up
-            beside = timed_runs(runs, loaded, streams)
+            beside = timed_runs(policy_run, loaded, streams)
         finally:
             spin.kill()
             spin.wait()

@@ -163,7 +163,7 @@ def test_bench_lines_name_the_rows_outside():
     )
     assert contended == (
         "Contended runs (less than 80% of the CPU they asked for, or other processes kept more "
-        "than a tenth of a core busy beside them): speed."
+        "than 0.1 cores busy beside them): speed."
     )
     # rounds that repeated the same work: their spread is the machine's noise
     spreads = [(0.055, True), (0.37, True), (0.9, False)]

@@ -30,6 +30,16 @@ from moesub.slots import REFERENCE_GEOMETRY
 SOURCES = ("estimate", "measured")  # a profile from spec sheets, or from a calibration run
 # what the pricing is held to: a policy's price within this share of the engine's measured time
 PRICE_HELD_TO = 0.10
+# a timed run is "contended" (its times slower than the machine's: `moesub.engine.contention`)
+# below this CPU share, or beside more cores than this kept busy by others: runs alone had
+# 0.00-0.05, and the runs beside 0.18-0.22 cores of other load were 17-52% slower (2026-12-04)
+CONTENDED_BELOW = 0.8
+SHARED_ABOVE = 0.1
+
+
+def is_contended(cpu_share: float, other_cores: float) -> bool:
+    """The `contended` flag of a timed run; `other_cores` NaN (not measured): the share alone."""
+    return bool(cpu_share < CONTENDED_BELOW or other_cores > SHARED_ABOVE)
 
 
 @dataclass(frozen=True)

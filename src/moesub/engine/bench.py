@@ -83,7 +83,6 @@ from moesub.engine.calibrate import (
     round_order,
     spread,
 )
-from moesub.engine.contention import is_contended
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.runtime import OffloadEngine
@@ -95,7 +94,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.engine.tiers import DiskTier, SlotImage, require_cuda
-from moesub.hardware import ModelBytes, UnitCosts, measured_profile
+from moesub.hardware import ModelBytes, UnitCosts, is_contended, measured_profile
 from moesub.io import write_parquet
 from moesub.layout import build_layout
 from moesub.params import options_from

@@ -17,7 +17,8 @@ times per token were 10-44% above the same stage's, run alone two hours later (s
 0.91-1.00). One process spinning beside a 2-thread engine run made it 3-4 times slower (share
 0.60-0.63, others 0.74-0.78 cores: benchmarks/bench_contention.py,
 docs/measurements.md). A run is flagged `contended` (its times are slower than the machine's)
-when its share is below `CONTENDED_BELOW` or `other_cores` is above `SHARED_ABOVE`.
+when its share is below `CONTENDED_BELOW` or `other_cores` is above `SHARED_ABOVE`
+(`moesub.hardware.is_contended`, which the report states).
 `cpu_time_per_wall` (process CPU time / wall) is recorded beside them. Without schedstat (not
 Linux), the share is CPU time / wall; without `/proc/stat` the others are not known (NaN) and
 only the share flags a run.
@@ -27,13 +28,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CONTENDED_BELOW = 0.8  # a run that had less of the CPU it wanted is flagged "contended"
-# ... and so is one beside which others kept more cores busy than this: runs alone had 0.00-0.05,
-# and the runs beside 0.18-0.22 cores of other load were 17-52% slower (2026-12-04)
-SHARED_ABOVE = 0.1
+from moesub.hardware import is_contended
+
 _TASKS = Path("/proc/self/task")
 _STAT = Path("/proc/stat")
 
@@ -67,9 +67,13 @@ def _machine_busy() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
-def is_contended(cpu_share: float, other_cores: float) -> bool:
-    """The flag `CpuMeter.stop` sets (module doc); `other_cores` NaN: the share alone."""
-    return bool(cpu_share < CONTENDED_BELOW or other_cores > SHARED_ABOVE)
+def _add(
+    total: list[float] | None, before: Sequence[float] | None, after: Sequence[float] | None
+) -> list[float] | None:
+    """`total` + (`after` - `before`), element by element; None once a reading is missing."""
+    if total is None or before is None or after is None:
+        return None
+    return [t + a - b for t, a, b in zip(total, after, before, strict=True)]
 
 
 class CpuMeter:
@@ -78,8 +82,10 @@ class CpuMeter:
     the last one and sums them (module doc)."""
 
     def __init__(self) -> None:
-        self._wall = self._cpu = self._on = self._wait = self._busy = self._steal = 0.0
-        self._sched_ok = self._machine_ok = True
+        self._wall = self._cpu = 0.0
+        # summed over the intervals: schedstat's (on CPU, waiting), the machine's (busy, steal)
+        self._sched: list[float] | None = [0.0, 0.0]
+        self._machine: list[float] | None = [0.0, 0.0]
         self._load: tuple[float, float, float] | None = None
         self._marks: tuple | None = None  # (wall, cpu, schedstat, machine) while running
 
@@ -96,18 +102,8 @@ class CpuMeter:
         (wall0, cpu0, sched0, machine0), self._marks = self._marks, None
         self._wall += time.perf_counter() - wall0
         self._cpu += time.process_time() - cpu0
-        machine = _machine_busy()
-        if machine0 is None or machine is None:
-            self._machine_ok = False
-        else:
-            self._busy += machine[0] - machine0[0]
-            self._steal += machine[1] - machine0[1]
-        sched = _schedstat()
-        if sched0 is None or sched is None:
-            self._sched_ok = False
-        else:
-            self._on += sched[0] - sched0[0]
-            self._wait += sched[1] - sched0[1]
+        self._machine = _add(self._machine, machine0, _machine_busy())
+        self._sched = _add(self._sched, sched0, _schedstat())
 
     def stop(self) -> dict[str, Any]:
         """`cpu_share`, `other_cores`, `steal_cores`, `contended`, `cpu_time_per_wall`, the load
@@ -115,13 +111,14 @@ class CpuMeter:
         self.pause()
         wall, cpu = self._wall, self._cpu
         others = steal = float("nan")
-        if self._machine_ok and wall > 0:
+        if self._machine is not None and wall > 0:
             # the machine's counters tick at 1/SC_CLK_TCK: a short run's own time may exceed
             # them by a tick or two
-            steal = self._steal / wall
-            others = max(self._busy - cpu, 0.0) / wall + steal
-        if self._sched_ok:
-            on, wait = self._on, self._wait
+            busy, stolen = self._machine
+            steal = stolen / wall
+            others = max(busy - cpu, 0.0) / wall + steal
+        if self._sched is not None:
+            on, wait = self._sched
             share = on / (on + wait) if on + wait > 0 else 1.0
         else:
             share = min(cpu / wall, 1.0) if wall > 0 else 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from moesub.hardware import PRICE_HELD_TO, STUDY_PROFILE
+from moesub.hardware import CONTENDED_BELOW, PRICE_HELD_TO, SHARED_ABOVE, STUDY_PROFILE
 from moesub.report.load import AnalysisOutputs, finite
 from moesub.report.tables import Col, Row, Table, make_table, num, pct, text
 
@@ -125,8 +125,9 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     contended = [r["policy"] for r in rows if r.get("contended") is True]
     if contended:
         lines.append(
-            "Contended runs (less than 80% of the CPU they asked for, or other processes kept "
-            f"more than a tenth of a core busy beside them): {', '.join(contended)}."
+            f"Contended runs (less than {CONTENDED_BELOW:.0%} of the CPU they asked for, or other "
+            f"processes kept more than {SHARED_ABOVE:g} cores busy beside them): "
+            f"{', '.join(contended)}."
         )
     return lines
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import jinja2
 
-from moesub.hardware import PRICE_HELD_TO, STUDY_PROFILE
+from moesub.hardware import CONTENDED_BELOW, PRICE_HELD_TO, SHARED_ABOVE, STUDY_PROFILE
 from moesub.io import atomic_path
 from moesub.report.claims import claim_lines, family_lines, kind_lines, tests_table
 from moesub.report.degeneration import degeneration_lines, degeneration_table
@@ -188,6 +188,8 @@ def render_report(
         "engine_bench": frame_table("bench-table", out.table("engine_bench")),
         "bench_lines": bench_lines(out),
         "price_held_to": PRICE_HELD_TO,
+        "contended_below": CONTENDED_BELOW,
+        "shared_above": SHARED_ABOVE,
         "models": models_table(out),
         "absent": out.absent,
         "machine": machine_info(),
