@@ -19,7 +19,8 @@
 # shared cores), TRACE_DIR (results/embedded/capture: the benchmarks route by that captured
 # trace when it holds one, carried along, else by synthetic routing, said in the stage's line),
 # CPU_BENCH (0; 1 adds the disk -> RAM tier's benchmark on this machine's CPU and disk, when
-# every stage before passed and the budget leaves it time).
+# every stage before passed and the budget leaves it time), PROFILE (0; 1 adds
+# benchmarks/profile_decode.py on the GPU: where a decode token's time goes, into profile.txt).
 set -uo pipefail # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,6 +32,7 @@ LAYERS=${LAYERS:-4}
 TOKENS=${TOKENS:-128}
 TRACE_DIR=${TRACE_DIR:-results/embedded/capture}
 CPU_BENCH=${CPU_BENCH:-0}
+PROFILE=${PROFILE:-0}
 WHEELHOUSE=""
 CPU_ONLY=0
 while [ $# -gt 0 ]; do
@@ -202,9 +204,15 @@ run_bench() {
     --store "$WORK/bench_experts_L$layers.bin" --delete-store
 }
 
+run_profile() {
+  "$PY" benchmarks/profile_decode.py --device cuda --layers "$LAYERS" --tokens 32 |
+    tee "$OUT/profile.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 # --------------------------------------------------------------------------------- the run
 export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS TRACE_DIR NOTE_FILE
-export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench
+export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench run_profile
 
 main() {
   stage device 30 check_device
@@ -226,6 +234,9 @@ main() {
     stage cuda-tests 90 run_pytest "$OUT/cuda_tests.xml" -m cuda --continue-on-collection-errors \
       tests/
     stage benchmark 150 run_bench cuda "$LAYERS"
+    if [ "$PROFILE" = 1 ]; then
+      stage profile 120 run_profile
+    fi
   else
     record cuda-tests FAIL 0 "not run: no usable CUDA device (see stage device)"
     record benchmark FAIL 0 "not run: no usable CUDA device (see stage device)"
