@@ -587,6 +587,8 @@ def write_engine_bench(root: Path, names: list[str]) -> Path:
             # the cost model's error against the engine: -4% .. +4% over the policies
             "sim_rel_error": (i % 5 - 2) * 0.02,
             "sim_rel_error_at_run_disk": (i % 5 - 2) * 0.01,  # the disk's drift taken out
+            "run_speed": 1.0 + (i % 3) * 0.05,  # and the machine's compute speed too
+            "sim_rel_error_at_run_speed": (i % 5 - 2) * 0.005,
         }
         for i, n in enumerate(names)
     ]

@@ -17,7 +17,16 @@ import torch.nn.functional as F
 from moesub.artefacts import router_rows, router_writer
 from moesub.calibration import AtRunDisk, DiskClock, reference_clock
 from moesub.engine.bench_inputs import bench_logits, map_trace
-from moesub.engine.bench_runs import BenchRun, at_run_disk, priced_median, round_spread
+from moesub.engine.bench_runs import (
+    SPEED_PROBE_TOKENS,
+    BenchRun,
+    at_run_disk,
+    at_run_speed,
+    disk_drift,
+    priced_median,
+    round_spread,
+    run_speed,
+)
 from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 from moesub.hardware import UnitCosts
@@ -199,3 +208,44 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
     none = reference_clock([r.disk for rs in no_reads.values() for r in rs])
     kept = at_run_disk(no_reads, none, costs)
     assert none is None and all(u == costs for us in kept.values() for u in us)
+
+
+def test_pricing_at_the_speed_each_run_computed_at():
+    """A run timed on a machine 1.25x slower at compute (and its disk as the calibration's) is
+    priced at its mean exactly once its compute terms take the speed probed on its own tokens
+    that only hit; its copies are not scaled. Too few such tokens: no probe, the costs kept."""
+    K, T, L, slow = 4, 80, 2, 1.25
+    fields = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+    costs = UnitCosts(copy_s=3e-3, expert_s=0.5e-3, host_expert_s=1e-3, dense_layer_s=0.6e-3,
+                      token_overhead_s=0.2e-3, install_s=0.1e-3, concurrent_host=False,
+                      host_reads_link=True)  # fmt: skip
+    slower = replace(costs, **{t: getattr(costs, t) * slow for t in
+                               ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s",
+                                "install_s")})  # fmt: skip
+    rng = np.random.default_rng(5)
+    c = np.zeros((T, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+    fetched = rng.integers(0, 3, (T, L)) * (rng.random((T, 1)) < 0.5)  # half the tokens hit only
+    c[..., fields["hit"]], c[..., fields["fetch"]] = K - fetched, fetched
+    run = _run(price_stream(c, 1, slower).token_s, c, 0, 0.0)
+    assert run_speed(run, 1, costs) == pytest.approx(slow, rel=1e-9)
+    est, speed = at_run_speed([run], 1, [costs])
+    assert est == pytest.approx(run.wall_s.mean(), rel=1e-9) and speed == pytest.approx(slow)
+    assert priced_median([run], 1, [costs]) < 0.9 * run.wall_s.mean()  # unprobed: under
+    few = c.copy()
+    few[SPEED_PROBE_TOKENS - 1 :, :, fields["fetch"]] = 1  # 9 tokens hit only
+    few[SPEED_PROBE_TOKENS - 1 :, :, fields["hit"]] = K - 1
+    missing = _run(price_stream(few, 1, slower).token_s, few, 0, 0.0)
+    assert math.isnan(run_speed(missing, 1, costs))
+    est, speed = at_run_speed([missing], 1, [costs])
+    assert math.isnan(speed) and est == priced_median([missing], 1, [costs])
+
+
+def test_disk_drift_against_the_reference_run():
+    runs = [_run(np.ones(2), np.zeros((2, 1, len(TOKEN_LAYER_FIELDS))), n, n * t)
+            for n, t in ((10, 4e-3), (10, 3e-3), (0, 0.0))]  # fmt: skip
+    d = disk_drift(runs, DiskClock(10, 10 * 3e-3))
+    assert d == {"disk_read_s": pytest.approx(3.5e-3), "disk_drifted": True,
+                 "disk_vs_calibration": pytest.approx(3.5 / 3)}  # fmt: skip
+    d = disk_drift(runs[2:], None)
+    assert math.isnan(d["disk_read_s"]) and math.isnan(d["disk_vs_calibration"])
+    assert d["disk_drifted"] is False

@@ -126,8 +126,9 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     runs = re.match(r"n = (\d+) runs,", line)[1]
     assert f"n = {runs} runs, {runs} within 10% (what the pricing is held to)," in line
     assert f"at the disk's speed while it read, median 2.3%, max 2.3%, {runs} within;" in line
-    # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk
-    (met, at_disk) = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
+    # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk, -1% .. +1% at
+    # each run's speed too
+    (met, at_disk, at_speed) = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
     n = len(POLICIES)
     assert met.startswith(
         f"The pricing is held to 10% of the engine's time for every policy. As "
@@ -135,6 +136,8 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     )
     assert met.endswith(": the criterion is met in this run.")
     assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
+    assert at_speed.startswith("At each run's disk and its own speed (its compute timed on")
+    assert f"{n} of {n} are within 10%, largest |error| 1.0%" in at_speed
 
 
 def test_bench_lines_name_the_rows_outside():
@@ -193,6 +196,17 @@ def test_bench_lines_name_the_rows_outside():
         "it); speed +12.5%: the criterion is not met" in measured
     )
     assert at_disk.endswith("largest |error| 12.0% (host_compute).")
+    # at each run's speed too: the rows outside named, and those too few tokens could probe
+    # (kept at their disk's speed: the bench prices them so)
+    speeds = [(0.03, 1.1), (0.14, 0.95), (0.02, float("nan"))]
+    probed = [{**r, "sim_rel_error_at_run_speed": e, "run_speed": v}
+              for r, (e, v) in zip(rows[:3], speeds, strict=True)]  # fmt: skip
+    assert bench_lines(outputs(probed))[2] == (
+        "At each run's disk and its own speed (its compute timed on its tokens that only hit, "
+        "which for a policy that only hits leaves nothing but its times' mean against their "
+        "median), 2 of 3 are within 10%, largest |error| 14.0% (host_compute); outside: "
+        "host_compute +14.0%; too few such tokens to probe: speed."
+    )
     # a table from before the at-disk column, and none
     old = [{k: v for k, v in r.items() if k == "policy" or k == "sim_rel_error"} for r in rows]
     assert len(bench_lines(outputs(old))) == 1

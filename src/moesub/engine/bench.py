@@ -21,7 +21,9 @@ per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compa
 rounds of the priced means with the median over rounds of the measured means.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
-apart from the disk's drift between runs. One row per policy: time per token, its ratios to
+apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
+compute at the machine's speed while it ran, probed on its own tokens that only hit
+(`bench_runs.at_run_speed`, `run_speed`). One row per policy: time per token, its ratios to
 `fetch_every_miss` and `host_compute`, the pricing's prediction and error, the runs' CPU share and
 the cores others used beside them (`contended`: `moesub.engine.contention`), the disk's speed
 against the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the
@@ -65,9 +67,11 @@ from moesub.engine.bench_inputs import (
 from moesub.engine.bench_runs import (
     BenchRun,
     at_run_disk,
+    at_run_speed,
     by_status,
     concat_runs,
     counts_path_for,
+    disk_drift,
     hits_only,
     priced_median,
     round_spread,
@@ -120,9 +124,6 @@ CALIBRATION_POLICIES: dict[str, dict[str, Any]] = {
     name: policy for name, policy in MECHANISMS.items() if policy is not None
 }
 CAL_HITS, CAL_HITS_ONE_LAYER = "cal_hits", "cal_hits_1layer"
-# `disk_drifted`: the median run's read time per expert this far from the reference run's (a
-# run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
-DISK_DRIFT_BEYOND = 0.15
 ACT = torch.nn.functional.silu  # the benchmark's experts' activation (Qwen's)
 _DEFAULTS = schema_defaults("engine.bench")  # workflow/schemas/config.schema.yaml
 
@@ -382,8 +383,8 @@ def _policy_rows(
     reference: DiskClock | None,
 ) -> pl.DataFrame:
     """One row per policy over its rounds, the pricing's estimate on the same tokens beside
-    (`costs`, and `run_disk`'s: `at_run_disk`, against the calibration's `reference` run), and
-    the speedups."""
+    (`costs`; `run_disk`'s, against the calibration's `reference` run; and those at each run's
+    own speed), and the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
     L, runs = plan.p.layers, rounds.runs
@@ -395,11 +396,9 @@ def _policy_rows(
         delay = plan.policy(name).delay
         est = priced_median(runs[name], delay, [costs] * len(runs[name]))
         est_disk = priced_median(runs[name], delay, run_disk[name])
+        est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         spread, same_work = round_spread(runs[name])
-        read_s = [run.disk.per_read_s for run in runs[name] if run.disk.reads]
-        drift = math.nan if not read_s or reference is None else float(
-            np.median(read_s) / reference.per_read_s)  # fmt: skip
         rows.append(
             {
                 "policy": name,
@@ -422,14 +421,15 @@ def _policy_rows(
                 "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
                 "est_time_per_token_s": float(est),
                 "sim_rel_error": float((est - run_median) / run_median),
-                "disk_read_s": float(np.median(read_s)) if read_s else math.nan,
                 "est_at_run_disk_s": est_disk,
                 "sim_rel_error_at_run_disk": float((est_disk - run_median) / run_median),
+                "run_speed": speed,
+                "est_at_run_speed_s": est_speed,
+                "sim_rel_error_at_run_speed": float((est_speed - run_median) / run_median),
                 "cpu_share": r.cpu_share,
                 "other_cores": r.other_cores,
                 "contended": is_contended(r.cpu_share, r.other_cores),
-                "disk_vs_calibration": drift,
-                "disk_drifted": bool(abs(drift - 1) > DISK_DRIFT_BEYOND),  # False for NaN
+                **disk_drift(runs[name], reference),
             }
         )
     out = pl.DataFrame(rows)

@@ -12,9 +12,10 @@ the per-token-layer table the benchmark writes beside its own.
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -235,6 +236,60 @@ def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> f
     starts) at its costs (one per run), the median over runs of their means."""
     return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
                             for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
+
+
+# a run's own speed probe (`run_speed`) needs at least this many tokens that only hit
+SPEED_PROBE_TOKENS = 10
+# what a token that only hits has none of: copies, host experts, forced misses, requests
+_NOT_HIT_FIELDS = ("fetch", "host", "forced", "prefetched", "admission_requests", "admissions")
+_NOT_HIT = [TOKEN_LAYER_FIELDS.index(f) for f in _NOT_HIT_FIELDS]
+# the terms the machine's speed moves: its compute (the disk has its own clock, `at_run_disk`)
+_COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s")
+
+
+def run_speed(run: BenchRun, delay: int, costs: UnitCosts) -> float:
+    """How fast the machine computed while `run` ran, against `costs`: over the run's own tokens
+    that only hit (every layer's experts in the slots, substitutes included; nothing copied,
+    requested or computed by the host), their median measured time over their median price (1:
+    as the calibration; 1.2: a fifth slower). NaN with fewer than `SPEED_PROBE_TOKENS` of them (a
+    run that misses at nearly every token is then priced at its disk's speed alone)."""
+    probe = run.layer_counts[..., _NOT_HIT].sum(axis=(1, 2)) == 0  # (T,)
+    if probe.sum() < SPEED_PROBE_TOKENS:
+        return math.nan
+    price = price_stream(run.layer_counts, delay, costs).token_s
+    return float(np.median(run.wall_s[probe]) / np.median(price[probe]))
+
+
+def at_run_speed(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> tuple[float, float]:
+    """`priced_median` with each run's compute terms scaled by its own `run_speed` (its copies
+    kept at `costs`, one per run: `at_run_disk`'s), and the median of those speeds (NaN where no
+    run had its probe). The pricing's arithmetic apart from the machine's drift between runs:
+    a run that only hits is priced from its own times, so its error is its times' mean against
+    their median, nothing more; the others' errors are what their misses cost beyond that."""
+    speeds = [run_speed(r, delay, c) for r, c in zip(runs, costs, strict=True)]
+    scaled = [c if math.isnan(v) else replace(c, **{t: getattr(c, t) * v for t in _COMPUTE_TERMS})
+              for c, v in zip(costs, speeds, strict=True)]  # fmt: skip
+    probed = [v for v in speeds if not math.isnan(v)]
+    return priced_median(runs, delay, scaled), float(np.median(probed)) if probed else math.nan
+
+
+# `disk_drifted`: the median run's read time per expert this far from the reference run's (a
+# run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
+DISK_DRIFT_BEYOND = 0.15
+
+
+def disk_drift(runs: list[BenchRun], reference: DiskClock | None) -> dict[str, float | bool]:
+    """A policy's reads against the calibration's `reference` run: the median over its runs of
+    their time per read (`disk_read_s`), that over the reference's (`disk_vs_calibration`), and
+    whether it is beyond `DISK_DRIFT_BEYOND` (`disk_drifted`; NaN where nothing read: False)."""
+    read_s = [r.disk.per_read_s for r in runs if r.disk.reads]
+    drift = math.nan if not read_s or reference is None else float(
+        np.median(read_s) / reference.per_read_s)  # fmt: skip
+    return {
+        "disk_read_s": float(np.median(read_s)) if read_s else math.nan,
+        "disk_vs_calibration": drift,
+        "disk_drifted": bool(abs(drift - 1) > DISK_DRIFT_BEYOND),
+    }
 
 
 def round_spread(runs: list[BenchRun]) -> tuple[float, bool]:

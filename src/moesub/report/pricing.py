@@ -59,7 +59,8 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     """The engine benchmark's pricing against the criterion it is held to (every policy within
     `held_to` of the engine), said as met or not: as measured, naming the rows outside with
     their disk's drift, then at each run's disk speed (the disk's drift between runs out), then
-    the machine's own noise (the spread of rounds that repeated the same work)."""
+    also at each run's own compute speed (the machine's drift out too), then the machine's own
+    noise (the spread of rounds that repeated the same work)."""
     bench = out.table("engine_bench")
     if bench.empty or "sim_rel_error" not in bench.columns:
         return []
@@ -106,6 +107,19 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
                 "disk's drift between runs, which no profile knows in advance, moved them"
             )
         lines.append(line + ".")
+    key = "sim_rel_error_at_run_speed"
+    if any(finite(r.get(key)) for r in rows):
+        at_speed = outside(key)
+        unprobed = [r["policy"] for r in rows if not finite(r.get("run_speed"))]
+        lines.append(
+            f"At each run's disk and its own speed (its compute timed on its tokens that only "
+            f"hit, which for a policy that only hits leaves nothing but its times' mean against "
+            f"their median), {n - len(at_speed)} of {n} are within {bound}, {largest(key)}"
+            + ("; outside: " if at_speed else "")
+            + "; ".join(f"{r['policy']} {100 * r[key]:+.1f}%" for r in at_speed)
+            + (f"; too few such tokens to probe: {', '.join(unprobed)}" if unprobed else "")
+            + "."
+        )
     # the machine's noise: rounds that repeated the same work, timed apart
     repeats = [
         r for r in rows if r.get("rounds_identical") is True and finite(r.get("round_spread"))
