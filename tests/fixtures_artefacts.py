@@ -317,7 +317,7 @@ def priced_row(
 ) -> dict:
     """A row of `priced/this_machine.parquet` (moesub.price.PRICED_COLUMNS): all the time in
     the fast tier's compute; an engine run's tokens priced at its disk's speed 2% over its
-    measured time."""
+    measured time, and at its disk and speed 1% over."""
     from moesub.pricing import BREAKDOWN
 
     return {
@@ -328,6 +328,8 @@ def priced_row(
         "measured_time_per_token_s": measured, "cpu_share": 0.95 if measured else None,
         "other_cores": 0.01 if measured else None, "contended": False if measured else None,
         "time_per_token_at_run_disk_s": 1.02 * measured if measured else None,
+        "run_speed": 1.03 if measured else None,
+        "time_per_token_at_run_speed_s": 1.01 * measured if measured else None,
     }  # fmt: skip
 
 
@@ -339,7 +341,8 @@ def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
     types = {"device": pl.String, "cpu_share": pl.Float64, "other_cores": pl.Float64,
              "contended": pl.Boolean,
              "measured_time_per_token_s": pl.Float64,
-             "time_per_token_at_run_disk_s": pl.Float64}  # fmt: skip
+             "time_per_token_at_run_disk_s": pl.Float64, "run_speed": pl.Float64,
+             "time_per_token_at_run_speed_s": pl.Float64}  # fmt: skip
     new = pl.DataFrame(rows, schema_overrides=types)
     if path.exists():
         new = pl.concat([pl.read_parquet(path), new], how="vertical_relaxed")

@@ -23,6 +23,7 @@ import moesub.engine.store
 import moesub.engine.tiers
 import moesub.models
 from moesub.artefacts import layout_for, load_trace
+from moesub.calibration import costs_at_speed, speed_probe
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
     BenchParams,
@@ -70,6 +71,7 @@ from moesub.policy import (
     token_layer_counts,
 )
 from moesub.price import costs_at_run_disk, run_price, write_profile
+from moesub.pricing import price_streams
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
 
@@ -743,6 +745,21 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     assert slower.copy_s == pytest.approx(costs.copy_s + disk["busy_s"] / disk["reads"])
     # no disk record (the CUDA tier; an older artefact): nothing to price it at
     assert costs_at_run_disk(costs, None, ref_speed) is None
+    # and at the machine's speed while it ran, probed on its own tokens that only hit (its
+    # copies at its disk's speed): the price at those costs, exactly. fetch_every_miss fetches
+    # at nearly every token of this tiny model: too few to probe, its disk's price kept
+    assert math.isnan(row["run_speed"])
+    assert row["time_per_token_at_run_speed_s"] == row["time_per_token_at_run_disk_s"]
+    _df, meta = engine_run(stage, "substitute_all", {"rule": "substitute_all"}, tmp_path)
+    (row,) = run_price(profile_path, [], [tmp_path / "substitute_all.parquet"],
+                       tmp_path / "priced.parquet").rows(named=True)  # fmt: skip
+    df = pl.read_parquet(tmp_path / "substitute_all.parquet")
+    streams, at_disk = stream_counts(df), costs_at_run_disk(costs, disk, meta)
+    wall = df.sort("stream", "pos")["wall_s"].to_numpy()
+    speed = speed_probe(wall, np.concatenate(streams), price_streams(streams, 1, at_disk).token_s)
+    assert row["run_speed"] == pytest.approx(speed, rel=1e-12) and speed > 0
+    at_speed = price_streams(streams, 1, costs_at_speed(at_disk, speed)).time_per_token_s
+    assert row["time_per_token_at_run_speed_s"] == pytest.approx(at_speed, rel=1e-12)
     assert costs_at_run_disk(costs, disk, {}) is None
 
 

@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
-from moesub.calibration import AtRunDisk, DiskClock, reference_clock
+from moesub.calibration import SPEED_PROBE_TOKENS, AtRunDisk, DiskClock, reference_clock
 from moesub.engine.bench_inputs import bench_logits, map_trace
 from moesub.engine.bench_runs import (
-    SPEED_PROBE_TOKENS,
     BenchRun,
     at_run_disk,
     at_run_speed,

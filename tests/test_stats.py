@@ -367,6 +367,10 @@ def test_speed_quality_frontier(study):
     assert doc["n_at_run_disk"] == len(sve)
     assert doc["n_within"] == doc["n_within_at_run_disk"] == len(sve)  # 5% and 2%: within 10%
     assert doc["median_abs_token_set_effect"] == pytest.approx(1.1 / 1.05 - 1)
+    # and at the machine's speed while each ran too, 1.01 x measured
+    assert np.allclose(sve["rel_error_at_run_speed"], 0.01) and np.allclose(sve["run_speed"], 1.03)
+    assert doc["n_at_run_speed"] == doc["n_within_at_run_speed"] == len(sve)
+    assert doc["max_abs_rel_error_at_run_speed"] == pytest.approx(0.01)
 
 
 def test_generation_wilson_and_correlation(study):

@@ -35,6 +35,7 @@ terms the runs cannot tell apart, make the fit degenerate: a ValueError says whi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -341,3 +342,38 @@ class AtRunDisk:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> AtRunDisk:
         return AtRunDisk(DiskClock(int(d["reads"]), float(d["busy_s"])))
+
+
+# ------------------------------------------------------------------ the machine's speed per run
+# The same calibration run, timed minutes apart, takes up to a fifth longer on a shared VM
+# (docs/measurements.md). A run's own tokens that only hit are priced by compute terms alone:
+# timed against that price, they say how fast the machine computed while the run ran.
+
+# a run's speed probe needs at least this many tokens that only hit
+SPEED_PROBE_TOKENS = 10
+# what a token that only hits has none of: copies, host experts, forced misses, requests
+_NOT_HIT = [_F[f] for f in ("fetch", "host", "forced", "prefetched", "admission_requests",
+                            "admissions")]  # fmt: skip
+# the terms the machine's speed moves: its compute (the disk has its own clock, `AtRunDisk`)
+COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s")
+
+
+def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> float:
+    """How fast the machine computed during a run against the costs that priced it (`token_s`
+    (T,), the price of each of its tokens; `wall_s` (T,) their measured times; `counts` (T, L,
+    F)): over the tokens that only hit (every layer's experts in the slots, substitutes
+    included; nothing copied, requested or computed by the host), their median time over their
+    median price (1: as the calibration; 1.2: a fifth slower). NaN with fewer than
+    `SPEED_PROBE_TOKENS` of them."""
+    probe = counts[..., _NOT_HIT].sum(axis=(1, 2)) == 0  # (T,)
+    if probe.sum() < SPEED_PROBE_TOKENS:
+        return math.nan
+    return float(np.median(wall_s[probe]) / np.median(token_s[probe]))
+
+
+def costs_at_speed(costs: UnitCosts, speed: float) -> UnitCosts:
+    """`costs` with the compute terms (`COMPUTE_TERMS`) scaled by `speed`; the copies kept (NaN
+    speed: `costs` as they are)."""
+    if math.isnan(speed):
+        return costs
+    return replace(costs, **{t: getattr(costs, t) * speed for t in COMPUTE_TERMS})

@@ -11,7 +11,9 @@ Two entry points, one rule each:
   (`PRICED_COLUMNS`): `source` simulator (one per simulated policy and cache size, the
   simulator's tokens) or engine (this_machine only: the engine runs' own tokens, with their
   measured time and CPU share beside, and `time_per_token_at_run_disk_s`: the same tokens with
-  the copies at the disk's speed while the run read, `costs_at_run_disk`). Every stream is
+  the copies at the disk's speed while the run read, `costs_at_run_disk`, and
+  `time_per_token_at_run_speed_s`: also with its compute at the machine's speed while it ran,
+  probed on its own tokens that only hit, `run_speed`). Every stream is
   priced from an idle link, as the caches restart. `time_per_token_serial_s` is the same
   counts priced without concurrency (the host's experts after the fast tier's), equal to
   `time_per_token_s` on a one-processor profile.
@@ -29,9 +31,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 
-from moesub.calibration import AtRunDisk, DiskClock
+from moesub.calibration import AtRunDisk, DiskClock, costs_at_speed, speed_probe
 from moesub.hardware import (
     THIS_MACHINE,
     HardwareProfile,
@@ -50,7 +53,7 @@ PRICED_COLUMNS = (
     "hardware", "source", "device", "policy", "fraction", "size", "tokens", "time_per_token_s",
     "time_per_token_serial_s", "hidden_host_per_token_s", *(f"{p}_s" for p in BREAKDOWN),
     "measured_time_per_token_s", "cpu_share", "other_cores", "contended",
-    "time_per_token_at_run_disk_s",
+    "time_per_token_at_run_disk_s", "run_speed", "time_per_token_at_run_speed_s",
 )  # fmt: skip
 
 
@@ -110,6 +113,21 @@ def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict)
     }
 
 
+def _at_run_speed(
+    hardware: str, costs: UnitCosts, streams: list[np.ndarray], df: pl.DataFrame, meta: dict
+) -> dict[str, float]:
+    """An engine run priced with its compute at the machine's speed while it ran
+    (`moesub.calibration.speed_probe` over its own tokens that only hit, against `costs`: the
+    run's disk's where known, whose copies it keeps): `run_speed` and
+    `time_per_token_at_run_speed_s` (NaN speed, too few such tokens: the price at `costs`)."""
+    wall = df.sort("stream", "pos")["wall_s"].to_numpy()  # (T,) in `stream_counts`' order
+    delay = Policy.from_dict(policy_fields(meta["policy"])).delay
+    price = price_streams(streams, delay, costs).token_s
+    speed = speed_probe(wall, np.concatenate(streams), price)
+    at_speed = _row(hardware, "engine", costs_at_speed(costs, speed), streams, meta)
+    return {"run_speed": speed, "time_per_token_at_run_speed_s": at_speed["time_per_token_s"]}
+
+
 def costs_at_run_disk(
     costs: UnitCosts, at_run_disk: Mapping[str, float] | None, meta: Mapping[str, Any]
 ) -> UnitCosts | None:
@@ -149,17 +167,18 @@ def run_price(
         df = pl.read_parquet(path)
         if "token_layer_counts" not in df.columns:
             raise ValueError(f"{path}: an engine output without per-token-layer counts (rerun it)")
-        row = _row(hardware, "engine", costs, stream_counts(df), meta)
+        streams = stream_counts(df)
+        row = _row(hardware, "engine", costs, streams, meta)
         row["measured_time_per_token_s"] = float(df["wall_s"].mean())
         row["cpu_share"] = meta.get("cpu_share")
         row["other_cores"] = meta.get("other_cores", math.nan)
         row["contended"] = meta.get("contended")
         at_disk = costs_at_run_disk(costs, at_run_disk, meta)
         if at_disk is not None:
-            row["time_per_token_at_run_disk_s"] = _row(
-                hardware, "engine", at_disk, stream_counts(df), meta
-            )["time_per_token_s"]
-        rows.append(row)
+            row["time_per_token_at_run_disk_s"] = _row(hardware, "engine", at_disk, streams, meta)[
+                "time_per_token_s"
+            ]
+        rows.append(row | _at_run_speed(hardware, at_disk or costs, streams, df, meta))
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
                   size=pl.String, tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import AtRunDisk, DiskClock, TimedTokens
+from moesub.calibration import AtRunDisk, DiskClock, TimedTokens, costs_at_speed, speed_probe
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
@@ -238,26 +238,12 @@ def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> f
                             for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
 
 
-# a run's own speed probe (`run_speed`) needs at least this many tokens that only hit
-SPEED_PROBE_TOKENS = 10
-# what a token that only hits has none of: copies, host experts, forced misses, requests
-_NOT_HIT_FIELDS = ("fetch", "host", "forced", "prefetched", "admission_requests", "admissions")
-_NOT_HIT = [TOKEN_LAYER_FIELDS.index(f) for f in _NOT_HIT_FIELDS]
-# the terms the machine's speed moves: its compute (the disk has its own clock, `at_run_disk`)
-_COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s")
-
-
 def run_speed(run: BenchRun, delay: int, costs: UnitCosts) -> float:
-    """How fast the machine computed while `run` ran, against `costs`: over the run's own tokens
-    that only hit (every layer's experts in the slots, substitutes included; nothing copied,
-    requested or computed by the host), their median measured time over their median price (1:
-    as the calibration; 1.2: a fifth slower). NaN with fewer than `SPEED_PROBE_TOKENS` of them (a
-    run that misses at nearly every token is then priced at its disk's speed alone)."""
-    probe = run.layer_counts[..., _NOT_HIT].sum(axis=(1, 2)) == 0  # (T,)
-    if probe.sum() < SPEED_PROBE_TOKENS:
-        return math.nan
+    """How fast the machine computed while `run` ran, against `costs`: `speed_probe` over its
+    own tokens that only hit (NaN with too few: a run that misses at nearly every token is then
+    priced at its disk's speed alone)."""
     price = price_stream(run.layer_counts, delay, costs).token_s
-    return float(np.median(run.wall_s[probe]) / np.median(price[probe]))
+    return speed_probe(run.wall_s, run.layer_counts, price)
 
 
 def at_run_speed(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> tuple[float, float]:
@@ -267,8 +253,7 @@ def at_run_speed(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> tu
     a run that only hits is priced from its own times, so its error is its times' mean against
     their median, nothing more; the others' errors are what their misses cost beyond that."""
     speeds = [run_speed(r, delay, c) for r, c in zip(runs, costs, strict=True)]
-    scaled = [c if math.isnan(v) else replace(c, **{t: getattr(c, t) * v for t in _COMPUTE_TERMS})
-              for c, v in zip(costs, speeds, strict=True)]  # fmt: skip
+    scaled = [costs_at_speed(c, v) for c, v in zip(costs, speeds, strict=True)]
     probed = [v for v in speeds if not math.isnan(v)]
     return priced_median(runs, delay, scaled), float(np.median(probed)) if probed else math.nan
 

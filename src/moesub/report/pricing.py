@@ -43,6 +43,7 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
         ),  # fmt: skip
         Col("error", lambda r: pct(r.get("rel_error"))),
         Col("error at the run's disk speed", lambda r: pct(r.get("rel_error_at_run_disk"))),
+        Col("error at the run's disk and speed", lambda r: pct(r.get("rel_error_at_run_speed"))),
         Col(
             "priced, simulator's tokens (ms)",
             lambda r: num(1e3 * r["sim_time_per_token_s"], "{:.3f}"),

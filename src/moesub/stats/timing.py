@@ -246,7 +246,9 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     tokens - 1 (same profile, other tokens and the simulator's admission timing); the run's
     CPU share, the cores other processes used beside it (`other_cores`) and `contended` flag;
     `rel_error_at_run_disk`: the engine's tokens priced at the disk's speed while the run read
-    (`moesub.price.costs_at_run_disk`; NaN where the tier reads no file)."""
+    (`moesub.price.costs_at_run_disk`; NaN where the tier reads no file);
+    `rel_error_at_run_speed`: also with their compute at the machine's speed while it ran
+    (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`)."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
@@ -256,19 +258,23 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     engine_rows = engine_rows.assign(  # a priced table from before the column: NaN
         time_per_token_at_run_disk_s=engine_rows.get("time_per_token_at_run_disk_s", np.nan)
     )
-    engine_rows = engine_rows.assign(other_cores=engine_rows.get("other_cores", np.nan))
+    for col in ("other_cores", "run_speed", "time_per_token_at_run_speed_s"):
+        engine_rows = engine_rows.assign(**{col: engine_rows.get(col, np.nan)})
     est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
-                       "time_per_token_at_run_disk_s", "cpu_share", "other_cores",
+                       "time_per_token_at_run_disk_s", "run_speed",
+                       "time_per_token_at_run_speed_s", "cpu_share", "other_cores",
                        "contended"]]  # fmt: skip
     j = j.merge(
         est.rename(columns={"time_per_token_s": "est_time_per_token_s",
-                            "time_per_token_at_run_disk_s": "est_at_run_disk_s"}),
+                            "time_per_token_at_run_disk_s": "est_at_run_disk_s",
+                            "time_per_token_at_run_speed_s": "est_at_run_speed_s"}),
         on=["policy", "fraction", "device"],
     )  # fmt: skip
     if j.empty:
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
-    j["rel_error_at_run_disk"] = j["est_at_run_disk_s"].astype(float) / j["time_mean_s"] - 1.0
+    for at in ("disk", "speed"):
+        j[f"rel_error_at_run_{at}"] = j[f"est_at_run_{at}_s"].astype(float) / j["time_mean_s"] - 1
     if not sim.empty:
         s = sim[["policy", "fraction", "est_time_per_token_s"]]
         j = j.merge(
@@ -282,6 +288,7 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     err = j["rel_error"].abs().to_numpy()
     effect = j["token_set_effect"].abs().dropna().to_numpy()
     at_disk = j["rel_error_at_run_disk"].abs().dropna().to_numpy()
+    at_speed = j["rel_error_at_run_speed"].abs().dropna().to_numpy()
     result = {
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
@@ -292,6 +299,11 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
         "n_within_at_run_disk": int((at_disk <= PRICE_HELD_TO).sum()),
         "median_abs_rel_error_at_run_disk": float(np.median(at_disk)) if at_disk.size else None,
         "max_abs_rel_error_at_run_disk": float(at_disk.max()) if at_disk.size else None,
+        # and with each run's compute at the machine's speed while it ran
+        "n_at_run_speed": int(at_speed.size),
+        "n_within_at_run_speed": int((at_speed <= PRICE_HELD_TO).sum()),
+        "median_abs_rel_error_at_run_speed": float(np.median(at_speed)) if at_speed.size else None,
+        "max_abs_rel_error_at_run_speed": float(at_speed.max()) if at_speed.size else None,
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
         "n_contended": int(j["contended"].fillna(False).astype(bool).sum()),
         "median_abs_token_set_effect": float(np.median(effect)) if effect.size else None,
