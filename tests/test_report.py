@@ -128,7 +128,8 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     assert f"at the disk's speed while it read, median 2.3%, max 2.3%, {runs} within;" in line
     assert (
         "and with their compute at the machine's speed while they ran (probed on their tokens "
-        f"that only hit), median 1.3%, max 1.3%, {runs} within;"
+        "that only hit, a diagnosis that holds where those tokens are priced right, "
+        f"docs/pricing.md), median 1.3%, max 1.3%, {runs} within;"
     ) in line
     # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk, -1% .. +1% at
     # each run's speed too
