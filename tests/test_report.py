@@ -208,8 +208,8 @@ def test_bench_lines_name_the_rows_outside():
               for r, (e, v) in zip(rows[:3], speeds, strict=True)]  # fmt: skip
     assert bench_lines(outputs(probed))[2] == (
         "At each run's disk and its own speed (its compute timed on its tokens that only hit, "
-        "which for a policy that only hits leaves nothing but its times' mean against their "
-        "median), 2 of 3 are within 10%, largest |error| 14.0% (host_compute); outside: "
+        "which prices a policy that only hits at its own times: no error by construction), 2 "
+        "of 3 are within 10%, largest |error| 14.0% (host_compute); outside: "
         "host_compute +14.0%; too few such tokens to probe: speed."
     )
     # a table from before the at-disk column, and none

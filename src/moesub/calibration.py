@@ -362,13 +362,15 @@ def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> 
     """How fast the machine computed during a run against the costs that priced it (`token_s`
     (T,), the price of each of its tokens; `wall_s` (T,) their measured times; `counts` (T, L,
     F)): over the tokens that only hit (every layer's experts in the slots, substitutes
-    included; nothing copied, requested or computed by the host), their median time over their
-    median price (1: as the calibration; 1.2: a fifth slower). NaN with fewer than
-    `SPEED_PROBE_TOKENS` of them."""
+    included; nothing copied, requested or computed by the host), their total time over their
+    total price (1: as the calibration; 1.2: a fifth slower). Totals, as the errors it serves
+    compare means: with medians, the slow tail of a small model's tokens (a stream's first
+    ones) read as a machine 5-26% faster than it was (docs/measurements.md). NaN with fewer
+    than `SPEED_PROBE_TOKENS` of them."""
     probe = counts[..., _NOT_HIT].sum(axis=(1, 2)) == 0  # (T,)
     if probe.sum() < SPEED_PROBE_TOKENS:
         return math.nan
-    return float(np.median(wall_s[probe]) / np.median(token_s[probe]))
+    return float(wall_s[probe].sum() / token_s[probe].sum())
 
 
 def costs_at_speed(costs: UnitCosts, speed: float) -> UnitCosts:

@@ -250,8 +250,8 @@ def at_run_speed(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> tu
     """`priced_median` with each run's compute terms scaled by its own `run_speed` (its copies
     kept at `costs`, one per run: `at_run_disk`'s), and the median of those speeds (NaN where no
     run had its probe). The pricing's arithmetic apart from the machine's drift between runs:
-    a run that only hits is priced from its own times, so its error is its times' mean against
-    their median, nothing more; the others' errors are what their misses cost beyond that."""
+    a run that only hits is priced from its own times, so its error is nil by construction;
+    the others' errors are what their other tokens cost beyond their price."""
     speeds = [run_speed(r, delay, c) for r, c in zip(runs, costs, strict=True)]
     scaled = [costs_at_speed(c, v) for c, v in zip(costs, speeds, strict=True)]
     probed = [v for v in speeds if not math.isnan(v)]

@@ -114,8 +114,8 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         unprobed = [r["policy"] for r in rows if not finite(r.get("run_speed"))]
         lines.append(
             f"At each run's disk and its own speed (its compute timed on its tokens that only "
-            f"hit, which for a policy that only hits leaves nothing but its times' mean against "
-            f"their median), {n - len(at_speed)} of {n} are within {bound}, {largest(key)}"
+            f"hit, which prices a policy that only hits at its own times: no error by "
+            f"construction), {n - len(at_speed)} of {n} are within {bound}, {largest(key)}"
             + ("; outside: " if at_speed else "")
             + "; ".join(f"{r['policy']} {100 * r[key]:+.1f}%" for r in at_speed)
             + (f"; too few such tokens to probe: {', '.join(unprobed)}" if unprobed else "")
