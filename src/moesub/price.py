@@ -88,9 +88,14 @@ def write_profile(
     return out
 
 
+def _delay(meta: dict) -> int:
+    """The priced run's policy's admission delay (its pins are in the counts)."""
+    return Policy.from_dict(policy_fields(meta["policy"])).delay
+
+
 def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict) -> dict:
     """One priced run: its streams priced with and without the host's concurrency."""
-    delay = Policy.from_dict(policy_fields(meta["policy"])).delay  # its pins: in the counts
+    delay = _delay(meta)
     t: StreamTime = price_streams(counts, delay, costs)
     serial = (
         price_streams(counts, delay, replace(costs, concurrent_host=False))
@@ -113,19 +118,31 @@ def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict)
     }
 
 
-def _at_run_speed(
-    hardware: str, costs: UnitCosts, streams: list[np.ndarray], df: pl.DataFrame, meta: dict
-) -> dict[str, float]:
-    """An engine run priced with its compute at the machine's speed while it ran
-    (`moesub.calibration.speed_probe` over its own tokens that only hit, against `costs`: the
-    run's disk's where known, whose copies it keeps): `run_speed` and
-    `time_per_token_at_run_speed_s` (NaN speed, too few such tokens: the price at `costs`)."""
+def _engine_row(
+    hardware: str, costs: UnitCosts, at_run_disk: Mapping[str, float] | None,
+    df: pl.DataFrame, meta: dict,
+) -> dict:  # fmt: skip
+    """An engine run priced (`_row`) with its measured time and CPU share beside; its tokens at
+    the disk's speed while it read (`costs_at_run_disk`; NaN where unknown), and also with its
+    compute at the machine's speed while it ran (`moesub.calibration.speed_probe` over its own
+    tokens that only hit, against the price at its disk: `run_speed`; NaN speed, too few such
+    tokens: that price)."""
+    streams = stream_counts(df)
+    row = _row(hardware, "engine", costs, streams, meta)
+    row["measured_time_per_token_s"] = float(df["wall_s"].mean())
+    row["cpu_share"] = meta.get("cpu_share")
+    row["other_cores"] = meta.get("other_cores", math.nan)
+    row["contended"] = meta.get("contended")
+    delay, at_disk = _delay(meta), costs_at_run_disk(costs, at_run_disk, meta)
+    base = at_disk or costs
+    priced = price_streams(streams, delay, base)
+    if at_disk is not None:
+        row["time_per_token_at_run_disk_s"] = priced.time_per_token_s
     wall = df.sort("stream", "pos")["wall_s"].to_numpy()  # (T,) in `stream_counts`' order
-    delay = Policy.from_dict(policy_fields(meta["policy"])).delay
-    price = price_streams(streams, delay, costs).token_s
-    speed = speed_probe(wall, np.concatenate(streams), price)
-    at_speed = _row(hardware, "engine", costs_at_speed(costs, speed), streams, meta)
-    return {"run_speed": speed, "time_per_token_at_run_speed_s": at_speed["time_per_token_s"]}
+    row["run_speed"] = speed = speed_probe(wall, np.concatenate(streams), priced.token_s)
+    at_speed = price_streams(streams, delay, costs_at_speed(base, speed))
+    row["time_per_token_at_run_speed_s"] = at_speed.time_per_token_s
+    return row
 
 
 def costs_at_run_disk(
@@ -167,18 +184,7 @@ def run_price(
         df = pl.read_parquet(path)
         if "token_layer_counts" not in df.columns:
             raise ValueError(f"{path}: an engine output without per-token-layer counts (rerun it)")
-        streams = stream_counts(df)
-        row = _row(hardware, "engine", costs, streams, meta)
-        row["measured_time_per_token_s"] = float(df["wall_s"].mean())
-        row["cpu_share"] = meta.get("cpu_share")
-        row["other_cores"] = meta.get("other_cores", math.nan)
-        row["contended"] = meta.get("contended")
-        at_disk = costs_at_run_disk(costs, at_run_disk, meta)
-        if at_disk is not None:
-            row["time_per_token_at_run_disk_s"] = _row(hardware, "engine", at_disk, streams, meta)[
-                "time_per_token_s"
-            ]
-        rows.append(row | _at_run_speed(hardware, at_disk or costs, streams, df, meta))
+        rows.append(_engine_row(hardware, costs, at_run_disk, df, meta))
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
                   size=pl.String, tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip

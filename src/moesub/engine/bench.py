@@ -22,8 +22,8 @@ rounds of the priced means with the median over rounds of the measured means.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
 apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
-compute at the machine's speed while it ran, probed on its own tokens that only hit
-(`bench_runs.at_run_speed`, `run_speed`). One row per policy: time per token, its ratios to
+compute at the machine's speed while it ran (`run_speed`), probed on its own tokens that only
+hit (`bench_runs.at_run_speed`). One row per policy: time per token, its ratios to
 `fetch_every_miss` and `host_compute`, the pricing's prediction and error, the runs' CPU share and
 the cores others used beside them (`contended`: `moesub.engine.contention`), the disk's speed
 against the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the
@@ -395,8 +395,7 @@ def _policy_rows(
         c = by_status(r.counts.sum(axis=0))
         delay = plan.policy(name).delay
         est = priced_median(runs[name], delay, [costs] * len(runs[name]))
-        est_disk = priced_median(runs[name], delay, run_disk[name])
-        est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
+        est_disk, est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         spread, same_work = round_spread(runs[name])
         rows.append(

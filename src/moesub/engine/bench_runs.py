@@ -238,24 +238,27 @@ def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> f
                             for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
 
 
-def run_speed(run: BenchRun, delay: int, costs: UnitCosts) -> float:
-    """How fast the machine computed while `run` ran, against `costs`: `speed_probe` over its
-    own tokens that only hit (NaN with too few: a run that misses at nearly every token is then
-    priced at its disk's speed alone)."""
-    price = price_stream(run.layer_counts, delay, costs).token_s
-    return speed_probe(run.wall_s, run.layer_counts, price)
-
-
-def at_run_speed(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> tuple[float, float]:
-    """`priced_median` with each run's compute terms scaled by its own `run_speed` (its copies
-    kept at `costs`, one per run: `at_run_disk`'s), and the median of those speeds (NaN where no
-    run had its probe). The pricing's arithmetic apart from the machine's drift between runs:
-    a run that only hits is priced from its own times, so its error is nil by construction;
-    the others' errors are what their other tokens cost beyond their price."""
-    speeds = [run_speed(r, delay, c) for r, c in zip(runs, costs, strict=True)]
+def at_run_speed(
+    runs: list[BenchRun], delay: int, costs: list[UnitCosts]
+) -> tuple[float, float, float]:
+    """Each run priced at its `costs` (one per run: `at_run_disk`'s) and then with its compute
+    terms at its own speed (`moesub.calibration.speed_probe` over its tokens that only hit,
+    against that price; too few of them: the price kept): the medians over runs of both means,
+    and the median of the speeds (NaN where no run had its probe). The second is the pricing's
+    arithmetic apart from the machine's drift between runs: a run that only hits is priced from
+    its own times, its error nil by construction; the others' errors are what their other
+    tokens cost beyond their price."""
+    priced = [
+        price_stream(r.layer_counts, delay, c).token_s for r, c in zip(runs, costs, strict=True)
+    ]
+    speeds = [speed_probe(r.wall_s, r.layer_counts, p) for r, p in zip(runs, priced, strict=True)]
     scaled = [costs_at_speed(c, v) for c, v in zip(costs, speeds, strict=True)]
     probed = [v for v in speeds if not math.isnan(v)]
-    return priced_median(runs, delay, scaled), float(np.median(probed)) if probed else math.nan
+    return (
+        float(np.median([p.mean() for p in priced])),
+        priced_median(runs, delay, scaled),
+        float(np.median(probed)) if probed else math.nan,
+    )
 
 
 # `disk_drifted`: the median run's read time per expert this far from the reference run's (a
