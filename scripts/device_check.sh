@@ -20,7 +20,10 @@
 # trace when it holds one, carried along, else by synthetic routing, said in the stage's line),
 # CPU_BENCH (0; 1 adds the disk -> RAM tier's benchmark on this machine's CPU and disk, when
 # every stage before passed and the budget leaves it time), PROFILE (0; 1 adds
-# benchmarks/profile_decode.py on the GPU: where a decode token's time goes, into profile.txt).
+# benchmarks/profile_decode.py on the GPU: where a decode token's time goes, into profile.txt),
+# KERNELS (0; 1 adds the generate-stage test under a few CPU-kernel pins, `run_kernel_pins`:
+# which pin, if any, makes the engine's tokens the emulator's on this processor; the stage's
+# note says, docs/measurements.md).
 set -uo pipefail # no -e: a failing stage is recorded and the next one runs
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,6 +36,7 @@ TOKENS=${TOKENS:-128}
 TRACE_DIR=${TRACE_DIR:-results/embedded/capture}
 CPU_BENCH=${CPU_BENCH:-0}
 PROFILE=${PROFILE:-0}
+KERNELS=${KERNELS:-0}
 WHEELHOUSE=""
 CPU_ONLY=0
 while [ $# -gt 0 ]; do
@@ -210,9 +214,29 @@ run_profile() {
   return "${PIPESTATUS[0]}"
 }
 
+run_kernel_pins() {
+  # the environments the generate-stage test runs under: none pinned, then MKL's branch
+  # (alignment-independent: AVX2, or its compatible path), oneDNN's instruction set (which
+  # `cpu_kernels: avx2` does not pin), and the pipeline's pins with oneDNN's (defined here: a
+  # stage runs in a child bash, which inherits no array)
+  local pins result results=() variants=("" "MKL_CBWR=AVX2,STRICT" "MKL_CBWR=COMPATIBLE"
+    "DNNL_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2,STRICT DNNL_MAX_CPU_ISA=AVX2")
+  for pins in "${variants[@]}"; do
+    echo "-- generate-stage test under: ${pins:-no pin}"
+    result=pass
+    # shellcheck disable=SC2086 # the pins are words on purpose
+    env $pins "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_generate.py \
+      -k generate_stage || result=FAIL
+    results+=("${pins:-no pin}: $result")
+  done
+  # a diagnostic: its note says which pins pass; the stage fails only if it cannot run
+  note "$(IFS=';'; echo "${results[*]}" | sed 's/;/; /g')"
+}
+
 # --------------------------------------------------------------------------------- the run
 export PY CPU_ONLY WHEELHOUSE OUT WORK LAYERS TOKENS TRACE_DIR NOTE_FILE
-export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench run_profile
+export -f note check_device torch_id install_wheelhouse build_core run_pytest run_bench run_profile \
+  run_kernel_pins
 
 main() {
   stage device 30 check_device
@@ -247,6 +271,9 @@ main() {
     else
       stage cpu-benchmark 150 run_bench cpu 2
     fi
+  fi
+  if [ "$KERNELS" = 1 ]; then
+    stage kernel-pins 120 run_kernel_pins
   fi
 
   echo
