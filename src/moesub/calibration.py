@@ -44,7 +44,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from moesub.hardware import UnitCosts
-from moesub.pricing import price_stream
+from moesub.pricing import price_stream, price_streams
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 FIT_TERMS = ("token_s", "layer_s", "copy_s", "host_extra_s", "install_s")
@@ -379,3 +379,17 @@ def costs_at_speed(costs: UnitCosts, speed: float) -> UnitCosts:
     if math.isnan(speed):
         return costs
     return replace(costs, **{t: getattr(costs, t) * speed for t in COMPUTE_TERMS})
+
+
+def priced_at_speed(
+    wall_s: np.ndarray, streams: Sequence[np.ndarray], delay: int, costs: UnitCosts
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """A run's streams (their counts (T_i, L, F), `wall_s` (T,) their tokens' times in the same
+    order) priced at `costs`, and again with the compute terms at the run's own speed
+    (`speed_probe` over its tokens, `costs_at_speed`): (price per token (T,), the speed, price
+    per token at that speed (T,); NaN speed: the first price again)."""
+    priced = price_streams(streams, delay, costs).token_s
+    speed = speed_probe(wall_s, np.concatenate(streams), priced)
+    if math.isnan(speed):
+        return priced, speed, priced
+    return priced, speed, price_streams(streams, delay, costs_at_speed(costs, speed)).token_s

@@ -31,10 +31,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 
-from moesub.calibration import AtRunDisk, DiskClock, costs_at_speed, speed_probe
+from moesub.calibration import AtRunDisk, DiskClock, priced_at_speed
 from moesub.hardware import (
     THIS_MACHINE,
     HardwareProfile,
@@ -133,15 +132,13 @@ def _engine_row(
     row["cpu_share"] = meta.get("cpu_share")
     row["other_cores"] = meta.get("other_cores", math.nan)
     row["contended"] = meta.get("contended")
-    delay, at_disk = _delay(meta), costs_at_run_disk(costs, at_run_disk, meta)
-    base = at_disk or costs
-    priced = price_streams(streams, delay, base)
-    if at_disk is not None:
-        row["time_per_token_at_run_disk_s"] = priced.time_per_token_s
+    at_disk = costs_at_run_disk(costs, at_run_disk, meta)
     wall = df.sort("stream", "pos")["wall_s"].to_numpy()  # (T,) in `stream_counts`' order
-    row["run_speed"] = speed = speed_probe(wall, np.concatenate(streams), priced.token_s)
-    at_speed = price_streams(streams, delay, costs_at_speed(base, speed))
-    row["time_per_token_at_run_speed_s"] = at_speed.time_per_token_s
+    priced, row["run_speed"], at_speed = priced_at_speed(wall, streams, _delay(meta),
+                                                         at_disk or costs)  # fmt: skip
+    if at_disk is not None:
+        row["time_per_token_at_run_disk_s"] = float(priced.mean())
+    row["time_per_token_at_run_speed_s"] = float(at_speed.mean())
     return row
 
 

@@ -23,7 +23,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import AtRunDisk, DiskClock, TimedTokens, costs_at_speed, speed_probe
+from moesub.calibration import AtRunDisk, DiskClock, TimedTokens, priced_at_speed
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
@@ -242,21 +242,18 @@ def at_run_speed(
     runs: list[BenchRun], delay: int, costs: list[UnitCosts]
 ) -> tuple[float, float, float]:
     """Each run priced at its `costs` (one per run: `at_run_disk`'s) and then with its compute
-    terms at its own speed (`moesub.calibration.speed_probe` over its tokens that only hit,
-    against that price; too few of them: the price kept): the medians over runs of both means,
+    terms at its own speed (`moesub.calibration.priced_at_speed`: probed over its tokens that
+    only hit, against that price; too few of them: the price kept): the medians over runs of both means,
     and the median of the speeds (NaN where no run had its probe). The second is the pricing's
     arithmetic apart from the machine's drift between runs: a run that only hits is priced from
     its own times, its error nil by construction; the others' errors are what their other
     tokens cost beyond their price."""
-    priced = [
-        price_stream(r.layer_counts, delay, c).token_s for r, c in zip(runs, costs, strict=True)
-    ]
-    speeds = [speed_probe(r.wall_s, r.layer_counts, p) for r, p in zip(runs, priced, strict=True)]
-    scaled = [costs_at_speed(c, v) for c, v in zip(costs, speeds, strict=True)]
-    probed = [v for v in speeds if not math.isnan(v)]
+    priced = [priced_at_speed(r.wall_s, [r.layer_counts], delay, c)
+              for r, c in zip(runs, costs, strict=True)]  # fmt: skip
+    probed = [v for _, v, _ in priced if not math.isnan(v)]
     return (
-        float(np.median([p.mean() for p in priced])),
-        priced_median(runs, delay, scaled),
+        float(np.median([p.mean() for p, _, _ in priced])),
+        float(np.median([p.mean() for _, _, p in priced])),
         float(np.median(probed)) if probed else math.nan,
     )
 

@@ -255,10 +255,9 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
             pd.DataFrame(), None, missing("needs engine runs priced on this_machine")
         )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
-    engine_rows = engine_rows.assign(  # a priced table from before the column: NaN
-        time_per_token_at_run_disk_s=engine_rows.get("time_per_token_at_run_disk_s", np.nan)
-    )
-    for col in ("other_cores", "run_speed", "time_per_token_at_run_speed_s"):
+    for col in ("time_per_token_at_run_disk_s", "other_cores", "run_speed",
+                "time_per_token_at_run_speed_s"):  # fmt: skip
+        # a priced table from before the column: NaN
         engine_rows = engine_rows.assign(**{col: engine_rows.get(col, np.nan)})
     est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
                        "time_per_token_at_run_disk_s", "run_speed",
