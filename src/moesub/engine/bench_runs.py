@@ -243,11 +243,11 @@ def at_run_speed(
 ) -> tuple[float, float, float]:
     """Each run priced at its `costs` (one per run: `at_run_disk`'s) and then with its compute
     terms at its own speed (`moesub.calibration.priced_at_speed`: probed over its tokens that
-    only hit, against that price; too few of them: the price kept): the medians over runs of both means,
-    and the median of the speeds (NaN where no run had its probe). The second is the pricing's
-    arithmetic apart from the machine's drift between runs: a run that only hits is priced from
-    its own times, its error nil by construction; the others' errors are what their other
-    tokens cost beyond their price."""
+    only hit, against that price; too few of them: the price kept): the medians over runs of
+    both means, and the median of the speeds (NaN where no run had its probe). The second is
+    the pricing's arithmetic apart from the machine's drift between runs: a run that only hits
+    is priced from its own times, its error nil by construction; the others' errors are what
+    their other tokens cost beyond their price."""
     priced = [priced_at_speed(r.wall_s, [r.layer_counts], delay, c)
               for r, c in zip(runs, costs, strict=True)]  # fmt: skip
     probed = [v for _, v, _ in priced if not math.isnan(v)]
