@@ -58,6 +58,17 @@ def timed_reads(store: ExpertStore, picks: list[np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
+def store_path(path: Path, tmp: Path, experts: int, seed: int) -> Path:
+    """`path` where it exists, else a store of `experts` random real-size experts (one layer,
+    6 MiB each) written into `tmp`."""
+    if path.exists():
+        return path
+    lay = StoreLayout(1, experts, 2048, 512, "bfloat16")
+    path = tmp / "experts.bin"
+    open_or_write_store(path, lay, random_experts(lay, seed)).close()
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", type=Path, default=Path("results/engine_bench/bench_experts.bin"))
@@ -67,11 +78,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moesub_overlap_") as tmp:
-        path = args.store
-        if not path.exists():
-            lay = StoreLayout(1, args.experts, 2048, 512, "bfloat16")
-            path = Path(tmp) / "experts.bin"
-            open_or_write_store(path, lay, random_experts(lay, args.seed)).close()
+        path = store_path(args.store, Path(tmp), args.experts, args.seed)
         with ExpertStore(path) as store:
             lay = store.layout
             n = lay.num_layers * lay.num_experts
