@@ -116,7 +116,7 @@ def main() -> None:
     p = bench.BenchParams.from_dict(params)
     if p.threads:
         torch.set_num_threads(p.threads)
-    plan = bench._plan(p, torch.device("cpu"), Path(args.params))
+    plan = bench.prepare_bench(p, torch.device("cpu"), Path(args.params))
     try:
         with PhaseTimer() as timer:
             for r in range(args.rounds):

@@ -105,7 +105,7 @@ def main() -> None:
         "store_path": str(work / "experts.bin"), "progress": False,
     })  # fmt: skip
     dev = require_cuda(args.device)
-    plan = bench._plan(p, dev, work / "profile.parquet")
+    plan = bench.prepare_bench(p, dev, work / "profile.parquet")
     print(f"{args.device}: {p.layers} layers, C={p.capacity} of {p.num_experts}, top-{p.top_k}, "
           f"{p.layout().expert_bytes / 2**20:.1f} MiB experts, routing {plan.logits.source}; "
           "per token (the profile's counts over every decoded token, warmup included)")  # fmt: skip

@@ -234,8 +234,8 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
 
 
 @dataclass
-class _Plan:
-    """Everything the runs are made from, ready before the first (`_plan`)."""
+class BenchSetup:
+    """Everything the runs are made from, ready before the first (`prepare_bench`)."""
 
     p: BenchParams
     dev: torch.device
@@ -290,7 +290,7 @@ class _Plan:
             self.store.close()
 
 
-def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
+def prepare_bench(p: BenchParams, dev: torch.device, out_path: Path) -> BenchSetup:
     """Resources checked, router logits made (or mapped from the trace), the expert store
     opened (written once) or the pinned experts filled, the real-size routers made."""
     lay, C, k, E, L = p.layout(), p.capacity, p.top_k, p.num_experts, p.layers
@@ -318,7 +318,9 @@ def _plan(p: BenchParams, dev: torch.device, out_path: Path) -> _Plan:
     cal_names = [CAL_HITS, *CALIBRATION_POLICIES] + ([CAL_HITS_ONE_LAYER] if L > 1 else [])
     order = round_order(spread(cal_names, list(p.policies)), p.rounds)
     hits = hits_only(logits.calibration, initial)
-    return _Plan(p, dev, logits, ranking, initial, hits, router_w, h0, store, image, host, order)
+    return BenchSetup(
+        p, dev, logits, ranking, initial, hits, router_w, h0, store, image, host, order
+    )
 
 
 @dataclass
@@ -332,7 +334,7 @@ class _Rounds:
     host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
 
-def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
+def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
     """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
     slots per layer, or E for all_resident): a run inherits no thread state from the one
     before (a shared tier's host worker once kept an OpenMP team after a host_compute run, and
@@ -376,7 +378,7 @@ def _run_rounds(plan: _Plan, info: dict[str, Any]) -> _Rounds:
 
 
 def _policy_rows(
-    plan: _Plan,
+    plan: BenchSetup,
     rounds: _Rounds,
     costs: UnitCosts,
     run_disk: dict[str, list[UnitCosts]],
@@ -461,7 +463,7 @@ def run_benchmark(
     p, dev = BenchParams.from_dict(params), require_cuda(device)
     if p.threads:
         torch.set_num_threads(p.threads)
-    plan = _plan(p, dev, Path(out_path))
+    plan = prepare_bench(p, dev, Path(out_path))
     info: dict[str, Any] = {"routing": plan.logits.source, "load_avg_start": os.getloadavg()}
     try:
         rounds = _run_rounds(plan, info)
