@@ -11,7 +11,11 @@ the worker (their start and end), the wait for them, and the host's compute afte
 per run and per number of host experts in the layer: medians in ms, with the time per expert.
 The pricing (docs/pricing.md) takes a host layer as dense + max(fast path, reads) + compute; the
 phases say where that holds and where a run spends more (the fast path slowed while reads are in
-flight, a wake-up after the reads, uploads reading beside the host's reads).
+flight, a wake-up after the reads, uploads reading beside the host's reads). Beside each run's
+measured block (`total`), the same blocks priced: its counts layer by layer
+(`price_stream_reference`'s blocks, decision to the layer's end) at the bench's fitted costs at
+the run's disk (`priced`; layers without synchronous copies, which the measured block does not
+hold).
 
 The timers wrap `DiskTier.host_read`, `DiskTier.host_end` and `OffloadEngine.compute` in this
 process only; nothing in the library changes.
@@ -27,11 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moesub.calibration import AtRunDisk
 from moesub.engine import bench
-from moesub.engine.bench_runs import run_policy
+from moesub.engine.bench_runs import BenchRun, run_policy
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.tiers import DiskTier
+from moesub.hardware import HardwareProfile, ModelBytes, UnitCosts
 from moesub.io import read_metadata
+from moesub.pricing import FETCH, FORCED, LayerBlock, price_stream_reference
 
 PHASES = ("fast", "start", "reads", "wait", "host", "total")
 
@@ -76,6 +83,16 @@ class PhaseTimer:
                          (OffloadEngine, "compute", step)]  # fmt: skip
         self._saved = [(cls, name, getattr(cls, name)) for cls, name, _ in self._patched]
 
+    def price(self, run: BenchRun, delay: int, costs: UnitCosts, skip: int) -> float:
+        """Each timed block of the current run after its first `skip` gets its price; returns
+        the run's priced seconds per token."""
+        blocks: list[LayerBlock] = []
+        priced = price_stream_reference(run.layer_counts, delay, costs, blocks)
+        sync = (run.layer_counts[..., FETCH] + run.layer_counts[..., FORCED]).ravel()
+        for (_h, _f, phases), b, n in zip(self.rows[self.run][skip:], blocks, sync, strict=True):
+            phases["priced"] = b.end - b.decided if n == 0 else np.nan
+        return priced.time_per_token_s
+
     def __enter__(self) -> PhaseTimer:
         for cls, name, fn in self._patched:
             setattr(cls, name, fn)
@@ -101,7 +118,10 @@ def summary(rows: list[tuple[int, int, dict[str, float]]], skip: int) -> list[st
             text += (f" start {med['start']:.2f} reads {med['reads']:5.2f} "
                      f"({med['reads'] / h:.2f}/expert) wait {med['wait']:5.2f} "
                      f"host {med['host']:5.2f} ({med['host'] / h:.2f}/expert)")  # fmt: skip
-        lines.append(text + f" total {med['total']:5.2f}")
+        priced = np.array([r[2].get("priced", np.nan) for r in sel])
+        priced = 1e3 * float(np.median(priced[~np.isnan(priced)])) if (~np.isnan(priced)).any() \
+            else np.nan  # fmt: skip
+        lines.append(text + f" total {med['total']:5.2f} priced {priced:5.2f}")
     return lines
 
 
@@ -112,7 +132,12 @@ def main() -> None:
     ap.add_argument("--runs", default="cal_host,host_compute,llama_cpp_27861,cal_hits")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    params = {**read_metadata(args.params)["params"], "progress": False}
+    meta = read_metadata(args.params)
+    params = {**meta["params"], "progress": False}
+    costs = HardwareProfile.from_dict("bench", meta["profile"]).price(
+        ModelBytes(meta["expert_bytes"])
+    )
+    at_disk = AtRunDisk.from_dict(meta["at_run_disk"]) if meta.get("at_run_disk") else None
     p = bench.BenchParams.from_dict(params)
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -129,8 +154,11 @@ def main() -> None:
                     finally:
                         engine.close()  # the landed copies' buffers back, then the tier
                     L = run.layer_counts.shape[1]
-                    print(f"{timer.run}: {1e3 * run.wall_s.mean():.2f} ms per token, "
-                          f"{1e3 * run.disk.per_read_s:.2f} ms per read (clock)")  # fmt: skip
+                    run_costs = costs if at_disk is None else at_disk.costs(costs, run.disk)
+                    token_s = timer.price(run, plan.policy(name).delay, run_costs, p.warmup * L)
+                    print(f"{timer.run}: {1e3 * run.wall_s.mean():.2f} ms per token (priced "
+                          f"{1e3 * token_s:.2f}), {1e3 * run.disk.per_read_s:.2f} ms per read "
+                          "(clock)")  # fmt: skip
                     print("\n".join(summary(timer.rows[timer.run], p.warmup * L)))
     finally:
         plan.close()

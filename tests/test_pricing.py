@@ -15,6 +15,7 @@ from moesub.hardware import UnitCosts
 from moesub.pricing import (
     BREAKDOWN,
     TOKEN_LAYER_FIELDS,
+    LayerBlock,
     price_stream,
     price_stream_reference,
     price_streams,
@@ -243,6 +244,17 @@ def test_host_reads_queue_behind_background_copies(
     assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
 
 
+def test_the_reference_records_each_blocks_timeline():
+    """The example above on one processor, without drags: token 0's block decides at 25, its
+    fast path ends at 105, the host's reads at 145, the layer at 245; token 1's at 274, 354,
+    334 and 454 (the reads hidden behind the fast path)."""
+    blocks: list[LayerBlock] = []
+    u = replace(units(False, copy_s=30.0), host_reads_link=True)
+    r = price_stream_reference(HOST_UPLOADS, 1, u, blocks)
+    assert blocks == [LayerBlock(25.0, 105.0, 145.0, 245.0), LayerBlock(274.0, 354.0, 334.0, 454.0)]
+    assert r.token_s.tolist() == price_stream_reference(HOST_UPLOADS, 1, u).token_s.tolist()
+
+
 seconds = st.floats(0.0, 1e-3, allow_nan=False, allow_infinity=False)
 
 
@@ -265,8 +277,15 @@ def priced_streams(draw):
 @given(priced_streams())
 def test_the_core_equals_the_reference_bit_for_bit(case):
     counts, delay, u = case
-    fast, ref = price_stream(counts, delay, u), price_stream_reference(counts, delay, u)
+    blocks: list[LayerBlock] = []
+    fast, ref = price_stream(counts, delay, u), price_stream_reference(counts, delay, u, blocks)
     np.testing.assert_array_equal(fast.token_s, ref.token_s)
+    # one block per token-layer, in order; a token ends with its last layer's block
+    T, L = counts.shape[:2]
+    assert len(blocks) == T * L
+    assert all(b.decided <= b.fast_done <= b.end and b.host_ready <= b.end for b in blocks)
+    ends = [blocks[(t + 1) * L - 1].end for t in range(T)]
+    np.testing.assert_allclose(np.diff([0.0, *ends]), ref.token_s, rtol=1e-12, atol=1e-15)
     assert fast.parts == ref.parts
     assert fast.hidden_host_s == ref.hidden_host_s
     assert sum(fast.parts.values()) == pytest.approx(fast.token_s.sum(), rel=1e-12, abs=1e-15)

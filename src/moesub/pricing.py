@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,6 +80,15 @@ class StreamTime:
     @property
     def time_per_token_s(self) -> float:
         return float(self.token_s.mean()) if len(self.token_s) else float("nan")
+
+
+class LayerBlock(NamedTuple):
+    """One token-layer's MoE block on the fast tier's clock (seconds from the stream's start)."""
+
+    decided: float  # the decision: after the dense work, landings and installs
+    fast_done: float  # the fast path's experts computed (synchronous copies before them)
+    host_ready: float  # the host's experts read (the decision where it reads none over the link)
+    end: float  # the layer's end: both paths done
 
 
 def check_counts(counts: np.ndarray, delay: int) -> np.ndarray:
@@ -153,8 +163,12 @@ def _dragged_end(
     return t + rest if slowed else plain
 
 
-def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> StreamTime:
-    """`price_stream` in plain Python, step by step as the module docstring says (tests)."""
+def price_stream_reference(
+    counts: np.ndarray, delay: int, costs: UnitCosts, blocks: list[LayerBlock] | None = None
+) -> StreamTime:
+    """`price_stream` in plain Python, step by step as the module docstring says (tests). With
+    `blocks`, each token-layer's decision and ends are appended to it (`LayerBlock`, token-major:
+    the timelines that benchmarks/host_path_phases.py holds the engine's blocks to)."""
     a = check_counts(counts, delay)
     negative = np.argwhere(a < 0)
     if len(negative):
@@ -256,6 +270,8 @@ def price_stream_reference(counts: np.ndarray, delay: int, costs: UnitCosts) -> 
             else:
                 end = max(fast_done, ready) + host
             parts["host_exposed"] += end - fast_done
+            if blocks is not None:
+                blocks.append(LayerBlock(decided, fast_done, ready, end))
             clock = end
         token_s[t] = clock - begin
     return StreamTime(token_s, parts, hidden_host)
