@@ -118,10 +118,9 @@ def summary(rows: list[tuple[int, int, dict[str, float]]], skip: int) -> list[st
             text += (f" start {med['start']:.2f} reads {med['reads']:5.2f} "
                      f"({med['reads'] / h:.2f}/expert) wait {med['wait']:5.2f} "
                      f"host {med['host']:5.2f} ({med['host'] / h:.2f}/expert)")  # fmt: skip
-        priced = np.array([r[2].get("priced", np.nan) for r in sel])
-        priced = 1e3 * float(np.median(priced[~np.isnan(priced)])) if (~np.isnan(priced)).any() \
-            else np.nan  # fmt: skip
-        lines.append(text + f" total {med['total']:5.2f} priced {priced:5.2f}")
+        priced = [r[2]["priced"] for r in sel if not np.isnan(r[2].get("priced", np.nan))]
+        priced_ms = 1e3 * float(np.median(priced)) if priced else np.nan
+        lines.append(text + f" total {med['total']:5.2f} priced {priced_ms:5.2f}")
     return lines
 
 
