@@ -19,9 +19,11 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
+import moesub.calibration
 import moesub.engine.store
 import moesub.engine.tiers
 import moesub.models
+import moesub.price
 from moesub.artefacts import layout_for, load_trace
 from moesub.calibration import costs_at_speed, speed_probe
 from moesub.capture import run_capture, run_expert_ranking
@@ -686,7 +688,7 @@ def test_cpu_meter_sees_another_process_beside_a_quiet_run():
     assert out["contended"]
 
 
-def test_calibrate_fits_this_machines_profile(stage, tmp_path):
+def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     out = tmp_path / "calibration.json"
     opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
             "calibrate_tokens": 12, "calibrate_rounds": 1}  # fmt: skip
@@ -761,6 +763,27 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path):
     at_speed = price_streams(streams, 1, costs_at_speed(at_disk, speed)).time_per_token_s
     assert row["time_per_token_at_run_speed_s"] == pytest.approx(at_speed, rel=1e-12)
     assert costs_at_run_disk(costs, disk, {}) is None
+    # a run with no disk record (the CUDA tier's, an older artefact's) is priced once at the
+    # profile's costs, and that price is what its speed is probed against: two pricings, not
+    # three
+    no_disk = {k: v for k, v in meta.items() if k not in ("disk_reads", "disk_busy_s")}
+    write_parquet(df, tmp_path / "no_disk.parquet", metadata=no_disk)
+    calls: list[UnitCosts] = []
+
+    def counted(streams, delay, u):
+        calls.append(u)
+        return price_streams(streams, delay, u)
+
+    monkeypatch.setattr(moesub.price, "price_streams", counted)
+    monkeypatch.setattr(moesub.calibration, "price_streams", counted)
+    (row,) = run_price(profile_path, [], [tmp_path / "no_disk.parquet"],
+                       tmp_path / "priced.parquet").rows(named=True)  # fmt: skip
+    plain = price_streams(streams, 1, costs).token_s
+    speed = speed_probe(wall, np.concatenate(streams), plain)
+    assert calls == [costs, costs_at_speed(costs, speed)]
+    assert row["run_speed"] == pytest.approx(speed, rel=1e-12)
+    assert row["time_per_token_at_run_disk_s"] is None  # no disk to price it at
+    assert row["time_per_token_s"] == pytest.approx(plain.mean(), rel=1e-12)
 
 
 def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, monkeypatch):

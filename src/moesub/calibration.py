@@ -382,13 +382,19 @@ def costs_at_speed(costs: UnitCosts, speed: float) -> UnitCosts:
 
 
 def priced_at_speed(
-    wall_s: np.ndarray, streams: Sequence[np.ndarray], delay: int, costs: UnitCosts
+    wall_s: np.ndarray,
+    streams: Sequence[np.ndarray],
+    delay: int,
+    costs: UnitCosts,
+    priced: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
     """A run's streams (their counts (T_i, L, F), `wall_s` (T,) their tokens' times in the same
-    order) priced at `costs`, and again with the compute terms at the run's own speed
-    (`speed_probe` over its tokens, `costs_at_speed`): (price per token (T,), the speed, price
-    per token at that speed (T,); NaN speed: the first price again)."""
-    priced = price_streams(streams, delay, costs).token_s
+    order) priced at `costs` (`priced`, where the caller has that price already), and again with
+    the compute terms at the run's own speed (`speed_probe` over its tokens, `costs_at_speed`):
+    (price per token (T,), the speed, price per token at that speed (T,); NaN speed: the first
+    price again)."""
+    if priced is None:
+        priced = price_streams(streams, delay, costs).token_s
     speed = speed_probe(wall_s, np.concatenate(streams), priced)
     if math.isnan(speed):
         return priced, speed, priced

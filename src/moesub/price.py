@@ -92,10 +92,14 @@ def _delay(meta: dict) -> int:
     return Policy.from_dict(policy_fields(meta["policy"])).delay
 
 
-def _row(hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict) -> dict:
-    """One priced run: its streams priced with and without the host's concurrency."""
+def _row(
+    hardware: str, source: str, costs: UnitCosts, counts: list, meta: dict,
+    priced: StreamTime | None = None,
+) -> dict:  # fmt: skip
+    """One priced run: its streams priced with and without the host's concurrency (`priced`:
+    their price at `costs`, where the caller has it)."""
     delay = _delay(meta)
-    t: StreamTime = price_streams(counts, delay, costs)
+    t = price_streams(counts, delay, costs) if priced is None else priced
     serial = (
         price_streams(counts, delay, replace(costs, concurrent_host=False))
         if (costs.concurrent_host)
@@ -126,18 +130,21 @@ def _engine_row(
     compute at the machine's speed while it ran (`moesub.calibration.speed_probe` over its own
     tokens that only hit, against the price at its disk: `run_speed`; NaN speed, too few such
     tokens: that price)."""
-    streams = stream_counts(df)
-    row = _row(hardware, "engine", costs, streams, meta)
+    streams, delay = stream_counts(df), _delay(meta)
+    priced = price_streams(streams, delay, costs)
+    row = _row(hardware, "engine", costs, streams, meta, priced)
     row["measured_time_per_token_s"] = float(df["wall_s"].mean())
     row["cpu_share"] = meta.get("cpu_share")
     row["other_cores"] = meta.get("other_cores", math.nan)
     row["contended"] = meta.get("contended")
     at_disk = costs_at_run_disk(costs, at_run_disk, meta)
     wall = df.sort("stream", "pos")["wall_s"].to_numpy()  # (T,) in `stream_counts`' order
-    priced, row["run_speed"], at_speed = priced_at_speed(wall, streams, _delay(meta),
-                                                         at_disk or costs)  # fmt: skip
+    # a tier that reads no file (at_disk None) is priced at `costs` already: not twice
+    at_disk_price, row["run_speed"], at_speed = priced_at_speed(
+        wall, streams, delay, at_disk or costs, None if at_disk is not None else priced.token_s
+    )
     if at_disk is not None:
-        row["time_per_token_at_run_disk_s"] = float(priced.mean())
+        row["time_per_token_at_run_disk_s"] = float(at_disk_price.mean())
     row["time_per_token_at_run_speed_s"] = float(at_speed.mean())
     return row
 
