@@ -34,14 +34,19 @@ def test_expert_bytes_of_the_reference_model():
 
 
 @pytest.mark.slow
-def test_reference_weights_are_qwen3_next_80b_a3b():
+def test_reference_weights_are_qwen3_next_80b_a3b(tmp_path):
     """The constants are counted from transformers' Qwen3NextConfig defaults (the 80B-A3B
-    model's) on the meta device: 79.7B weights, 77.3B of them in routed experts."""
+    model's) on the meta device: 79.7B weights, 77.3B of them in routed experts. A checkpoint
+    with that config.json has its dense weights counted to the same number."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
+    from moesub.models import checkpoint_dense_weights
+
     config = Qwen3NextConfig()
+    config.save_pretrained(tmp_path)
+    assert checkpoint_dense_weights(tmp_path) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
     assert (config.num_hidden_layers, config.num_experts) == (48, 512)
@@ -53,6 +58,52 @@ def test_reference_weights_are_qwen3_next_80b_a3b():
     assert model.lm_head.weight.numel() == REFERENCE_HEAD_WEIGHTS
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert experts == 48 * 512 * REFERENCE_GEOMETRY.expert_bytes(8)  # 8 bits: a byte a weight
+
+
+def test_a_checkpoints_dense_weights_are_priced(tmp_path):
+    """A checkpoint's profiles price each MoE layer's dense work from its weights besides the
+    routed experts (attention, router, the dense layer's MLP, norms), counted from its
+    config.json alone, in bf16; the experts and the head as `pricing_bytes` gives them."""
+    pytest.importorskip("torch")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moesub.config import pricing_bytes
+    from moesub.price import write_profile
+
+    config = Qwen3MoeConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=8,
+        num_hidden_layers=3, mlp_only_layers=[0], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "ckpt")  # config.json only: no weights are read
+    model = Qwen3MoeForCausalLM(config)
+    dense = (
+        sum(p.numel() for n, p in model.model.layers.named_parameters() if ".mlp.experts." not in n)
+        / 2
+    )  # fmt: skip  (two MoE layers)
+    cfg = {"models": {"c": {"path": str(tmp_path / "ckpt")}}}
+    out = write_profile(STUDY_PROFILE, PROFILES[STUDY_PROFILE].to_dict(),
+                        None, pricing_bytes(cfg, "c"), tmp_path / "p.json",
+                        tmp_path / "ckpt")  # fmt: skip
+    assert out["model_bytes"]["dense_bytes_per_layer"] == 2 * dense > 0
+    assert out["model_bytes"]["expert_bytes"] == pricing_bytes(cfg, "c")["expert_bytes"]
+    u = PROFILES[STUDY_PROFILE].price(ModelBytes(**out["model_bytes"]))
+    assert out["unit_costs"] == asdict(u)
+    assert json.loads((tmp_path / "p.json").read_text()) == out
+    without = write_profile(STUDY_PROFILE, PROFILES[STUDY_PROFILE].to_dict(), None,
+                            pricing_bytes(cfg, "c"), tmp_path / "q.json")  # fmt: skip
+    assert without["unit_costs"]["dense_layer_s"] < u.dense_layer_s
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        write_profile(
+            STUDY_PROFILE,
+            PROFILES[STUDY_PROFILE].to_dict(),
+            None,
+            pricing_bytes(cfg, "c"),
+            tmp_path / "r.json",
+            tmp_path / "empty",
+        )
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_the_study_profile_priced_for_bf16_experts():

@@ -34,6 +34,7 @@ from typing import Any
 import polars as pl
 
 from moesub.calibration import AtRunDisk, DiskClock, priced_at_speed
+from moesub.config.hardware import DENSE_BITS
 from moesub.hardware import (
     THIS_MACHINE,
     HardwareProfile,
@@ -62,10 +63,13 @@ def write_profile(
     calibration_path: str | os.PathLike | None,
     model_bytes: Mapping[str, float],
     out_path: str | os.PathLike,
+    checkpoint: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The profile `name` priced for a model (module doc): `spec` its keys, or for this_machine
     (spec None) the calibration's profile, priced at the calibration's own expert bytes (what
-    its seconds were measured at); `model_bytes` (`ModelBytes` keys) prices the others."""
+    its seconds were measured at); `model_bytes` (`ModelBytes` keys) prices the others, with a
+    `checkpoint`'s weights besides its routed experts counted from its config.json as each MoE
+    layer's dense bytes, at `DENSE_BITS` (`moesub.models.checkpoint_dense_weights`)."""
     at_run_disk = None
     if name == THIS_MACHINE:
         path = require_file(calibration_path, "calibration_path")
@@ -76,6 +80,11 @@ def write_profile(
     else:
         profile = HardwareProfile.from_dict(name, spec or {})
         bytes_ = ModelBytes(**model_bytes)
+        if checkpoint is not None:
+            from moesub.models import checkpoint_dense_weights  # torch: checkpoints only
+
+            dense = checkpoint_dense_weights(checkpoint) * DENSE_BITS / 8
+            bytes_ = replace(bytes_, dense_bytes_per_layer=dense)
     out = {
         "name": name,
         "profile": profile.to_dict(),

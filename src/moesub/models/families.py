@@ -265,6 +265,18 @@ def moe_info(model: nn.Module) -> MoEInfo:
     )
 
 
+def dense_weights_per_moe_layer(model: nn.Module) -> float:
+    """The weights a decode step reads in the decoder layers besides the routed experts
+    (attention, routers, shared experts, norms, the MLPs of dense layers), over the MoE layers:
+    what the pricing counts as each MoE layer's dense work (`moesub.hardware.ModelBytes`). The
+    embeddings and the LM head are outside the layers. Works on a meta-device model."""
+    family = moe_family(model)
+    moe = _moe_layers(model)
+    layers = sum(p.numel() for p in family.decoder_layers(model).parameters())
+    experts = sum(t.numel() for _, block in moe for t in family.expert_weights(block))
+    return (layers - experts) / len(moe)
+
+
 def moe_taps(model: nn.Module) -> list[tuple[nn.Module, nn.Module | None, nn.Module]]:
     """Per MoE layer: (decoder layer, its pre-MoE norm or None, its sparse block)."""
     family = moe_family(model)
