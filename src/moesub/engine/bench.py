@@ -396,8 +396,9 @@ def _policy_rows(
         slots = max(int(r.counts.sum()), 1)
         c = by_status(r.counts.sum(axis=0))
         delay = plan.policy(name).delay
-        est = priced_median(runs[name], delay, [costs] * len(runs[name]))
         est_disk, est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
+        at_costs = [costs] * len(runs[name])  # a tier reading no file: est_disk is at costs
+        est = est_disk if reference is None else priced_median(runs[name], delay, at_costs)
         run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
         spread, same_work = round_spread(runs[name])
         rows.append(
