@@ -100,10 +100,14 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       p[kPrefetchWait] += prefetched - clock;
       clock = prefetched;
       clock = work(clock, static_cast<double>(pf) * u.install_s, kInstall);
-      // the decision: synchronous copies, then the new background requests, on the link
+      // the decision: synchronous copies, then the host's reads where it reads over the link,
+      // then the new background requests (the engine starts them once the host's reads are
+      // done), on the link
       const double decided = clock;
       const int64_t n_sync = static_cast<int64_t>(c[kFetch]) + c[kForced];
       const double sync_start = n_sync ? enqueue(decided, n_sync) : decided;
+      const int64_t host_reads = u.host_reads_link ? static_cast<int64_t>(c[kHost]) : 0;
+      double reads = host_reads ? enqueue(decided, host_reads) : 0.0;
       req_start[slot] = enqueue(decided, c[kRequests]);
       req_n[slot] = c[kRequests];
       // the fast path: the synchronous copies, then the fast tier's experts
@@ -116,22 +120,23 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       p[kFastCompute] += experts;
       // the host path: its experts computed beside the fast path from the decision on, or
       // after it; where the host reads them over the link, the reads queue behind every copy
-      // queued so far and the host computes once they are done (one processor: they overlap
+      // queued before and the host computes once they are done (one processor: they overlap
       // the fast path, the host's compute follows)
       const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
-      const int64_t n_host = c[kHost];
-      double ready = decided;
-      double reads = link_free;  // the background copies queued so far end, the host's reads start
-      if (u.host_reads_link && n_host) {
-        reads = enqueue(decided, n_host);
-        ready = reads + static_cast<double>(n_host) * u.copy_s;
+      double ready = decided;  // where the host reads nothing over the link
+      double reads_end;
+      if (host_reads) {
+        ready = reads_end = reads + static_cast<double>(host_reads) * u.copy_s;
+      } else {  // the background copies queued so far run to the link's end
+        reads = reads_end = link_free;
       }
-      // the fast tier's experts slowed while the link reads: this decision's background requests
-      // and those before, then the host's reads
+      // the fast tier's experts slowed while the link reads: the background copies queued
+      // before, the host's reads, then this decision's background requests
       const double fast_start = sync_start + copies;
-      const DragWindow windows[2] = {{fast_start, reads, background_drag},
-                                     {reads, link_free, host_drag}};
-      const double fast_done = dragged_end(fast_start, experts, fast_end, windows, 2);
+      const DragWindow windows[3] = {{fast_start, reads, background_drag},
+                                     {reads, reads_end, host_drag},
+                                     {reads_end, link_free, background_drag}};
+      const double fast_done = dragged_end(fast_start, experts, fast_end, windows, 3);
       p[kReadDrag] += fast_done - fast_end;
       double end;
       if (u.concurrent_host) {

@@ -11,6 +11,7 @@ full-weight reference's, and after every token each pinned slot still holds its 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -158,8 +159,10 @@ def test_cuda_engine_runs_v3_policies(tmp_path, name, pinned_layers, device):
 
 def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
     """host_admit on the disk tier: the host worker reads and computes each miss, the I/O
-    thread reads each upload again into a staging buffer; the decoding thread reads nothing
-    (no synchronous fetch under host_compute) once the slots are loaded."""
+    thread reads each upload again into a staging buffer, once the worker has read that layer's
+    host experts (no upload read starts while one of the layer's host reads is in flight);
+    the decoding thread reads nothing (no synchronous fetch under host_compute) once the slots
+    are loaded."""
     pol = V3["llama_cpp_27861"]
     lay = small_layout(E=E)
     experts = write_random(tmp_path / "x.bin", lay)
@@ -167,11 +170,17 @@ def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
     engine = OffloadEngine(DiskTier(store, CAPS, K, ACT), E, K, CAPS, pol, initial_sets(), ACT,
                            admission="delay")  # fmt: skip
     readers: list[str] = []
+    reads: list[tuple[str, int, float, float]] = []  # (thread, layer, start, end)
     real = store.read_into
 
     def read_into(*args):
-        readers.append(threading.current_thread().name)
-        return real(*args)
+        name = threading.current_thread().name
+        readers.append(name)
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            reads.append((name, int(args[0]), start, time.perf_counter()))
 
     monkeypatch.setattr(store, "read_into", read_into)
     trace = synthetic_logits(30, lay.num_layers, E, seed=8)
@@ -184,6 +193,35 @@ def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
     assert requested > 0 and readers.count("moesub-io") == requested
     assert sum(n.startswith("moesub-host") for n in readers) > 0
     assert set(readers) <= {"moesub-io"} | {n for n in readers if n.startswith("moesub-host")}
+    host = [(layer, a, b) for name, layer, a, b in reads if name.startswith("moesub-host")]
+    for _name, layer, start, _end in (r for r in reads if r[0] == "moesub-io"):
+        assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
+
+
+def test_held_uploads_need_their_host_experts(tmp_path):
+    """A step whose uploads wait for the host's reads, computed without its host experts, is
+    an error that says so (their copies would never start)."""
+    pol = V3["llama_cpp_27861"]
+    lay = small_layout(E=E)
+    write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin", expected=lay)
+    engine = OffloadEngine(DiskTier(store, CAPS, K, ACT), E, K, CAPS, pol, initial_sets(), ACT,
+                           admission="delay")  # fmt: skip
+    trace = synthetic_logits(30, lay.num_layers, E, seed=8)
+    try:
+        for t in range(len(trace)):
+            engine.begin_token()
+            s = engine.route(0, trace[t, 0][None])
+            if s.admissions.size:
+                slot, _host = engine.step_ids(s)
+                x = torch.zeros(1, lay.hidden)
+                with pytest.raises(RuntimeError, match="uploads wait for the host's reads"):
+                    engine.compute(0, x, slot, torch.from_numpy(s.weights).float())
+                break
+        else:
+            pytest.fail("no upload requested")
+    finally:
+        engine.close()
 
 
 def test_pinned_slots_are_refused_and_bad_layouts_named(tmp_path):

@@ -185,45 +185,44 @@ HOST_UPLOADS = np.array(
 @pytest.mark.parametrize(
     ("drags", "concurrent", "token_s", "host_exposed", "read_drag", "hidden"),
     [
-        ((0.0, 0.0), False, [245.0, 209.0], 240.0, 0.0, 0.0),
-        ((0.0, 0.0), True, [245.0, 189.0], 220.0, 0.0, 20.0),
-        ((1.0, 0.0), False, [245.0, 239.0], 220.0, 50.0, 0.0),
-        ((1.0, 0.0), True, [245.0, 189.0], 170.0, 50.0, 50.0),
-        ((0.0, 1.0), False, [245.0, 209.0], 210.0, 30.0, 0.0),
-        ((0.0, 1.0), True, [245.0, 189.0], 190.0, 30.0, 20.0),
+        ((0.0, 0.0), False, [205.0, 209.0], 200.0, 0.0, 0.0),
+        ((0.0, 0.0), True, [185.0, 189.0], 160.0, 0.0, 40.0),
+        ((1.0, 0.0), False, [235.0, 239.0], 200.0, 60.0, 0.0),
+        ((1.0, 0.0), True, [185.0, 189.0], 100.0, 60.0, 100.0),
+        ((0.0, 1.0), False, [225.0, 209.0], 200.0, 20.0, 0.0),
+        ((0.0, 1.0), True, [185.0, 189.0], 140.0, 20.0, 60.0),
         ((1.0, 1.0), False, [265.0, 239.0], 200.0, 90.0, 0.0),
-        ((1.0, 1.0), True, [245.0, 189.0], 130.0, 90.0, 70.0),
+        ((1.0, 1.0), True, [185.0, 189.0], 70.0, 90.0, 130.0),
     ],
 )
-def test_host_reads_queue_behind_background_copies(
+def test_host_reads_go_ahead_of_the_uploads(
     price, drags, concurrent, token_s, host_exposed, read_drag, hidden
 ):
     """copy 30, expert 10, host expert 50 (its compute: the read is a copy on the link), dense
-    20, overhead 5, install 2; the host reads over the link.
+    20, overhead 5, install 2; the host reads over the link, and the engine starts a decision's
+    uploads once the host's reads are done.
 
-    token 0: overhead -> 5, dense -> 25; the decision at 25 queues the 2 uploads (link 25-85),
-      then the host's 2 reads behind them (link 85-145). Fast path 25 + 8 x 10 = 105.
-      one processor: the host computes after the fast path and its reads: max(105, 145) + 100
-        = 245. concurrent: max(105, 145 + 100) = 245, nothing hidden.
-    token 1 (from 245): overhead, dense, the uploads landed at 85 (no wait), 2 installs: the
-      decision at 274; the link is free, the reads take 274-334; fast path 274 + 80 = 354.
-      one processor: max(354, 334) + 100 = 454, a token of 209 (the reads hidden behind the
-      fast path). concurrent: max(354, 334 + 100) = 434, a token of 189; 20 of the host's
-      compute hidden.
+    token 0: overhead -> 5, dense -> 25; the decision at 25 queues the host's 2 reads (link
+      25-85), then the 2 uploads behind them (link 85-145). Fast path 25 + 8 x 10 = 105.
+      one processor: the host computes after the fast path and its reads: max(105, 85) + 100
+        = 205. concurrent: max(105, 85 + 100) = 185, 20 of the host's compute hidden.
+    token 1 (from 205): overhead, dense (230), the uploads landed at 145 (no wait), 2 installs:
+      the decision at 234; the link is free, the reads take 234-294; fast path 234 + 80 = 314.
+      one processor: max(314, 294) + 100 = 414, a token of 209 (the reads hidden behind the
+      fast path). concurrent (from 185, the decision at 214): max(294, 274 + 100) = 374, a
+      token of 189, 20 hidden.
     With the fast tier at half speed while the host reads its experts (host_read_drag 1):
-    token 0: its 80 run at full speed to 85 (60 of them), the last 20 inside the host's reads
-      at half speed: the fast path ends at 125 (20 of drag); the host's compute follows the
-      reads (145) either way: 245.
-    token 1: the fast path's first 30 take all of the reads (274-334), its last 50 follow: it
-      ends at 384 (30 of drag). one processor: 384 + 100 = 484, a token of 239. concurrent:
-      max(384, 334 + 100) = 434, a token of 189, 50 of the host's compute hidden.
-    At half speed while the uploads are read (background_read_drag 1): token 0's first 30 take
-      the uploads' reads (25-85), its last 50 follow: 135 (30 of drag), still before the host's
-      reads end: 245. Token 1 reads no upload: 209, or 189 (20 hidden).
-    Both: token 0's 80 take the whole link (25-145) for 60, the last 20 follow: 165 (60 of
-      drag). one processor: 165 + 100 = 265, then (from 265, on an idle link until the
-      decision at 294) the reads 294-354 and the fast path to 404: 504, a token of 239.
-      concurrent: max(165, 145 + 100) = 245 (20 hidden), then as with the host's drag alone.
+      token 0's first 30 take the reads (25-85), its last 50 follow: 135 (30 of drag); one
+      processor: 135 + 100 = 235, concurrent: max(135, 185) = 185 (50 hidden). Token 1 the same
+      way: 264 + 30 -> 324, its last 50 to 374: 474, a token of 239; concurrent 214 -> 324,
+      max(324, 374): 189 (50 hidden).
+    At half speed while the uploads are read (background_read_drag 1): token 0's first 60 run
+      to 85 at full speed, its last 20 inside the uploads' reads: 125 (20 of drag); 225, or
+      185 (40 hidden). Token 1 reads no upload: 209, or 189 (20 hidden).
+    Both: token 0's first 30 take the host's reads, the next 30 the uploads' (85-145), the last
+      20 follow: 165 (60 of drag). one processor: 265, then the reads 294-354 and the fast path
+      to 404: 504, a token of 239. concurrent: max(165, 185) = 185 (80 hidden), then as with the
+      host's drag alone.
     The drag is its own part (read_drag); the host's is the end past the dragged fast path
     (host_exposed).
     Without the link the host computes from the decision on (no reads, nothing to drag): 205
@@ -246,12 +245,12 @@ def test_host_reads_queue_behind_background_copies(
 
 def test_the_reference_records_each_blocks_timeline():
     """The example above on one processor, without drags: token 0's block decides at 25, its
-    fast path ends at 105, the host's reads at 145, the layer at 245; token 1's at 274, 354,
-    334 and 454 (the reads hidden behind the fast path)."""
+    fast path ends at 105, the host's reads at 85, the layer at 205; token 1's at 234, 314,
+    294 and 414 (the reads hidden behind the fast path)."""
     blocks: list[LayerBlock] = []
     u = replace(units(False, copy_s=30.0), host_reads_link=True)
     r = price_stream_reference(HOST_UPLOADS, 1, u, blocks)
-    assert blocks == [LayerBlock(25.0, 105.0, 145.0, 245.0), LayerBlock(274.0, 354.0, 334.0, 454.0)]
+    assert blocks == [LayerBlock(25.0, 105.0, 85.0, 205.0), LayerBlock(234.0, 314.0, 294.0, 414.0)]
     assert r.token_s.tolist() == price_stream_reference(HOST_UPLOADS, 1, u).token_s.tolist()
 
 

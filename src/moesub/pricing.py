@@ -17,13 +17,13 @@ says where this simplifies the engine):
    at this layer, FIFO on the link), then each is installed (`install_s`);
 3. step 1b: the prefetched experts wait for their copies, then each is installed;
 4. the decision: synchronous copies (fetch, forced) queue on the link behind every copy already
-   queued; then this token-layer's background requests queue behind them;
+   queued; then, where the host reads its experts over the link (`host_reads_link`: the disk
+   tier, whose host computes each from a fresh disk read), the host's reads (`copy_s` each);
+   then this token-layer's background requests (the engine starts them once the host's reads
+   are done, so that no layer waits on a copy for a later token);
 5. the fast path: the synchronous copies, then the fast tier's experts (hit, fetch, sub,
    forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each), starting
-   at the decision. Where the host reads its experts over the link (`host_reads_link`: the
-   disk tier, whose host computes each from a fresh disk read), their reads queue on the link
-   behind every copy queued so far (this decision's background requests included, as the
-   engine asks them first), take `copy_s` each, and the host computes once they are done
+   at the decision, or where it reads them over the link once its reads are done
    (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
    paths have (max); else the host computes after the fast path and its own reads (the reads
    overlap the fast path: the disk tier's worker reads while the main thread computes).
@@ -235,10 +235,14 @@ def price_stream_reference(
                 parts["prefetch_wait"] += ready - clock
                 clock = ready
             clock = work(clock, c[PREFETCHED] * u.install_s, "install")
-            # the decision: synchronous copies, then the new background requests, on the link
+            # the decision: synchronous copies, then the host's reads where it reads over the
+            # link, then the new background requests (the engine starts them once the host's
+            # reads are done), on the link
             decided = clock
             n_sync = c[FETCH] + c[FORCED]
             sync_start = enqueue(decided, n_sync) if n_sync else decided
+            host_reads = c[HOST] if u.host_reads_link else 0
+            reads = enqueue(decided, host_reads) if host_reads else 0.0
             requested[layer][slot] = (enqueue(decided, c[REQUESTS]), c[REQUESTS])
             # the fast path: the synchronous copies, then the fast tier's experts
             n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]
@@ -247,21 +251,22 @@ def price_stream_reference(
             parts["sync_copy"] += n_sync * u.copy_s
             parts["fast_compute"] += n_fast * u.expert_s
             # the host path: its experts computed beside the fast path from the decision on, or
-            # after it; read over the link, the reads queue behind every copy queued so far and
+            # after it; read over the link, the reads queue behind every copy queued before and
             # the host computes once they are done (one processor: they overlap the fast path,
             # the host's compute follows)
             host = c[HOST] * u.host_expert_s
-            ready = decided
-            reads = link_free  # the background copies queued so far end, the host's reads start
-            if u.host_reads_link and c[HOST]:
-                reads = enqueue(decided, c[HOST])
-                ready = reads + c[HOST] * u.copy_s
-            # the fast tier's experts slowed while the link reads: this decision's background
-            # requests and those before, then the host's reads
+            ready = decided  # where the host reads nothing over the link: from the decision on
+            if host_reads:
+                ready = reads_end = reads + host_reads * u.copy_s
+            else:  # the background copies queued so far run to the link's end
+                reads = reads_end = link_free
+            # the fast tier's experts slowed while the link reads: the background copies queued
+            # before, the host's reads, then this decision's background requests
             fast_start = sync_start + n_sync * u.copy_s
             fast_done = _dragged_end(
                 fast_start, n_fast * u.expert_s, fast_end,
-                ((fast_start, reads, background_drag), (reads, link_free, host_drag)),
+                ((fast_start, reads, background_drag), (reads, reads_end, host_drag),
+                 (reads_end, link_free, background_drag)),
             )  # fmt: skip
             parts["read_drag"] += fast_done - fast_end
             if u.concurrent_host:

@@ -73,9 +73,14 @@ class BackgroundCopies:
         self._bytes: collections.Counter[str] = collections.Counter()
 
     # ---------------------------------------------------------------------------- in flight
-    def request(self, layer: int, expert: int, purpose: str, token: int) -> None:
-        """Start copying `expert` of `layer` in the background."""
-        self.tier.request(layer, expert)
+    def request(
+        self, layer: int, expert: int, purpose: str, token: int, submit: bool = True
+    ) -> None:
+        """Start copying `expert` of `layer` in the background (`submit=False`: the ledger
+        only; the owner has the tier start it later, `tier.request` or `then=` of
+        `tier.host_begin`)."""
+        if submit:
+            self.tier.request(layer, expert)
         self._flight[layer].append(Copy(layer, expert, purpose, token))
 
     def poll(self, layer: int) -> None:

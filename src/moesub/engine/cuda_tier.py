@@ -336,10 +336,18 @@ class CudaTier:
         return gu[first : first + count], dn[first : first + count]
 
     def host_begin(
-        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        host_ids: np.ndarray,
+        weights: torch.Tensor,
+        then: Sequence[int] = (),
     ) -> tuple:
         """The host's experts start at `host_end`: the slot kernels queued between the two run
-        on the GPU while the CPU computes (the host thread is the one the GPU does not need)."""
+        on the GPU while the CPU computes (the host thread is the one the GPU does not need).
+        The copies of experts `then` start now (the host reads nothing over the link)."""
+        for expert in then:
+            self.request(layer, expert)
         return (layer, hidden, host_ids, weights)
 
     def host_end(self, job: tuple) -> tuple[torch.Tensor, int]:

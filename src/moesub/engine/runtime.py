@@ -43,8 +43,9 @@ before) and waits for both (`TokenStats.host_wait_s`). The layer's output is the
 sum over ranks of the weighted rows wherever each was computed (`expert_forward(per_rank=True)`),
 so a lossless policy computes bit for bit what every expert in a slot would. `host_admit`
 (policy v3): the core hands the uploads of host-computed experts over as admissions; each is a
-background copy like beta's (disk: the I/O thread reads the expert again; CUDA: pinned memory ->
-GPU on the side stream), admitted under either timing below.
+background copy like beta's (disk: the I/O thread reads the expert again, once the worker has
+read the host's experts, so that the layer never waits on an upload; CUDA: pinned memory -> GPU
+on the side stream), admitted under either timing below.
 
 Policy v3 (docs/policy-semantics.md): each layer has its own capacity `C_l` (the tier's slots of
 that layer) and initial set; `pin` keeps the first `pin_l` experts of layer l's initial set in
@@ -160,6 +161,7 @@ class OffloadEngine:
         self._due: list[list[tuple[int, int]]] = [[] for _ in range(L)]  # (ready token, expert)
         self._assigned: list[list[int]] = [[] for _ in range(L)]  # delay: admitted, not landed
         self._issued: list[list[int]] = [[] for _ in range(L)]  # prefetched for the next step
+        self._after_host: list[list[int]] = [[] for _ in range(L)]  # held for the host's reads
         self._pf_landed = [{} for _ in range(L)]
         self._lookahead: list[np.ndarray | None] = [None] * L
         self.caches = [
@@ -286,9 +288,14 @@ class OffloadEngine:
         self._settle_prefetches(layer)
         computed = set(s.slot[s.slot >= 0].tolist())
         self._wait(layer, lambda: self.copies.any_awaiting(layer, computed), "prefetch_wait_s")
-        # 5. admissions requested by this step run in the background
+        # 5. admissions requested by this step run in the background. Where the host reads its
+        # experts over the link (the disk tier), they start once the host's reads are done
+        # (`compute`): the layer waits on those reads, not on copies for later tokens
+        held = self.tier.host_reads_link and bool((s.status == HOST).any())
         for tok, expert in s.admissions.tolist():
-            self.copies.request(layer, int(expert), ADMISSION, self.token)
+            self.copies.request(layer, int(expert), ADMISSION, self.token, submit=not held)
+            if held:
+                self._after_host[layer].append(int(expert))
             st.admissions += 1
             if self.admission == "delay":
                 self._due[layer].append((int(tok) + self.policy.delay, int(expert)))
@@ -445,7 +452,13 @@ class OffloadEngine:
         tier = self.tier
         job = None
         if host is not None and (host.ids >= 0).any():
-            job = tier.host_begin(layer, host.hidden, host.ids, host.weights)
+            held, self._after_host[layer] = self._after_host[layer], []
+            job = tier.host_begin(layer, host.hidden, host.ids, host.weights, then=held)
+        elif self._after_host[layer]:
+            raise RuntimeError(
+                f"compute: layer {layer}'s step had host experts, but none were given (host=); "
+                "their uploads wait for the host's reads"
+            )
         slots = tier.slots[layer]
         out = expert_forward(
             hidden, slot_ids, weights, slots.gate_up, slots.down, self.act, tier.path,

@@ -417,11 +417,29 @@ class DiskTier:
         return read_experts(self.store, layer, first, count)
 
     def host_begin(
-        self, layer: int, hidden: torch.Tensor, host_ids: np.ndarray, weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        host_ids: np.ndarray,
+        weights: torch.Tensor,
+        then: Sequence[int] = (),
     ) -> HostJob:
-        """Start the host's reads on the worker thread; the caller computes the slots' experts
-        meanwhile and the host's after them (`host_end`): one processor, one OpenMP team."""
-        return HostJob(self._host.submit(self.host_read, layer, host_ids), hidden, weights)
+        """Start the host's reads on the worker thread, then the background copies of experts
+        `then` (its uploads: behind its reads on the one disk); the caller computes the slots'
+        experts meanwhile and the host's after them (`host_end`): one processor, one OpenMP
+        team."""
+        return HostJob(
+            self._host.submit(self._read_then_request, layer, host_ids, tuple(then)),
+            hidden, weights,
+        )  # fmt: skip
+
+    def _read_then_request(
+        self, layer: int, host_ids: np.ndarray, then: tuple[int, ...]
+    ) -> tuple[np.ndarray, int, int]:
+        read = self.host_read(layer, host_ids)
+        for expert in then:
+            self.reader.submit(layer, expert)
+        return read
 
     def host_end(self, job: HostJob) -> tuple[torch.Tensor, int]:
         """The host's experts, once read: hidden [N, H] and weights [N, k] -> (weighted rows
