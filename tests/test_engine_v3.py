@@ -198,6 +198,39 @@ def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
         assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
 
 
+def test_cuda_tier_uploads_of_a_disk_layer_follow_the_hosts_reads(tmp_path, monkeypatch):
+    """The CUDA tier with its layers on disk (the host reads each miss over the link): an
+    upload's read (the I/O thread, disk -> pinned) starts once the host has read that step's
+    experts (on the decoding thread, in `host_end`), never while one of its layer's is read."""
+    tier, experts, lay = fake_cuda_tier(tmp_path, CAPS, 0)
+    assert tier.host_reads_link
+    engine = OffloadEngine(tier, E, K, CAPS, V3["llama_cpp_27861"], initial_sets(), ACT,
+                           admission="delay")  # fmt: skip
+    store = tier.host.store
+    reads: list[tuple[str, int, float, float]] = []  # (thread, layer, start, end)
+    real = store.read_into
+
+    def read_into(*args):
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            name = threading.current_thread().name
+            reads.append((name, int(args[0]), start, time.perf_counter()))
+
+    monkeypatch.setattr(store, "read_into", read_into)
+    trace = synthetic_logits(30, lay.num_layers, E, seed=8)
+    try:
+        drive_overlap(engine, trace, trace, experts, lay.hidden, early=False)
+    finally:
+        engine.close()
+    host = [(layer, a, b) for name, layer, a, b in reads if name != "moesub-io"]
+    uploads = [(layer, a) for name, layer, a, _b in reads if name == "moesub-io"]
+    assert host and uploads
+    for layer, start in uploads:
+        assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
+
+
 def test_held_uploads_need_their_host_experts(tmp_path):
     """A step whose uploads wait for the host's reads, computed without its host experts, is
     an error that says so (their copies would never start)."""

@@ -345,14 +345,18 @@ class CudaTier:
     ) -> tuple:
         """The host's experts start at `host_end`: the slot kernels queued between the two run
         on the GPU while the CPU computes (the host thread is the one the GPU does not need).
-        The copies of experts `then` start now (the host reads nothing over the link)."""
-        for expert in then:
-            self.request(layer, expert)
-        return (layer, hidden, host_ids, weights)
+        The copies of experts `then` (its uploads) start after them."""
+        return (layer, hidden, host_ids, weights, tuple(then))
 
     def host_end(self, job: tuple) -> tuple[torch.Tensor, int]:
-        """`host_forward` of `host_begin`'s inputs: (rows [N, k, H] on the GPU, bytes read)."""
-        return self.host_forward(*job)
+        """`host_forward` of `host_begin`'s inputs: (rows [N, k, H] on the GPU, bytes read);
+        then the copies of `then` start (behind the host's own reads where its layer is on
+        disk: the engine holds uploads only on a tier whose host reads over the link)."""
+        layer, hidden, host_ids, weights, then = job
+        rows = self.host_forward(layer, hidden, host_ids, weights)
+        for expert in then:
+            self.request(layer, expert)
+        return rows
 
     def token_sync(self) -> None:
         """Wait for the compute stream (not the side stream: admissions keep copying)."""

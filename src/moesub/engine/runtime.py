@@ -45,7 +45,8 @@ so a lossless policy computes bit for bit what every expert in a slot would. `ho
 (policy v3): the core hands the uploads of host-computed experts over as admissions; each is a
 background copy like beta's (disk: the I/O thread reads the expert again, once the worker has
 read the host's experts, so that the layer never waits on an upload; CUDA: pinned memory -> GPU
-on the side stream), admitted under either timing below.
+on the side stream, after the host's experts where their layer is on disk), admitted under
+either timing below.
 
 Policy v3 (docs/policy-semantics.md): each layer has its own capacity `C_l` (the tier's slots of
 that layer) and initial set; `pin` keeps the first `pin_l` experts of layer l's initial set in
