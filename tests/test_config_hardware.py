@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from moesub.config import (
-    checkpoint_path,
     load_config,
     priced_hardware,
     pricing_bytes,
@@ -125,5 +124,3 @@ def test_models_are_priced_at_their_pricing_geometry_and_expert_bits(tmp_path):
     got = pricing_bytes(cfg, "c")
     assert got["expert_bytes"] == pricing_geometry(cfg, "c").expert_bytes(8) == 3 * 64 * 32
     assert (got["dense_bytes_per_layer"], got["head_bytes"]) == (0.0, 100 * 64 * 2)
-    # the rest of a checkpoint's dense weights: counted by its profiles' job, from its path
-    assert (checkpoint_path(cfg, "c"), checkpoint_path(cfg, "e")) == (str(ckpt), None)

@@ -34,19 +34,17 @@ def test_expert_bytes_of_the_reference_model():
 
 
 @pytest.mark.slow
-def test_reference_weights_are_qwen3_next_80b_a3b(tmp_path):
+def test_reference_weights_are_qwen3_next_80b_a3b():
     """The constants are counted from transformers' Qwen3NextConfig defaults (the 80B-A3B
     model's) on the meta device: 79.7B weights, 77.3B of them in routed experts. A checkpoint
-    with that config.json has its dense weights counted to the same number."""
+    with that config has its dense weights counted to the same number by its check."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
-    from moesub.models import checkpoint_dense_weights
+    from moesub.models import moe_info
 
     config = Qwen3NextConfig()
-    config.save_pretrained(tmp_path)
-    assert checkpoint_dense_weights(tmp_path) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
     with torch.device("meta"):
         model = Qwen3NextForCausalLM(config)
     assert (config.num_hidden_layers, config.num_experts) == (48, 512)
@@ -55,6 +53,8 @@ def test_reference_weights_are_qwen3_next_80b_a3b(tmp_path):
         for layer in model.model.layers
     ]
     assert sum(dense) / len(dense) == REFERENCE_DENSE_WEIGHTS_PER_LAYER
+    # what a checkpoint's check records of a checkpoint with this config
+    assert moe_info(model).dense_weights_per_layer == REFERENCE_DENSE_WEIGHTS_PER_LAYER
     assert model.lm_head.weight.numel() == REFERENCE_HEAD_WEIGHTS
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert experts == 48 * 512 * REFERENCE_GEOMETRY.expert_bytes(8)  # 8 bits: a byte a weight
@@ -62,12 +62,14 @@ def test_reference_weights_are_qwen3_next_80b_a3b(tmp_path):
 
 def test_a_checkpoints_dense_weights_are_priced(tmp_path):
     """A checkpoint's profiles price each MoE layer's dense work from its weights besides the
-    routed experts (attention, router, the dense layer's MLP, norms), counted from its
-    config.json alone, in bf16; the experts and the head as `pricing_bytes` gives them."""
-    pytest.importorskip("torch")
+    routed experts (attention, router, the dense layer's MLP, norms), as its check records them
+    (`moe_info`, on the meta device), in bf16; the experts and the head as `pricing_bytes` gives
+    them. A record from before the count is an error naming the rerun."""
+    torch = pytest.importorskip("torch")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moesub.config import pricing_bytes
+    from moesub.models import moe_info
     from moesub.price import write_profile
 
     config = Qwen3MoeConfig(
@@ -75,34 +77,30 @@ def test_a_checkpoints_dense_weights_are_priced(tmp_path):
         num_hidden_layers=3, mlp_only_layers=[0], num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, num_experts=8, num_experts_per_tok=2,
     )  # fmt: skip
-    config.save_pretrained(tmp_path / "ckpt")  # config.json only: no weights are read
-    model = Qwen3MoeForCausalLM(config)
+    config.save_pretrained(tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
     dense = (
         sum(p.numel() for n, p in model.model.layers.named_parameters() if ".mlp.experts." not in n)
         / 2
     )  # fmt: skip  (two MoE layers)
+    record = tmp_path / "checkpoint.json"  # as the model_checkpoint rule writes it
+    record.write_text(json.dumps({"path": str(tmp_path / "ckpt"), **moe_info(model).to_dict()}))
     cfg = {"models": {"c": {"path": str(tmp_path / "ckpt")}}}
-    out = write_profile(STUDY_PROFILE, PROFILES[STUDY_PROFILE].to_dict(),
-                        None, pricing_bytes(cfg, "c"), tmp_path / "p.json",
-                        tmp_path / "ckpt")  # fmt: skip
+    spec = PROFILES[STUDY_PROFILE].to_dict()
+    out = write_profile(STUDY_PROFILE, spec, None, pricing_bytes(cfg, "c"), tmp_path / "p.json",
+                        record)  # fmt: skip
     assert out["model_bytes"]["dense_bytes_per_layer"] == 2 * dense > 0
     assert out["model_bytes"]["expert_bytes"] == pricing_bytes(cfg, "c")["expert_bytes"]
     u = PROFILES[STUDY_PROFILE].price(ModelBytes(**out["model_bytes"]))
     assert out["unit_costs"] == asdict(u)
     assert json.loads((tmp_path / "p.json").read_text()) == out
-    without = write_profile(STUDY_PROFILE, PROFILES[STUDY_PROFILE].to_dict(), None,
-                            pricing_bytes(cfg, "c"), tmp_path / "q.json")  # fmt: skip
+    without = write_profile(STUDY_PROFILE, spec, None, pricing_bytes(cfg, "c"), tmp_path / "q.json")
     assert without["unit_costs"]["dense_layer_s"] < u.dense_layer_s
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="config.json"):
-        write_profile(
-            STUDY_PROFILE,
-            PROFILES[STUDY_PROFILE].to_dict(),
-            None,
-            pricing_bytes(cfg, "c"),
-            tmp_path / "r.json",
-            tmp_path / "empty",
-        )
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"path": str(tmp_path / "ckpt"), "num_experts": 8}))
+    with pytest.raises(ValueError, match="no dense_weights_per_layer.*forcerun model_checkpoint"):
+        write_profile(STUDY_PROFILE, spec, None, pricing_bytes(cfg, "c"), tmp_path / "r.json", old)
     assert not (tmp_path / "r.json").exists()
 
 

@@ -102,7 +102,10 @@ def test_moe_info_matches_structure(family_model):
     family, model = family_model
     info = moe_info(model)
     L, idx, E, k, norm, width, shared = EXPECTED[family]
-    assert info == MoEInfo(family, L, idx, E, k, norm, 32, width, shared, VOCAB)
+    # the decoder layers' weights but the routed experts', over the MoE layers
+    dense = sum(p.numel() for n, p in model.model.layers.named_parameters()
+                if ".mlp.experts." not in n) / L  # fmt: skip
+    assert info == MoEInfo(family, L, idx, E, k, norm, 32, width, shared, VOCAB, dense)
     blocks = moe_blocks(model)
     assert len(blocks) == L
     for i, b in zip(idx, blocks, strict=True):

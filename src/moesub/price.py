@@ -68,8 +68,9 @@ def write_profile(
     """The profile `name` priced for a model (module doc): `spec` its keys, or for this_machine
     (spec None) the calibration's profile, priced at the calibration's own expert bytes (what
     its seconds were measured at); `model_bytes` (`ModelBytes` keys) prices the others, with a
-    `checkpoint`'s weights besides its routed experts counted from its config.json as each MoE
-    layer's dense bytes, at `DENSE_BITS` (`moesub.models.checkpoint_dense_weights`)."""
+    checkpoint's weights besides its routed experts as each MoE layer's dense bytes, at
+    `DENSE_BITS`, from its check's record (`checkpoint`: `results/{model}/checkpoint.json`,
+    `dense_weights_per_layer`, counted on the meta device by `moesub.models.check_checkpoint`)."""
     at_run_disk = None
     if name == THIS_MACHINE:
         path = require_file(calibration_path, "calibration_path")
@@ -81,9 +82,13 @@ def write_profile(
         profile = HardwareProfile.from_dict(name, spec or {})
         bytes_ = ModelBytes(**model_bytes)
         if checkpoint is not None:
-            from moesub.models import checkpoint_dense_weights  # torch: checkpoints only
-
-            dense = checkpoint_dense_weights(checkpoint) * DENSE_BITS / 8
+            record = json.loads(require_file(checkpoint, "checkpoint").read_text())
+            if "dense_weights_per_layer" not in record:
+                raise ValueError(
+                    f"{checkpoint}: no dense_weights_per_layer (a check before they were "
+                    "counted): rerun it, `snakemake --forcerun model_checkpoint`"
+                )
+            dense = record["dense_weights_per_layer"] * DENSE_BITS / 8
             bytes_ = replace(bytes_, dense_bytes_per_layer=dense)
     out = {
         "name": name,

@@ -20,7 +20,6 @@ from moesub.config import (
     expand_policies,
     input_paths,
     canonical,
-    checkpoint_path,
     is_planned,
     model_sizes,
     number_label,
@@ -302,13 +301,13 @@ def trace_params(wildcards):
 
 def profile_inputs(wildcards):
     """this_machine's profile comes from the calibration of the first engine device; the
-    others, for a checkpoint, count its dense weights from its config.json (checked)."""
+    others price a checkpoint's dense weights from its check's record."""
     if wildcards.hardware == THIS_MACHINE:
         device = ENGINE_DEVICES[0]
         return {
             "calibration": f"results/{wildcards.model}/engine/{device}/calibration.json"
         }
-    if checkpoint_path(config, wildcards.model) is not None:
+    if wildcards.model in CHECKPOINT_MODELS:
         return {"checkpoint": model_artefact(wildcards.model)}
     return {}
 
@@ -323,14 +322,6 @@ def model_bytes_params(wildcards):
     if wildcards.hardware == THIS_MACHINE:
         return None
     return canonical(pricing_bytes(config, wildcards.model))
-
-
-def dense_from_params(wildcards):
-    """The checkpoint whose dense weights the profile counts (None: this machine, or a model
-    priced at the reference model's)."""
-    if wildcards.hardware == THIS_MACHINE:
-        return None
-    return checkpoint_path(config, wildcards.model)
 
 
 def price_inputs(wildcards):

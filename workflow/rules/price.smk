@@ -15,7 +15,6 @@ rule hardware_profile:
     params:
         spec=profile_params,
         model_bytes=model_bytes_params,
-        dense_from=dense_from_params,
     script:
         "../scripts/hardware_profile.py"
 

@@ -12,5 +12,5 @@ write_profile(
     snakemake.input.get("calibration"),
     snakemake.params.model_bytes,
     snakemake.output[0],
-    snakemake.params.dense_from,
+    snakemake.input.get("checkpoint"),
 )

@@ -1,4 +1,5 @@
-"""Rule model_checkpoint: validate a local checkpoint and record its MoE geometry."""
+"""Rule model_checkpoint: validate a local checkpoint and record its MoE geometry and the weights
+its layers hold besides the routed experts (the profiles price them)."""
 
 # ruff: noqa: F821  (`snakemake` is injected by Snakemake)
 import logging

@@ -20,8 +20,7 @@ one concept:
   each stage runs at (`stage_sizes`), the regime's (`regime_size`), pin specs at every size
   (`check_pins`) and every other capacity rule (`check_capacities`);
 - `hardware`: the profiles priced (`priced_hardware`), the user's own (`user_profiles`), the
-  bytes a model is priced at (`pricing_bytes`: its pricing geometry at its `expert_bits`), the
-  checkpoint whose dense weights its profiles' job counts (`checkpoint_path`).
+  bytes a model is priced at (`pricing_bytes`: its pricing geometry at its `expert_bits`).
 """
 
 from __future__ import annotations
@@ -36,13 +35,7 @@ from moesub.config.geometry import (
     read_checkpoint_geometry,
     read_pricing_geometry,
 )
-from moesub.config.hardware import (
-    checkpoint_path,
-    priced_hardware,
-    pricing_bytes,
-    profile_spec,
-    user_profiles,
-)
+from moesub.config.hardware import priced_hardware, pricing_bytes, profile_spec, user_profiles
 from moesub.config.inputs import (
     TOKENIZER_FILES,
     check_checkpoint_dir,
@@ -126,7 +119,6 @@ __all__ = [
     "number_label",
     "policy_spec",
     "policy_subset",
-    "checkpoint_path",
     "priced_hardware",
     "pricing_bytes",
     "pricing_geometry",

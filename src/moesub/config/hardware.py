@@ -56,13 +56,6 @@ def priced_hardware(config: Mapping[str, Any]) -> list[str]:
     return list(price)
 
 
-def checkpoint_path(config: Mapping[str, Any], model: str) -> str | None:
-    """The checkpoint whose dense weights a profile's job counts: model `model`'s path, None
-    for the embedded model and trace models (priced at the reference model's dense bytes)."""
-    spec = config["models"][model]
-    return None if spec.get("embedded") or spec.get("trace") else str(spec["path"])
-
-
 def profile_spec(config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     """A priced profile's keys (`HardwareProfile.from_dict`'s mapping), None for this_machine
     (the engine's calibration gives it)."""
@@ -81,7 +74,8 @@ def pricing_bytes(config: Mapping[str, Any], model: str) -> dict[str, float]:
     only, so it is priced as the reference model, `moesub.config.pricing_geometry`), a
     checkpoint's LM head (vocab x hidden), both in bf16. A checkpoint's other non-expert weights
     (attention, routers, shared experts) need its model built from its config, which takes
-    torch: its profiles' job counts them (`checkpoint_path`, `moesub.price.write_profile`)."""
+    torch: its check counts them once, and its profiles' jobs read that record
+    (`moesub.price.write_profile`)."""
     bits = expert_bits(config, model)
     spec = config["models"][model]
     if spec.get("embedded") or spec.get("trace"):

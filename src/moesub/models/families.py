@@ -196,6 +196,10 @@ class MoEInfo:
     expert_width: int  # I (an expert's intermediate size)
     has_shared_expert: bool
     vocab_size: int
+    # weights besides the routed experts in the decoder layers, per MoE layer (attention,
+    # routers, shared experts, norms, dense layers' MLPs): what a profile prices as each MoE
+    # layer's dense work (`dense_weights_per_moe_layer`)
+    dense_weights_per_layer: float
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -262,6 +266,7 @@ def moe_info(model: nn.Module) -> MoEInfo:
         expert_width=width,
         has_shared_expert=shared,
         vocab_size=int(cfg.vocab_size),
+        dense_weights_per_layer=dense_weights_per_moe_layer(model),
     )
 
 
@@ -269,7 +274,8 @@ def dense_weights_per_moe_layer(model: nn.Module) -> float:
     """The weights a decode step reads in the decoder layers besides the routed experts
     (attention, routers, shared experts, norms, the MLPs of dense layers), over the MoE layers:
     what the pricing counts as each MoE layer's dense work (`moesub.hardware.ModelBytes`). The
-    embeddings and the LM head are outside the layers. Works on a meta-device model."""
+    embeddings and the LM head are outside the layers. Works on a meta-device model (a
+    checkpoint's check counts it so, `moesub.models.check_checkpoint`)."""
     family = moe_family(model)
     moe = _moe_layers(model)
     layers = sum(p.numel() for p in family.decoder_layers(model).parameters())

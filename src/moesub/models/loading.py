@@ -22,12 +22,7 @@ import torch
 from torch import nn
 
 from moesub.config import check_checkpoint_dir, has_tokenizer, schema_defaults
-from moesub.models.families import (
-    SUPPORTED_FAMILIES,
-    MoEInfo,
-    dense_weights_per_moe_layer,
-    moe_info,
-)
+from moesub.models.families import SUPPORTED_FAMILIES, MoEInfo, moe_info
 from moesub.params import options_from
 
 _WEIGHT_FILES = (
@@ -58,6 +53,8 @@ def check_checkpoint(path: str | os.PathLike, tokenizer: bool = False) -> MoEInf
     answer comes from the same module-structure code as `moe_info`. `tokenizer`: the checkpoint
     must also hold tokenizer files (the pipeline tokenizes its streams with them).
     """
+    from transformers import AutoModelForCausalLM
+
     p = check_checkpoint_dir(path, "model path")
     has_weights = any((p / f).is_file() for f in _WEIGHT_FILES) or any(p.glob("*.safetensors"))
     if not has_weights:
@@ -65,29 +62,6 @@ def check_checkpoint(path: str | os.PathLike, tokenizer: bool = False) -> MoEInf
             f"{str(p)!r} is not a complete checkpoint: no weight files ({', '.join(_WEIGHT_FILES)})"
         )
     has_tokenizer(p, required=tokenizer)
-    model = _meta_model(p)
-    try:
-        return moe_info(model)
-    except ValueError as e:
-        raise ValueError(f"{str(p)!r}: {e}") from e
-
-
-def checkpoint_dense_weights(path: str | os.PathLike) -> float:
-    """A checkpoint's weights besides its routed experts, per MoE layer, counted from its
-    config.json alone on the meta device (`moesub.models.families.dense_weights_per_moe_layer`):
-    what its profiles price as each layer's dense work (`moesub.price.write_profile`)."""
-    p = check_checkpoint_dir(path, "model path")
-    try:
-        return dense_weights_per_moe_layer(_meta_model(p))
-    except ValueError as e:
-        raise ValueError(f"{str(p)!r}: {e}") from e
-
-
-def _meta_model(p: Path) -> nn.Module:
-    """The checkpoint's model built from its config on the meta device (no memory, no weights);
-    an unsupported family or a config transformers cannot build is an error naming it."""
-    from transformers import AutoModelForCausalLM
-
     config = _load_config(p)
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
@@ -97,9 +71,13 @@ def _meta_model(p: Path) -> nn.Module:
         )
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # transformers raises many kinds for a bad config
         raise ValueError(f"{str(p)!r}: cannot build the model from its config: {e}") from e
+    try:
+        return moe_info(model)
+    except ValueError as e:
+        raise ValueError(f"{str(p)!r}: {e}") from e
 
 
 def load_tokenizer(path: str | os.PathLike):
