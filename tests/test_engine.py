@@ -852,9 +852,10 @@ def test_benchmark_table(tmp_path, monkeypatch):
     params = dict(
         layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
         warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
-        routing="synthetic", rounds=1,
+        routing="synthetic", rounds=1, threads=1,
     )  # fmt: skip
     tiers = []  # every run gets a tier of its own, closed before the next one is made
+    caller_threads, run_threads = torch.get_num_threads(), set()
 
     class Tier(DiskTier):
         def __init__(self, *args, **kwargs):
@@ -864,6 +865,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
             self.loads = []  # the layers whose slots were loaded (from the initial set's image)
             self.kind = "disk->RAM (this instance)"  # the rows name the tier that ran, as CUDA's
             tiers.append(self)
+            run_threads.add(torch.get_num_threads())
 
         def load(self, layer, resident):
             assert self.image is not None
@@ -878,6 +880,8 @@ def test_benchmark_table(tmp_path, monkeypatch):
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer)
     assert len(tiers) == 11 and all(t.closed for t in tiers)
+    # the runs computed with the configured threads, and the caller's are given back
+    assert run_threads == {1} and torch.get_num_threads() == caller_threads
     assert set(df["tier"]) == {"disk->RAM (this instance)"}
     assert all(t.loads == [0, 1] for t in tiers)  # each run's slots loaded once
     assert set(df["policy"]) == {
@@ -895,6 +899,7 @@ def test_benchmark_table(tmp_path, monkeypatch):
     )
     meta = read_metadata(tmp_path / "bench.parquet")
     assert meta["store_mode"] == "O_DIRECT" and meta["disk_read_bandwidth_Bps"] > 0
+    assert meta["threads"] == 1
     profile = HardwareProfile.from_dict("this_machine", meta["profile"])
     assert (profile.source, profile.host_reads_link) == ("measured", True)  # the disk tier's
     assert (df["est_time_per_token_s"] > 0).all() and df["contended"].dtype == pl.Boolean
@@ -947,6 +952,9 @@ def test_benchmark_table(tmp_path, monkeypatch):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):
         BenchParams.from_dict({"layer": 2})
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"params\.threads={bad!r} \(engine-bench\)"):
+            BenchParams.from_dict({"threads": bad})
     # the config's pin specs resolve at the benchmark's C = 128 (k = 10): "C-k" leaves k slots,
     # "C-5" too few; a planned allocation has no artefact here
     pinned = {"rule": "first_choice", "eviction": "lru", "pin": "C-k"}

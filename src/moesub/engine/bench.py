@@ -153,7 +153,7 @@ class BenchParams:
     # disk tier expert file (default: beside out_path)
     store_path: str | None = _DEFAULTS["store_path"]
     staging_buffers: int = _DEFAULTS["staging_buffers"]
-    threads: int | None = None
+    threads: int | None = _DEFAULTS["threads"]  # torch's compute threads (None: as they are)
     progress: bool = True
     policies: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BENCH_POLICIES))
 
@@ -163,9 +163,6 @@ class BenchParams:
         # `policies` here are policy dicts; in the config, a list of names (the workflow maps it)
         options = {k: v for k, v in (params or {}).items() if k != "policies"}
         check_options(options, "engine.bench", "engine-bench")
-        v = p.threads  # a library-only option (not a config key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"params.threads={v!r} must be a positive integer")
         try:
             check_capacity(p.fraction, p.num_experts, p.top_k)
         except ValueError as e:
@@ -462,13 +459,15 @@ def run_benchmark(
     `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
     """
     p, dev = BenchParams.from_dict(params), require_cuda(device)
-    if p.threads:
-        torch.set_num_threads(p.threads)
     plan = prepare_bench(p, dev, Path(out_path))
+    caller_threads = torch.get_num_threads()
+    threads = p.threads or caller_threads
     info: dict[str, Any] = {"routing": plan.logits.source, "load_avg_start": os.getloadavg()}
     try:
+        torch.set_num_threads(threads)
         rounds = _run_rounds(plan, info)
     finally:
+        torch.set_num_threads(caller_threads)
         plan.close()
     info["load_avg_end"] = os.getloadavg()
     seconds, costs, reference = _fit_costs(rounds, p, info)
@@ -485,7 +484,7 @@ def run_benchmark(
         "capacity": p.capacity,
         "expert_bytes": p.layout().expert_bytes,
         "unit_costs": seconds,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "note": "routed experts + real-size router only (no attention / shared expert); "
         "est_time_per_token_s = each policy's own per-token-layer counts priced with the "
         "profile fitted to this run's calibration runs (other tokens), median over rounds; "
