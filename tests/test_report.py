@@ -216,6 +216,15 @@ def test_bench_lines_name_the_rows_outside():
     old = [{k: v for k, v in r.items() if k == "policy" or k == "sim_rel_error"} for r in rows]
     assert len(bench_lines(outputs(old))) == 1
     assert bench_lines(outputs([])) == []
+    # the runs' torch threads, where the table has them, said first
+    lines = bench_lines(outputs([{**r, "threads": 1} for r in rows]))
+    assert lines[0] == (
+        "The bench's runs computed with 1 torch thread (engine.bench.threads), beside the "
+        "tier's I/O thread and host worker."
+    )
+    assert lines[1:] == bench_lines(outputs(rows))
+    two = bench_lines(outputs([{**r, "threads": 2} for r in rows]))[0]
+    assert two.startswith("The bench's runs computed with 2 torch threads (")
 
 
 def test_factorial_section(rendered):

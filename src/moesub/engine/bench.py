@@ -476,7 +476,7 @@ def run_benchmark(
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
         for name, rs in rounds.runs.items()
     }
-    out = _policy_rows(plan, rounds, costs, run_disk, reference)
+    out = _policy_rows(plan, rounds, costs, run_disk, reference).with_columns(threads=threads)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,

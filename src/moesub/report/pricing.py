@@ -88,7 +88,14 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
 
     missed = outside("sim_rel_error")
     n = len(rows)
-    lines = [
+    lines = []
+    threads = rows[0].get("threads")  # the runs' torch threads (older tables lack them)
+    if finite(threads):
+        lines.append(
+            f"The bench's runs computed with {threads:g} torch thread{'' if threads == 1 else 's'}"
+            " (engine.bench.threads), beside the tier's I/O thread and host worker."
+        )
+    lines += [
         f"The pricing is held to {bound} of the engine's time for every policy. As measured, "
         f"{n - len(missed)} of {n} policies are within it, {largest('sim_rel_error')}"
         + ("; outside: " if missed else "")
