@@ -456,7 +456,8 @@ def run_benchmark(
     rounds of each run's mean), `sim_rel_error = (est - run median) / run median`, and the same
     at each run's disk speed (`disk_read_s`, `est_at_run_disk_s`, `sim_rel_error_at_run_disk`).
     Also writes every run's per-token-layer counts to `counts_path` (default
-    `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them).
+    `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them). The
+    runs compute with `params.threads` torch threads (`threads` column); the caller's after.
     """
     p, dev = BenchParams.from_dict(params), require_cuda(device)
     plan = prepare_bench(p, dev, Path(out_path))
