@@ -10,8 +10,8 @@ through the engine's kernel (`moesub.engine.kernels.expert_forward`) over a pool
 larger than the caches, in windows of `--window-s` alternating one thread and `--threads`,
 and prints each window's median time per token-layer and, per thread count, the spread of the
 windows (p90 / p10, and max / min): 1.0 is a machine whose speed does not move. On a 2-vCPU
-VM (2026-12-05) a team of two ran at two speeds 35% apart as the host placed its vCPUs, while
-one thread in the same process stayed within a few percent (docs/measurements.md).
+VM (2026-12-05) a team of two ran at two speeds about 35% apart, and one thread in the same
+process was steadier in most runs (docs/measurements.md; the cause was not measured).
 """
 
 from __future__ import annotations
