@@ -157,6 +157,33 @@ def test_cuda_engine_runs_v3_policies(tmp_path, name, pinned_layers, device):
               lay)  # fmt: skip
 
 
+def timed_reads(monkeypatch, store: ExpertStore) -> list[tuple[str, int, float, float]]:
+    """Every read of `store` from now on, as (thread name, layer, start, end)."""
+    reads: list[tuple[str, int, float, float]] = []
+    real = store.read_into
+
+    def read_into(*args):
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            name = threading.current_thread().name
+            reads.append((name, int(args[0]), start, time.perf_counter()))
+
+    monkeypatch.setattr(store, "read_into", read_into)
+    return reads
+
+
+def assert_no_upload_beside_its_layers_host_reads(reads: list[tuple[str, int, float, float]]):
+    """Uploads were read (the I/O thread's reads) and so were the host's experts (every other
+    thread's), and no upload read started while a host read of its layer was in flight."""
+    host = [(layer, a, b) for name, layer, a, b in reads if name != "moesub-io"]
+    uploads = [(layer, a) for name, layer, a, _b in reads if name == "moesub-io"]
+    assert host and uploads
+    for layer, start in uploads:
+        assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
+
+
 def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
     """host_admit on the disk tier: the host worker reads and computes each miss, the I/O
     thread reads each upload again into a staging buffer, once the worker has read that layer's
@@ -169,33 +196,19 @@ def test_uploads_are_read_by_the_io_thread(tmp_path, monkeypatch):
     store = ExpertStore(tmp_path / "x.bin", expected=lay)
     engine = OffloadEngine(DiskTier(store, CAPS, K, ACT), E, K, CAPS, pol, initial_sets(), ACT,
                            admission="delay")  # fmt: skip
-    readers: list[str] = []
-    reads: list[tuple[str, int, float, float]] = []  # (thread, layer, start, end)
-    real = store.read_into
-
-    def read_into(*args):
-        name = threading.current_thread().name
-        readers.append(name)
-        start = time.perf_counter()
-        try:
-            return real(*args)
-        finally:
-            reads.append((name, int(args[0]), start, time.perf_counter()))
-
-    monkeypatch.setattr(store, "read_into", read_into)
+    reads = timed_reads(monkeypatch, store)
     trace = synthetic_logits(30, lay.num_layers, E, seed=8)
     try:
         _status, _ids, stats = drive_overlap(engine, trace, trace, experts, lay.hidden,
                                              early=False)  # fmt: skip
     finally:
         engine.close()
+    readers = [name for name, *_ in reads]
     requested = sum(int(st.layer_counts[:, FIELD["admission_requests"]].sum()) for st in stats)
     assert requested > 0 and readers.count("moesub-io") == requested
     assert sum(n.startswith("moesub-host") for n in readers) > 0
     assert set(readers) <= {"moesub-io"} | {n for n in readers if n.startswith("moesub-host")}
-    host = [(layer, a, b) for name, layer, a, b in reads if name.startswith("moesub-host")]
-    for _name, layer, start, _end in (r for r in reads if r[0] == "moesub-io"):
-        assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
+    assert_no_upload_beside_its_layers_host_reads(reads)
 
 
 def test_cuda_tier_uploads_of_a_disk_layer_follow_the_hosts_reads(tmp_path, monkeypatch):
@@ -206,29 +219,13 @@ def test_cuda_tier_uploads_of_a_disk_layer_follow_the_hosts_reads(tmp_path, monk
     assert tier.host_reads_link
     engine = OffloadEngine(tier, E, K, CAPS, V3["llama_cpp_27861"], initial_sets(), ACT,
                            admission="delay")  # fmt: skip
-    store = tier.host.store
-    reads: list[tuple[str, int, float, float]] = []  # (thread, layer, start, end)
-    real = store.read_into
-
-    def read_into(*args):
-        start = time.perf_counter()
-        try:
-            return real(*args)
-        finally:
-            name = threading.current_thread().name
-            reads.append((name, int(args[0]), start, time.perf_counter()))
-
-    monkeypatch.setattr(store, "read_into", read_into)
+    reads = timed_reads(monkeypatch, tier.host.store)
     trace = synthetic_logits(30, lay.num_layers, E, seed=8)
     try:
         drive_overlap(engine, trace, trace, experts, lay.hidden, early=False)
     finally:
         engine.close()
-    host = [(layer, a, b) for name, layer, a, b in reads if name != "moesub-io"]
-    uploads = [(layer, a) for name, layer, a, _b in reads if name == "moesub-io"]
-    assert host and uploads
-    for layer, start in uploads:
-        assert not any(lh == layer and a < start < b for lh, a, b in host), (layer, start)
+    assert_no_upload_beside_its_layers_host_reads(reads)
 
 
 def test_held_uploads_need_their_host_experts(tmp_path):
