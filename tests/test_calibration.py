@@ -191,12 +191,13 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
         term_by_pricing(seconds, "host_expert_s", [(np.ones(20), none)])
 
 
-def test_the_host_and_install_terms_are_fitted_beside_the_drag():
+def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     """While the link reads (the host's reads, the admissions' copies), the fast tier works
     slower (`host_read_drag`, `background_read_drag`, measured apart): fitted with them, the host
-    and admission runs give the host's compute and the install back; without them, the fast
-    path's lost time lands in the host's term, and the linear fit's install is off by over half
-    (the admissions' drag falls into its terms wherever the least squares puts it)."""
+    runs give the host's compute back; without them, the fast path's lost time lands in the
+    host's term. The linear fit's install is off by over half (the admissions' drag falls into
+    its terms wherever the least squares puts it), so the install is timed apart: given it, the
+    admission runs are priced at what they took."""
     dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
         TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5,
         background_read_drag=0.25,
@@ -204,17 +205,20 @@ def test_the_host_and_install_terms_are_fitted_beside_the_drag():
     fit, host_runs, admit_runs = fit_priced_runs(dragged, seed=7)
     common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}
     drags = {"host_read_drag": 0.5, "background_read_drag": 0.25}
-    seconds = unit_costs_from_fit(fit, **common, **drags, admit_runs=admit_runs)
+    seconds = unit_costs_from_fit(fit, **common, **drags, install_s=dragged.install_s)
     assert {d: seconds[d] for d in drags} == drags
     assert seconds["host_expert_s"] == pytest.approx(dragged.host_expert_s, rel=0.05)
-    assert seconds["install_s"] == pytest.approx(dragged.install_s, rel=0.1)
+    assert seconds["install_s"] == dragged.install_s
     assert abs(fit.coef["install_s"] - dragged.install_s) > 0.5 * dragged.install_s
+    (wall, counts), u = admit_runs[0], replace(dragged, **seconds)
+    assert price_stream_reference(counts, 1, u).token_s.mean() == pytest.approx(
+        wall.mean(), rel=0.02
+    )
     undragged = unit_costs_from_fit(fit, **common)
     assert (undragged["host_read_drag"], undragged["background_read_drag"]) == (0.0, 0.0)
     assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
-    assert undragged["install_s"] == fit.coef["install_s"]  # no admission runs: the linear term
-    with pytest.raises(ValueError, match="admission runs priced through the pricing need"):
-        unit_costs_from_fit(fit, k=K, layers=L, expert_s=dragged.expert_s, admit_runs=admit_runs)
+    assert undragged["install_s"] == fit.coef["install_s"]  # none timed apart: the linear term
+    assert unit_costs_from_fit(fit, **common, install_s=-1e-6)["install_s"] == 0.0
 
 
 def test_host_runs_priced_at_their_own_disk_speed():

@@ -46,6 +46,7 @@ from moesub.engine.calibrate import (
     measure_background_read_drag,
     measure_expert_compute,
     measure_host_read_drag,
+    measure_install,
     round_order,
     spread,
 )
@@ -321,6 +322,50 @@ def test_expert_compute_is_timed_on_loaded_slots_only(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "expert_forward", spy)
         assert measure_expert_compute(tier, 4, reps=3) > 0
         assert len(timed) == 3 + 2 and all(sorted(ids.ravel()) == [0, 1, 2, 3] for ids in timed)
+    finally:
+        tier.close()
+
+
+def test_install_is_timed_after_its_copy_has_landed(tmp_path, monkeypatch):
+    """The install microbenchmark requests a copy, waits until it has landed, then times the
+    tier's own install of it into a slot that holds an expert: never the read, every installed
+    slot holds its expert's weights after, and every staging buffer is free again."""
+    lay = small_layout()
+    write_random(tmp_path / "x.bin", lay)
+    tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
+    reads, installs = [], []  # (start, end) of every background read, (start, end, expert, slot)
+    real_read, real_install = tier.store.read_into, tier.install
+
+    def spy_read(*args):
+        t0 = time.perf_counter()
+        out = real_read(*args)
+        time.sleep(0.005)  # a read as long as a big expert's
+        reads.append((t0, time.perf_counter()))
+        return out
+
+    def spy_install(layer, handle, slot):
+        t0 = time.perf_counter()
+        out = real_install(layer, handle, slot)
+        installs.append((t0, time.perf_counter(), handle[0], slot))
+        return out
+
+    try:
+        tier.slots[0].gate_up.zero_()  # as fresh pages are (this small a buffer may be reused)
+        tier.load(0, np.array([0, 2, 4, -1, -1, -1], np.int32))
+        monkeypatch.setattr(tier.store, "read_into", spy_read)
+        monkeypatch.setattr(tier, "install", spy_install)
+        assert measure_install(tier, reps=5) > 0.0
+        assert len(reads) == len(installs) == 5
+        for (r0, r1), (i0, i1, _e, slot) in zip(reads, installs, strict=True):
+            assert r1 <= i0 and slot in (0, 1, 2)  # after its read; a loaded slot
+        assert not any(r0 < i1 and i0 < r1 for r0, r1 in reads for i0, i1, _e, _s in installs)
+        last = {slot: expert for _t0, _t1, expert, slot in installs}
+        for slot, expert in last.items():
+            gate_up, down = tier.read_range(0, expert, 1)
+            torch.testing.assert_close(tier.slots[0].gate_up[slot], gate_up[0], rtol=0, atol=0)
+            torch.testing.assert_close(tier.slots[0].down[slot], down[0], rtol=0, atol=0)
+        assert tier.reader._requests.unfinished_tasks == 0
+        assert tier.reader._free.qsize() == len(tier.reader.buffers)
     finally:
         tier.close()
 

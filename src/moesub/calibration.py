@@ -28,8 +28,9 @@ experts over the link (the disk tier), the engine overlaps those reads with the 
 the host's term is instead its compute alone, found through the pricing of the host runs, each
 with its reads at its own disk speed (`term_by_pricing`); the fit's `host_extra_s` then
 only keeps the host runs' tokens from pulling the other terms. There the reads also slow the
-fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked), and the install
-is found through the pricing of the admission runs the same way. A term no run exercises, or
+fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked). The install is
+microbenchmarked too (the engine's own install of a copy just read); the fit's `install_s` then
+only keeps the admission runs' tokens from pulling the other terms. A term no run exercises, or
 terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
 """
 
@@ -179,8 +180,7 @@ def unit_costs_from_fit(
     host_clocks: Sequence[DiskClock] = (),
     host_read_drag: float = 0.0,
     background_read_drag: float = 0.0,
-    admit_runs: Sequence[tuple[np.ndarray, np.ndarray]] = (),
-    admit_clocks: Sequence[DiskClock] = (),
+    install_s: float | None = None,
 ) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
@@ -191,16 +191,12 @@ def unit_costs_from_fit(
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
     runs' `(wall_s (T,), counts (T, L, F))`), its work slows by the microbenchmarked
     `host_read_drag` and `background_read_drag` while the link reads the host's experts and
-    background copies (kept in the seconds, as fractions), and two terms are found through the
-    pricing (`term_by_pricing`), each run's reads at its own speed (`host_clocks`,
-    `admit_clocks`: one per run) where they were timed: the host's compute alone, from the host
-    runs, and the install, from the admission runs (`admit_runs`; the linear fit's install would
-    carry the drag of the reads it overlapped)."""
-    if admit_runs and host_runs is None:
-        raise ValueError(
-            "unit costs: admission runs priced through the pricing need the host runs too (a "
-            "tier whose host reads over the link); pass neither for the linear install"
-        )
+    background copies (kept in the seconds, as fractions), and the host's compute alone is
+    found through the pricing of the host runs (`term_by_pricing`), each run's reads at its own
+    speed (`host_clocks`: one per run) where they were timed. The install is `install_s`, timed
+    apart (`moesub.engine.calibrate.measure_install`), where given; else the linear fit's (which
+    carries the drag of the reads its admissions overlapped, where the link reads beside the
+    fast path)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -213,24 +209,15 @@ def unit_costs_from_fit(
         "expert_s": expert,
         "copy_s": beyond_read + (reference.per_read_s if reference is not None else 0.0),
         "host_expert_s": fit.coef["host_extra_s"] + expert,
-        "install_s": fit.coef["install_s"],
+        "install_s": fit.coef["install_s"] if install_s is None else max(install_s, 0.0),
         "host_read_drag": max(host_read_drag, 0.0),
         "background_read_drag": max(background_read_drag, 0.0),
     }
     if host_runs is not None:
-
-        def own(clocks: Sequence[DiskClock]) -> list[float] | None:
-            if reference is None or not clocks:
-                return None
-            return [copy_at_disk(seconds["copy_s"], reference, c) for c in clocks]
-
-        seconds["host_expert_s"] = term_by_pricing(
-            seconds, "host_expert_s", host_runs, own(host_clocks)
-        )
-        if admit_runs:
-            seconds["install_s"] = term_by_pricing(
-                seconds, "install_s", admit_runs, own(admit_clocks)
-            )
+        run_copy_s = None
+        if reference is not None and host_clocks:
+            run_copy_s = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
+        seconds["host_expert_s"] = term_by_pricing(seconds, "host_expert_s", host_runs, run_copy_s)
     return seconds
 
 
@@ -240,15 +227,15 @@ def term_by_pricing(
     runs: Sequence[tuple[np.ndarray, np.ndarray]],
     run_copy_s: Sequence[float] | None = None,
 ) -> float:
-    """The value of `term` (seconds per expert: `host_expert_s`, `install_s`) at which the
-    pricing (one processor, the host's reads on the link: `moesub.pricing`) of calibration runs'
-    own counts (delay 1) takes their measured mean time per token, over all their tokens as the
-    linear fit pools its runs, by bisection (the price grows with it; 0 when the runs took less
-    than the rest of their price). The engine overlaps the host's reads with the fast path, and
-    slows the fast path while the link reads, so neither the host's nor an install's time is
-    linear in the counts, and the linear fit's terms would price a policy with other counts per
-    layer wrong (docs/pricing.md). `run_copy_s` (one per run): each run's reads priced at its
-    own copy time (default `seconds["copy_s"]` for all)."""
+    """The value of `term` (seconds per expert: `host_expert_s`) at which the pricing (one
+    processor, the host's reads on the link: `moesub.pricing`) of calibration runs' own counts
+    (delay 1) takes their measured mean time per token, over all their tokens as the linear fit
+    pools its runs, by bisection (the price grows with it; 0 when the runs took less than the
+    rest of their price). The engine overlaps the host's reads with the fast path, and slows the
+    fast path while the link reads, so the host's time is not linear in the counts, and the
+    linear fit's terms would price a policy with other counts per layer wrong
+    (docs/pricing.md). `run_copy_s` (one per run): each run's reads priced at its own copy time
+    (default `seconds["copy_s"]` for all)."""
     if not runs:
         raise ValueError(f"{term} by pricing: no runs")
     copies = [seconds["copy_s"]] * len(runs) if run_copy_s is None else list(run_copy_s)

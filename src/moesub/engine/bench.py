@@ -80,7 +80,6 @@ from moesub.engine.bench_runs import (
     write_bench_counts,
 )
 from moesub.engine.calibrate import (
-    ADMIT_RUN,
     HOST_RUN,
     MECHANISMS,
     microbenchmarks,
@@ -207,17 +206,15 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
     runs = [r for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
-    host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
+    host = rounds.runs[HOST_RUN]
     micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
-    priced = rounds.host_reads_link  # the host and admission terms through the pricing
+    priced = rounds.host_reads_link  # the host's term through the pricing
     reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,
         reference=reference, host_clocks=[r.disk for r in host],
-        **{d: micro[d] for d in ("host_read_drag", "background_read_drag")},
-        admit_runs=[(r.wall_s, r.layer_counts) for r in admit] if priced else (),
-        admit_clocks=[r.disk for r in admit],
+        **{d: micro[d] for d in ("host_read_drag", "background_read_drag", "install_s")},
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(

@@ -6,12 +6,13 @@ computed by the host; background admissions), in interleaved rounds (`round_orde
 machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
 per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`; on
 the disk tier each run's copies are taken at the disk's speed while it read, and the disk's speed
-from the median run; where the host reads its experts over the link, the host's term and the
-install come from the pricing of the host and admission runs); the fast tier's expert time is a
-microbenchmark (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer
-constant, and so are its slowdowns while the host reads (`measure_host_read_drag`,
-`measure_background_read_drag`: the disk tier), all three taken after every run of a C-slot
-tier and their medians used (`microbenchmarks`). The output JSON holds the profile
+from the median run; where the host reads its experts over the link, the host's term comes
+from the pricing of the host runs); the fast tier's expert time is a microbenchmark
+(`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so
+are its slowdowns while the link reads (`measure_host_read_drag`,
+`measure_background_read_drag`: the disk tier) and its install of a landed copy
+(`measure_install`), all four taken after every run of a C-slot tier and their medians used
+(`microbenchmarks`). The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
 made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
 `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
@@ -46,6 +47,7 @@ from moesub.calibration import (
 )
 from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
+from moesub.engine.copies import COPY_TIMEOUT_S, POLL_S
 from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
@@ -58,16 +60,16 @@ T = TypeVar("T")
 
 # the calibration's runs, one mechanism each; the hits run is every expert resident (C = E).
 # cal_admit's beta 0.1 admits ~1.8 experts per token on the bench's calibration tokens (beta
-# 0.5: ~0.09, some 15 admissions in a bench, and an install term that doubled between benches)
+# 0.5: ~0.09): the fit's own install term keeps those tokens from pulling its other terms
 MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_hits": None,
     "cal_fetch": {"rule": "fetch_all", "eviction": "lru"},
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
 }
-# the mechanisms whose runs find the host's term and the install through the pricing where the
-# host reads over the link
-HOST_RUN, ADMIT_RUN = "cal_host", "cal_admit"
+# the mechanism whose runs find the host's term through the pricing where the host reads over
+# the link
+HOST_RUN = "cal_host"
 # alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
 # over the calibration's runs does the rest
 DRAG_ROUNDS = 2
@@ -95,14 +97,7 @@ def expert_step(tier, k: int, seed: int = 0) -> Callable[[], None]:
     once timed 0.48 ms so, against 0.44 ms on loaded slots and 0.21 ms on the zero page): they
     are not used."""
     s = tier.slots[0]
-    if s.capacity < k:
-        raise ValueError(f"capacity {s.capacity} < k={k}")
-    loaded = np.flatnonzero(s.gate_up[:, 0].ne(0).any(dim=-1).cpu().numpy())  # [C] -> ids
-    if len(loaded) < k:
-        raise ValueError(
-            f"expert microbenchmark: {len(loaded)} of layer 0's {s.capacity} slots hold an "
-            f"expert (the rest are all zero), fewer than k={k}: load the tier's slots first"
-        )
+    loaded = loaded_slots(tier, k)
     g = torch.Generator().manual_seed(seed)
     H = s.gate_up.shape[-1]
     x = torch.randn(1, H, generator=g).to(device=s.gate_up.device, dtype=s.gate_up.dtype)
@@ -117,6 +112,20 @@ def expert_step(tier, k: int, seed: int = 0) -> Callable[[], None]:
         )
 
     return step
+
+
+def loaded_slots(tier, k: int) -> np.ndarray:
+    """The slots of layer 0 that hold an expert (not all zero), at least k of them."""
+    s = tier.slots[0]
+    if s.capacity < k:
+        raise ValueError(f"capacity {s.capacity} < k={k}")
+    loaded = np.flatnonzero(s.gate_up[:, 0].ne(0).any(dim=-1).cpu().numpy())  # [C] -> ids
+    if len(loaded) < k:
+        raise ValueError(
+            f"expert microbenchmark: {len(loaded)} of layer 0's {s.capacity} slots hold an "
+            f"expert (the rest are all zero), fewer than k={k}: load the tier's slots first"
+        )
+    return loaded
 
 
 def measure_expert_compute(tier, k: int, reps: int = 10, seed: int = 0) -> float:
@@ -236,6 +245,39 @@ def measure_background_read_drag(
                            beside_reads, rounds)  # fmt: skip
 
 
+def measure_install(tier, reps: int = 8, seed: int = 0) -> float:
+    """Seconds the fast tier takes to install one landed background copy
+    (`UnitCosts.install_s`): the median over `reps` copies, each requested (a random expert of
+    layer 0), waited for until it has landed, then installed into a random slot that holds an
+    expert (`tier.install`, synchronized). Each install copies a staging buffer the read has
+    just written, as in decoding: on the disk tier the engine bench's runs installed in 0.41 ms
+    (median, ad hoc), where one buffer copied again and again took 0.29 ms from the caches.
+    Timed alone: the pricing slows it by the background copies' drag while the link reads.
+    Before, the install was the value at which the pricing took the admission runs' measured
+    time, and it moved 0.61-1.71 ms between benches with those runs' spread
+    (docs/measurements.md). The slots it fills no longer hold what the engine's residency says:
+    taken after a run, on a tier nothing decodes on again, with nothing in flight."""
+    slots = loaded_slots(tier, 1)
+    E = tier.layout.num_experts
+    rng = np.random.default_rng(seed)
+    times = []
+    for _ in range(reps):
+        tier.request(0, int(rng.integers(E)))
+        t0 = time.perf_counter()
+        while not (landed := tier.completed(0)):
+            if time.perf_counter() - t0 > COPY_TIMEOUT_S:
+                raise RuntimeError(
+                    f"install microbenchmark: a copy did not land in {COPY_TIMEOUT_S} s"
+                )
+            time.sleep(POLL_S)
+        (handle,) = landed
+        t0 = time.perf_counter()
+        tier.install(0, handle, int(rng.choice(slots)))
+        tier.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def measure_read_drags(tier, k: int, rounds: int = 5, seed: int = 0) -> dict[str, float]:
     """Both drags of a tier, keyed as the profile's fields (0 off the disk tier)."""
     return {
@@ -245,11 +287,13 @@ def measure_read_drags(tier, k: int, rounds: int = 5, seed: int = 0) -> dict[str
 
 
 def microbenchmarks(tier, k: int, drag_rounds: int = 5, seed: int = 0) -> dict[str, float]:
-    """The fast tier's expert time and both drags, keyed as `moesub.calibration.unit_costs_from_fit`
-    takes them."""
+    """The fast tier's expert time, both drags and its install, keyed as
+    `moesub.calibration.unit_costs_from_fit` takes them (the install last: it overwrites
+    slots)."""
     return {
         "expert_compute_s": measure_expert_compute(tier, k, seed=seed),
         **measure_read_drags(tier, k, drag_rounds, seed),
+        "install_s": measure_install(tier, seed=seed),
     }
 
 
@@ -320,8 +364,8 @@ class Calibration:
         ]
         self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
         self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
-        # the host and admission runs' (wall_s, counts): their terms through the pricing
-        self.priced_runs: dict[str, list] = {HOST_RUN: [], ADMIT_RUN: []}
+        # the host runs' (wall_s, counts): the host's term through the pricing
+        self.host_runs: list[tuple[np.ndarray, np.ndarray]] = []
         # the microbenchmarks after every run of a C-slot tier: the small models' drags swing
         # between jobs and within one (on the embedded model 2.1-3.4 between calibrations,
         # 2.2-3.2 between two processes minutes apart), so their medians are taken beside every
@@ -347,8 +391,8 @@ class Calibration:
                 self.timed[name].append(
                     TimedTokens.from_counts(r["wall_s"], r["layer_counts"], self.disk[name][-1])
                 )
-                if name in self.priced_runs:
-                    self.priced_runs[name].append((r["wall_s"], r["layer_counts"]))
+                if name == HOST_RUN:
+                    self.host_runs.append((r["wall_s"], r["layer_counts"]))
             self.meter.pause()
             if MECHANISMS[name] is not None:  # a C-slot tier, loaded, with nothing in flight
                 eng.engine.reset(load=False)
@@ -364,14 +408,12 @@ class Calibration:
         median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
         fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
         reference = reference_clock([c for clocks in disk.values() for c in clocks])
-        priced = self.host_reads_link  # the host and admission terms through the pricing
+        priced = self.host_reads_link  # the host's term through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
-            host_runs=self.priced_runs[HOST_RUN] if priced else None, reference=reference,
+            host_runs=self.host_runs if priced else None, reference=reference,
             host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
-            background_read_drag=median["background_read_drag"],
-            admit_runs=self.priced_runs[ADMIT_RUN] if priced else (),
-            admit_clocks=disk[ADMIT_RUN],
+            background_read_drag=median["background_read_drag"], install_s=median["install_s"],
         )  # fmt: skip
         profile = measured_profile(
             seconds,
