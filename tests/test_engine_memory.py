@@ -406,3 +406,39 @@ def test_engines_share_one_loaded_model(tmp_path):
             build_engine_model(loaded, "cpu", EngineParams(dtype="bfloat16"), 4)
     finally:
         loaded.close()
+
+
+@pytest.mark.parametrize("pinned_layers", [2, 0], ids=["pinned", "disk"])
+def test_install_microbenchmark_on_the_cuda_tier(tmp_path, monkeypatch, pinned_layers):
+    """The install microbenchmark drives the CUDA tier (CPU stand-in, copies whose events land
+    late) as it drives the disk tier: each copy waited for until it has landed, installed into
+    a loaded slot, which then holds that expert's weights; every staging buffer free after."""
+    from test_engine import ACT as act
+    from test_engine import small_layout, write_random
+
+    from moesub.engine.calibrate import measure_install
+    from moesub.engine.cuda_tier import CudaTier
+
+    monkeypatch.setattr(FakeEvent, "lag", 3)
+    lay = small_layout()
+    experts = write_random(tmp_path / "x.bin", lay)
+    budget = pinned_layers * lay.num_experts * lay.expert_bytes
+    host = HostExperts(ExpertStore(tmp_path / "x.bin", expected=lay), budget, CountingAllocator())
+    tier = CudaTier(host, 6, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=FakeCuda())
+    installs = []
+    real = tier.install
+    monkeypatch.setattr(
+        tier, "install", lambda l, h, s: installs.append((h[0], s)) or real(l, h, s)
+    )
+    try:
+        tier.slots[0].gate_up.zero_()
+        tier.load(0, np.array([1, 3, 5, -1, -1, -1], np.int32))
+        assert measure_install(tier, reps=4) > 0.0
+        assert len(installs) == 4 and all(slot in (0, 1, 2) for _e, slot in installs)
+        for slot, expert in dict((s, e) for e, s in installs).items():
+            gate_up, down = experts[expert]  # layer 0's
+            torch.testing.assert_close(tier.slots[0].gate_up[slot], gate_up, rtol=0, atol=0)
+            torch.testing.assert_close(tier.slots[0].down[slot], down, rtol=0, atol=0)
+        assert len(tier._free) == len(tier.staging)
+    finally:
+        tier.close()
