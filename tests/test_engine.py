@@ -93,6 +93,20 @@ def write_random(path: Path, layout: StoreLayout, seed: int = 0) -> list:
     return experts
 
 
+def slowed_reads(read, spans: list, delay_s: float):
+    """`read` made as long as a big expert's (`delay_s` more), its (start, end) appended to
+    `spans`."""
+
+    def spy(*args):
+        t0 = time.perf_counter()
+        out = read(*args)
+        time.sleep(delay_s)
+        spans.append((t0, time.perf_counter()))
+        return out
+
+    return spy
+
+
 def reference(hidden, ids, weights, experts, layer, E):
     """Sum_r w_r * expert_{ids[r]}(x) from the full weights (a plain loop)."""
     out = torch.zeros_like(hidden)
@@ -334,14 +348,7 @@ def test_install_is_timed_after_its_copy_has_landed(tmp_path, monkeypatch):
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
     reads, installs = [], []  # (start, end) of every background read, (start, end, expert, slot)
-    real_read, real_install = tier.store.read_into, tier.install
-
-    def spy_read(*args):
-        t0 = time.perf_counter()
-        out = real_read(*args)
-        time.sleep(0.005)  # a read as long as a big expert's
-        reads.append((t0, time.perf_counter()))
-        return out
+    real_install = tier.install
 
     def spy_install(layer, handle, slot):
         t0 = time.perf_counter()
@@ -352,11 +359,13 @@ def test_install_is_timed_after_its_copy_has_landed(tmp_path, monkeypatch):
     try:
         tier.slots[0].gate_up.zero_()  # as fresh pages are (this small a buffer may be reused)
         tier.load(0, np.array([0, 2, 4, -1, -1, -1], np.int32))
-        monkeypatch.setattr(tier.store, "read_into", spy_read)
+        monkeypatch.setattr(
+            tier.store, "read_into", slowed_reads(tier.store.read_into, reads, 0.005)
+        )
         monkeypatch.setattr(tier, "install", spy_install)
         assert measure_install(tier, reps=5) > 0.0
         assert len(reads) == len(installs) == 5
-        for (r0, r1), (i0, i1, _e, slot) in zip(reads, installs, strict=True):
+        for (_r0, r1), (i0, _i1, _e, slot) in zip(reads, installs, strict=True):
             assert r1 <= i0 and slot in (0, 1, 2)  # after its read; a loaded slot
         assert not any(r0 < i1 and i0 < r1 for r0, r1 in reads for i0, i1, _e, _s in installs)
         last = {slot: expert for _t0, _t1, expert, slot in installs}
@@ -387,13 +396,6 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
         timed.append((t0, time.perf_counter()))
         return out
 
-    def spy_read(layer, host_ids):
-        t0 = time.perf_counter()
-        out = real_read(layer, host_ids)
-        time.sleep(0.02)  # a read as long as a big expert's: the timing falls inside it
-        reads.append((t0, time.perf_counter()))
-        return out
-
     def fail(layer, host_ids):
         raise OSError("the disk went away")
 
@@ -401,7 +403,8 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
         tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
         threads = threading.active_count()
         monkeypatch.setattr(module, "mean_step_s", spy_time)
-        monkeypatch.setattr(tier, "host_read", spy_read)
+        # reads as long as a big expert's: the timing falls inside them
+        monkeypatch.setattr(tier, "host_read", slowed_reads(real_read, reads, 0.02))
         drag = measure_host_read_drag(tier, 4, rounds=3, min_s=0.005)
         assert math.isfinite(drag) and drag >= 0.0
         overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
@@ -432,17 +435,10 @@ def test_background_read_drag_times_the_slots_beside_the_io_threads_reads(tmp_pa
         timed.append((t0, time.perf_counter()))
         return out
 
-    def spy_read(*args):
-        t0 = time.perf_counter()
-        out = real_read(*args)
-        time.sleep(0.005)  # a read as long as a big expert's
-        reads.append((t0, time.perf_counter()))
-        return out
-
     try:
         tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
         monkeypatch.setattr(module, "mean_step_s", spy_time)
-        monkeypatch.setattr(tier.store, "read_into", spy_read)
+        monkeypatch.setattr(tier.store, "read_into", slowed_reads(real_read, reads, 0.005))
         drag = measure_background_read_drag(tier, 4, rounds=3, min_s=0.02)
         assert math.isfinite(drag) and drag >= 0.0
         overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
