@@ -93,18 +93,28 @@ def write_random(path: Path, layout: StoreLayout, seed: int = 0) -> list:
     return experts
 
 
-def slowed_reads(read, spans: list, delay_s: float):
-    """`read` made as long as a big expert's (`delay_s` more), its (start, end) appended to
-    `spans`."""
+def timed_reads(
+    monkeypatch, owner, attr: str = "read_into", delay_s: float = 0.0
+) -> list[tuple[str, int, float, float]]:
+    """Every call of `owner.<attr>` (a read whose first argument is its layer) from now on, as
+    (thread name, layer, start, end), each made `delay_s` longer (a read as long as a big
+    expert's)."""
+    reads: list[tuple[str, int, float, float]] = []
+    real = getattr(owner, attr)
 
-    def spy(*args):
-        t0 = time.perf_counter()
-        out = read(*args)
-        time.sleep(delay_s)
-        spans.append((t0, time.perf_counter()))
-        return out
+    def read(*args):
+        start = time.perf_counter()
+        try:
+            out = real(*args)
+            if delay_s:
+                time.sleep(delay_s)
+            return out
+        finally:
+            name = threading.current_thread().name
+            reads.append((name, int(args[0]), start, time.perf_counter()))
 
-    return spy
+    monkeypatch.setattr(owner, attr, read)
+    return reads
 
 
 def reference(hidden, ids, weights, experts, layer, E):
@@ -347,7 +357,7 @@ def test_install_is_timed_after_its_copy_has_landed(tmp_path, monkeypatch):
     lay = small_layout()
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
-    reads, installs = [], []  # (start, end) of every background read, (start, end, expert, slot)
+    installs = []  # (start, end, expert, slot)
     real_install = tier.install
 
     def spy_install(layer, handle, slot):
@@ -359,15 +369,14 @@ def test_install_is_timed_after_its_copy_has_landed(tmp_path, monkeypatch):
     try:
         tier.slots[0].gate_up.zero_()  # as fresh pages are (this small a buffer may be reused)
         tier.load(0, np.array([0, 2, 4, -1, -1, -1], np.int32))
-        monkeypatch.setattr(
-            tier.store, "read_into", slowed_reads(tier.store.read_into, reads, 0.005)
-        )
+        reads = timed_reads(monkeypatch, tier.store, delay_s=0.005)
         monkeypatch.setattr(tier, "install", spy_install)
         assert measure_install(tier, reps=5) > 0.0
         assert len(reads) == len(installs) == 5
-        for (_r0, r1), (i0, _i1, _e, slot) in zip(reads, installs, strict=True):
+        for (*_, r1), (i0, _i1, _e, slot) in zip(reads, installs, strict=True):
             assert r1 <= i0 and slot in (0, 1, 2)  # after its read; a loaded slot
-        assert not any(r0 < i1 and i0 < r1 for r0, r1 in reads for i0, i1, _e, _s in installs)
+        spans = [(r0, r1) for *_, r0, r1 in reads]
+        assert not any(r0 < i1 and i0 < r1 for r0, r1 in spans for i0, i1, _e, _s in installs)
         last = {slot: expert for _t0, _t1, expert, slot in installs}
         for slot, expert in last.items():
             gate_up, down = tier.read_range(0, expert, 1)
@@ -387,8 +396,8 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
     module = importlib.import_module("moesub.engine.calibrate")
-    timed, reads = [], []  # (start, end) of every timing and of every host read
-    real_time, real_read = module.mean_step_s, tier.host_read
+    timed = []  # (start, end) of every timing
+    real_time = module.mean_step_s
 
     def spy_time(step, sync, min_s):
         t0 = time.perf_counter()
@@ -404,10 +413,10 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
         threads = threading.active_count()
         monkeypatch.setattr(module, "mean_step_s", spy_time)
         # reads as long as a big expert's: the timing falls inside them
-        monkeypatch.setattr(tier, "host_read", slowed_reads(real_read, reads, 0.02))
+        reads = timed_reads(monkeypatch, tier, "host_read", delay_s=0.02)
         drag = measure_host_read_drag(tier, 4, rounds=3, min_s=0.005)
         assert math.isfinite(drag) and drag >= 0.0
-        overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
+        overlaps = [any(r0 < t1 and t0 < r1 for *_, r0, r1 in reads) for t0, t1 in timed]
         assert overlaps == [False, True] * 3  # alone, beside the reads, three times
         assert threading.active_count() == threads  # the reader stopped
         monkeypatch.setattr(tier, "host_read", fail)  # a failing reader's error comes back
@@ -426,8 +435,8 @@ def test_background_read_drag_times_the_slots_beside_the_io_threads_reads(tmp_pa
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
     module = importlib.import_module("moesub.engine.calibrate")
-    timed, reads = [], []  # (start, end) of every timing and of every background read
-    real_time, real_read = module.mean_step_s, tier.store.read_into
+    timed = []  # (start, end) of every timing
+    real_time = module.mean_step_s
 
     def spy_time(step, sync, min_s):
         t0 = time.perf_counter()
@@ -438,10 +447,10 @@ def test_background_read_drag_times_the_slots_beside_the_io_threads_reads(tmp_pa
     try:
         tier.load(0, np.array([0, 2, 4, 6, 8, 10], np.int32))
         monkeypatch.setattr(module, "mean_step_s", spy_time)
-        monkeypatch.setattr(tier.store, "read_into", slowed_reads(real_read, reads, 0.005))
+        reads = timed_reads(monkeypatch, tier.store, delay_s=0.005)
         drag = measure_background_read_drag(tier, 4, rounds=3, min_s=0.02)
         assert math.isfinite(drag) and drag >= 0.0
-        overlaps = [any(r0 < t1 and t0 < r1 for r0, r1 in reads) for t0, t1 in timed]
+        overlaps = [any(r0 < t1 and t0 < r1 for *_, r0, r1 in reads) for t0, t1 in timed]
         assert overlaps == [False, True] * 3  # alone, beside the reads, three times
         assert tier.reader._requests.unfinished_tasks == 0
         assert tier.reader._free.qsize() == len(tier.reader.buffers)

@@ -10,13 +10,10 @@ full-weight reference's, and after every token each pinned slot still holds its 
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 import torch
-from test_engine import ACT, CUDA_DEVICES, small_layout, write_random
+from test_engine import ACT, CUDA_DEVICES, small_layout, timed_reads, write_random
 from test_engine_memory import FakeEvent
 from test_engine_overlap import drive_overlap, fake_cuda_tier, lookahead_of
 
@@ -155,23 +152,6 @@ def test_cuda_engine_runs_v3_policies(tmp_path, name, pinned_layers, device):
     trace = synthetic_logits(50, lay.num_layers, E, seed=6)
     check_run(engine, experts, pol, "delay", trace, lookahead_of(trace) if pol.prefetch else None,
               lay)  # fmt: skip
-
-
-def timed_reads(monkeypatch, store: ExpertStore) -> list[tuple[str, int, float, float]]:
-    """Every read of `store` from now on, as (thread name, layer, start, end)."""
-    reads: list[tuple[str, int, float, float]] = []
-    real = store.read_into
-
-    def read_into(*args):
-        start = time.perf_counter()
-        try:
-            return real(*args)
-        finally:
-            name = threading.current_thread().name
-            reads.append((name, int(args[0]), start, time.perf_counter()))
-
-    monkeypatch.setattr(store, "read_into", read_into)
-    return reads
 
 
 def assert_no_upload_beside_its_layers_host_reads(reads: list[tuple[str, int, float, float]]):
