@@ -252,11 +252,10 @@ def measure_install(tier, reps: int = 8, seed: int = 0) -> float:
     expert (`tier.install`, synchronized). Each install copies a staging buffer the read has
     just written, as in decoding: on the disk tier the engine bench's runs installed in 0.41 ms
     (median, ad hoc), where one buffer copied again and again took 0.29 ms from the caches.
-    Timed alone: the pricing slows it by the background copies' drag while the link reads.
-    Before, the install was the value at which the pricing took the admission runs' measured
-    time, and it moved 0.61-1.71 ms between benches with those runs' spread
-    (docs/measurements.md). The slots it fills no longer hold what the engine's residency says:
-    taken after a run, on a tier nothing decodes on again, with nothing in flight."""
+    Timed alone: the pricing slows it by the background copies' drag while the link reads (found
+    through the pricing of the admission runs instead, it followed their spread:
+    docs/pricing.md). The slots it fills no longer hold what the engine's residency says: taken
+    after a run, on a tier nothing decodes on again, with nothing in flight."""
     slots = loaded_slots(tier, 1)
     E = tier.layout.num_experts
     rng = np.random.default_rng(seed)
