@@ -42,6 +42,7 @@ from moesub.engine import (
 from moesub.engine.bench_runs import read_bench_counts
 from moesub.engine.calibrate import (
     MECHANISMS,
+    MICRO_RUNS,
     Calibration,
     measure_background_read_drag,
     measure_expert_compute,
@@ -741,7 +742,7 @@ def test_cpu_meter_sees_another_process_beside_a_quiet_run():
 def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     out = tmp_path / "calibration.json"
     opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
-            "calibrate_tokens": 12, "calibrate_rounds": 1}  # fmt: skip
+            "calibrate_tokens": 12, "calibrate_streams": 2, "calibrate_rounds": 1}  # fmt: skip
     cal = calibrate(
         stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet", FRACTION,
         out, opts,
@@ -876,7 +877,7 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
     for step, (key, parts) in enumerate(calls):  # two streams: one per round, in order
         assert parts == (() if key in MECHANISMS else (step // per_round,)), (step, key)
     cal = json.loads(cal_path.read_text())
-    assert cal["runs"] == dict.fromkeys(MECHANISMS, 2 * 24)  # two rounds of both streams
+    assert cal["runs"] == dict.fromkeys(MECHANISMS, 2 * 12)  # two rounds of one stream each
     assert len(cal["microbenchmarks"]["runs"]) == 6
     assert len(models) == 1 and len(shared) == 1 and id(None) not in shared
     monkeypatch.undo()
@@ -895,6 +896,48 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
     with pytest.raises(ValueError, match=r"streams \[0\] were not decoded"):
         run.write(tmp_path / "half.parquet")
     assert not (tmp_path / "half.parquet").exists()
+
+
+def test_calibration_runs_take_the_streams_in_turn_and_space_the_microbenchmarks(
+    stage, monkeypatch
+):
+    """Each run of a mechanism decodes the next `calibrate_streams` calibration streams in turn
+    (over many short rounds the runs cover them, not the first ones again), and the
+    microbenchmarks follow `MICRO_RUNS` of each C-slot mechanism's runs, spread over the rounds:
+    at 5 rounds its runs 0, 2 and 4."""
+    opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
+            "calibrate_tokens": 12, "calibrate_rounds": 5}  # fmt: skip
+    cal = Calibration(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
+                      FRACTION, opts)  # fmt: skip
+    assert len(cal.streams) == 2 and cal.opts.calibrate_streams == 1  # the shipped default
+    decoded, micro = [], []
+    decode = EngineModel.decode
+
+    def record_decode(self, inputs, *args, **kwargs):
+        decoded.append((self.spec.name, list(inputs)))
+        return decode(self, inputs, *args, **kwargs)
+
+    def fake_micro(tier, k, drag_rounds):
+        micro.append(len(decoded))
+        return {"expert_compute_s": 1e-4, "host_read_drag": 0.0, "background_read_drag": 0.0,
+                "install_s": 1e-5}  # fmt: skip
+
+    monkeypatch.setattr(EngineModel, "decode", record_decode)
+    module = importlib.import_module("moesub.engine.calibrate")  # not the function
+    monkeypatch.setattr(module, "microbenchmarks", fake_micro)
+    for name in cal.order():
+        cal.run(name)
+    streams = [s.tolist() for s in cal.streams]
+    for name in MECHANISMS:
+        runs = [ids for n, ids in decoded if n == cal.specs[name].name]
+        assert runs == [streams[i % 2] for i in range(5)], name
+    assert MICRO_RUNS == 4 and cal.micro_every == 2
+    # after runs 0, 2, 4 of the three C-slot mechanisms (cal_hits holds every expert)
+    assert len(micro) == len(cal.micro) == 3 * 3
+    assert cal.result()["runs"] == dict.fromkeys(MECHANISMS, 5 * 12)
+    two = Calibration(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
+                      FRACTION, {**opts, "calibrate_streams": 3})  # fmt: skip
+    assert [s.tolist() for s in two.run_streams(1)] == streams  # at most every stream once
 
 
 # ----------------------------------------------------------------------------------- bench

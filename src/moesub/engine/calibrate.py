@@ -11,8 +11,8 @@ from the pricing of the host runs); the fast tier's expert time is a microbenchm
 (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so
 are its slowdowns while the link reads (`measure_host_read_drag`,
 `measure_background_read_drag`: the disk tier) and its install of a landed copy
-(`measure_install`), all four taken after every run of a C-slot tier and their medians used
-(`microbenchmarks`). The output JSON holds the profile
+(`measure_install`), all four taken after up to `MICRO_RUNS` runs of each C-slot tier spread over
+the rounds and their medians used (`microbenchmarks`). The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
 made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
 `moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
@@ -73,6 +73,9 @@ HOST_RUN = "cal_host"
 # alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
 # over the calibration's runs does the rest
 DRAG_ROUNDS = 2
+# runs of each C-slot mechanism that the microbenchmarks follow, spread over the rounds (every
+# run up to this many rounds): some 0.8 s each on the embedded model, beside 16 short rounds
+MICRO_RUNS = 4
 
 
 def timeit(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int = 2) -> float:
@@ -357,18 +360,21 @@ class Calibration:
         }
         self.info = self.specs["cal_fetch"].info
         table = check_token_table(pl.read_parquet(tokens_path), self.info.vocab_size)
+        # every calibration stream; each run decodes the next `calibrate_streams` of them in turn
         self.streams = [
             rows["token_id"].to_numpy()[: opts.calibrate_tokens]
-            for _stream, rows in list(iter_streams(table))[: opts.calibrate_streams]
+            for _stream, rows in iter_streams(table)
         ]
+        self.done = dict.fromkeys(MECHANISMS, 0)  # runs of each mechanism so far
+        self.micro_every = max(1, -(-opts.calibrate_rounds // MICRO_RUNS))
         self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
         self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
         # the host runs' (wall_s, counts): the host's term through the pricing
         self.host_runs: list[tuple[np.ndarray, np.ndarray]] = []
-        # the microbenchmarks after every run of a C-slot tier: the small models' drags swing
-        # between jobs and within one (on the embedded model 2.1-3.4 between calibrations,
-        # 2.2-3.2 between two processes minutes apart), so their medians are taken beside every
-        # stretch of the runs
+        # the microbenchmarks after runs of a C-slot tier spread over the rounds: the small
+        # models' drags swing between jobs and within one (on the embedded model 2.1-3.4 between
+        # calibrations, 2.2-3.2 between two processes minutes apart), so their medians are
+        # taken beside every stretch of the runs
         self.micro: list[dict[str, float]] = []
         self.expert_bytes, self.tier, self.host_reads_link = None, "", False
         self.meter = CpuMeter()
@@ -377,13 +383,21 @@ class Calibration:
         """Every mechanism once per round, `calibrate_rounds` rounds (`round_order`)."""
         return round_order(list(MECHANISMS), self.opts.calibrate_rounds)
 
+    def run_streams(self, i: int) -> list[np.ndarray]:
+        """The streams a mechanism's run `i` decodes: the next `calibrate_streams` of the
+        calibration streams in turn, so that over many short rounds the runs cover them all."""
+        n = min(self.opts.calibrate_streams, len(self.streams))
+        return [self.streams[(i * n + j) % len(self.streams)] for j in range(n)]
+
     def run(self, name: str, loaded: LoadedModel | None = None) -> None:
-        """One run of mechanism `name` over the calibration streams, on an engine of its own
-        (on `loaded`, the model loaded once for many engines, if given)."""
-        k = self.info.top_k
+        """The next run of mechanism `name` (`run_streams`), on an engine of its own (on
+        `loaded`, the model loaded once for many engines, if given), then on a C-slot tier the
+        microbenchmarks if the run is one of the `MICRO_RUNS` spread over the rounds."""
+        k, i = self.info.top_k, self.done[name]
+        self.done[name] += 1
         with EngineModel(self.model_dir, self.specs[name], loaded) as eng:
             self.meter.start()
-            for ids in self.streams:
+            for ids in self.run_streams(i):
                 disk0 = disk_clock(eng.setup.tier)
                 r = eng.decode(ids)
                 self.disk[name].append(disk_clock(eng.setup.tier) - disk0)
@@ -393,7 +407,8 @@ class Calibration:
                 if name == HOST_RUN:
                     self.host_runs.append((r["wall_s"], r["layer_counts"]))
             self.meter.pause()
-            if MECHANISMS[name] is not None:  # a C-slot tier, loaded, with nothing in flight
+            # a C-slot tier, loaded, with nothing in flight
+            if MECHANISMS[name] is not None and i % self.micro_every == 0:
                 eng.engine.reset(load=False)
                 self.micro.append(microbenchmarks(eng.setup.tier, k, DRAG_ROUNDS))
                 self.expert_bytes, self.tier = eng.setup.expert_bytes, eng.setup.tier.description
@@ -448,10 +463,11 @@ def calibrate(
     params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fit this machine's profile to timed engine runs of the model at `model_dir` on `device`
-    (module doc): `engine.calibrate_rounds` rounds of every mechanism over the first
-    `engine.calibrate_streams` streams of the calibration token table `tokens_path` (their first
-    `engine.calibrate_tokens` tokens each), at cache size `size` (a resolved size or a fraction),
-    each layer's initial experts from the expert ranking at `ranking_path` (`Calibration`).
+    (module doc): `engine.calibrate_rounds` rounds of every mechanism, each run over the next
+    `engine.calibrate_streams` streams of the calibration token table `tokens_path` in turn
+    (their first `engine.calibrate_tokens` tokens each), at cache size `size` (a resolved size
+    or a fraction), each layer's initial experts from the expert ranking at `ranking_path`
+    (`Calibration`).
     Writes the JSON to `out_json` (atomically) and returns it. Every input is checked before a
     run."""
     cal = Calibration(model_dir, device, tokens_path, ranking_path, size, params)

@@ -41,8 +41,8 @@ class EngineParams:
     max_tokens: int | None = _DEFAULTS["max_tokens"]
     threads: int | None = None  # torch CPU threads (None = torch's default)
     progress: bool = True
-    # the calibration (`moesub.engine.calibrate`): tokens of each of the first
-    # `calibrate_streams` calibration streams decoded per run, in `calibrate_rounds` rounds
+    # the calibration (`moesub.engine.calibrate`): tokens of each of the `calibrate_streams`
+    # calibration streams a run decodes (the next ones in turn), in `calibrate_rounds` rounds
     calibrate_tokens: int = _DEFAULTS["calibrate_tokens"]
     calibrate_streams: int = _DEFAULTS["calibrate_streams"]
     calibrate_rounds: int = _DEFAULTS["calibrate_rounds"]

@@ -252,9 +252,9 @@ def run_engine_stage(
     (`spread`), that order rotated over `engine.calibrate_rounds` rounds (`round_order`), each
     run decoding its share of the streams in each round (on an engine of its own, as every
     calibration run). The simulator is held to these runs with the profile fitted beside them:
-    a machine whose speed drifts by a fifth within minutes (two policies' runs of nearly the
-    same counts on a small checkpoint, in jobs minutes apart, 2026-12-03) then slows the
-    calibration and the runs alike. Every input is
+    a machine whose speed drifts (on a 2-vCPU VM by up to 40% in stretches of 20-30 s,
+    2026-12-05) then slows the calibration and the runs alike, if the rounds are short beside
+    those stretches (the shipped config: 16 rounds of one short stream per run). Every input is
     checked before a run; every output is written at the end, each atomically. The model is
     loaded once (`load_engine_model`: the checkpoint read, the store checked, on CUDA the pinned
     experts filled) and every run's engine is built on it with a tier of its own."""
