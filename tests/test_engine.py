@@ -917,8 +917,9 @@ def test_calibration_runs_take_the_streams_in_turn_and_space_the_microbenchmarks
         decoded.append((self.spec.name, list(inputs)))
         return decode(self, inputs, *args, **kwargs)
 
-    def fake_micro(tier, k, drag_rounds):
-        micro.append(len(decoded))
+    def fake_micro(tier, k, drag_rounds):  # which run of which mechanism it follows
+        name = decoded[-1][0]
+        micro.append((name, sum(n == name for n, _ids in decoded) - 1))
         return {"expert_compute_s": 1e-4, "host_read_drag": 0.0, "background_read_drag": 0.0,
                 "install_s": 1e-5}  # fmt: skip
 
@@ -933,7 +934,9 @@ def test_calibration_runs_take_the_streams_in_turn_and_space_the_microbenchmarks
         assert runs == [streams[i % 2] for i in range(5)], name
     assert MICRO_RUNS == 4 and cal.micro_every == 2
     # after runs 0, 2, 4 of the three C-slot mechanisms (cal_hits holds every expert)
-    assert len(micro) == len(cal.micro) == 3 * 3
+    c_slot = [cal.specs[n].name for n, policy in MECHANISMS.items() if policy is not None]
+    assert sorted(micro) == sorted((n, i) for n in c_slot for i in (0, 2, 4))
+    assert len(cal.micro) == 3 * 3
     assert cal.result()["runs"] == dict.fromkeys(MECHANISMS, 5 * 12)
     two = Calibration(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
                       FRACTION, {**opts, "calibrate_streams": 3})  # fmt: skip
