@@ -110,9 +110,11 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       double reads = host_reads ? enqueue(decided, host_reads) : 0.0;
       req_start[slot] = enqueue(decided, c[kRequests]);
       req_n[slot] = c[kRequests];
-      // the fast path: the synchronous copies, then the fast tier's experts
+      // the fast path: the synchronous copies (and the step's wait for them), then the fast
+      // tier's experts
       const int64_t n_fast = static_cast<int64_t>(c[kHit]) + c[kFetch] + c[kSub] + c[kForced];
-      const double copies = static_cast<double>(n_sync) * u.copy_s;
+      const double copies =
+          static_cast<double>(n_sync) * u.copy_s + (n_sync ? u.sync_step_s : 0.0);
       const double experts = static_cast<double>(n_fast) * u.expert_s;
       const double fast_end = sync_start + (copies + experts);
       p[kLinkWait] += sync_start - decided;

@@ -25,6 +25,8 @@ struct UnitCosts {
   // the fast tier's work slows by these fractions while the link reads (host_reads_link only):
   // the host's experts, background copies
   double host_read_drag, background_read_drag;
+  // a step that copies synchronously: issuing the copies and resuming after the wait, once
+  double sync_step_s;
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

@@ -33,6 +33,7 @@ TRUE = UnitCosts(
     token_overhead_s=2e-3,
     install_s=40e-6,
     concurrent_host=False,
+    sync_step_s=150e-6,
 )
 
 
@@ -77,8 +78,9 @@ def test_the_fit_recovers_known_constants_despite_noise_and_slowed_tokens():
     assert fit.layers_identified and fit.kept < fit.tokens  # the slowed tokens left out
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
     for key, value in seconds.items():
-        # an install (40 us) is small beside the noise (3% of a ~4 ms token): looser
-        rel = 0.3 if key == "install_s" else 0.02
+        # an install (40 us) and a step's wait (150 us, on a third of the steps) are small
+        # beside the noise (3% of a ~4 ms token): looser
+        rel = {"install_s": 0.3, "sync_step_s": 0.1}.get(key, 0.02)
         assert value == pytest.approx(getattr(TRUE, key), rel=rel), key
     # as a profile, priced for the same experts, it gives the seconds back
     u = measured_profile(seconds, 1e6, "fit").price(ModelBytes(1e6))
@@ -92,8 +94,23 @@ def test_the_fit_is_exact_without_noise():
     # the admissions' copies can delay a later fetch on the link (a wait the linear terms do
     # not have), so the copy absorbs a little of it; the rest is exact
     assert seconds["copy_s"] == pytest.approx(TRUE.copy_s, rel=0.02)
-    for key in ("token_overhead_s", "dense_layer_s", "host_expert_s", "install_s"):
+    for key in ("token_overhead_s", "dense_layer_s", "host_expert_s", "install_s", "sync_step_s"):
         assert seconds[key] == pytest.approx(getattr(TRUE, key), rel=0.02), key
+
+
+def test_steps_that_each_copy_one_expert_leave_the_step_to_the_copy():
+    # top-1 routing: a step that copies copies one expert, so its wait and its copy are one term
+    rng = np.random.default_rng(5)
+    runs = []
+    for kind in ("hits", "fetch", "host", "admit"):
+        c = mechanism_counts(kind, 200, L, rng)
+        c[..., F["hit"]] += c[..., F["fetch"]] - np.minimum(c[..., F["fetch"]], 1)
+        c[..., F["fetch"]] = np.minimum(c[..., F["fetch"]], 1)
+        runs.append(TimedTokens.from_counts(price_stream_reference(c, 1, TRUE).token_s, c))
+    fit = fit_unit_costs(TimedTokens.concat(runs))
+    assert fit.coef["sync_step_s"] == 0.0 and "sync_step_s" not in fit.at_zero
+    copy = TRUE.copy_s + TRUE.sync_step_s
+    assert fit.coef["copy_s"] == pytest.approx(copy, rel=0.02)
 
 
 def test_terms_are_never_negative():
@@ -198,9 +215,11 @@ def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     host's term. The linear fit's install is off by over half (the admissions' drag falls into
     its terms wherever the least squares puts it), so the install is timed apart: given it, the
     admission runs are priced at what they took."""
-    dragged = replace(  # a fast path as long as a read: a layer with one host expert hides it
+    # a fast path as long as a read: a layer with one host expert hides it (no step's wait: the
+    # drags, which no linear term has, then move the copy's time between copy_s and it)
+    dragged = replace(
         TRUE, expert_s=150e-6, host_expert_s=60e-6, host_reads_link=True, host_read_drag=0.5,
-        background_read_drag=0.25,
+        background_read_drag=0.25, sync_step_s=0.0,
     )  # fmt: skip
     fit, host_runs, admit_runs = fit_priced_runs(dragged, seed=7)
     common = {"k": K, "layers": L, "expert_s": dragged.expert_s, "host_runs": host_runs}

@@ -169,6 +169,7 @@ SECONDS = {
     "install_s": 5e-6,
     "host_read_drag": 0.25,  # fractions: priced for any expert size as they are
     "background_read_drag": 0.125,
+    "sync_step_s": 150e-6,  # a constant: a step's, whatever its experts' size
 }
 
 
@@ -192,6 +193,7 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     u = free.price(ModelBytes(2 * 98_304.0))
     assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
     assert (u.host_read_drag, u.background_read_drag) == (0.25, 0.125)
+    assert u.sync_step_s == 150e-6
     assert math.isinf(free.install_Bps)
 
 
@@ -200,7 +202,7 @@ def test_this_machine_names_a_bad_calibration():
         measured_profile({k: v for k, v in SECONDS.items() if k != "install_s"}, 1.0, "x")
     with pytest.raises(ValueError, match=r"hardware\.this_machine\.expert_s=-1"):
         measured_profile({**SECONDS, "expert_s": -1}, 1.0, "x")
-    for drag in ("host_read_drag", "background_read_drag"):
+    for drag in ("host_read_drag", "background_read_drag", "sync_step_s"):
         with pytest.raises(ValueError, match=rf"hardware\.this_machine\.{drag}=-0\.1"):
             measured_profile({**SECONDS, drag: -0.1}, 1.0, "x")
     with pytest.raises(ValueError, match="no `profile`"):

@@ -83,6 +83,25 @@ def test_two_tokens_with_a_concurrent_host(price):
 
 
 @pytest.mark.parametrize("price", PRICERS)
+def test_a_step_that_copies_pays_its_wait_once_on_the_fast_tier(price):
+    """The concurrent example with a step's wait of 40 (`sync_step_s`): once per step that
+    copies, after its copies, on the fast tier's clock (the link is not held by it).
+
+    token 0, layer 0: the fetch on the link 325-625, then the wait: the fast path is 325 + 300
+      + 40 + 80 = 745; layer 1: dense -> 765, install -> 767, 9 experts -> 857. Token 0 = 857.
+    token 1 (from 857): overhead -> 862; layer 0: dense -> 882; the admissions' copies still end
+      at 1225 (the link did not move): wait 343 -> 1225, and on as before -> 1429. Layer 1:
+      dense -> 1449; 2 fetches 1449-2049, one wait -> 2089; 10 experts -> 2189. Token 1 = 1332:
+      the wait for the admissions absorbed the first step's 40.
+    """
+    r = price(TWO_TOKENS, 1, replace(units(concurrent=True), sync_step_s=40.0))
+    assert r.token_s.tolist() == [857.0, 1332.0]
+    waits = (r.parts["sync_copy"], r.parts["admit_wait"], r.parts["link_wait"])
+    assert waits == (980.0, 343.0, 300.0)
+    assert sum(r.parts.values()) == r.token_s.sum()
+
+
+@pytest.mark.parametrize("price", PRICERS)
 def test_two_tokens_on_one_processor(price):
     """The same counts without a separate host processor: the host's experts follow the fast
     path's.
@@ -268,6 +287,7 @@ def priced_streams(draw):
         host_reads_link=draw(st.booleans()),
         host_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
         background_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
+        sync_step_s=draw(st.just(0.0) | seconds),
     )
     return counts, draw(st.integers(1, 5)), u
 

@@ -9,10 +9,13 @@ counts (`TOKEN_LAYER_FIELDS`). `fit_unit_costs` regresses the wall times on the 
 squares (`scipy.optimize.nnls`) with the tokens another process slowed (residuals beyond
 `cut` robust standard deviations) left out, iteratively:
 
-    wall = token_s + layers x layer_s + copies x copy_s + host x host_extra_s
-           + installs x install_s
+    wall = token_s + layers x layer_s + copies x copy_s + sync_steps x sync_step_s
+           + host x host_extra_s + installs x install_s
 
 `layers` is the token's MoE layer steps, `copies` its synchronous copies (fetch, forced),
+`sync_steps` its layer steps that copy synchronously (a step pays once for issuing its copies
+and resuming after the wait: docs/pricing.md; where every such step copies one expert, as
+with top-1 routing, the two cannot be told apart and `copy_s` carries it),
 `host` its experts computed by the host, `installs` its background copies installed
 (admissions landed, prefetched). Where the runs read a file (the disk tier) and timed their
 reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a minute apart:
@@ -48,12 +51,13 @@ from moesub.hardware import UnitCosts
 from moesub.pricing import price_stream, price_streams
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
-FIT_TERMS = ("token_s", "layer_s", "copy_s", "host_extra_s", "install_s")
+FIT_TERMS = ("token_s", "layer_s", "copy_s", "sync_step_s", "host_extra_s", "install_s")
 # what each term's regressor counts, for the errors
 _COUNTED = {
     "token_s": "token",
     "layer_s": "MoE layer step",
     "copy_s": "synchronous copy (fetch, forced)",
+    "sync_step_s": "MoE layer step with synchronous copies",
     "host_extra_s": "expert computed by the host",
     "install_s": "background copy installed (admission landed, prefetch)",
 }
@@ -67,6 +71,7 @@ class TimedTokens:
     wall_s: np.ndarray
     layers: np.ndarray  # MoE layer steps
     copies: np.ndarray  # synchronous copies (fetch + forced)
+    sync_steps: np.ndarray  # MoE layer steps with synchronous copies
     host: np.ndarray  # experts computed by the host
     installs: np.ndarray  # background copies installed (admissions landed + prefetched)
     read_s: np.ndarray  # seconds its copies read at its run's disk speed (0: not timed)
@@ -85,10 +90,12 @@ class TimedTokens:
             )
         per = c.sum(axis=1)  # (n, F)
         copies = (per[:, _F["fetch"]] + per[:, _F["forced"]]).astype(float)
+        sync = c[:, :, _F["fetch"]] + c[:, :, _F["forced"]]  # (n, L)
         return cls(
             wall_s=np.asarray(wall_s, float),
             layers=np.full(len(c), c.shape[1], float),
             copies=copies,
+            sync_steps=(sync > 0).sum(axis=1).astype(float),
             host=per[:, _F["host"]].astype(float),
             installs=(per[:, _F["admissions"]] + per[:, _F["prefetched"]]).astype(float),
             read_s=copies * (disk.per_read_s if disk is not None and disk.reads else 0.0),
@@ -101,14 +108,17 @@ class TimedTokens:
     def design(self) -> np.ndarray:
         """(n, len(FIT_TERMS)) regressors in `FIT_TERMS` order."""
         n = len(self.wall_s)
-        return np.stack([np.ones(n), self.layers, self.copies, self.host, self.installs], 1)
+        return np.stack(
+            [np.ones(n), self.layers, self.copies, self.sync_steps, self.host, self.installs], 1
+        )
 
 
 @dataclass(frozen=True)
 class CostFit:
     """What `fit_unit_costs` found."""
 
-    coef: dict[str, float]  # FIT_TERMS -> seconds (layer_s 0 when every run had the same L)
+    coef: dict[str, float]  # FIT_TERMS -> seconds (layer_s 0 when every run had the same L,
+    # sync_step_s 0 when every step that copied copied one expert)
     layers_identified: bool  # runs with different layer counts separated token_s and layer_s
     tokens: int  # timed tokens
     kept: int  # tokens in the final fit
@@ -131,7 +141,12 @@ def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> Co
         raise ValueError("cost fit: wall times must be finite and >= 0")
     y = wall - tokens.read_s  # a token on a fast stretch of the disk may come out below 0
     layers_identified = bool(np.ptp(X[:, 1]) > 0) if len(y) else False
-    used = [i for i, t in enumerate(FIT_TERMS) if t != "layer_s" or layers_identified]
+    copy_i, step_i = FIT_TERMS.index("copy_s"), FIT_TERMS.index("sync_step_s")
+    steps_identified = bool(len(y)) and np.linalg.matrix_rank(X[:, [copy_i, step_i]]) == 2
+    left_out = set() if layers_identified else {"layer_s"}
+    if X[:, copy_i].any() and not steps_identified:  # copy_s carries it
+        left_out.add("sync_step_s")
+    used = [i for i, t in enumerate(FIT_TERMS) if t not in left_out]
     if len(y) < 2 * len(used):
         raise ValueError(f"cost fit: {len(y)} timed tokens, need at least {2 * len(used)}")
     for i in used:
@@ -208,6 +223,7 @@ def unit_costs_from_fit(
         "dense_layer_s": max(per_layer - k * expert, 0.0),  # not -1e-19 when expert is capped
         "expert_s": expert,
         "copy_s": beyond_read + (reference.per_read_s if reference is not None else 0.0),
+        "sync_step_s": fit.coef["sync_step_s"],
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"] if install_s is None else max(install_s, 0.0),
         "host_read_drag": max(host_read_drag, 0.0),
@@ -342,7 +358,8 @@ SPEED_PROBE_TOKENS = 10
 _NOT_HIT = [_F[f] for f in ("fetch", "host", "forced", "prefetched", "admission_requests",
                             "admissions")]  # fmt: skip
 # the terms the machine's speed moves: its compute (the disk has its own clock, `AtRunDisk`)
-COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s")
+COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s",
+                 "sync_step_s")  # fmt: skip
 
 
 def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> float:

@@ -99,6 +99,9 @@ class UnitCosts:
     # computes, and the background copies; 0 on a GPU machine
     host_read_drag: float = 0.0
     background_read_drag: float = 0.0
+    # a step that copies synchronously, once: issuing its copies and resuming after the wait,
+    # beyond each copy's `copy_s` (the disk tier's main thread: measured)
+    sync_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -140,6 +143,9 @@ class HardwareProfile:
     # experts it computes, and the background copies; a GPU computes undisturbed beside its DMA
     host_read_drag: float = 0.0
     background_read_drag: float = 0.0
+    # seconds a step that copies synchronously takes once, beyond its copies: issuing them and
+    # resuming after the wait (measured on the disk tier; a GPU's is in `transfer_latency_s`)
+    sync_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -151,7 +157,7 @@ class HardwareProfile:
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s",
-                    "host_read_drag", "background_read_drag"):  # fmt: skip
+                    "host_read_drag", "background_read_drag", "sync_step_s"):  # fmt: skip
             _check_number(where, key, getattr(self, key))
         for key in ("host_core_Bps", "install_Bps"):
             if getattr(self, key) is not None:
@@ -194,6 +200,7 @@ class HardwareProfile:
             host_reads_link=self.host_reads_link,
             host_read_drag=self.host_read_drag,
             background_read_drag=self.background_read_drag,
+            sync_step_s=self.sync_step_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,7 +257,8 @@ def measured_profile(
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
-    measured `host_read_drag` and `background_read_drag` (fractions, kept as they are). Priced
+    measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s` (a
+    constant: a step's, whatever its experts' size), kept as they are. Priced
     for `ModelBytes(expert_bytes)` it gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
@@ -278,6 +286,7 @@ def measured_profile(
         host_reads_link=host_reads_link,
         host_read_drag=seconds["host_read_drag"],
         background_read_drag=seconds["background_read_drag"],
+        sync_step_s=seconds["sync_step_s"],
     )
 
 

@@ -21,7 +21,8 @@ says where this simplifies the engine):
    tier, whose host computes each from a fresh disk read), the host's reads (`copy_s` each);
    then this token-layer's background requests (the engine starts them once the host's reads
    are done, so that no layer waits on a copy for a later token);
-5. the fast path: the synchronous copies, then the fast tier's experts (hit, fetch, sub,
+5. the fast path: the synchronous copies and, where there are any, the step's wait for them
+   (`sync_step_s`: issuing them and resuming), then the fast tier's experts (hit, fetch, sub,
    forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each), starting
    at the decision, or where it reads them over the link once its reads are done
    (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
@@ -62,7 +63,7 @@ BREAKDOWN = (
     "prefetch_wait",  # step 1b: prefetch copies not landed (late prefetches)
     "install",  # landed background copies installed on the fast tier
     "link_wait",  # synchronous copies behind background copies
-    "sync_copy",  # synchronous copies (fetch, forced)
+    "sync_copy",  # synchronous copies (fetch, forced), and the steps' waits for them
     "fast_compute",  # experts computed on the fast tier
     "host_exposed",  # the host's experts (and reads), where the fast path did not hide them
     "read_drag",  # the fast tier's work slowed while the host reads over the link (the drags)
@@ -138,7 +139,7 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
             u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag,
-            u.background_read_drag)  # fmt: skip
+            u.background_read_drag, u.sync_step_s)  # fmt: skip
 
 
 def _dragged_end(
@@ -244,11 +245,13 @@ def price_stream_reference(
             host_reads = c[HOST] if u.host_reads_link else 0
             reads = enqueue(decided, host_reads) if host_reads else 0.0
             requested[layer][slot] = (enqueue(decided, c[REQUESTS]), c[REQUESTS])
-            # the fast path: the synchronous copies, then the fast tier's experts
+            # the fast path: the synchronous copies (and the step's wait for them), then the
+            # fast tier's experts
             n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]
-            fast_end = sync_start + (n_sync * u.copy_s + n_fast * u.expert_s)
+            copies = n_sync * u.copy_s + (u.sync_step_s if n_sync else 0.0)
+            fast_end = sync_start + (copies + n_fast * u.expert_s)
             parts["link_wait"] += sync_start - decided
-            parts["sync_copy"] += n_sync * u.copy_s
+            parts["sync_copy"] += copies
             parts["fast_compute"] += n_fast * u.expert_s
             # the host path: its experts computed beside the fast path from the decision on, or
             # after it; read over the link, the reads queue behind every copy queued before and
@@ -262,7 +265,7 @@ def price_stream_reference(
                 reads = reads_end = link_free
             # the fast tier's experts slowed while the link reads: the background copies queued
             # before, the host's reads, then this decision's background requests
-            fast_start = sync_start + n_sync * u.copy_s
+            fast_start = sync_start + copies
             fast_done = _dragged_end(
                 fast_start, n_fast * u.expert_s, fast_end,
                 ((fast_start, reads, background_drag), (reads, reads_end, host_drag),
