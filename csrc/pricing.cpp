@@ -144,10 +144,15 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       if (u.concurrent_host) {
         end = std::max(fast_done, ready + host);
         p[kHiddenHost] += std::min(host, std::max(0.0, fast_done - ready));
-      } else {
-        end = std::max(fast_done, ready) + host;
+        p[kHostExposed] += end - fast_done;
+      } else {  // on the one processor, slowed while the link reads this step's uploads
+        const double host_start = std::max(fast_done, ready);
+        const double plain = host_start + host;
+        const DragWindow uploads{reads_end, link_free, background_drag};
+        end = dragged_end(host_start, host, plain, &uploads, 1);
+        p[kHostExposed] += plain - fast_done;
+        p[kReadDrag] += end - plain;
       }
-      p[kHostExposed] += end - fast_done;
       clock = end;
     }
     token_s[t] = clock - begin;

@@ -208,7 +208,7 @@ HOST_UPLOADS = np.array(
         ((0.0, 0.0), True, [185.0, 189.0], 160.0, 0.0, 40.0),
         ((1.0, 0.0), False, [235.0, 239.0], 200.0, 60.0, 0.0),
         ((1.0, 0.0), True, [185.0, 189.0], 100.0, 60.0, 100.0),
-        ((0.0, 1.0), False, [225.0, 209.0], 200.0, 20.0, 0.0),
+        ((0.0, 1.0), False, [235.0, 209.0], 200.0, 30.0, 0.0),
         ((0.0, 1.0), True, [185.0, 189.0], 140.0, 20.0, 60.0),
         ((1.0, 1.0), False, [265.0, 239.0], 200.0, 90.0, 0.0),
         ((1.0, 1.0), True, [185.0, 189.0], 70.0, 90.0, 130.0),
@@ -236,12 +236,14 @@ def test_host_reads_go_ahead_of_the_uploads(
       way: 264 + 30 -> 324, its last 50 to 374: 474, a token of 239; concurrent 214 -> 324,
       max(324, 374): 189 (50 hidden).
     At half speed while the uploads are read (background_read_drag 1): token 0's first 60 run
-      to 85 at full speed, its last 20 inside the uploads' reads: 125 (20 of drag); 225, or
-      185 (40 hidden). Token 1 reads no upload: 209, or 189 (20 hidden).
+      to 85 at full speed, its last 20 inside the uploads' reads: 125 (20 of drag). One
+      processor: the host computes on it from 125, its first 10 inside the uploads' reads (to
+      145, 10 more of drag), its last 90 after: 235. Concurrent: 185 (40 hidden). Token 1
+      reads no upload: 209, or 189 (20 hidden).
     Both: token 0's first 30 take the host's reads, the next 30 the uploads' (85-145), the last
-      20 follow: 165 (60 of drag). one processor: 265, then the reads 294-354 and the fast path
-      to 404: 504, a token of 239. concurrent: max(165, 185) = 185 (80 hidden), then as with the
-      host's drag alone.
+      20 follow: 165 (60 of drag). one processor: the uploads are read by then: 265, then the
+      reads 294-354 and the fast path to 404: 504, a token of 239. concurrent: max(165, 185) =
+      185 (80 hidden), then as with the host's drag alone.
     The drag is its own part (read_drag); the host's is the end past the dragged fast path
     (host_exposed).
     Without the link the host computes from the decision on (no reads, nothing to drag): 205

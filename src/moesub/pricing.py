@@ -32,8 +32,9 @@ says where this simplifies the engine):
 Where the host reads over the link (the disk tier's worker and I/O thread take CPU time and
 memory bandwidth from the fast tier), the fast tier's work (overhead, dense, installs, experts)
 runs `1 + background_read_drag` times slower while the link reads background copies, and its
-experts `1 + host_read_drag` times slower while it reads the host's; those seconds are the
-`read_drag` part.
+experts `1 + host_read_drag` times slower while it reads the host's; without `concurrent_host`
+the host's compute, on the same processor, runs `1 + background_read_drag` times slower while
+the link reads that step's uploads; those seconds are the `read_drag` part.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -275,9 +276,14 @@ def price_stream_reference(
             if u.concurrent_host:
                 end = max(fast_done, ready + host)
                 hidden_host += min(host, max(0.0, fast_done - ready))
-            else:
-                end = max(fast_done, ready) + host
-            parts["host_exposed"] += end - fast_done
+                parts["host_exposed"] += end - fast_done
+            else:  # on the one processor, slowed while the link reads this step's uploads
+                host_start = max(fast_done, ready)
+                plain = host_start + host
+                uploads = ((reads_end, link_free, background_drag),)
+                end = _dragged_end(host_start, host, plain, uploads)
+                parts["host_exposed"] += plain - fast_done
+                parts["read_drag"] += end - plain
             if blocks is not None:
                 blocks.append(LayerBlock(decided, fast_done, ready, end))
             clock = end
