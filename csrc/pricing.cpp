@@ -145,7 +145,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
         end = std::max(fast_done, ready + host);
         p[kHiddenHost] += std::min(host, std::max(0.0, fast_done - ready));
         p[kHostExposed] += end - fast_done;
-      } else {  // on the one processor, slowed while the link reads this step's uploads
+      } else {  // on the one processor: slowed while the link reads this step's requests
         const double host_start = std::max(fast_done, ready);
         const double plain = host_start + host;
         const DragWindow uploads{reads_end, link_free, background_drag};

@@ -244,8 +244,8 @@ def test_host_reads_go_ahead_of_the_uploads(
       20 follow: 165 (60 of drag). one processor: the uploads are read by then: 265, then the
       reads 294-354 and the fast path to 404: 504, a token of 239. concurrent: max(165, 185) =
       185 (80 hidden), then as with the host's drag alone.
-    The drag is its own part (read_drag); the host's is the end past the dragged fast path
-    (host_exposed).
+    The drag is its own part (read_drag), the host's included; the host's own time past the
+    dragged fast path is host_exposed.
     Without the link the host computes from the decision on (no reads, nothing to drag): 205
     and 125 for token 0, then 209 and 129."""
     host_drag, background_drag = drags

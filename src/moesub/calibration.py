@@ -134,8 +134,9 @@ class CostFit:
 def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> CostFit:
     """Non-negative least squares of per-token wall time, less its timed reads, on `FIT_TERMS`
     (module doc), tokens beyond `cut` robust standard deviations of the residuals left out,
-    refitted up to `rounds` times. ValueError when a term is never exercised or the terms are
-    not separable."""
+    refitted up to `rounds` times; a step's wait is left to the copy where no run tells them apart
+    (every step that copied copied one expert). ValueError when a term is never exercised or the
+    terms are not separable."""
     X, wall = tokens.design(), np.asarray(tokens.wall_s, float)
     if not np.isfinite(wall).all() or (wall < 0).any():
         raise ValueError("cost fit: wall times must be finite and >= 0")

@@ -144,7 +144,7 @@ class HardwareProfile:
     host_read_drag: float = 0.0
     background_read_drag: float = 0.0
     # seconds a step that copies synchronously takes once, beyond its copies: issuing them and
-    # resuming after the wait (measured on the disk tier; a GPU's is in `transfer_latency_s`)
+    # resuming after the wait (measured on the disk tier; the GPU estimates leave it at 0)
     sync_step_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ memory bandwidth from the fast tier), the fast tier's work (overhead, dense, ins
 runs `1 + background_read_drag` times slower while the link reads background copies, and its
 experts `1 + host_read_drag` times slower while it reads the host's; without `concurrent_host`
 the host's compute, on the same processor, runs `1 + background_read_drag` times slower while
-the link reads that step's uploads; those seconds are the `read_drag` part.
+the link reads that step's background copies (its uploads); those seconds are the `read_drag` part.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -277,7 +277,7 @@ def price_stream_reference(
                 end = max(fast_done, ready + host)
                 hidden_host += min(host, max(0.0, fast_done - ready))
                 parts["host_exposed"] += end - fast_done
-            else:  # on the one processor, slowed while the link reads this step's uploads
+            else:  # on the one processor: slowed while the link reads this step's requests
                 host_start = max(fast_done, ready)
                 plain = host_start + host
                 uploads = ((reads_end, link_free, background_drag),)
