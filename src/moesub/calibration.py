@@ -89,8 +89,8 @@ class TimedTokens:
                 f"(n,) and (n, L, {len(TOKEN_LAYER_FIELDS)})"
             )
         per = c.sum(axis=1)  # (n, F)
-        copies = (per[:, _F["fetch"]] + per[:, _F["forced"]]).astype(float)
-        sync = c[:, :, _F["fetch"]] + c[:, :, _F["forced"]]  # (n, L)
+        sync = c[:, :, _F["fetch"]] + c[:, :, _F["forced"]]  # (n, L) synchronous copies
+        copies = sync.sum(axis=1).astype(float)
         return cls(
             wall_s=np.asarray(wall_s, float),
             layers=np.full(len(c), c.shape[1], float),
@@ -118,7 +118,7 @@ class CostFit:
     """What `fit_unit_costs` found."""
 
     coef: dict[str, float]  # FIT_TERMS -> seconds (layer_s 0 when every run had the same L,
-    # sync_step_s 0 when every step that copied copied one expert)
+    # sync_step_s 0 when every step that copied copied as many experts)
     layers_identified: bool  # runs with different layer counts separated token_s and layer_s
     tokens: int  # timed tokens
     kept: int  # tokens in the final fit
@@ -134,9 +134,9 @@ class CostFit:
 def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> CostFit:
     """Non-negative least squares of per-token wall time, less its timed reads, on `FIT_TERMS`
     (module doc), tokens beyond `cut` robust standard deviations of the residuals left out,
-    refitted up to `rounds` times; a step's wait is left to the copy where no run tells them apart
-    (every step that copied copied one expert). ValueError when a term is never exercised or the
-    terms are not separable."""
+    refitted up to `rounds` times; a step's wait is left to the copy where no run tells them
+    apart (every step that copied copied as many experts: one, with top-1 routing). ValueError
+    when a term is never exercised or the terms are not separable."""
     X, wall = tokens.design(), np.asarray(tokens.wall_s, float)
     if not np.isfinite(wall).all() or (wall < 0).any():
         raise ValueError("cost fit: wall times must be finite and >= 0")
