@@ -43,10 +43,10 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
   double clock = 0.0, link_free = 0.0;
   const double host_drag = u.host_reads_link ? u.host_read_drag : 0.0;
   const double background_drag = u.host_reads_link ? u.background_read_drag : 0.0;
-  // n copies queued at `at` behind those already queued: when the first starts
-  auto enqueue = [&](double at, int64_t n) {
+  // n reads of `each` seconds queued at `at` behind those already queued: when the first starts
+  auto enqueue = [&](double at, int64_t n, double each) {
     const double start = std::max(at, link_free);
-    link_free = start + static_cast<double>(n) * u.copy_s;
+    link_free = start + static_cast<double>(n) * each;
     return start;
   };
   // the fast tier's `seconds` of `part` from `start`: when they end, slowed while the link reads
@@ -80,11 +80,13 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // work. Queueing none moves link_free up to `at` only, which changes no later start (the
       // clock never goes back), so it is done without a branch.
       const int64_t pf = c[kPrefetched];
-      if (l == 0) prefetch_done[0] = enqueue(clock, pf) + static_cast<double>(pf) * u.copy_s;
+      if (l == 0)
+        prefetch_done[0] = enqueue(clock, pf, u.copy_s) + static_cast<double>(pf) * u.copy_s;
       clock = work(clock, u.dense_layer_s, kDense);
       if (l + 1 < L) {
         const int64_t next = c[kFields + kPrefetched];
-        prefetch_done[l + 1] = enqueue(clock, next) + static_cast<double>(next) * u.copy_s;
+        prefetch_done[l + 1] =
+            enqueue(clock, next, u.copy_s) + static_cast<double>(next) * u.copy_s;
       }
       // step 1: landing admissions wait for their copies, then are installed; step 1b: the
       // prefetched experts. Selects, not branches (adding 0.0 changes no bit).
@@ -105,10 +107,10 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // done), on the link
       const double decided = clock;
       const int64_t n_sync = static_cast<int64_t>(c[kFetch]) + c[kForced];
-      const double sync_start = n_sync ? enqueue(decided, n_sync) : decided;
+      const double sync_start = n_sync ? enqueue(decided, n_sync, u.copy_s) : decided;
       const int64_t host_reads = u.host_reads_link ? static_cast<int64_t>(c[kHost]) : 0;
-      double reads = host_reads ? enqueue(decided, host_reads) : 0.0;
-      req_start[slot] = enqueue(decided, c[kRequests]);
+      double reads = host_reads ? enqueue(decided, host_reads, u.host_read_s) : 0.0;
+      req_start[slot] = enqueue(decided, c[kRequests], u.copy_s);
       req_n[slot] = c[kRequests];
       // the fast path: the synchronous copies (and the step's wait for them), then the fast
       // tier's experts
@@ -124,11 +126,12 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       // after it; where the host reads them over the link, the reads queue behind every copy
       // queued before and the host computes once they are done (one processor: they overlap
       // the fast path, the host's compute follows)
-      const double host = static_cast<double>(c[kHost]) * u.host_expert_s;
+      const double host =
+          static_cast<double>(c[kHost]) * u.host_expert_s + (c[kHost] ? u.host_step_s : 0.0);
       double ready = decided;  // where the host reads nothing over the link
       double reads_end;
       if (host_reads) {
-        ready = reads_end = reads + static_cast<double>(host_reads) * u.copy_s;
+        ready = reads_end = reads + static_cast<double>(host_reads) * u.host_read_s;
       } else {  // the background copies queued so far run to the link's end
         reads = reads_end = link_free;
       }

@@ -27,6 +27,10 @@ struct UnitCosts {
   double host_read_drag, background_read_drag;
   // a step that copies synchronously: issuing the copies and resuming after the wait, once
   double sync_step_s;
+  // one of the host's reads over the link (host_reads_link only): its reads come back to back
+  double host_read_s;
+  // a step that computes experts on the host, once: handing them over and taking the results
+  double host_step_s;
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

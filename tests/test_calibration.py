@@ -4,17 +4,19 @@ the pricing; non-negativity; degenerate fits named."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 
 from moesub.calibration import (
     FIT_TERMS,
+    AtRunDisk,
     CostFit,
     DiskClock,
     TimedTokens,
     fit_unit_costs,
+    host_terms_by_pricing,
     reference_clock,
     term_by_pricing,
     unit_costs_from_fit,
@@ -34,6 +36,7 @@ TRUE = UnitCosts(
     install_s=40e-6,
     concurrent_host=False,
     sync_step_s=150e-6,
+    host_step_s=100e-6,
 )
 
 
@@ -77,10 +80,11 @@ def test_the_fit_recovers_known_constants_despite_noise_and_slowed_tokens():
     fit = fit_unit_costs(timed_runs(seed=1, noise=0.03, slowed=0.03))
     assert fit.layers_identified and fit.kept < fit.tokens  # the slowed tokens left out
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
+    assert seconds.pop("host_read_s") == seconds["copy_s"]  # no host runs on a disk: a copy
     for key, value in seconds.items():
         # an install (40 us) and a step's wait (150 us, on a third of the steps) are small
         # beside the noise (3% of a ~4 ms token): looser
-        rel = {"install_s": 0.3, "sync_step_s": 0.1}.get(key, 0.02)
+        rel = {"install_s": 0.3, "sync_step_s": 0.1, "host_step_s": 0.1}.get(key, 0.02)
         assert value == pytest.approx(getattr(TRUE, key), rel=rel), key
     # as a profile, priced for the same experts, it gives the seconds back
     u = measured_profile(seconds, 1e6, "fit").price(ModelBytes(1e6))
@@ -94,23 +98,38 @@ def test_the_fit_is_exact_without_noise():
     # the admissions' copies can delay a later fetch on the link (a wait the linear terms do
     # not have), so the copy absorbs a little of it; the rest is exact
     assert seconds["copy_s"] == pytest.approx(TRUE.copy_s, rel=0.02)
-    for key in ("token_overhead_s", "dense_layer_s", "host_expert_s", "install_s", "sync_step_s"):
+    for key in ("token_overhead_s", "dense_layer_s", "host_expert_s", "install_s", "sync_step_s",
+                "host_step_s"):  # fmt: skip
         assert seconds[key] == pytest.approx(getattr(TRUE, key), rel=0.02), key
 
 
-def test_steps_that_each_copy_one_expert_leave_the_step_to_the_copy():
-    # top-1 routing: a step that copies copies one expert, so its wait and its copy are one term
+def top1(counts: np.ndarray, field: str) -> np.ndarray:
+    """The counts with each step's `field` experts cut to one, the rest hits (top-1 routing)."""
+    c = counts.copy()
+    c[..., F["hit"]] += c[..., F[field]] - np.minimum(c[..., F[field]], 1)
+    c[..., F[field]] = np.minimum(c[..., F[field]], 1)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("field", "each", "step", "carried"),
+    [
+        ("fetch", "copy_s", "sync_step_s", TRUE.copy_s + TRUE.sync_step_s),
+        ("host", "host_extra_s", "host_step_s",
+         TRUE.host_expert_s - TRUE.expert_s + TRUE.host_step_s),
+    ],
+)  # fmt: skip
+def test_steps_of_one_expert_leave_the_step_to_the_expert(field, each, step, carried):
+    # top-1 routing: a step that copies (computes on the host) has one expert, so the step's
+    # cost and its expert's are one term
     rng = np.random.default_rng(5)
     runs = []
     for kind in ("hits", "fetch", "host", "admit"):
-        c = mechanism_counts(kind, 200, L, rng)
-        c[..., F["hit"]] += c[..., F["fetch"]] - np.minimum(c[..., F["fetch"]], 1)
-        c[..., F["fetch"]] = np.minimum(c[..., F["fetch"]], 1)
+        c = top1(mechanism_counts(kind, 200, L, rng), field)
         runs.append(TimedTokens.from_counts(price_stream_reference(c, 1, TRUE).token_s, c))
     fit = fit_unit_costs(TimedTokens.concat(runs))
-    assert fit.coef["sync_step_s"] == 0.0 and "sync_step_s" not in fit.at_zero
-    copy = TRUE.copy_s + TRUE.sync_step_s
-    assert fit.coef["copy_s"] == pytest.approx(copy, rel=0.02)
+    assert fit.coef[step] == 0.0 and step not in fit.at_zero
+    assert fit.coef[each] == pytest.approx(carried, rel=0.02)
 
 
 def test_terms_are_never_negative():
@@ -194,6 +213,9 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
     rng = np.random.default_rng(6)
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s, host_runs=host_runs)
     assert seconds["host_expert_s"] == pytest.approx(link.host_expert_s, rel=0.05)
+    assert seconds["host_step_s"] == pytest.approx(link.host_step_s, rel=0.05)
+    # the linear fit cannot split them where the reads hide behind the fast path
+    assert fit.coef["host_step_s"] < 0.5 * link.host_step_s
     # by construction the host runs are priced at their measured mean
     u = replace(link, **seconds)
     priced = price_stream_reference(host_runs[0][1], 1, u).token_s.mean()
@@ -208,13 +230,35 @@ def test_a_host_reading_over_the_link_is_fitted_through_the_pricing():
         term_by_pricing(seconds, "host_expert_s", [(np.ones(20), none)])
 
 
+def test_a_host_step_is_found_through_the_pricing_despite_noise_unless_steps_have_one_expert():
+    """Host runs on the link with noise and a few tokens 3x slower: the step and the compute
+    come back; where every step with host experts has one (top-1), the step is 0 and the expert
+    carries it, priced at the runs' mean."""
+    link = replace(TRUE, host_expert_s=60e-6, host_reads_link=True, host_step_s=300e-6)
+    seconds = {f.name: getattr(link, f.name) for f in fields(link)
+               if f.name not in ("concurrent_host", "host_reads_link", "host_read_s")}  # fmt: skip
+    rng = np.random.default_rng(11)
+    runs, single = [], []
+    for _ in range(3):
+        c = mechanism_counts("host", 300, L, rng)
+        wall = price_stream_reference(c, 1, link).token_s
+        wall = wall * (1 + 0.02 * rng.standard_normal(len(wall)))
+        runs.append((np.where(rng.random(len(wall)) < 0.02, 3 * wall, wall), c))
+        one = top1(c, "host")
+        single.append((price_stream_reference(one, 1, link).token_s, one))
+    step, expert = host_terms_by_pricing(seconds, runs)
+    assert step == pytest.approx(300e-6, rel=0.1) and expert == pytest.approx(60e-6, rel=0.25)
+    step, expert = host_terms_by_pricing(seconds, single)
+    assert step == 0.0 and expert == pytest.approx(360e-6, rel=1e-6)
+
+
 def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     """While the link reads (the host's reads, the admissions' copies), the fast tier works
     slower (`host_read_drag`, `background_read_drag`, measured apart): fitted with them, the host
-    runs give the host's compute back; without them, the fast path's lost time lands in the
-    host's term. The linear fit's install is off by over half (the admissions' drag falls into
-    its terms wherever the least squares puts it), so the install is timed apart: given it, the
-    admission runs are priced at what they took."""
+    runs give the host's compute and step back; without them, the fast path's lost time lands
+    in the host's terms. The linear fit's install is off by over half (the admissions' drag
+    falls into its terms wherever the least squares puts it), so the install is timed apart:
+    given it, the admission runs are priced at what they took."""
     # a fast path as long as a read: a layer with one host expert hides it (no step's wait: the
     # drags, which no linear term has, then move the copy's time between copy_s and it)
     dragged = replace(
@@ -227,6 +271,7 @@ def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     seconds = unit_costs_from_fit(fit, **common, **drags, install_s=dragged.install_s)
     assert {d: seconds[d] for d in drags} == drags
     assert seconds["host_expert_s"] == pytest.approx(dragged.host_expert_s, rel=0.05)
+    assert seconds["host_step_s"] == pytest.approx(dragged.host_step_s, rel=0.05)
     assert seconds["install_s"] == dragged.install_s
     assert abs(fit.coef["install_s"] - dragged.install_s) > 0.5 * dragged.install_s
     (wall, counts), u = admit_runs[0], replace(dragged, **seconds)
@@ -235,7 +280,11 @@ def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     )
     undragged = unit_costs_from_fit(fit, **common)
     assert (undragged["host_read_drag"], undragged["background_read_drag"]) == (0.0, 0.0)
-    assert undragged["host_expert_s"] > 1.2 * dragged.host_expert_s
+
+    def half_step(c: dict) -> float:  # the host's time for a step of k/2 experts
+        return c["host_step_s"] + K / 2 * c["host_expert_s"]
+
+    assert half_step(undragged) > 1.2 * half_step(dragged.__dict__)
     assert undragged["install_s"] == fit.coef["install_s"]  # none timed apart: the linear term
     assert unit_costs_from_fit(fit, **common, install_s=-1e-6)["install_s"] == 0.0
 
@@ -251,7 +300,7 @@ def test_host_runs_priced_at_their_own_disk_speed():
         c = mechanism_counts("host", 300, L, rng)
         runs.append((price_stream_reference(c, 1, costs).token_s, c))
     seconds = {f: getattr(link, f) for f in ("copy_s", "expert_s", "host_expert_s",
-               "dense_layer_s", "token_overhead_s", "install_s")}  # fmt: skip
+               "dense_layer_s", "token_overhead_s", "install_s", "host_step_s")}  # fmt: skip
     own = term_by_pricing(seconds, "host_expert_s", runs, run_copy_s=[link.copy_s, slow.copy_s])
     assert own == pytest.approx(link.host_expert_s, rel=1e-6)
     assert term_by_pricing(seconds, "host_expert_s", runs) > 1.2 * link.host_expert_s
@@ -290,6 +339,14 @@ def test_runs_on_a_drifting_disk_are_fitted_at_their_own_read_speed():
     )  # fmt: skip
     assert seconds["copy_s"] == pytest.approx(beyond + 320e-6, rel=0.03)
     assert seconds["host_expert_s"] == pytest.approx(host_s, rel=0.05)
+    # the host's reads at the host runs' pooled speed, not the copies': the runs come back
+    assert seconds["host_read_s"] == pytest.approx(beyond + 610e-6, rel=0.03)
+    u = UnitCosts(**seconds, concurrent_host=False, host_reads_link=True)
+    for wall, c in host_runs:
+        priced = price_stream_reference(c, 1, u).token_s.mean()
+        assert priced == pytest.approx(wall.mean(), rel=0.04)
+        at_a_copy = price_stream_reference(c, 1, replace(u, host_read_s=None)).token_s.mean()
+        assert at_a_copy < 0.95 * wall.mean()
     at_one_copy = unit_costs_from_fit(
         fit_unit_costs(TimedTokens.concat(untimed)), k=K, layers=L, expert_s=TRUE.expert_s,
         host_runs=host_runs,
@@ -297,6 +354,16 @@ def test_runs_on_a_drifting_disk_are_fitted_at_their_own_read_speed():
     assert at_one_copy["host_expert_s"] > 2 * host_s
     with pytest.raises(ValueError, match="wall times must be finite"):
         fit_unit_costs(replace(timed[0], wall_s=-timed[0].wall_s))
+
+
+def test_a_run_at_its_disk_reads_everything_at_its_speed():
+    """At a run's disk speed its copies and the host's reads both move to the run's time per
+    read, each keeping the copy's other work (50); a run that read nothing keeps the costs."""
+    u = replace(TRUE, copy_s=350.0, host_read_s=250.0, host_reads_link=True)
+    at = AtRunDisk(DiskClock(10, 3000.0))  # the reference: 300 a read
+    moved = at.costs(u, DiskClock(4, 1600.0))  # 400 a read
+    assert (moved.copy_s, moved.host_read_s) == (450.0, 450.0)
+    assert at.costs(u, DiskClock(0, 0.0)) == u
 
 
 def test_the_reference_run_is_the_median_reader():

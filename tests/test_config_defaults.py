@@ -75,7 +75,7 @@ NO_DEFAULT = {
     },  # fmt: skip
     **{
         f"hardware.*.{key}": "left out: none (HardwareProfile's None)"
-        for key in ("host_cores", "host_core_Bps", "dense_layer_s", "install_Bps")
+        for key in ("host_cores", "host_core_Bps", "dense_layer_s", "install_Bps", "host_read_Bps")
     },
 }
 

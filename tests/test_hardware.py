@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -141,6 +141,8 @@ def test_from_dict_round_trip_and_named_errors():
         ({"source": "guess"}, r"hardware\.mine\.source='guess'"),
         ({"concurrent_host": "yes"}, r"hardware\.mine\.concurrent_host='yes'"),
         ({"host_reads_link": 1}, r"hardware\.mine\.host_reads_link=1 must be a bool"),
+        ({"host_read_Bps": 0.0}, r"hardware\.mine\.host_read_Bps=0\.0 must be a number > 0"),
+        ({"host_step_s": -1e-4}, r"hardware\.mine\.host_step_s=-0\.0001 must be a number >= 0"),
         ({"description": 3}, r"hardware\.mine\.description: expected a string"),
     ]
     for change, message in cases:
@@ -170,6 +172,8 @@ SECONDS = {
     "host_read_drag": 0.25,  # fractions: priced for any expert size as they are
     "background_read_drag": 0.125,
     "sync_step_s": 150e-6,  # a constant: a step's, whatever its experts' size
+    "host_read_s": 52e-6,  # the host's reads, back to back: faster than the copies
+    "host_step_s": 200e-6,  # a constant, as the copies' step
 }
 
 
@@ -193,8 +197,15 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     u = free.price(ModelBytes(2 * 98_304.0))
     assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
     assert (u.host_read_drag, u.background_read_drag) == (0.25, 0.125)
-    assert u.sync_step_s == 150e-6
+    assert (u.sync_step_s, u.host_step_s) == (150e-6, 200e-6)
+    assert u.host_read_s == pytest.approx(104e-6)  # a rate, as the copies
     assert math.isinf(free.install_Bps)
+    # the host's reads not measured: a copy's, now and after the copy moves
+    as_copy = measured_profile({**SECONDS, "host_read_s": None}, 98_304.0, "unmeasured")
+    assert as_copy.host_read_Bps is None
+    u = as_copy.price(ModelBytes(expert_bytes=98_304.0))
+    assert u.host_read_s is None and u.host_read_each_s == u.copy_s
+    assert replace(u, copy_s=1e-3).host_read_each_s == 1e-3
 
 
 def test_this_machine_names_a_bad_calibration():
@@ -202,7 +213,8 @@ def test_this_machine_names_a_bad_calibration():
         measured_profile({k: v for k, v in SECONDS.items() if k != "install_s"}, 1.0, "x")
     with pytest.raises(ValueError, match=r"hardware\.this_machine\.expert_s=-1"):
         measured_profile({**SECONDS, "expert_s": -1}, 1.0, "x")
-    for drag in ("host_read_drag", "background_read_drag", "sync_step_s"):
+    for drag in ("host_read_drag", "background_read_drag", "sync_step_s", "host_read_s",
+                 "host_step_s"):  # fmt: skip
         with pytest.raises(ValueError, match=rf"hardware\.this_machine\.{drag}=-0\.1"):
             measured_profile({**SECONDS, drag: -0.1}, 1.0, "x")
     with pytest.raises(ValueError, match="no `profile`"):

@@ -123,6 +123,33 @@ def test_two_tokens_on_one_processor(price):
 
 @pytest.mark.parametrize("price", PRICERS)
 @pytest.mark.parametrize(
+    ("concurrent", "token_s", "host_exposed", "hidden", "admit_wait"),
+    [(False, [947.0, 1292.0], 360.0, 0.0, 253.0), (True, [817.0, 1362.0], 170.0, 190.0, 383.0)],
+)
+def test_a_step_with_host_experts_pays_its_handover_once_on_the_host_path(
+    price, concurrent, token_s, host_exposed, hidden, admit_wait
+):
+    """The two examples above with a host step of 30 (`host_step_s`): once per step that
+    computes experts on the host (layer 0 of both tokens), on the host's path.
+
+    One processor: token 0's layer 0 ends at 705 + 100 + 30 = 835; layer 1: dense -> 855,
+      install -> 857, 9 experts -> 947. Token 1 (from 947): overhead, dense -> 972; the
+      admissions' copies end at 1225: wait 253; installs -> 1229; 6 experts -> 1289; the host's
+      4 experts and its step -> 1519; layer 1: dense -> 1539, 2 fetches 1539-2139, 10 experts
+      -> 2239. Token 1 = 1292: the wait for the admissions absorbed token 0's 30.
+    Concurrent: token 0's host path 25 + 130 = 155 is hidden behind 705 (130 hidden): 817.
+      Token 1, layer 0: the host path 1229 + 230 = 1459 against the fast path's 1289 (170
+      exposed, 60 hidden); layer 1: dense -> 1479, fetches 1479-2079, experts -> 2179. Token 1 =
+      1362."""
+    r = price(TWO_TOKENS, 1, replace(units(concurrent), host_step_s=30.0))
+    assert r.token_s.tolist() == token_s
+    assert (r.parts["host_exposed"], r.hidden_host_s) == (host_exposed, hidden)
+    assert r.parts["admit_wait"] == admit_wait
+    assert sum(r.parts.values()) == r.token_s.sum()
+
+
+@pytest.mark.parametrize("price", PRICERS)
+@pytest.mark.parametrize(
     ("drag", "prefetch_wait", "read_drag"), [(0.0, 1058.0, 0.0), (1.0, 916.0, 142.0)]
 )
 def test_late_prefetches_are_waited_for(price, drag, prefetch_wait, read_drag):
@@ -264,6 +291,45 @@ def test_host_reads_go_ahead_of_the_uploads(
     assert own_memory.token_s.tolist() == ([205.0, 209.0] if not concurrent else [125.0, 129.0])
 
 
+@pytest.mark.parametrize("price", PRICERS)
+@pytest.mark.parametrize(
+    ("concurrent", "background_drag", "token_s", "host_exposed", "read_drag", "hidden"),
+    [
+        (False, 0.0, [205.0, 209.0], 200.0, 0.0, 0.0),
+        (True, 0.0, [165.0, 169.0], 120.0, 0.0, 80.0),
+        (False, 1.0, [235.0, 209.0], 200.0, 30.0, 0.0),
+    ],
+)
+def test_the_hosts_reads_take_their_own_time_and_the_uploads_a_copys(
+    price, concurrent, background_drag, token_s, host_exposed, read_drag, hidden
+):
+    """The uploads example with the host's reads at 20 each (`host_read_s`: they come back to
+    back) and every copy at 30.
+
+    token 0: the decision at 25 queues the host's 2 reads (link 25-65), then the 2 uploads (65-
+      125). Fast path 25 + 80 = 105. One processor: max(105, 65) + 100 = 205. Concurrent: max(105,
+      65 + 100) = 165, 40 of the host's compute hidden (105 - 65).
+    token 1: one processor (from 205) as before: 209. Concurrent (from 165): overhead, dense
+      (190), the uploads landed at 125, 2 installs: the decision at 194; the reads take 194-234;
+      fast path 274; max(274, 234 + 100) = 334, a token of 169, 40 hidden.
+    At half speed while the uploads are read (background_read_drag 1, one processor): token 0's
+      first 40 run to 65, the uploads' reads (65-125, at a copy's 30 each: at 20 they would end
+      at 105) hold 30 of its work, its last 10 follow: 135 (30 of drag); the host computes after
+      the uploads: 235. Token 1 reads no upload: 209."""
+    u = replace(
+        units(concurrent, copy_s=30.0), host_reads_link=True, host_read_s=20.0,
+        background_read_drag=background_drag,
+    )  # fmt: skip
+    r = price(HOST_UPLOADS, 1, u)
+    assert r.token_s.tolist() == token_s
+    assert (r.parts["host_exposed"], r.parts["read_drag"], r.hidden_host_s) == (
+        host_exposed, read_drag, hidden,
+    )  # fmt: skip
+    assert sum(r.parts.values()) == r.token_s.sum()
+    # unset, the host's reads are copies (the example above)
+    assert replace(u, host_read_s=None).host_read_each_s == 30.0
+
+
 def test_the_reference_records_each_blocks_timeline():
     """The example above on one processor, without drags: token 0's block decides at 25, its
     fast path ends at 105, the host's reads at 85, the layer at 205; token 1's at 234, 314,
@@ -290,6 +356,8 @@ def priced_streams(draw):
         host_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
         background_read_drag=draw(st.just(0.0) | st.floats(0.0, 2.0)),
         sync_step_s=draw(st.just(0.0) | seconds),
+        host_read_s=draw(st.none() | seconds),
+        host_step_s=draw(st.just(0.0) | seconds),
     )
     return counts, draw(st.integers(1, 5)), u
 

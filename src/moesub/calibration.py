@@ -10,13 +10,15 @@ squares (`scipy.optimize.nnls`) with the tokens another process slowed (residual
 `cut` robust standard deviations) left out, iteratively:
 
     wall = token_s + layers x layer_s + copies x copy_s + sync_steps x sync_step_s
-           + host x host_extra_s + installs x install_s
+           + host x host_extra_s + host_steps x host_step_s + installs x install_s
 
 `layers` is the token's MoE layer steps, `copies` its synchronous copies (fetch, forced),
 `sync_steps` its layer steps that copy synchronously (a step pays once for issuing its copies
 and resuming after the wait: docs/pricing.md; where every such step copies one expert, as
 with top-1 routing, the two cannot be told apart and `copy_s` carries it),
-`host` its experts computed by the host, `installs` its background copies installed
+`host` its experts computed by the host, `host_steps` its layer steps with any (a step pays
+once for handing them to the host and taking its results back; `host_extra_s` carries it where
+every such step has as many), `installs` its background copies installed
 (admissions landed, prefetched). Where the runs read a file (the disk tier) and timed their
 reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a minute apart:
 each token's copies are then taken as read at its own run's speed (`read_s`, subtracted from
@@ -28,9 +30,10 @@ inside `layer_s` and the host's term is its excess over it (`host_extra_s`).
 a microbenchmarked expert time, and gives the pricing's seconds
 (`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its
 experts over the link (the disk tier), the engine overlaps those reads with the fast path, and
-the host's term is instead its compute alone, found through the pricing of the host runs, each
-with its reads at its own disk speed (`term_by_pricing`); the fit's `host_extra_s` then
-only keeps the host runs' tokens from pulling the other terms. There the reads also slow the
+the host's terms are instead its step and its compute alone, found through the pricing of the
+host runs, each with its reads at its own disk speed (`host_terms_by_pricing`); the fit's
+`host_extra_s` and `host_step_s` then only keep the host runs' tokens from pulling the other
+terms. There the reads also slow the
 fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked). The install is
 microbenchmarked too (the engine's own install of a copy just read); the fit's `install_s` then
 only keeps the admission runs' tokens from pulling the other terms. A term no run exercises, or
@@ -51,7 +54,8 @@ from moesub.hardware import UnitCosts
 from moesub.pricing import price_stream, price_streams
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
-FIT_TERMS = ("token_s", "layer_s", "copy_s", "sync_step_s", "host_extra_s", "install_s")
+FIT_TERMS = ("token_s", "layer_s", "copy_s", "sync_step_s", "host_extra_s", "host_step_s",
+             "install_s")  # fmt: skip
 # what each term's regressor counts, for the errors
 _COUNTED = {
     "token_s": "token",
@@ -59,6 +63,7 @@ _COUNTED = {
     "copy_s": "synchronous copy (fetch, forced)",
     "sync_step_s": "MoE layer step with synchronous copies",
     "host_extra_s": "expert computed by the host",
+    "host_step_s": "MoE layer step with experts computed by the host",
     "install_s": "background copy installed (admission landed, prefetch)",
 }
 _F = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
@@ -73,6 +78,7 @@ class TimedTokens:
     copies: np.ndarray  # synchronous copies (fetch + forced)
     sync_steps: np.ndarray  # MoE layer steps with synchronous copies
     host: np.ndarray  # experts computed by the host
+    host_steps: np.ndarray  # MoE layer steps with experts computed by the host
     installs: np.ndarray  # background copies installed (admissions landed + prefetched)
     read_s: np.ndarray  # seconds its copies read at its run's disk speed (0: not timed)
 
@@ -97,6 +103,7 @@ class TimedTokens:
             copies=copies,
             sync_steps=(sync > 0).sum(axis=1).astype(float),
             host=per[:, _F["host"]].astype(float),
+            host_steps=(c[:, :, _F["host"]] > 0).sum(axis=1).astype(float),
             installs=(per[:, _F["admissions"]] + per[:, _F["prefetched"]]).astype(float),
             read_s=copies * (disk.per_read_s if disk is not None and disk.reads else 0.0),
         )
@@ -108,9 +115,8 @@ class TimedTokens:
     def design(self) -> np.ndarray:
         """(n, len(FIT_TERMS)) regressors in `FIT_TERMS` order."""
         n = len(self.wall_s)
-        return np.stack(
-            [np.ones(n), self.layers, self.copies, self.sync_steps, self.host, self.installs], 1
-        )
+        return np.stack([np.ones(n), self.layers, self.copies, self.sync_steps, self.host,
+                         self.host_steps, self.installs], 1)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,8 @@ class CostFit:
     """What `fit_unit_costs` found."""
 
     coef: dict[str, float]  # FIT_TERMS -> seconds (layer_s 0 when every run had the same L,
-    # sync_step_s 0 when every step that copied copied as many experts)
+    # sync_step_s 0 when every step that copied copied as many experts, host_step_s when every
+    # step with host experts had as many)
     layers_identified: bool  # runs with different layer counts separated token_s and layer_s
     tokens: int  # timed tokens
     kept: int  # tokens in the final fit
@@ -135,18 +142,19 @@ def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> Co
     """Non-negative least squares of per-token wall time, less its timed reads, on `FIT_TERMS`
     (module doc), tokens beyond `cut` robust standard deviations of the residuals left out,
     refitted up to `rounds` times; a step's wait is left to the copy where no run tells them
-    apart (every step that copied copied as many experts: one, with top-1 routing). ValueError
+    apart (every step that copied copied as many experts: one, with top-1 routing), and a host
+    step's cost to the host's expert alike. ValueError
     when a term is never exercised or the terms are not separable."""
     X, wall = tokens.design(), np.asarray(tokens.wall_s, float)
     if not np.isfinite(wall).all() or (wall < 0).any():
         raise ValueError("cost fit: wall times must be finite and >= 0")
     y = wall - tokens.read_s  # a token on a fast stretch of the disk may come out below 0
     layers_identified = bool(np.ptp(X[:, 1]) > 0) if len(y) else False
-    copy_i, step_i = FIT_TERMS.index("copy_s"), FIT_TERMS.index("sync_step_s")
-    steps_identified = bool(len(y)) and np.linalg.matrix_rank(X[:, [copy_i, step_i]]) == 2
     left_out = set() if layers_identified else {"layer_s"}
-    if X[:, copy_i].any() and not steps_identified:  # copy_s carries it
-        left_out.add("sync_step_s")
+    for each, step in (("copy_s", "sync_step_s"), ("host_extra_s", "host_step_s")):
+        i, j = FIT_TERMS.index(each), FIT_TERMS.index(step)
+        if X[:, i].any() and np.linalg.matrix_rank(X[:, [i, j]]) < 2:  # `each` carries it
+            left_out.add(step)
     used = [i for i, t in enumerate(FIT_TERMS) if t not in left_out]
     if len(y) < 2 * len(used):
         raise ValueError(f"cost fit: {len(y)} timed tokens, need at least {2 * len(used)}")
@@ -207,12 +215,14 @@ def unit_costs_from_fit(
     speed. Where the tier's host reads its experts over the link (`host_runs` given: the host
     runs' `(wall_s (T,), counts (T, L, F))`), its work slows by the microbenchmarked
     `host_read_drag` and `background_read_drag` while the link reads the host's experts and
-    background copies (kept in the seconds, as fractions), and the host's compute alone is
-    found through the pricing of the host runs (`term_by_pricing`), each run's reads at its own
-    speed (`host_clocks`: one per run) where they were timed. The install is `install_s`, timed
-    apart (`moesub.engine.calibrate.measure_install`), where given; else the linear fit's (which
-    carries the drag of the reads its admissions overlapped, where the link reads beside the
-    fast path)."""
+    background copies (kept in the seconds, as fractions), and the host's step and compute
+    alone are found through the pricing of the host runs (`host_terms_by_pricing`), each run's
+    reads at its own
+    speed (`host_clocks`: one per run) where they were timed, and a host's read is then the
+    copy at the host runs' pooled speed (`host_read_s`; else a copy). The install is
+    `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where given; else the
+    linear fit's (which carries the drag of the reads its admissions overlapped, where the link
+    reads beside the fast path)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -225,16 +235,24 @@ def unit_costs_from_fit(
         "expert_s": expert,
         "copy_s": beyond_read + (reference.per_read_s if reference is not None else 0.0),
         "sync_step_s": fit.coef["sync_step_s"],
+        "host_step_s": fit.coef["host_step_s"],
         "host_expert_s": fit.coef["host_extra_s"] + expert,
         "install_s": fit.coef["install_s"] if install_s is None else max(install_s, 0.0),
         "host_read_drag": max(host_read_drag, 0.0),
         "background_read_drag": max(background_read_drag, 0.0),
     }
+    seconds["host_read_s"] = seconds["copy_s"]  # unless the host runs read at their own speed
     if host_runs is not None:
         run_copy_s = None
         if reference is not None and host_clocks:
             run_copy_s = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
-        seconds["host_expert_s"] = term_by_pricing(seconds, "host_expert_s", host_runs, run_copy_s)
+            # the host's reads at the host runs' own speed: back to back, they read faster
+            # than the copies (docs/pricing.md)
+            pooled = DiskClock.pooled(host_clocks)
+            seconds["host_read_s"] = copy_at_disk(seconds["copy_s"], reference, pooled)
+        seconds["host_step_s"], seconds["host_expert_s"] = host_terms_by_pricing(
+            seconds, host_runs, run_copy_s
+        )
     return seconds
 
 
@@ -264,7 +282,7 @@ def term_by_pricing(
     def excess(value: float) -> float:  # priced minus measured, mean seconds per token
         priced = 0.0
         for (_, counts), copy_s in zip(runs, copies, strict=True):
-            u = UnitCosts(**{**seconds, term: value, "copy_s": copy_s},
+            u = UnitCosts(**{**seconds, term: value, "copy_s": copy_s, "host_read_s": copy_s},
                           concurrent_host=False, host_reads_link=True)  # fmt: skip
             priced += float(price_stream(counts, 1, u).token_s.sum())
         return priced / tokens - measured
@@ -283,6 +301,75 @@ def term_by_pricing(
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
     return hi
+
+
+def host_terms_by_pricing(
+    seconds: dict[str, float],
+    runs: Sequence[tuple[np.ndarray, np.ndarray]],
+    run_copy_s: Sequence[float] | None = None,
+    cut: float = 6.0,
+) -> tuple[float, float]:
+    """`(host_step_s, host_expert_s)` at which the pricing of the host runs (as
+    `term_by_pricing`) takes their measured mean time per token and follows their tokens' time
+    per step with host experts: the priced tokens' residuals have mean 0 and no covariance with
+    the tokens' host steps. The linear fit cannot split the two where the host's reads hide
+    behind the fast path; a step that hands k experts over costs once, which a per-expert term
+    spreads over its experts. Newton's method on those two conditions (the price is piecewise
+    linear in both), from the step at 0; tokens beyond `cut` robust standard deviations of the
+    residuals there (another process took the CPU) left out. The step is 0 where the runs cannot
+    tell it from the experts (every step with host experts had as many) or where it would be
+    negative; the expert 0 where it would be. The second condition holds the residuals to the
+    steps' variation beyond what the host's count explains."""
+    expert0 = term_by_pricing({**seconds, "host_step_s": 0.0}, "host_expert_s", runs, run_copy_s)
+    counts = [np.asarray(c) for _, c in runs]
+    host = np.concatenate([c[..., _F["host"]] for c in counts])  # (n, L)
+    steps = (host > 0).sum(axis=1).astype(float)  # (n,)
+    ones_host = np.stack([np.ones(len(steps)), host.sum(axis=1).astype(float)], 1)  # (n, 2)
+    if np.linalg.matrix_rank(np.column_stack([ones_host, steps])) < 3:
+        return 0.0, expert0
+    wall = np.concatenate([np.asarray(w, float) for w, _ in runs])
+    copies = [seconds["copy_s"]] * len(runs) if run_copy_s is None else list(run_copy_s)
+
+    def residual(step: float, expert: float) -> np.ndarray:  # (n,) priced minus measured
+        priced = []
+        for c, copy_s in zip(counts, copies, strict=True):
+            u = UnitCosts(**{**seconds, "host_step_s": step, "host_expert_s": expert,
+                             "copy_s": copy_s, "host_read_s": copy_s},
+                          concurrent_host=False, host_reads_link=True)  # fmt: skip
+            priced.append(price_stream(c, 1, u).token_s)
+        return np.concatenate(priced) - wall
+
+    r = residual(0.0, expert0)
+    mad = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    keep = np.abs(r - np.median(r)) <= cut * max(mad, 1e-12)
+    # the steps' variation that the host's count does not explain: what tells a step from its
+    # experts (a token's steps alone move with its experts, which the mean already holds to)
+    a = ones_host[keep]
+    x = steps[keep] - a @ np.linalg.lstsq(a, steps[keep], rcond=None)[0]
+
+    def conditions(theta: np.ndarray) -> np.ndarray:
+        rk = residual(*theta)[keep]
+        return np.array([rk.mean(), (rk * x).mean()])
+
+    theta = np.array([0.0, expert0])
+    delta = max(expert0, float(wall.mean()) * 1e-3, 1e-9) * 1e-2
+    for _ in range(20):
+        g = conditions(theta)
+        jac = np.stack([(conditions(theta + d) - g) / delta for d in np.eye(2) * delta], 1)
+        if abs(np.linalg.det(jac)) < 1e-300:
+            break
+        moved = np.maximum(theta + np.linalg.solve(jac, -g), 0.0)  # priced: never negative
+        done = np.all(np.abs(moved - theta) <= 1e-9 * max(float(moved.max()), 1e-12))
+        theta = moved
+        if done or not np.isfinite(theta).all():
+            break
+    host_step, expert = float(theta[0]), float(theta[1])
+    if not (np.isfinite(host_step) and np.isfinite(expert)) or host_step <= 0.0:
+        return 0.0, expert0
+    if expert <= 0.0:  # the step alone, at the mean
+        return term_by_pricing({**seconds, "host_expert_s": 0.0}, "host_step_s", runs,
+                               run_copy_s), 0.0  # fmt: skip
+    return host_step, expert
 
 
 # ------------------------------------------------------------------ the disk's speed per run
@@ -337,8 +424,10 @@ class AtRunDisk:
     reference: DiskClock
 
     def costs(self, costs: UnitCosts, run: DiskClock) -> UnitCosts:
-        """`costs` at the disk's speed while `run` read (a run that read nothing keeps them)."""
-        return replace(costs, copy_s=copy_at_disk(costs.copy_s, self.reference, run))
+        """`costs` at the disk's speed while `run` read, its copies and the host's reads alike
+        (a run that read nothing keeps them)."""
+        copy_s = copy_at_disk(costs.copy_s, self.reference, run)
+        return replace(costs, copy_s=copy_s, host_read_s=copy_s if run.reads else costs.host_read_s)
 
     def to_dict(self) -> dict[str, float]:
         return {"reads": self.reference.reads, "busy_s": self.reference.busy_s}
@@ -360,7 +449,7 @@ _NOT_HIT = [_F[f] for f in ("fetch", "host", "forced", "prefetched", "admission_
                             "admissions")]  # fmt: skip
 # the terms the machine's speed moves: its compute (the disk has its own clock, `AtRunDisk`)
 COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s",
-                 "sync_step_s")  # fmt: skip
+                 "sync_step_s", "host_step_s")  # fmt: skip
 
 
 def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> float:

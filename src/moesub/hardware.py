@@ -102,12 +102,26 @@ class UnitCosts:
     # a step that copies synchronously, once: issuing its copies and resuming after the wait,
     # beyond each copy's `copy_s` (the disk tier's main thread: measured)
     sync_step_s: float = 0.0
+    # one of the host's reads over the link (`host_reads_link`); None: a copy's `copy_s`. The
+    # host reads a step's experts back to back, and on the disk tier faster each than the
+    # copies come (measured: docs/pricing.md)
+    host_read_s: float | None = None
+    # a step that computes experts on the host, once: handing them to the host and taking its
+    # results back (the disk tier's worker: measured)
+    host_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in _FLAGS and not (math.isfinite(v) and v >= 0):
+            if f.name in _FLAGS or (f.name == "host_read_s" and v is None):
+                continue
+            if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"UnitCosts: {f.name}={v} must be finite and >= 0")
+
+    @property
+    def host_read_each_s(self) -> float:
+        """One of the host's reads over the link: `host_read_s`, or a copy's where None."""
+        return self.copy_s if self.host_read_s is None else self.host_read_s
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,13 @@ class HardwareProfile:
     # seconds a step that copies synchronously takes once, beyond its copies: issuing them and
     # resuming after the wait (measured on the disk tier; the GPU estimates leave it at 0)
     sync_step_s: float = 0.0
+    # the rate of the host's reads over the link (`host_reads_link`), which come back to back
+    # (None: `link_bandwidth_Bps`; measured on the disk tier)
+    host_read_Bps: float | None = None
+    # seconds a step that computes experts on the host takes once, beyond its experts: handing
+    # them to the host and taking its results back (measured on the disk tier; the GPU
+    # estimates leave it at 0)
+    host_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -157,9 +178,10 @@ class HardwareProfile:
         for key in ("link_bandwidth_Bps", "fast_memory_Bps", "host_memory_Bps"):
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s",
-                    "host_read_drag", "background_read_drag", "sync_step_s"):  # fmt: skip
+                    "host_read_drag", "background_read_drag", "sync_step_s",
+                    "host_step_s"):  # fmt: skip
             _check_number(where, key, getattr(self, key))
-        for key in ("host_core_Bps", "install_Bps"):
+        for key in ("host_core_Bps", "install_Bps", "host_read_Bps"):
             if getattr(self, key) is not None:
                 _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         if self.dense_layer_s is not None:
@@ -201,6 +223,10 @@ class HardwareProfile:
             host_read_drag=self.host_read_drag,
             background_read_drag=self.background_read_drag,
             sync_step_s=self.sync_step_s,
+            host_step_s=self.host_step_s,
+            host_read_s=None  # as a copy
+            if self.host_read_Bps is None
+            else self.transfer_latency_s + b / self.host_read_Bps,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,15 +283,18 @@ def measured_profile(
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
-    measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s` (a
-    constant: a step's, whatever its experts' size), kept as they are. Priced
-    for `ModelBytes(expert_bytes)` it gives the seconds back."""
-    missing = [k for k in UNIT_COST_KEYS if k not in seconds]
+    measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s` and
+    `host_step_s` (constants: a step's, whatever its experts' size), kept as they are; the
+    host's reads at their own rate (`host_read_s`; a copy's where not given). Priced for
+    `ModelBytes(expert_bytes)` it gives the seconds back."""
+    missing = [k for k in UNIT_COST_KEYS if k not in seconds and k != "host_read_s"]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
+    host_read = seconds.get("host_read_s")  # None: as a copy
     where = f"hardware.{THIS_MACHINE}"
     for key in UNIT_COST_KEYS:
-        _check_number(where, key, seconds[key])
+        if key != "host_read_s" or host_read is not None:
+            _check_number(where, key, seconds[key])
     _check_number(where, "expert_bytes", expert_bytes, positive=True)
 
     def rate(key: str) -> float:  # bytes per second of a per-expert time (0 s: free)
@@ -287,6 +316,8 @@ def measured_profile(
         host_read_drag=seconds["host_read_drag"],
         background_read_drag=seconds["background_read_drag"],
         sync_step_s=seconds["sync_step_s"],
+        host_step_s=seconds["host_step_s"],
+        host_read_Bps=None if host_read is None else rate("host_read_s"),
     )
 
 

@@ -18,12 +18,14 @@ says where this simplifies the engine):
 3. step 1b: the prefetched experts wait for their copies, then each is installed;
 4. the decision: synchronous copies (fetch, forced) queue on the link behind every copy already
    queued; then, where the host reads its experts over the link (`host_reads_link`: the disk
-   tier, whose host computes each from a fresh disk read), the host's reads (`copy_s` each);
+   tier, whose host computes each from a fresh disk read), the host's reads (`host_read_s`
+   each: they come back to back, at their own speed);
    then this token-layer's background requests (the engine starts them once the host's reads
    are done, so that no layer waits on a copy for a later token);
 5. the fast path: the synchronous copies and, where there are any, the step's wait for them
    (`sync_step_s`: issuing them and resuming), then the fast tier's experts (hit, fetch, sub,
-   forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each), starting
+   forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each, and
+   `host_step_s` once where there are any: handing them over, taking the results back), starting
    at the decision, or where it reads them over the link once its reads are done
    (`host_expert_s` is then the compute alone). With `concurrent_host` the layer ends when both
    paths have (max); else the host computes after the fast path and its own reads (the reads
@@ -140,7 +142,7 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
             u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag,
-            u.background_read_drag, u.sync_step_s)  # fmt: skip
+            u.background_read_drag, u.sync_step_s, u.host_read_each_s, u.host_step_s)  # fmt: skip
 
 
 def _dragged_end(
@@ -186,11 +188,12 @@ def price_stream_reference(
     host_drag = u.host_read_drag if u.host_reads_link else 0.0
     background_drag = u.background_read_drag if u.host_reads_link else 0.0
 
-    def enqueue(at: float, n: int) -> float:
-        """n copies queued at time `at` behind those already queued: when the first starts."""
+    def enqueue(at: float, n: int, each: float) -> float:
+        """n reads of `each` seconds queued at time `at` behind those already queued: when the
+        first starts."""
         nonlocal link_free
         start = max(at, link_free)
-        link_free = start + n * u.copy_s
+        link_free = start + n * each
         return start
 
     def work(start: float, seconds: float, part: str) -> float:
@@ -214,12 +217,12 @@ def price_stream_reference(
         for layer in range(L):
             c = [int(x) for x in a[t, layer]]
             if layer == 0 and c[PREFETCHED]:
-                start = enqueue(clock, c[PREFETCHED])
+                start = enqueue(clock, c[PREFETCHED], u.copy_s)
                 prefetch_done[0] = start + c[PREFETCHED] * u.copy_s
             clock = work(clock, u.dense_layer_s, "dense")
             nxt = int(a[t, layer + 1, PREFETCHED]) if layer + 1 < L else 0
             if nxt:
-                start = enqueue(clock, nxt)
+                start = enqueue(clock, nxt, u.copy_s)
                 prefetch_done[layer + 1] = start + nxt * u.copy_s
             # step 1: landing admissions wait for their copies (the first ones requested), then
             # are installed
@@ -242,10 +245,10 @@ def price_stream_reference(
             # reads are done), on the link
             decided = clock
             n_sync = c[FETCH] + c[FORCED]
-            sync_start = enqueue(decided, n_sync) if n_sync else decided
+            sync_start = enqueue(decided, n_sync, u.copy_s) if n_sync else decided
             host_reads = c[HOST] if u.host_reads_link else 0
-            reads = enqueue(decided, host_reads) if host_reads else 0.0
-            requested[layer][slot] = (enqueue(decided, c[REQUESTS]), c[REQUESTS])
+            reads = enqueue(decided, host_reads, u.host_read_each_s) if host_reads else 0.0
+            requested[layer][slot] = (enqueue(decided, c[REQUESTS], u.copy_s), c[REQUESTS])
             # the fast path: the synchronous copies (and the step's wait for them), then the
             # fast tier's experts
             n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]
@@ -258,10 +261,10 @@ def price_stream_reference(
             # after it; read over the link, the reads queue behind every copy queued before and
             # the host computes once they are done (one processor: they overlap the fast path,
             # the host's compute follows)
-            host = c[HOST] * u.host_expert_s
+            host = c[HOST] * u.host_expert_s + (u.host_step_s if c[HOST] else 0.0)
             ready = decided  # where the host reads nothing over the link: from the decision on
             if host_reads:
-                ready = reads_end = reads + host_reads * u.copy_s
+                ready = reads_end = reads + host_reads * u.host_read_each_s
             else:  # the background copies queued so far run to the link's end
                 reads = reads_end = link_free
             # the fast tier's experts slowed while the link reads: the background copies queued

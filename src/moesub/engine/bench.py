@@ -208,7 +208,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
     host = rounds.runs[HOST_RUN]
     micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
-    priced = rounds.host_reads_link  # the host's term through the pricing
+    priced = rounds.host_reads_link  # the host's terms through the pricing
     reference = reference_clock([r.disk for r in runs])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"],

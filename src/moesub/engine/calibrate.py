@@ -6,7 +6,7 @@ computed by the host; background admissions), in interleaved rounds (`round_orde
 machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
 per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`; on
 the disk tier each run's copies are taken at the disk's speed while it read, and the disk's speed
-from the median run; where the host reads its experts over the link, the host's term comes
+from the median run; where the host reads its experts over the link, the host's terms come
 from the pricing of the host runs); the fast tier's expert time is a microbenchmark
 (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so
 are its slowdowns while the link reads (`measure_host_read_drag`,
@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,7 +68,7 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
 }
-# the mechanism whose runs find the host's term through the pricing where the host reads over
+# the mechanism whose runs find the host's terms through the pricing where the host reads over
 # the link
 HOST_RUN = "cal_host"
 # alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
@@ -369,7 +370,7 @@ class Calibration:
         self.micro_every = max(1, -(-opts.calibrate_rounds // MICRO_RUNS))
         self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
         self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
-        # the host runs' (wall_s, counts): the host's term through the pricing
+        # the host runs' (wall_s, counts): the host's terms through the pricing
         self.host_runs: list[tuple[np.ndarray, np.ndarray]] = []
         # the microbenchmarks after runs of a C-slot tier spread over the rounds: the small
         # models' drags swing between jobs and within one (on the embedded model 2.1-3.4 between
@@ -422,7 +423,7 @@ class Calibration:
         median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
         fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
         reference = reference_clock([c for clocks in disk.values() for c in clocks])
-        priced = self.host_reads_link  # the host's term through the pricing
+        priced = self.host_reads_link  # the host's terms through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
             host_runs=self.host_runs if priced else None, reference=reference,
@@ -440,6 +441,9 @@ class Calibration:
             "expert_bytes": float(self.expert_bytes),
             "unit_costs": seconds,
             "at_run_disk": None if reference is None else AtRunDisk(reference).to_dict(),
+            "disk_by_mechanism": {  # each mechanism's runs' reads, pooled
+                name: asdict(DiskClock.pooled(clocks)) for name, clocks in disk.items()
+            },
             "expert_compute_s": median["expert_compute_s"],
             "microbenchmarks": {"median": median, "runs": self.micro},
             "fit": fit.to_dict(),
