@@ -31,10 +31,10 @@ a microbenchmarked expert time, and gives the pricing's seconds
 (`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its
 experts over the link (the disk tier), the engine overlaps those reads with the fast path, and
 the host's terms are instead its step and its compute alone, found through the pricing of the
-host runs, each with its reads at its own disk speed (`host_terms_by_pricing`); the fit's
-`host_extra_s` and `host_step_s` then only keep the host runs' tokens from pulling the other
-terms. There the reads also slow the
-fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked). The install is
+host runs, each with its reads at its own disk speed (`host_terms_by_pricing`), and its reads
+are priced at the host runs' speed (`host_read_s`); the fit's `host_extra_s` and `host_step_s`
+then only keep the host runs' tokens from pulling the other terms. There the reads also slow
+the fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked). The install is
 microbenchmarked too (the engine's own install of a copy just read); the fit's `install_s` then
 only keeps the admission runs' tokens from pulling the other terms. A term no run exercises, or
 terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
@@ -143,8 +143,8 @@ def fit_unit_costs(tokens: TimedTokens, cut: float = 6.0, rounds: int = 8) -> Co
     (module doc), tokens beyond `cut` robust standard deviations of the residuals left out,
     refitted up to `rounds` times; a step's wait is left to the copy where no run tells them
     apart (every step that copied copied as many experts: one, with top-1 routing), and a host
-    step's cost to the host's expert alike. ValueError
-    when a term is never exercised or the terms are not separable."""
+    step's cost to the host's expert alike. ValueError when a term is never exercised or the
+    terms are not separable."""
     X, wall = tokens.design(), np.asarray(tokens.wall_s, float)
     if not np.isfinite(wall).all() or (wall < 0).any():
         raise ValueError("cost fit: wall times must be finite and >= 0")
@@ -217,9 +217,9 @@ def unit_costs_from_fit(
     `host_read_drag` and `background_read_drag` while the link reads the host's experts and
     background copies (kept in the seconds, as fractions), and the host's step and compute
     alone are found through the pricing of the host runs (`host_terms_by_pricing`), each run's
-    reads at its own
-    speed (`host_clocks`: one per run) where they were timed, and a host's read is then the
-    copy at the host runs' pooled speed (`host_read_s`; else a copy). The install is
+    reads at its own speed (`host_clocks`: one per run) where they were timed, and a host's
+    read is then the copy at the host runs' pooled speed (`host_read_s`; else a copy). The
+    install is
     `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where given; else the
     linear fit's (which carries the drag of the reads its admissions overlapped, where the link
     reads beside the fast path)."""
@@ -312,14 +312,14 @@ def host_terms_by_pricing(
     """`(host_step_s, host_expert_s)` at which the pricing of the host runs (as
     `term_by_pricing`) takes their measured mean time per token and follows their tokens' time
     per step with host experts: the priced tokens' residuals have mean 0 and no covariance with
-    the tokens' host steps. The linear fit cannot split the two where the host's reads hide
-    behind the fast path; a step that hands k experts over costs once, which a per-expert term
-    spreads over its experts. Newton's method on those two conditions (the price is piecewise
-    linear in both), from the step at 0; tokens beyond `cut` robust standard deviations of the
-    residuals there (another process took the CPU) left out. The step is 0 where the runs cannot
-    tell it from the experts (every step with host experts had as many) or where it would be
-    negative; the expert 0 where it would be. The second condition holds the residuals to the
-    steps' variation beyond what the host's count explains."""
+    the tokens' host steps beyond what their count of host experts explains. A step that hands
+    k experts to the host costs once, which a per-expert term spreads over its experts; the
+    linear fit cannot split the two where the host's reads hide behind the fast path. Newton's
+    method on those two conditions (the price is piecewise linear in both), from the step at 0;
+    tokens beyond `cut` robust standard deviations of the residuals there (another process took
+    the CPU) left out. The step is 0 where the runs cannot tell it from the experts (every step
+    with host experts had as many) or where it would be negative; the expert 0 where it would
+    be."""
     expert0 = term_by_pricing({**seconds, "host_step_s": 0.0}, "host_expert_s", runs, run_copy_s)
     counts = [np.asarray(c) for _, c in runs]
     host = np.concatenate([c[..., _F["host"]] for c in counts])  # (n, L)

@@ -211,6 +211,9 @@ class HardwareProfile:
         else:  # measured on the model itself: the head is amortized in it
             dense, head = self.dense_layer_s, 0.0
         install = self.install_Bps if self.install_Bps is not None else self.fast_memory_Bps / 2
+        host_read = None  # as a copy
+        if self.host_read_Bps is not None:
+            host_read = self.transfer_latency_s + b / self.host_read_Bps
         return UnitCosts(
             copy_s=self.transfer_latency_s + b / self.link_bandwidth_Bps,
             expert_s=b / self.fast_memory_Bps,
@@ -224,9 +227,7 @@ class HardwareProfile:
             background_read_drag=self.background_read_drag,
             sync_step_s=self.sync_step_s,
             host_step_s=self.host_step_s,
-            host_read_s=None  # as a copy
-            if self.host_read_Bps is None
-            else self.transfer_latency_s + b / self.host_read_Bps,
+            host_read_s=host_read,
         )
 
     def to_dict(self) -> dict[str, Any]:
