@@ -80,8 +80,10 @@ def test_the_fit_recovers_known_constants_despite_noise_and_slowed_tokens():
     fit = fit_unit_costs(timed_runs(seed=1, noise=0.03, slowed=0.03))
     assert fit.layers_identified and fit.kept < fit.tokens  # the slowed tokens left out
     seconds = unit_costs_from_fit(fit, k=K, layers=L, expert_s=TRUE.expert_s)
-    assert seconds.pop("host_read_s") == seconds["copy_s"]  # no host runs on a disk: a copy
+    assert seconds["host_read_s"] == seconds["copy_s"]  # no host runs on a disk: a copy
     for key, value in seconds.items():
+        if key == "host_read_s":
+            continue
         # an install (40 us) and a step's wait (150 us, on a third of the steps) are small
         # beside the noise (3% of a ~4 ms token): looser
         rel = {"install_s": 0.3, "sync_step_s": 0.1, "host_step_s": 0.1}.get(key, 0.02)

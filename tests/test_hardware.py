@@ -200,8 +200,8 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     assert (u.sync_step_s, u.host_step_s) == (150e-6, 200e-6)
     assert u.host_read_s == pytest.approx(104e-6)  # a rate, as the copies
     assert math.isinf(free.install_Bps)
-    # the host's reads not measured: a copy's, now and after the copy moves
-    as_copy = measured_profile({**SECONDS, "host_read_s": None}, 98_304.0, "unmeasured")
+    # a profile without a rate for the host's reads: a copy's, now and after the copy moves
+    as_copy = PROFILES[STUDY_PROFILE]
     assert as_copy.host_read_Bps is None
     u = as_copy.price(ModelBytes(expert_bytes=98_304.0))
     assert u.host_read_s is None and u.host_read_each_s == u.copy_s

@@ -219,10 +219,9 @@ def unit_costs_from_fit(
     alone are found through the pricing of the host runs (`host_terms_by_pricing`), each run's
     reads at its own speed (`host_clocks`: one per run) where they were timed, and a host's
     read is then the copy at the host runs' pooled speed (`host_read_s`; else a copy). The
-    install is
-    `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where given; else the
-    linear fit's (which carries the drag of the reads its admissions overlapped, where the link
-    reads beside the fast path)."""
+    install is `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where
+    given; else the linear fit's (which carries the drag of the reads its admissions
+    overlapped, where the link reads beside the fast path)."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -256,6 +255,13 @@ def unit_costs_from_fit(
     return seconds
 
 
+def _host_run_costs(seconds: dict[str, float], copy_s: float, **terms: float) -> UnitCosts:
+    """A host run's costs for the pricing of its own counts: one processor, the host's reads
+    on the link, every read (copy or host's) at the run's own `copy_s`, `terms` replaced."""
+    return UnitCosts(**{**seconds, **terms, "copy_s": copy_s, "host_read_s": copy_s},
+                     concurrent_host=False, host_reads_link=True)  # fmt: skip
+
+
 def term_by_pricing(
     seconds: dict[str, float],
     term: str,
@@ -282,8 +288,7 @@ def term_by_pricing(
     def excess(value: float) -> float:  # priced minus measured, mean seconds per token
         priced = 0.0
         for (_, counts), copy_s in zip(runs, copies, strict=True):
-            u = UnitCosts(**{**seconds, term: value, "copy_s": copy_s, "host_read_s": copy_s},
-                          concurrent_host=False, host_reads_link=True)  # fmt: skip
+            u = _host_run_costs(seconds, copy_s, **{term: value})
             priced += float(price_stream(counts, 1, u).token_s.sum())
         return priced / tokens - measured
 
@@ -333,9 +338,7 @@ def host_terms_by_pricing(
     def residual(step: float, expert: float) -> np.ndarray:  # (n,) priced minus measured
         priced = []
         for c, copy_s in zip(counts, copies, strict=True):
-            u = UnitCosts(**{**seconds, "host_step_s": step, "host_expert_s": expert,
-                             "copy_s": copy_s, "host_read_s": copy_s},
-                          concurrent_host=False, host_reads_link=True)  # fmt: skip
+            u = _host_run_costs(seconds, copy_s, host_step_s=step, host_expert_s=expert)
             priced.append(price_stream(c, 1, u).token_s)
         return np.concatenate(priced) - wall
 

@@ -286,16 +286,14 @@ def measured_profile(
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
     measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s` and
     `host_step_s` (constants: a step's, whatever its experts' size), kept as they are; the
-    host's reads at their own rate (`host_read_s`; a copy's where not given). Priced for
-    `ModelBytes(expert_bytes)` it gives the seconds back."""
-    missing = [k for k in UNIT_COST_KEYS if k not in seconds and k != "host_read_s"]
+    host's reads at their own rate (`host_read_s`). Priced for `ModelBytes(expert_bytes)` it
+    gives the seconds back."""
+    missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
-    host_read = seconds.get("host_read_s")  # None: as a copy
     where = f"hardware.{THIS_MACHINE}"
     for key in UNIT_COST_KEYS:
-        if key != "host_read_s" or host_read is not None:
-            _check_number(where, key, seconds[key])
+        _check_number(where, key, seconds[key])
     _check_number(where, "expert_bytes", expert_bytes, positive=True)
 
     def rate(key: str) -> float:  # bytes per second of a per-expert time (0 s: free)
@@ -318,7 +316,7 @@ def measured_profile(
         background_read_drag=seconds["background_read_drag"],
         sync_step_s=seconds["sync_step_s"],
         host_step_s=seconds["host_step_s"],
-        host_read_Bps=None if host_read is None else rate("host_read_s"),
+        host_read_Bps=rate("host_read_s"),
     )
 
 
