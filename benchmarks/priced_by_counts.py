@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +34,8 @@ from moesub.engine.bench_runs import read_bench_counts
 from moesub.hardware import HardwareProfile, ModelBytes, UnitCosts, read_unit_costs
 from moesub.io import read_metadata
 from moesub.policy import Policy
-from moesub.price import costs_at_run_disk
+from moesub.price import costs_at_run_disk, policy_delay
 from moesub.pricing import FETCH, FORCED, HOST, LANDED, REQUESTS, price_stream
-from moesub.slots import policy_fields
 from moesub.token_counts import stream_counts
 
 SLOPES = {"host": [HOST], "requests": [REQUESTS], "landed": [LANDED], "sync": [FETCH, FORCED]}
@@ -68,8 +66,7 @@ def engine_run(path: Path, profile: Path | None) -> tuple[Runs, UnitCosts, int]:
     costs = costs_at_run_disk(costs, at_disk, meta) or costs
     df = pl.read_parquet(path).sort("stream", "pos")
     walls = [rows["wall_s"].to_numpy() for rows in df.partition_by("stream", maintain_order=True)]
-    delay = Policy.from_dict(policy_fields(meta["policy"])).delay
-    return list(zip(walls, stream_counts(df), strict=True)), costs, delay
+    return list(zip(walls, stream_counts(df), strict=True)), costs, policy_delay(meta)
 
 
 def main() -> None:
@@ -92,22 +89,19 @@ def main() -> None:
         priced.append(price_stream(counts, delay, costs).token_s)
         per_token.append(counts.sum(axis=1))  # (T, F)
     wall, priced, per_token = (np.concatenate(x) for x in (wall, priced, per_token))
-    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    for t, c in enumerate(per_token):
-        groups[(int(c[HOST]), int(c[REQUESTS]), int(c[LANDED]))].append(t)
+    keys, group = np.unique(per_token[:, [HOST, REQUESTS, LANDED]], axis=0, return_inverse=True)
     print(f"{what}: measured {1e3 * wall.mean():.3f} ms per token, priced {1e3 * priced.mean():.3f}"
           f" ({100 * (priced.mean() / wall.mean() - 1):+.1f}%)")  # fmt: skip
     print("tokens by (host experts, requests, landed), ms per token")
     print(f"{'host':>4} {'req':>4} {'landed':>6} {'tokens':>6} {'measured':>9} {'priced':>8} "
           f"{'diff':>7}")  # fmt: skip
-    for key in sorted(groups):
-        sel = groups[key]
-        if len(sel) < a.min_tokens:
+    for g, key in enumerate(keys):  # in (host, requests, landed) order
+        sel = group.ravel() == g
+        n = int(sel.sum())
+        if n < a.min_tokens:
             continue
         m, p = 1e3 * wall[sel].mean(), 1e3 * priced[sel].mean()
-        print(
-            f"{key[0]:>4} {key[1]:>4} {key[2]:>6} {len(sel):>6} {m:>9.2f} {p:>8.2f} {p - m:>+7.2f}"
-        )
+        print(f"{key[0]:>4} {key[1]:>4} {key[2]:>6} {n:>6} {m:>9.2f} {p:>8.2f} {p - m:>+7.2f}")
     resid = 1e3 * (wall - priced)
     mad = 1.4826 * np.median(np.abs(resid - np.median(resid)))
     keep = np.abs(resid - np.median(resid)) <= 6 * max(mad, 1e-12)

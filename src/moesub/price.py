@@ -101,8 +101,9 @@ def write_profile(
     return out
 
 
-def _delay(meta: dict) -> int:
-    """The priced run's policy's admission delay (its pins are in the counts)."""
+def policy_delay(meta: Mapping[str, Any]) -> int:
+    """A priced run's policy's admission delay, from its output's metadata (`policy`; its pins
+    are in the counts)."""
     return Policy.from_dict(policy_fields(meta["policy"])).delay
 
 
@@ -112,7 +113,7 @@ def _row(
 ) -> dict:  # fmt: skip
     """One priced run: its streams priced with and without the host's concurrency (`priced`:
     their price at `costs`, where the caller has it)."""
-    delay = _delay(meta)
+    delay = policy_delay(meta)
     t = price_streams(counts, delay, costs) if priced is None else priced
     serial = (
         price_streams(counts, delay, replace(costs, concurrent_host=False))
@@ -144,7 +145,7 @@ def _engine_row(
     compute at the machine's speed while it ran (`moesub.calibration.speed_probe` over its own
     tokens that only hit, against the price at its disk: `run_speed`; NaN speed, too few such
     tokens: that price)."""
-    streams, delay = stream_counts(df), _delay(meta)
+    streams, delay = stream_counts(df), policy_delay(meta)
     priced = price_streams(streams, delay, costs)
     row = _row(hardware, "engine", costs, streams, meta, priced)
     row["measured_time_per_token_s"] = float(df["wall_s"].mean())
