@@ -41,12 +41,22 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
                   double* token_s, double* parts) {
   double p[kParts] = {};  // the parts, in registers while the loop runs
   double clock = 0.0, link_free = 0.0;
+  double background_free = 0.0;  // when the link has carried every background copy queued
   const double host_drag = u.host_reads_link ? u.host_read_drag : 0.0;
   const double background_drag = u.host_reads_link ? u.background_read_drag : 0.0;
   // n reads of `each` seconds queued at `at` behind those already queued: when the first starts
   auto enqueue = [&](double at, int64_t n, double each) {
     const double start = std::max(at, link_free);
     link_free = start + static_cast<double>(n) * each;
+    return start;
+  };
+  // n background copies queued at `at`: when the first starts; `started` gets the fast tier's
+  // seconds to start the lane (where no background copy was still on the link, else 0)
+  auto background = [&](double at, int64_t n, double& started) {
+    started = (n && background_free <= at) ? u.background_start_s : 0.0;
+    const double start = enqueue(at, n, u.copy_s);
+    if (n) background_free = link_free;
+    p[kBackgroundStart] += started;
     return start;
   };
   // the fast tier's `seconds` of `part` from `start`: when they end, slowed while the link reads
@@ -78,15 +88,19 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
                                     ", layer " + std::to_string(l));
       // prefetch copies: layer 0's at the token's start, layer l+1's after layer l's dense
       // work. Queueing none moves link_free up to `at` only, which changes no later start (the
-      // clock never goes back), so it is done without a branch.
+      // clock never goes back), and starts nothing, so it is done without a branch.
       const int64_t pf = c[kPrefetched];
-      if (l == 0)
-        prefetch_done[0] = enqueue(clock, pf, u.copy_s) + static_cast<double>(pf) * u.copy_s;
+      double started;
+      if (l == 0) {
+        prefetch_done[0] = background(clock, pf, started) + static_cast<double>(pf) * u.copy_s;
+        clock += started;
+      }
       clock = work(clock, u.dense_layer_s, kDense);
       if (l + 1 < L) {
         const int64_t next = c[kFields + kPrefetched];
         prefetch_done[l + 1] =
-            enqueue(clock, next, u.copy_s) + static_cast<double>(next) * u.copy_s;
+            background(clock, next, started) + static_cast<double>(next) * u.copy_s;
+        clock += started;
       }
       // step 1: landing admissions wait for their copies, then are installed; step 1b: the
       // prefetched experts. Selects, not branches (adding 0.0 changes no bit).
@@ -110,15 +124,15 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       const double sync_start = n_sync ? enqueue(decided, n_sync, u.copy_s) : decided;
       const int64_t host_reads = u.host_reads_link ? static_cast<int64_t>(c[kHost]) : 0;
       double reads = host_reads ? enqueue(decided, host_reads, u.host_read_s) : 0.0;
-      req_start[slot] = enqueue(decided, c[kRequests], u.copy_s);
+      req_start[slot] = background(decided, c[kRequests], started);
       req_n[slot] = c[kRequests];
-      // the fast path: the synchronous copies (and the step's wait for them), then the fast
-      // tier's experts
+      // the fast path: the synchronous copies (and the step's wait for them), starting the
+      // background lane for the requests, then the fast tier's experts
       const int64_t n_fast = static_cast<int64_t>(c[kHit]) + c[kFetch] + c[kSub] + c[kForced];
       const double copies =
           static_cast<double>(n_sync) * u.copy_s + (n_sync ? u.sync_step_s : 0.0);
       const double experts = static_cast<double>(n_fast) * u.expert_s;
-      const double fast_end = sync_start + (copies + experts);
+      const double fast_end = sync_start + (copies + started + experts);
       p[kLinkWait] += sync_start - decided;
       p[kSyncCopy] += copies;
       p[kFastCompute] += experts;
@@ -137,7 +151,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       }
       // the fast tier's experts slowed while the link reads: the background copies queued
       // before, the host's reads, then this decision's background requests
-      const double fast_start = sync_start + copies;
+      const double fast_start = sync_start + (copies + started);
       const DragWindow windows[3] = {{fast_start, reads, background_drag},
                                      {reads, reads_end, host_drag},
                                      {reads_end, link_free, background_drag}};

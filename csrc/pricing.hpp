@@ -3,7 +3,8 @@
 // every copy, admissions landing `delay` tokens after their request, prefetches issued one MoE
 // layer early, host experts beside (concurrent) or after the fast tier's, their reads on the
 // link where the host reads its experts over it (a disk tier), the fast tier's work slowed
-// while that link reads.
+// while that link reads, and a batch of background copies that finds none on the link starts
+// the idle background lane.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,7 @@ enum PriceField { kHit, kFetch, kSub, kHost, kForced, kPrefetched, kRequests, kL
 // Where the seconds went (moesub.pricing.BREAKDOWN), then the hidden host seconds.
 enum PricePart {
   kOverhead, kDense, kAdmitWait, kPrefetchWait, kInstall, kLinkWait, kSyncCopy, kFastCompute,
-  kHostExposed, kReadDrag, kHiddenHost, kParts
+  kHostExposed, kReadDrag, kBackgroundStart, kHiddenHost, kParts
 };
 
 struct UnitCosts {
@@ -31,6 +32,8 @@ struct UnitCosts {
   double host_read_s;
   // a step that computes experts on the host, once: handing them over and taking the results
   double host_step_s;
+  // a batch of background copies queued while none is still on the link: starting the lane
+  double background_start_s;
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

@@ -15,6 +15,7 @@ from moesub.calibration import (
     CostFit,
     DiskClock,
     TimedTokens,
+    copy_at_disk,
     fit_unit_costs,
     host_terms_by_pricing,
     reference_clock,
@@ -289,6 +290,31 @@ def test_the_host_term_is_fitted_beside_the_drag_and_the_install_timed_apart():
     assert half_step(undragged) > 1.2 * half_step(dragged.__dict__)
     assert undragged["install_s"] == fit.coef["install_s"]  # none timed apart: the linear term
     assert unit_costs_from_fit(fit, **common, install_s=-1e-6)["install_s"] == 0.0
+
+
+def test_the_background_lanes_start_is_found_through_the_admission_runs_pricing():
+    """Runs priced with a start of the idle background lane (`background_start_s`), a cost per
+    batch of requests that depends on when the earlier copies end, which no linear term over
+    the counts says: the admission runs' pricing gives it back, at their own disk speed; none
+    given, it is 0; runs faster than the rest of their price give 0, not a negative."""
+    started = replace(TRUE, host_expert_s=60e-6, host_reads_link=True, background_start_s=300e-6)
+    fit, host_runs, admit_runs = fit_priced_runs(started, seed=9)
+    common = {"k": K, "layers": L, "expert_s": started.expert_s, "host_runs": host_runs,
+              "install_s": started.install_s}  # fmt: skip
+    seconds = unit_costs_from_fit(fit, **common, admission_runs=admit_runs)
+    assert seconds["background_start_s"] == pytest.approx(300e-6, rel=0.05)
+    assert unit_costs_from_fit(fit, **common)["background_start_s"] == 0.0
+    fast = [(0.5 * w, c) for w, c in admit_runs]
+    assert unit_costs_from_fit(fit, **common, admission_runs=fast)["background_start_s"] == 0.0
+    # one run read at half the disk's speed: priced at its own copies, the start comes back
+    slow = replace(started, copy_s=2 * started.copy_s)
+    (_, c), ref = admit_runs[0], DiskClock(100, 100 * started.copy_s)
+    runs = [admit_runs[0], (price_stream_reference(c, 1, slow).token_s, c)]
+    clocks = [ref, DiskClock(100, 200 * started.copy_s)]
+    at_disk = {**seconds, "copy_s": started.copy_s, "background_start_s": 0.0}
+    copies = [copy_at_disk(started.copy_s, ref, clk) for clk in clocks]
+    found = term_by_pricing(at_disk, "background_start_s", runs, copies)
+    assert found == pytest.approx(300e-6, rel=0.05)
 
 
 def test_host_runs_priced_at_their_own_disk_speed():

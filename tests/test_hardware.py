@@ -143,6 +143,10 @@ def test_from_dict_round_trip_and_named_errors():
         ({"host_reads_link": 1}, r"hardware\.mine\.host_reads_link=1 must be a bool"),
         ({"host_read_Bps": 0.0}, r"hardware\.mine\.host_read_Bps=0\.0 must be a number > 0"),
         ({"host_step_s": -1e-4}, r"hardware\.mine\.host_step_s=-0\.0001 must be a number >= 0"),
+        (
+            {"background_start_s": -1e-4},
+            r"hardware\.mine\.background_start_s=-0\.0001 must be a number >= 0",
+        ),
         ({"description": 3}, r"hardware\.mine\.description: expected a string"),
     ]
     for change, message in cases:
@@ -174,6 +178,7 @@ SECONDS = {
     "sync_step_s": 150e-6,  # a constant: a step's, whatever its experts' size
     "host_read_s": 52e-6,  # the host's reads, back to back: faster than the copies
     "host_step_s": 200e-6,  # a constant, as the copies' step
+    "background_start_s": 300e-6,  # a constant: a batch's, whatever its experts' size
 }
 
 
@@ -197,7 +202,7 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     u = free.price(ModelBytes(2 * 98_304.0))
     assert u.expert_s == pytest.approx(80e-6) and u.install_s == 0.0
     assert (u.host_read_drag, u.background_read_drag) == (0.25, 0.125)
-    assert (u.sync_step_s, u.host_step_s) == (150e-6, 200e-6)
+    assert (u.sync_step_s, u.host_step_s, u.background_start_s) == (150e-6, 200e-6, 300e-6)
     assert u.host_read_s == pytest.approx(104e-6)  # a rate, as the copies
     assert math.isinf(free.install_Bps)
     # a profile without a rate for the host's reads: a copy's, now and after the copy moves
@@ -214,7 +219,7 @@ def test_this_machine_names_a_bad_calibration():
     with pytest.raises(ValueError, match=r"hardware\.this_machine\.expert_s=-1"):
         measured_profile({**SECONDS, "expert_s": -1}, 1.0, "x")
     for drag in ("host_read_drag", "background_read_drag", "sync_step_s", "host_read_s",
-                 "host_step_s"):  # fmt: skip
+                 "host_step_s", "background_start_s"):  # fmt: skip
         with pytest.raises(ValueError, match=rf"hardware\.this_machine\.{drag}=-0\.1"):
             measured_profile({**SECONDS, drag: -0.1}, 1.0, "x")
     with pytest.raises(ValueError, match="no `profile`"):

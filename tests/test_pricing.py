@@ -76,7 +76,7 @@ def test_two_tokens_with_a_concurrent_host(price):
     assert r.parts == {
         "overhead": 10.0, "dense": 80.0, "admit_wait": 383.0, "prefetch_wait": 0.0,
         "install": 6.0, "link_wait": 300.0, "sync_copy": 900.0, "fast_compute": 330.0,
-        "host_exposed": 140.0, "read_drag": 0.0,
+        "host_exposed": 140.0, "read_drag": 0.0, "background_start": 0.0,
     }  # fmt: skip
     assert r.hidden_host_s == 160.0
     assert sum(r.parts.values()) == r.token_s.sum()
@@ -171,6 +171,28 @@ def test_late_prefetches_are_waited_for(price, drag, prefetch_wait, read_drag):
     # copies the host does not read (a DMA engine's) leave its work at full speed
     r = price(counts, 1, replace(u, background_read_drag=drag))
     assert (r.parts["prefetch_wait"], r.parts["read_drag"]) == (1058.0, 0.0)
+
+
+@pytest.mark.parametrize("price", PRICERS)
+def test_a_batch_of_background_copies_starts_the_idle_lane_once(price):
+    """copy 100, dense 20, expert 10, start 7, one layer of 10 hits, delay 1 (nothing lands).
+    token 0: dense -> 20; its 2 requests find no background copy on the link: start 7, once
+    for the batch; copies 20-220; experts 27-127. token 1: dense -> 147; its request queues
+    behind them (220-320): no start; experts -> 247. token 2 requests nothing: 267, 367.
+    token 3: dense -> 387, past 320: its request starts the lane again, 387 + 7 + 100 = 494."""
+    u = UnitCosts(100.0, 10.0, 50.0, 20.0, 0.0, 0.0, False, background_start_s=7.0)
+    counts = np.array([[token_layer(hit=10, admission_requests=n)] for n in (2, 1, 0, 1)])
+    r = price(counts, 1, u)
+    assert r.token_s.tolist() == [127.0, 120.0, 120.0, 127.0]
+    assert (r.parts["background_start"], r.parts["fast_compute"]) == (14.0, 400.0)
+    assert sum(r.parts.values()) == r.token_s.sum()
+    # a layer's prefetches are a batch too, started where the engine issues them: layer 1's
+    # copy after layer 0's dense work (20), the start 20-27, the copy 20-120; layer 0's experts
+    # 27-127; layer 1: dense -> 147, its copy landed, install 2 -> 149, experts -> 249
+    two = np.array([[token_layer(hit=10), token_layer(hit=10, prefetched=1)]])
+    r = price(two, 1, replace(u, install_s=2.0))
+    assert r.token_s.tolist() == [249.0]
+    assert r.parts["background_start"] == 7.0
 
 
 @pytest.mark.parametrize("price", PRICERS)
@@ -358,6 +380,7 @@ def priced_streams(draw):
         sync_step_s=draw(st.just(0.0) | seconds),
         host_read_s=draw(st.none() | seconds),
         host_step_s=draw(st.just(0.0) | seconds),
+        background_start_s=draw(st.just(0.0) | seconds),
     )
     return counts, draw(st.integers(1, 5)), u
 

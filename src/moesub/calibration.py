@@ -36,8 +36,11 @@ are priced at the host runs' speed (`host_read_s`); the fit's `host_extra_s` and
 then only keep the host runs' tokens from pulling the other terms. There the reads also slow
 the fast tier's work (`host_read_drag`, `background_read_drag`: microbenchmarked). The install is
 microbenchmarked too (the engine's own install of a copy just read); the fit's `install_s` then
-only keeps the admission runs' tokens from pulling the other terms. A term no run exercises, or
-terms the runs cannot tell apart, make the fit degenerate: a ValueError says which.
+only keeps the admission runs' tokens from pulling the other terms. And a batch of background
+copies that finds the I/O thread idle costs the fast tier a start (`background_start_s`),
+found through the pricing of the admission runs with every other term as found. A term no run
+exercises, or terms the runs cannot tell apart, make the fit degenerate: a ValueError says
+which.
 """
 
 from __future__ import annotations
@@ -205,6 +208,8 @@ def unit_costs_from_fit(
     host_read_drag: float = 0.0,
     background_read_drag: float = 0.0,
     install_s: float | None = None,
+    admission_runs: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    admission_clocks: Sequence[DiskClock] = (),
 ) -> dict[str, float]:
     """The pricing's seconds for runs of `layers` MoE layers, top-`k`: the per-layer constant
     (`layer_s`, or `token_s / layers` when the runs could not separate them: the token's
@@ -221,7 +226,10 @@ def unit_costs_from_fit(
     read is then the copy at the host runs' pooled speed (`host_read_s`; else a copy). The
     install is `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where
     given; else the linear fit's (which carries the drag of the reads its admissions
-    overlapped, where the link reads beside the fast path)."""
+    overlapped, where the link reads beside the fast path). Where the admission runs are given
+    too (`admission_runs`, their `admission_clocks` one per run; with `host_runs`), the start
+    of the idle background lane (`background_start_s`) is found through their pricing, with
+    every other term as found (`term_by_pricing`); else it is 0."""
     if fit.layers_identified:
         token, per_layer = fit.coef["token_s"], fit.coef["layer_s"]
     else:
@@ -239,6 +247,7 @@ def unit_costs_from_fit(
         "install_s": fit.coef["install_s"] if install_s is None else max(install_s, 0.0),
         "host_read_drag": max(host_read_drag, 0.0),
         "background_read_drag": max(background_read_drag, 0.0),
+        "background_start_s": 0.0,
     }
     seconds["host_read_s"] = seconds["copy_s"]  # unless the host runs read at their own speed
     if host_runs is not None:
@@ -252,6 +261,14 @@ def unit_costs_from_fit(
         seconds["host_step_s"], seconds["host_expert_s"] = host_terms_by_pricing(
             seconds, host_runs, run_copy_s
         )
+        if admission_runs:
+            admit_copy_s = None
+            if reference is not None and admission_clocks:
+                admit_copy_s = [copy_at_disk(seconds["copy_s"], reference, c)
+                                for c in admission_clocks]  # fmt: skip
+            seconds["background_start_s"] = term_by_pricing(
+                seconds, "background_start_s", admission_runs, admit_copy_s
+            )
     return seconds
 
 
@@ -268,15 +285,16 @@ def term_by_pricing(
     runs: Sequence[tuple[np.ndarray, np.ndarray]],
     run_copy_s: Sequence[float] | None = None,
 ) -> float:
-    """The value of `term` (seconds per expert: `host_expert_s`) at which the pricing (one
-    processor, the host's reads on the link: `moesub.pricing`) of calibration runs' own counts
-    (delay 1) takes their measured mean time per token, over all their tokens as the linear fit
-    pools its runs, by bisection (the price grows with it; 0 when the runs took less than the
-    rest of their price). The engine overlaps the host's reads with the fast path, and slows the
-    fast path while the link reads, so the host's time is not linear in the counts, and the
-    linear fit's terms would price a policy with other counts per layer wrong
-    (docs/pricing.md). `run_copy_s` (one per run): each run's reads priced at its own copy time
-    (default `seconds["copy_s"]` for all)."""
+    """The value of `term` (`host_expert_s`, `host_step_s`, `background_start_s`) at which the
+    pricing (one processor, the host's reads on the link: `moesub.pricing`) of calibration
+    runs' own counts (delay 1) takes their measured mean time per token, over all their tokens
+    as the linear fit pools its runs, by bisection (the price grows with it; 0 when the runs
+    took less than the rest of their price). The engine overlaps the host's reads with the fast
+    path, and slows the fast path while the link reads, so the host's time is not linear in the
+    counts, and the linear fit's terms would price a policy with other counts per layer wrong;
+    whether a batch of background copies starts the idle lane depends on when the earlier ones
+    end (docs/pricing.md). `run_copy_s` (one per run): each run's reads priced at its own copy
+    time (default `seconds["copy_s"]` for all)."""
     if not runs:
         raise ValueError(f"{term} by pricing: no runs")
     copies = [seconds["copy_s"]] * len(runs) if run_copy_s is None else list(run_copy_s)
@@ -452,7 +470,7 @@ _NOT_HIT = [_F[f] for f in ("fetch", "host", "forced", "prefetched", "admission_
                             "admissions")]  # fmt: skip
 # the terms the machine's speed moves: its compute (the disk has its own clock, `AtRunDisk`)
 COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s",
-                 "sync_step_s", "host_step_s")  # fmt: skip
+                 "sync_step_s", "host_step_s", "background_start_s")  # fmt: skip
 
 
 def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> float:

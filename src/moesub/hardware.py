@@ -109,6 +109,10 @@ class UnitCosts:
     # a step that computes experts on the host, once: handing them to the host and taking its
     # results back (the disk tier's worker: measured)
     host_step_s: float = 0.0
+    # a batch of background copies (a step's requests, a layer's prefetches) queued while none
+    # is still on the link, once: starting the idle background lane (the disk tier's I/O
+    # thread: measured)
+    background_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -167,6 +171,10 @@ class HardwareProfile:
     # them to the host and taking its results back (measured on the disk tier; the GPU
     # estimates leave it at 0)
     host_step_s: float = 0.0
+    # seconds a batch of background copies costs the fast tier once where none is still on the
+    # link: starting the idle background lane (measured on the disk tier, whose I/O thread a
+    # request wakes; the GPU estimates leave it at 0)
+    background_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -179,7 +187,7 @@ class HardwareProfile:
             _check_number(where, key, getattr(self, key), positive=True, infinite=True)
         for key in ("transfer_latency_s", "layer_overhead_s", "token_overhead_s",
                     "host_read_drag", "background_read_drag", "sync_step_s",
-                    "host_step_s"):  # fmt: skip
+                    "host_step_s", "background_start_s"):  # fmt: skip
             _check_number(where, key, getattr(self, key))
         for key in ("host_core_Bps", "install_Bps", "host_read_Bps"):
             if getattr(self, key) is not None:
@@ -227,6 +235,7 @@ class HardwareProfile:
             background_read_drag=self.background_read_drag,
             sync_step_s=self.sync_step_s,
             host_step_s=self.host_step_s,
+            background_start_s=self.background_start_s,
             host_read_s=host_read,
         )
 
@@ -284,8 +293,9 @@ def measured_profile(
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
-    measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s` and
-    `host_step_s` (constants: a step's, whatever its experts' size), kept as they are; the
+    measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s`,
+    `host_step_s` and `background_start_s` (constants: a step's, whatever its experts' size),
+    kept as they are; the
     host's reads at their own rate (`host_read_s`). Priced for `ModelBytes(expert_bytes)` it
     gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
@@ -316,6 +326,7 @@ def measured_profile(
         background_read_drag=seconds["background_read_drag"],
         sync_step_s=seconds["sync_step_s"],
         host_step_s=seconds["host_step_s"],
+        background_start_s=seconds["background_start_s"],
         host_read_Bps=rate("host_read_s"),
     )
 

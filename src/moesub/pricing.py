@@ -37,6 +37,9 @@ runs `1 + background_read_drag` times slower while the link reads background cop
 experts `1 + host_read_drag` times slower while it reads the host's; without `concurrent_host`
 the host's compute, on the same processor, runs `1 + background_read_drag` times slower while
 the link reads that step's background copies (its uploads); those seconds are the `read_drag` part.
+A batch of background copies (a step's requests, a layer's prefetches) queued while no earlier
+background copy is still on the link costs the fast tier `background_start_s` once (the disk
+tier's I/O thread started from idle: measured); the `background_start` part.
 
 A token's time is the clock's advance over its layers plus `token_overhead_s`. The link and
 the copies in flight restart with every stream (as the caches do).
@@ -70,6 +73,7 @@ BREAKDOWN = (
     "fast_compute",  # experts computed on the fast tier
     "host_exposed",  # the host's experts (and reads), where the fast path did not hide them
     "read_drag",  # the fast tier's work slowed while the host reads over the link (the drags)
+    "background_start",  # starting the idle background lane for a batch of copies
 )
 
 
@@ -142,7 +146,8 @@ def pool(times: Sequence[StreamTime]) -> StreamTime:
 def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
             u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag,
-            u.background_read_drag, u.sync_step_s, u.host_read_each_s, u.host_step_s)  # fmt: skip
+            u.background_read_drag, u.sync_step_s, u.host_read_each_s, u.host_step_s,
+            u.background_start_s)  # fmt: skip
 
 
 def _dragged_end(
@@ -185,6 +190,7 @@ def price_stream_reference(
     token_s = np.zeros(T, np.float64)
     clock = 0.0  # the fast tier's time
     link_free = 0.0  # when the link has carried every copy queued so far
+    background_free = 0.0  # when it has carried every background copy queued so far
     host_drag = u.host_read_drag if u.host_reads_link else 0.0
     background_drag = u.background_read_drag if u.host_reads_link else 0.0
 
@@ -195,6 +201,17 @@ def price_stream_reference(
         start = max(at, link_free)
         link_free = start + n * each
         return start
+
+    def background(at: float, n: int) -> tuple[float, float]:
+        """n background copies queued at `at`: (when the first starts, the fast tier's seconds
+        to start the lane: `background_start_s` where none was still on the link, else 0)."""
+        nonlocal background_free
+        started = u.background_start_s if n and background_free <= at else 0.0
+        start = enqueue(at, n, u.copy_s)
+        if n:
+            background_free = link_free
+        parts["background_start"] += started
+        return start, started
 
     def work(start: float, seconds: float, part: str) -> float:
         """The fast tier's `seconds` of `part` from `start`: when they end, slowed while the link
@@ -217,13 +234,15 @@ def price_stream_reference(
         for layer in range(L):
             c = [int(x) for x in a[t, layer]]
             if layer == 0 and c[PREFETCHED]:
-                start = enqueue(clock, c[PREFETCHED], u.copy_s)
+                start, started = background(clock, c[PREFETCHED])
                 prefetch_done[0] = start + c[PREFETCHED] * u.copy_s
+                clock += started
             clock = work(clock, u.dense_layer_s, "dense")
             nxt = int(a[t, layer + 1, PREFETCHED]) if layer + 1 < L else 0
             if nxt:
-                start = enqueue(clock, nxt, u.copy_s)
+                start, started = background(clock, nxt)
                 prefetch_done[layer + 1] = start + nxt * u.copy_s
+                clock += started
             # step 1: landing admissions wait for their copies (the first ones requested), then
             # are installed
             slot = t % delay
@@ -248,12 +267,13 @@ def price_stream_reference(
             sync_start = enqueue(decided, n_sync, u.copy_s) if n_sync else decided
             host_reads = c[HOST] if u.host_reads_link else 0
             reads = enqueue(decided, host_reads, u.host_read_each_s) if host_reads else 0.0
-            requested[layer][slot] = (enqueue(decided, c[REQUESTS], u.copy_s), c[REQUESTS])
-            # the fast path: the synchronous copies (and the step's wait for them), then the
-            # fast tier's experts
+            start, started = background(decided, c[REQUESTS])
+            requested[layer][slot] = (start, c[REQUESTS])
+            # the fast path: the synchronous copies (and the step's wait for them), starting
+            # the background lane for the requests, then the fast tier's experts
             n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]
             copies = n_sync * u.copy_s + (u.sync_step_s if n_sync else 0.0)
-            fast_end = sync_start + (copies + n_fast * u.expert_s)
+            fast_end = sync_start + (copies + started + n_fast * u.expert_s)
             parts["link_wait"] += sync_start - decided
             parts["sync_copy"] += copies
             parts["fast_compute"] += n_fast * u.expert_s
@@ -269,7 +289,7 @@ def price_stream_reference(
                 reads = reads_end = link_free
             # the fast tier's experts slowed while the link reads: the background copies queued
             # before, the host's reads, then this decision's background requests
-            fast_start = sync_start + copies
+            fast_start = sync_start + (copies + started)
             fast_done = _dragged_end(
                 fast_start, n_fast * u.expert_s, fast_end,
                 ((fast_start, reads, background_drag), (reads, reads_end, host_drag),

@@ -80,6 +80,7 @@ from moesub.engine.bench_runs import (
     write_bench_counts,
 )
 from moesub.engine.calibrate import (
+    ADMIT_RUN,
     HOST_RUN,
     MECHANISMS,
     microbenchmarks,
@@ -206,7 +207,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
     runs = [r for n in names for r in rounds.runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
-    host = rounds.runs[HOST_RUN]
+    host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
     micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
     priced = rounds.host_reads_link  # the host's terms through the pricing
     reference = reference_clock([r.disk for r in runs])
@@ -215,6 +216,8 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,
         reference=reference, host_clocks=[r.disk for r in host],
         **{d: micro[d] for d in ("host_read_drag", "background_read_drag", "install_s")},
+        admission_runs=[(r.wall_s, r.layer_counts) for r in admit] if priced else None,
+        admission_clocks=[r.disk for r in admit],
     )  # fmt: skip
     expert_bytes = p.layout().expert_bytes
     profile = measured_profile(

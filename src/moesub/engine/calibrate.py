@@ -68,9 +68,9 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
 }
-# the mechanism whose runs find the host's terms through the pricing where the host reads over
-# the link
-HOST_RUN = "cal_host"
+# the mechanisms whose runs find the host's terms, and the background lane's start, through the
+# pricing where the host reads over the link
+HOST_RUN, ADMIT_RUN = "cal_host", "cal_admit"
 # alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
 # over the calibration's runs does the rest
 DRAG_ROUNDS = 2
@@ -370,8 +370,10 @@ class Calibration:
         self.micro_every = max(1, -(-opts.calibrate_rounds // MICRO_RUNS))
         self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
         self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
-        # the host runs' (wall_s, counts): the host's terms through the pricing
-        self.host_runs: list[tuple[np.ndarray, np.ndarray]] = []
+        # the host and admission runs' (wall_s, counts): terms found through the pricing
+        self.priced_runs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {
+            name: [] for name in (HOST_RUN, ADMIT_RUN)
+        }
         # the microbenchmarks after runs of a C-slot tier spread over the rounds: the small
         # models' drags swing between jobs and within one (on the embedded model 2.1-3.4 between
         # calibrations, 2.2-3.2 between two processes minutes apart), so their medians are
@@ -405,8 +407,8 @@ class Calibration:
                 self.timed[name].append(
                     TimedTokens.from_counts(r["wall_s"], r["layer_counts"], self.disk[name][-1])
                 )
-                if name == HOST_RUN:
-                    self.host_runs.append((r["wall_s"], r["layer_counts"]))
+                if name in self.priced_runs:
+                    self.priced_runs[name].append((r["wall_s"], r["layer_counts"]))
             self.meter.pause()
             # a C-slot tier, loaded, with nothing in flight
             if MECHANISMS[name] is not None and i % self.micro_every == 0:
@@ -423,12 +425,14 @@ class Calibration:
         median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
         fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
         reference = reference_clock([c for clocks in disk.values() for c in clocks])
-        priced = self.host_reads_link  # the host's terms through the pricing
+        priced = self.host_reads_link  # the host's terms, the lane's start through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
-            host_runs=self.host_runs if priced else None, reference=reference,
+            host_runs=self.priced_runs[HOST_RUN] if priced else None, reference=reference,
             host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
             background_read_drag=median["background_read_drag"], install_s=median["install_s"],
+            admission_runs=self.priced_runs[ADMIT_RUN] if priced else None,
+            admission_clocks=disk[ADMIT_RUN],
         )  # fmt: skip
         profile = measured_profile(
             seconds,
