@@ -295,9 +295,8 @@ def measured_profile(
     `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
     measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s`,
     `host_step_s` and `background_start_s` (constants: a step's, whatever its experts' size),
-    kept as they are; the
-    host's reads at their own rate (`host_read_s`). Priced for `ModelBytes(expert_bytes)` it
-    gives the seconds back."""
+    kept as they are; the host's reads at their own rate (`host_read_s`). Priced for
+    `ModelBytes(expert_bytes)` it gives the seconds back."""
     missing = [k for k in UNIT_COST_KEYS if k not in seconds]
     if missing:
         raise ValueError(f"measured profile: missing unit cost(s) {missing}")
