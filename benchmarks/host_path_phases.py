@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moesub.calibration import AtRunDisk
 from moesub.engine import bench
 from moesub.engine.bench_runs import BenchRun, run_policy
 from moesub.engine.runtime import OffloadEngine
@@ -39,6 +38,7 @@ from moesub.engine.tiers import DiskTier
 from moesub.hardware import HardwareProfile, ModelBytes, UnitCosts
 from moesub.io import read_metadata
 from moesub.pricing import FETCH, FORCED, LayerBlock, price_stream_reference
+from moesub.run_speed import AtRunDisk
 
 PHASES = ("fast", "start", "reads", "wait", "host", "total")
 

@@ -11,19 +11,16 @@ import pytest
 
 from moesub.calibration import (
     FIT_TERMS,
-    AtRunDisk,
     CostFit,
-    DiskClock,
     TimedTokens,
-    copy_at_disk,
     fit_unit_costs,
     host_terms_by_pricing,
-    reference_clock,
     term_by_pricing,
     unit_costs_from_fit,
 )
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.pricing import price_stream_reference
+from moesub.run_speed import AtRunDisk, DiskClock, copy_at_disk, reference_clock
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 K, L = 4, 3

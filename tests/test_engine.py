@@ -19,13 +19,12 @@ import pytest
 import torch
 from tiny_models import random_streams, tiny_qwen3_next
 
-import moesub.calibration
 import moesub.engine.store
 import moesub.engine.tiers
 import moesub.models
 import moesub.price
+import moesub.run_speed
 from moesub.artefacts import layout_for, load_trace
-from moesub.calibration import costs_at_speed, speed_probe
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
     BenchParams,
@@ -76,6 +75,7 @@ from moesub.policy import (
 )
 from moesub.price import costs_at_run_disk, run_price, write_profile
 from moesub.pricing import price_streams
+from moesub.run_speed import costs_at_speed, speed_probe
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
 
@@ -826,7 +826,7 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
         return price_streams(streams, delay, u)
 
     monkeypatch.setattr(moesub.price, "price_streams", counted)
-    monkeypatch.setattr(moesub.calibration, "price_streams", counted)
+    monkeypatch.setattr(moesub.run_speed, "price_streams", counted)
     (row,) = run_price(profile_path, [], [tmp_path / "no_disk.parquet"],
                        tmp_path / "priced.parquet").rows(named=True)  # fmt: skip
     plain = price_streams(streams, 1, costs).token_s

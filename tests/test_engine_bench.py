@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from moesub.artefacts import router_rows, router_writer
-from moesub.calibration import SPEED_PROBE_TOKENS, AtRunDisk, DiskClock, reference_clock
 from moesub.engine.bench_inputs import bench_logits, map_trace
 from moesub.engine.bench_runs import (
     BenchRun,
@@ -30,6 +29,7 @@ from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 from moesub.hardware import UnitCosts
 from moesub.policy import ALL_RESIDENT, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS
 from moesub.pricing import price_stream
+from moesub.run_speed import SPEED_PROBE_TOKENS, AtRunDisk, DiskClock, reference_clock
 
 
 def test_map_trace_layers_and_experts():

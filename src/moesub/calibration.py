@@ -23,7 +23,8 @@ every such step has as many), `installs` its background copies installed
 reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a minute apart:
 each token's copies are then taken as read at its own run's speed (`read_s`, subtracted from
 its wall time), `copy_s` is fitted as the copy's work beyond its read, and the disk's speed
-enters once, as the calibration run at the median time per read (`reference_clock`). Every
+enters once, as the calibration run at the median time per read (`reference_clock`; both in
+`moesub.run_speed`). Every
 layer computes k experts, each on the fast tier or the host, so the fast tier's expert time is
 inside `layer_s` and the host's term is its excess over it (`host_extra_s`).
 `unit_costs_from_fit` splits the per-layer constant into the dense work and k fast experts with
@@ -45,16 +46,16 @@ which.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
 
 from moesub.hardware import UnitCosts
-from moesub.pricing import price_stream, price_streams
+from moesub.pricing import price_stream
+from moesub.run_speed import DiskClock, copy_at_disk
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 FIT_TERMS = ("token_s", "layer_s", "copy_s", "sync_step_s", "host_extra_s", "host_step_s",
@@ -251,23 +252,23 @@ def unit_costs_from_fit(
     }
     seconds["host_read_s"] = seconds["copy_s"]  # unless the host runs read at their own speed
     if host_runs is not None:
-        run_copy_s = None
+
+        def at_disk(clocks: Sequence[DiskClock]) -> list[float] | None:  # each run's copy
+            if reference is None or not clocks:
+                return None
+            return [copy_at_disk(seconds["copy_s"], reference, c) for c in clocks]
+
         if reference is not None and host_clocks:
-            run_copy_s = [copy_at_disk(seconds["copy_s"], reference, c) for c in host_clocks]
             # the host's reads at the host runs' own speed: back to back, they read faster
             # than the copies (docs/pricing.md)
             pooled = DiskClock.pooled(host_clocks)
             seconds["host_read_s"] = copy_at_disk(seconds["copy_s"], reference, pooled)
         seconds["host_step_s"], seconds["host_expert_s"] = host_terms_by_pricing(
-            seconds, host_runs, run_copy_s
+            seconds, host_runs, at_disk(host_clocks)
         )
         if admission_runs:
-            admit_copy_s = None
-            if reference is not None and admission_clocks:
-                admit_copy_s = [copy_at_disk(seconds["copy_s"], reference, c)
-                                for c in admission_clocks]  # fmt: skip
             seconds["background_start_s"] = term_by_pricing(
-                seconds, "background_start_s", admission_runs, admit_copy_s
+                seconds, "background_start_s", admission_runs, at_disk(admission_clocks)
             )
     return seconds
 
@@ -391,126 +392,3 @@ def host_terms_by_pricing(
         return term_by_pricing({**seconds, "host_expert_s": 0.0}, "host_step_s", runs,
                                run_copy_s), 0.0  # fmt: skip
     return host_step, expert
-
-
-# ------------------------------------------------------------------ the disk's speed per run
-# A shared disk's read time per expert drifts by up to half between runs a minute apart
-# (docs/measurements.md). The calibration takes each of its runs' reads at that run's speed and
-# the disk's speed from its median run; a run priced at that speed still carries the drift
-# between it and the calibration. Priced at the disk's speed while it ran, what is left is the
-# pricing's own error.
-
-
-@dataclass(frozen=True)
-class DiskClock:
-    """What a run read from the disk tier's file (`ExpertStore.read_clock` differences)."""
-
-    reads: int  # experts read
-    busy_s: float  # seconds at least one read was in flight
-
-    @property
-    def per_read_s(self) -> float:
-        return self.busy_s / self.reads if self.reads else float("nan")
-
-    def __sub__(self, earlier: DiskClock) -> DiskClock:
-        return DiskClock(self.reads - earlier.reads, self.busy_s - earlier.busy_s)
-
-    @staticmethod
-    def pooled(clocks: Sequence[DiskClock]) -> DiskClock:
-        return DiskClock(sum(c.reads for c in clocks), sum(c.busy_s for c in clocks))
-
-
-def copy_at_disk(copy_s: float, reference: DiskClock, run: DiskClock) -> float:
-    """The copy term at a run's disk speed: `copy_s` (fitted on runs that read at `reference`'s
-    speed) moved by the run's time per read less the reference's; the copy's other work stays.
-    Unchanged when either read nothing."""
-    if not (reference.reads and run.reads):
-        return copy_s
-    return max(copy_s + run.per_read_s - reference.per_read_s, 0.0)
-
-
-def reference_clock(clocks: Sequence[DiskClock]) -> DiskClock | None:
-    """The calibration's disk speed: of its runs that read, the one at the median time per read
-    (the lower of two), so that a slow stretch of the disk, which takes a run or two, does not
-    set it; None where none read."""
-    read = sorted((c for c in clocks if c.reads), key=lambda c: c.per_read_s)
-    return read[(len(read) - 1) // 2] if read else None
-
-
-@dataclass(frozen=True)
-class AtRunDisk:
-    """What pricing a run at the disk's speed while it read needs: the calibration's reference
-    run (`reference_clock`), whose read time the copy term carries."""
-
-    reference: DiskClock
-
-    def costs(self, costs: UnitCosts, run: DiskClock) -> UnitCosts:
-        """`costs` at the disk's speed while `run` read, its copies and the host's reads alike
-        (a run that read nothing keeps them)."""
-        copy_s = copy_at_disk(costs.copy_s, self.reference, run)
-        return replace(costs, copy_s=copy_s, host_read_s=copy_s if run.reads else costs.host_read_s)
-
-    def to_dict(self) -> dict[str, float]:
-        return {"reads": self.reference.reads, "busy_s": self.reference.busy_s}
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> AtRunDisk:
-        return AtRunDisk(DiskClock(int(d["reads"]), float(d["busy_s"])))
-
-
-# ------------------------------------------------------------------ the machine's speed per run
-# The same calibration run, timed minutes apart, takes up to a fifth longer on a shared VM
-# (docs/measurements.md). A run's own tokens that only hit are priced by compute terms alone:
-# timed against that price, they say how fast the machine computed while the run ran.
-
-# a run's speed probe needs at least this many tokens that only hit
-SPEED_PROBE_TOKENS = 10
-# what a token that only hits has none of: copies, host experts, forced misses, requests
-_NOT_HIT = [_F[f] for f in ("fetch", "host", "forced", "prefetched", "admission_requests",
-                            "admissions")]  # fmt: skip
-# the terms the machine's speed moves: its compute (the disk has its own clock, `AtRunDisk`)
-COMPUTE_TERMS = ("expert_s", "dense_layer_s", "token_overhead_s", "host_expert_s", "install_s",
-                 "sync_step_s", "host_step_s", "background_start_s")  # fmt: skip
-
-
-def speed_probe(wall_s: np.ndarray, counts: np.ndarray, token_s: np.ndarray) -> float:
-    """How fast the machine computed during a run against the costs that priced it (`token_s`
-    (T,), the price of each of its tokens; `wall_s` (T,) their measured times; `counts` (T, L,
-    F)): over the tokens that only hit (every layer's experts in the slots, substitutes
-    included; nothing copied, requested or computed by the host), their total time over their
-    total price (1: as the calibration; 1.2: a fifth slower). Totals, as the errors it serves
-    compare means: with medians, the slow tail of a small model's tokens (a stream's first
-    ones) read as a machine 5-26% faster than it was (docs/measurements.md). NaN with fewer
-    than `SPEED_PROBE_TOKENS` of them."""
-    probe = counts[..., _NOT_HIT].sum(axis=(1, 2)) == 0  # (T,)
-    if probe.sum() < SPEED_PROBE_TOKENS:
-        return math.nan
-    return float(wall_s[probe].sum() / token_s[probe].sum())
-
-
-def costs_at_speed(costs: UnitCosts, speed: float) -> UnitCosts:
-    """`costs` with the compute terms (`COMPUTE_TERMS`) scaled by `speed`; the copies kept (NaN
-    speed: `costs` as they are)."""
-    if math.isnan(speed):
-        return costs
-    return replace(costs, **{t: getattr(costs, t) * speed for t in COMPUTE_TERMS})
-
-
-def priced_at_speed(
-    wall_s: np.ndarray,
-    streams: Sequence[np.ndarray],
-    delay: int,
-    costs: UnitCosts,
-    priced: np.ndarray | None = None,
-) -> tuple[np.ndarray, float, np.ndarray]:
-    """A run's streams (their counts (T_i, L, F), `wall_s` (T,) their tokens' times in the same
-    order) priced at `costs` (`priced`, where the caller has that price already), and again with
-    the compute terms at the run's own speed (`speed_probe` over its tokens, `costs_at_speed`):
-    (price per token (T,), the speed, price per token at that speed (T,); NaN speed: the first
-    price again)."""
-    if priced is None:
-        priced = price_streams(streams, delay, costs).token_s
-    speed = speed_probe(wall_s, np.concatenate(streams), priced)
-    if math.isnan(speed):
-        return priced, speed, priced
-    return priced, speed, price_streams(streams, delay, costs_at_speed(costs, speed)).token_s

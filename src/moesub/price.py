@@ -33,7 +33,6 @@ from typing import Any
 
 import polars as pl
 
-from moesub.calibration import AtRunDisk, DiskClock, priced_at_speed
 from moesub.config.hardware import DENSE_BITS
 from moesub.hardware import (
     THIS_MACHINE,
@@ -45,6 +44,7 @@ from moesub.hardware import (
 )
 from moesub.io import read_metadata, require_file, write_json, write_parquet
 from moesub.pricing import BREAKDOWN, StreamTime, price_streams
+from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
 from moesub.slots import policy_fields
 from moesub.token_counts import stream_counts
 from moesub.vocabulary import Policy
@@ -142,7 +142,7 @@ def _engine_row(
 ) -> dict:  # fmt: skip
     """An engine run priced (`_row`) with its measured time and CPU share beside; its tokens at
     the disk's speed while it read (`costs_at_run_disk`; NaN where unknown), and also with its
-    compute at the machine's speed while it ran (`moesub.calibration.speed_probe` over its own
+    compute at the machine's speed while it ran (`moesub.run_speed.speed_probe` over its own
     tokens that only hit, against the price at its disk: `run_speed`; NaN speed, too few such
     tokens: that price)."""
     streams, delay = stream_counts(df), policy_delay(meta)
@@ -169,7 +169,7 @@ def costs_at_run_disk(
 ) -> UnitCosts | None:
     """An engine run's costs at the disk's speed while it read (its `disk_reads`,
     `disk_busy_s`) against the calibration's record (`at_run_disk`,
-    `moesub.calibration.AtRunDisk`); None where the tier reads no file, or an artefact
+    `moesub.run_speed.AtRunDisk`); None where the tier reads no file, or an artefact
     predates the record."""
     if not at_run_disk or "disk_reads" not in meta:
         return None

@@ -48,14 +48,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import (
-    AtRunDisk,
-    DiskClock,
-    TimedTokens,
-    fit_unit_costs,
-    reference_clock,
-    unit_costs_from_fit,
-)
+from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -109,6 +102,7 @@ from moesub.policy import (
     Policy,
     check_capacity,
 )
+from moesub.run_speed import AtRunDisk, DiskClock, reference_clock
 from moesub.slots import layer_pin, policy_fields
 
 # the benchmark's default policies: five of the study's, and the all-resident floor

@@ -23,7 +23,7 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import AtRunDisk, DiskClock, TimedTokens, priced_at_speed
+from moesub.calibration import TimedTokens
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
@@ -31,6 +31,7 @@ from moesub.hardware import UnitCosts
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 from moesub.pricing import price_stream
+from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +222,7 @@ def at_run_disk(
     runs: dict[str, list[BenchRun]], reference: DiskClock | None, costs: UnitCosts
 ) -> dict[str, list[UnitCosts]]:
     """Per run name, one `costs` per round at the disk's speed while that run read, against the
-    calibration's `reference` run (`moesub.calibration.AtRunDisk`): the pricing's arithmetic
+    calibration's `reference` run (`moesub.run_speed.AtRunDisk`): the pricing's arithmetic
     apart from the disk's drift between runs. Without a reference (a tier that reads no file,
     the CUDA tier's) every run keeps `costs`."""
     at = None if reference is None else AtRunDisk(reference)
@@ -242,7 +243,7 @@ def at_run_speed(
     runs: list[BenchRun], delay: int, costs: list[UnitCosts]
 ) -> tuple[float, float, float]:
     """Each run priced at its `costs` (one per run: `at_run_disk`'s) and then with its compute
-    terms at its own speed (`moesub.calibration.priced_at_speed`: probed over its tokens that
+    terms at its own speed (`moesub.run_speed.priced_at_speed`: probed over its tokens that
     only hit, against that price; too few of them: the price kept): the medians over runs of
     both means, and the median of the speeds (NaN where no run had its probe). The second is
     the pricing's arithmetic apart from the machine's drift between runs: a run that only hits

@@ -15,7 +15,7 @@ are its slowdowns while the link reads (`measure_host_read_drag`,
 the rounds and their medians used (`microbenchmarks`). The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
 made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
-`moesub.calibration.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
+`moesub.run_speed.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
 
 On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
 expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
@@ -38,14 +38,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import (
-    AtRunDisk,
-    DiskClock,
-    TimedTokens,
-    fit_unit_costs,
-    reference_clock,
-    unit_costs_from_fit,
-)
+from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
 from moesub.engine.copies import COPY_TIMEOUT_S, POLL_S
@@ -56,6 +49,7 @@ from moesub.engine.tiers import DiskTier, disk_clock
 from moesub.hardware import measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT
+from moesub.run_speed import AtRunDisk, DiskClock, reference_clock
 
 T = TypeVar("T")
 

@@ -14,7 +14,6 @@ import numpy as np
 import polars as pl
 from tqdm.auto import tqdm
 
-from moesub.calibration import DiskClock
 from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
 from moesub.engine.generate import EngineModel
@@ -22,6 +21,7 @@ from moesub.engine.spec import resolve_engine
 from moesub.engine.tiers import disk_clock
 from moesub.io import require_file, write_json, write_parquet
 from moesub.policy import ALL_RESIDENT, STATUS_NAMES, TOKEN_LAYER_FIELDS
+from moesub.run_speed import DiskClock
 from moesub.token_counts import counts_column
 
 # per token: time blocked on synchronous fetches, due admissions, late prefetches and the host's

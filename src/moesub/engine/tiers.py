@@ -37,11 +37,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from moesub.calibration import DiskClock
 from moesub.engine.copies import COPY_TIMEOUT_S
 from moesub.engine.host_memory import Allocator
 from moesub.engine.kernels import choose_path, expert_forward
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
+from moesub.run_speed import DiskClock
 
 
 @dataclass
