@@ -3,7 +3,7 @@ spread of its time over short windows, the two alternated in one process.
 
     python benchmarks/bench_compute_threads.py [--threads 2] [--windows 40] [--window-s 1]
 
-The engine benchmark's pricing error is read against the machine's run-to-run noise
+The engine benchmark's pricing error is read against the spread of its rounds over their price
 (`round_spread`), and its runs compute with `engine.bench.threads` torch threads. This computes
 top-k experts of the bench's size (Qwen3-Next-80B-A3B: H=2048, expert width 512, bf16, 6 MiB)
 through the engine's kernel (`moesub.engine.kernels.expert_forward`) over a pool of experts

@@ -9,10 +9,10 @@ expert file on disk read with O_DIRECT (the page cache bypassed) and the fast ti
 `--device cuda` pinned host memory and the GPU. Prints the table (speedups of every policy vs
 fetch_every_miss and vs host_compute, measured in the same run), the measured link bandwidth, the
 machine's profile fitted to this run's calibration runs and its error against every policy's time
-per token (median over the interleaved rounds), and the machine's load; writes the Parquet table to
-`--out`.
+per token (its mean over the interleaved rounds, each running a share of its tokens), and the
+machine's load; writes the Parquet table to `--out`.
 
-    PYTHONPATH=src python benchmarks/bench_engine.py [--device cpu --layers 2 --tokens 256]
+    PYTHONPATH=src python benchmarks/bench_engine.py [--device cpu --layers 2 --tokens 200]
     python benchmarks/bench_engine.py --quick   # small shapes, seconds: a smoke run
 
 The expert file (layers x 3 GiB) is kept beside `--out` for reuse (`--store` to move it,
@@ -35,9 +35,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=256, help="measured tokens per policy and round")
-    ap.add_argument("--warmup", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=200, help="measured tokens per policy")
+    ap.add_argument("--warmup", type=int, default=16, help="unrecorded, before each round's share")
+    ap.add_argument("--rounds", type=int, default=8, help="each runs a share of the tokens")
     ap.add_argument("--routing", choices=["trace", "synthetic"], default="trace")
     ap.add_argument("--trace-dir", default="results/embedded/capture", help="capture directory")
     ap.add_argument("--threads", type=int, default=None)
@@ -100,7 +100,7 @@ def main() -> None:
     )
     print(f"load average (1, 5, 15 min): {meta['load_avg_start']} -> {meta['load_avg_end']}")
     cols = [
-        "policy", "time_per_token_median_s", "time_per_token_run_median_s", "fetch_wait_s",
+        "policy", "time_per_token_median_s", "time_per_token_mean_s", "fetch_wait_s",
         "hit_rate", "sub_rate", "speedup_vs_fetch_every_miss", "speedup_vs_host_compute",
         "syncs_per_token", "admit_latency_tokens", "est_time_per_token_s", "sim_rel_error",
     ]  # fmt: skip

@@ -21,7 +21,8 @@ from moesub.engine.bench_runs import (
     at_run_disk,
     at_run_speed,
     disk_drift,
-    priced_median,
+    priced_tokens,
+    round_part,
     round_spread,
 )
 from moesub.engine.calibrate import round_order, spread
@@ -146,20 +147,29 @@ def _run(wall: np.ndarray, counts: np.ndarray, reads: int, busy_s: float) -> Ben
                     0.0, DiskClock(reads, busy_s))  # fmt: skip
 
 
-def test_round_spread_is_the_rounds_range_over_their_median():
-    """Rounds that made the same decisions are said so; their spread is (max - min) / median
-    of their mean times per token, NaN with one round."""
+def test_round_spread_is_the_rounds_ratios_to_their_price_max_minus_min_over_their_median():
+    """Each round's time over its price (the rounds run different tokens, so their times alone
+    would differ by their work), (max - min) / median of those ratios; NaN with one round."""
     c = np.zeros((3, 2, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     c[..., 0] = 4
-    other = c.copy()
-    other[0, 0, :2] = (3, 1)  # one hit fetched instead
-    walls = [np.array([0.01, 0.03, 0.02]), np.array([0.03, 0.03, 0.03]), np.array([0.025] * 3)]
-    runs = [_run(w, c, 0, 0.0) for w in walls]  # means 20, 30, 25 ms
-    assert round_spread(runs) == (pytest.approx((0.030 - 0.020) / 0.025, rel=1e-12), True)
-    spread, same = round_spread([*runs[:2], _run(walls[2], other, 0, 0.0)])
-    assert spread == pytest.approx(0.4, rel=1e-12) and same is False
-    spread, same = round_spread(runs[:1])
-    assert math.isnan(spread) and same is True
+    walls = [np.array([0.01, 0.03, 0.02]), np.array([0.03, 0.03]), np.array([0.025] * 4)]
+    runs = [_run(w, c[: len(w)], 0, 0.0) for w in walls]  # 60, 60 and 100 ms in all
+    priced = np.array([0.02, 0.02, 0.02, 0.03, 0.03, 0.02, 0.02, 0.02, 0.02])  # 60, 60, 80 ms
+    assert round_spread(runs, priced) == pytest.approx((1.25 - 1.0) / 1.0, rel=1e-12)
+    assert math.isnan(round_spread(runs[:1], priced[:3]))
+
+
+def test_round_part_shares_the_measured_tokens_out_and_runs_the_warmup_before_each():
+    """Round r of R runs the r-th of R contiguous shares of the measured tokens (the first ones
+    one longer where they do not divide), each after the `warmup` rows just before it: the
+    shares' measured rows partition the measured rows, in order."""
+    warmup, tokens, rounds = 4, 11, 3
+    rows = np.arange(warmup + tokens)
+    parts = [rows[round_part(tokens, warmup, rounds, r)] for r in range(rounds)]
+    assert [len(part) - warmup for part in parts] == [4, 4, 3]
+    assert np.array_equal(np.concatenate([part[warmup:] for part in parts]), rows[warmup:])
+    assert [part[0] for part in parts] == [0, 4, 8]  # each share's warmup: the rows before it
+    assert len(rows[round_part(tokens, 0, 1, 0)]) == tokens
 
 
 def test_pricing_at_the_disk_speed_each_run_read_at():
@@ -199,7 +209,7 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
     at_disk = at_run_disk(runs, reference, costs)
     for name in ("fetch_every_miss", "host_compute", ALL_RESIDENT, "cal_host"):
         (r,), (u,) = runs[name], at_disk[name]
-        assert priced_median([r], 1, [u]) == pytest.approx(r.wall_s.mean(), rel=1e-9), name
+        assert priced_tokens([r], 1, [u]).mean() == pytest.approx(r.wall_s.mean(), rel=1e-9), name
     assert at_disk["fetch_every_miss"][0].copy_s == pytest.approx(overhead + 4.5e-3, rel=1e-12)
     # without reads (the CUDA tier) there is no reference and every run keeps the costs
     no_reads = {n: [_run(r.wall_s, r.layer_counts, 0, 0.0) for r in rs] for n, rs in runs.items()}
@@ -228,13 +238,19 @@ def test_pricing_at_the_speed_each_run_computed_at():
     plain, est, speed = at_run_speed([run], 1, [costs])
     assert speed == pytest.approx(slow, rel=1e-9)
     assert est == pytest.approx(run.wall_s.mean(), rel=1e-9)
-    assert plain == priced_median([run], 1, [costs]) < 0.9 * run.wall_s.mean()  # unprobed: under
+    # unprobed: under
+    assert plain == priced_tokens([run], 1, [costs]).mean() < 0.9 * run.wall_s.mean()
+    # a policy's rounds (parts of its tokens, each from an idle link): one speed over all
+    parts = [_run(price_stream(part, 1, slower).token_s, part, 0, 0.0) for part in (c[:30], c[30:])]
+    _, est, speed = at_run_speed(parts, 1, [costs, costs])
+    assert speed == pytest.approx(slow, rel=1e-9)
+    assert est == pytest.approx(np.concatenate([p.wall_s for p in parts]).mean(), rel=1e-9)
     few = c.copy()
     few[SPEED_PROBE_TOKENS - 1 :, :, fields["fetch"]] = 1  # 9 tokens hit only
     few[SPEED_PROBE_TOKENS - 1 :, :, fields["hit"]] = K - 1
     missing = _run(price_stream(few, 1, slower).token_s, few, 0, 0.0)
     plain, est, speed = at_run_speed([missing], 1, [costs])
-    assert math.isnan(speed) and est == plain == priced_median([missing], 1, [costs])
+    assert math.isnan(speed) and est == plain == priced_tokens([missing], 1, [costs]).mean()
 
 
 def test_disk_drift_against_the_reference_run():

@@ -173,18 +173,18 @@ def test_bench_lines_name_the_rows_outside():
         "Contended runs (less than 80% of the CPU they asked for, or other processes kept more "
         "than 0.1 cores busy beside them): speed."
     )
-    # rounds that repeated the same work: their spread is the machine's noise
-    spreads = [(0.055, True), (0.37, True), (0.9, False)]
-    noisy = [{**r, "round_spread": s, "rounds_identical": same}
-             for r, (s, same) in zip(rows, spreads, strict=True)]  # fmt: skip
+    # each policy's rounds against their price: their spread, the median policy's and the widest
+    noisy = [{**r, "round_spread": s} for r, s in zip(rows, (0.055, 0.37, 0.9), strict=True)]
+    noisy[2]["round_spread"] = float("nan")  # one round: no spread
     noise = bench_lines(outputs(noisy))[2]
     assert noise == (
-        "The machine's noise between runs: 2 of 3 policies made the same decisions in every "
-        "round, and their rounds' times spread by a median of 21.2% (max - min over the "
-        "median; largest 37.0%, host_compute), more than the 10% the pricing is held to."
+        "Between rounds (each runs a share of a policy's tokens), a policy's time over its "
+        "price spread by a median of 21.2% (max - min over their median; largest 37.0%, "
+        "host_compute): the machine's noise and what the pricing misses in each share, more "
+        "than the 10% the pricing is held to."
     )
     noisy[1]["round_spread"] = 0.06
-    assert bench_lines(outputs(noisy))[2].endswith("largest 6.0%, host_compute).")
+    assert bench_lines(outputs(noisy))[2].endswith("misses in each share.")
     # outside at the run's disk too: not put down to the disk
     rows[1]["sim_rel_error_at_run_disk"] = 0.12
     _, at_disk, _ = bench_lines(outputs(rows))

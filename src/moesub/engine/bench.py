@@ -12,13 +12,16 @@ core decides from the synthetic logits; attention and the shared expert are not 
 Every policy runs in ONE process over the same tokens from the same frequency-initial resident set,
 in `rounds` with the calibration runs (other tokens, mechanism policies: all hits, over all layers
 and over one, every miss fetched, host compute, background admissions) spread among them (`spread`)
-and the order rotated every round (`round_order`: no run twice in a row), so that the machine's load
-and its disk's drift hit all alike; every run has a tier of its own, as an engine serving one policy
-does (no thread state carried over from another policy's run), its slots loaded, untimed, from the
-initial set read once into RAM (`SlotImage`). The machine's profile is fitted to the calibration
-runs (`moesub.calibration`, as the pipeline's calibration does) and prices every policy's own
-per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compares the median over
-rounds of the priced means with the median over rounds of the measured means.
+and the order rotated every round (`round_order`: no run twice in a row). Each round runs every
+run's next share of its measured tokens (`round_part`), after the `warmup` tokens before that
+share, run unrecorded: many short rounds give every policy and the calibration the same stretches
+of a machine whose speed drifts by a fifth within minutes (as the engine stage's rounds do). Every
+run has a tier of its own, as an engine serving one policy does (no thread state carried over from
+another policy's run), its slots loaded, untimed, from the initial set read once into RAM
+(`SlotImage`). The machine's profile is fitted to the calibration runs (`moesub.calibration`, as
+the pipeline's calibration does) and prices every policy's own per-token-layer counts, round by
+round (`moesub.pricing`); `sim_rel_error` compares their priced mean over all its tokens with
+their measured mean.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
 apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
@@ -28,10 +31,10 @@ hit (`bench_runs.at_run_speed`). One row per policy: time per token, its ratios 
 the cores others used beside them (`contended`: `moesub.engine.contention`), the disk's speed
 against the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the
 drift alone can move a copy-heavy policy's time by the 10% its price is held to), the rounds'
-spread (`round_spread`; `rounds_identical`: the same decisions in every round, so the spread is
-the machine's run-to-run noise). Beside it (`counts_path`) every run's per-token-layer counts in
-`TOKEN_LAYER_FIELDS` layout with each token's wall time (`bench_runs.counts_frame`, read back by
-`read_bench_counts`), validation and calibration runs alike. Policy v3 runs as everywhere.
+spread (`round_spread`: each round's time over its price, max - min over their median). Beside
+it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each
+token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), validation and
+calibration runs alike, one run per round. Policy v3 runs as everywhere.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ from moesub.engine.bench_runs import (
     counts_path_for,
     disk_drift,
     hits_only,
-    priced_median,
+    priced_tokens,
+    round_part,
     round_spread,
     run_policy,
     timed_tokens,
@@ -135,9 +139,9 @@ class BenchParams:
     fraction: float = _DEFAULTS["fraction"]
     dtype: str = _DEFAULTS["dtype"]
     tokens: int = _DEFAULTS["tokens"]  # measured tokens per policy
-    # tokens run before measuring (cache state evolves, time not recorded)
+    # tokens run before each round's share of a run's tokens (caches evolve, time not recorded)
     warmup: int = _DEFAULTS["warmup"]
-    # every policy runs `rounds` times over its tokens (order varied per round)
+    # interleaved rounds, each running every run's next share of its tokens (order varied)
     rounds: int = _DEFAULTS["rounds"]
     routing: str = _DEFAULTS["routing"]  # "trace" (a capture, `trace_dir`) or "synthetic"
     trace_dir: str | None = None  # capture directory of the trace (routing="trace")
@@ -161,6 +165,12 @@ class BenchParams:
             check_capacity(p.fraction, p.num_experts, p.top_k)
         except ValueError as e:
             raise ValueError(f"params.fraction: {e}") from e
+        if p.rounds > min(p.tokens, p.calibration_tokens):
+            raise ValueError(
+                f"params.rounds={p.rounds}: every round runs a share of each run's measured "
+                f"tokens, and there are {p.tokens} (params.tokens) and {p.calibration_tokens} "
+                "per calibration run"
+            )
         if not p.policies:
             raise ValueError("params.policies: at least one policy is required")
         for name, spec in p.policies.items():
@@ -326,11 +336,12 @@ class _Rounds:
 
 
 def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
-    """The policies and the calibration runs in interleaved rounds, each run on a fresh tier (C
-    slots per layer, or E for all_resident): a run inherits no thread state from the one
-    before (a shared tier's host worker once kept an OpenMP team after a host_compute run, and
-    every later run was ~2-3 ms per token slower). The fast tier's expert and its drags are
-    timed in every round, on the slots of the round's first C-slot run once it has filled them."""
+    """The policies and the calibration runs in interleaved rounds, each run (its share of its
+    tokens, `round_part`) on a fresh tier (C slots per layer, or E for all_resident): a run
+    inherits no thread state from the one before (a shared tier's host worker once kept an
+    OpenMP team after a host_compute run, and every later run was ~2-3 ms per token slower).
+    The fast tier's expert and its drags are timed in every round, on the slots of the round's
+    first C-slot run once it has filled them."""
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
@@ -347,6 +358,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
             description, kind = description or tier.description, tier.kind
             host_reads_link = tier.host_reads_link
             engine, trace, layers = plan.engine(name, tier)
+            trace = trace[round_part(len(trace) - p.warmup, p.warmup, p.rounds, i // per_round)]
             show = p.progress and not name.startswith("cal_")
             run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name, show, layers)
             all_hits = by_status(run.counts)["hit"].sum() == run.counts.sum()
@@ -389,9 +401,9 @@ def _policy_rows(
         delay = plan.policy(name).delay
         est_disk, est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
         at_costs = [costs] * len(runs[name])  # a tier reading no file: est_disk is at costs
-        est = est_disk if reference is None else priced_median(runs[name], delay, at_costs)
-        run_median = float(np.median([run.wall_s.mean() for run in runs[name]]))
-        spread, same_work = round_spread(runs[name])
+        est = est_disk if reference is None else float(
+            priced_tokens(runs[name], delay, at_costs).mean())  # fmt: skip
+        measured = float(r.wall_s.mean())
         rows.append(
             {
                 "policy": name,
@@ -401,10 +413,10 @@ def _policy_rows(
                 "tokens": len(r.wall_s),
                 "time_per_token_median_s": float(np.median(r.wall_s)),
                 "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
-                "time_per_token_mean_s": float(r.wall_s.mean()),
-                "time_per_token_run_median_s": run_median,
-                "round_spread": spread,
-                "rounds_identical": same_work,
+                "time_per_token_mean_s": measured,
+                "round_spread": round_spread(
+                    runs[name], priced_tokens(runs[name], delay, run_disk[name])
+                ),
                 "fetch_wait_s": float(r.fetch_wait_s.mean()),
                 "bytes_sync": float(r.bytes_sync.mean()),
                 "bytes_bg": float(r.bytes_bg.mean()),
@@ -412,13 +424,13 @@ def _policy_rows(
                 "sub_rate": float(c["sub"] / slots),
                 "syncs_per_token": float(r.syncs.mean()),
                 "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
-                "est_time_per_token_s": float(est),
-                "sim_rel_error": float((est - run_median) / run_median),
+                "est_time_per_token_s": est,
+                "sim_rel_error": (est - measured) / measured,
                 "est_at_run_disk_s": est_disk,
-                "sim_rel_error_at_run_disk": float((est_disk - run_median) / run_median),
+                "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
                 "run_speed": speed,
                 "est_at_run_speed_s": est_speed,
-                "sim_rel_error_at_run_speed": float((est_speed - run_median) / run_median),
+                "sim_rel_error_at_run_speed": (est_speed - measured) / measured,
                 "cpu_share": r.cpu_share,
                 "other_cores": r.other_cores,
                 "contended": is_contended(r.cpu_share, r.other_cores),
@@ -445,13 +457,13 @@ def run_benchmark(
     """Real-size engine benchmark on `device` ('cpu' = disk->RAM tier, 'cuda' = pinned->GPU).
 
     Writes one row per policy (module doc; the columns: docs/architecture.md) to `out_path`
-    atomically and returns the table: per token means and medians over its runs, the pricing's
-    estimate `est_time_per_token_s` against `time_per_token_run_median_s` (the median over
-    rounds of each run's mean), `sim_rel_error = (est - run median) / run median`, and the same
-    at each run's disk speed (`disk_read_s`, `est_at_run_disk_s`, `sim_rel_error_at_run_disk`).
-    Also writes every run's per-token-layer counts to `counts_path` (default
-    `counts_path_for(out_path)`; `moesub.engine.bench_runs.read_bench_counts` reads them). The
-    runs compute with `params.threads` torch threads (`threads` column); the caller's after.
+    atomically and returns the table: per token means and medians over its rounds, the pricing's
+    estimate `est_time_per_token_s` against the measured `time_per_token_mean_s` (both over all
+    its tokens), `sim_rel_error = (est - mean) / mean`, and the same at each run's disk speed
+    (`disk_read_s`, `est_at_run_disk_s`, `sim_rel_error_at_run_disk`). Also writes every run's
+    per-token-layer counts to `counts_path` (default `counts_path_for(out_path)`;
+    `moesub.engine.bench_runs.read_bench_counts` reads them). The runs compute with
+    `params.threads` torch threads (`threads` column); the caller's after.
     """
     p, dev = BenchParams.from_dict(params), require_cuda(device)
     plan = prepare_bench(p, dev, Path(out_path))
@@ -482,8 +494,8 @@ def run_benchmark(
         "threads": threads,
         "note": "routed experts + real-size router only (no attention / shared expert); "
         "est_time_per_token_s = each policy's own per-token-layer counts priced with the "
-        "profile fitted to this run's calibration runs (other tokens), median over rounds; "
-        "sim_rel_error = (est - time_per_token_run_median_s) / the same",
+        "profile fitted to this run's calibration runs (other tokens), mean over its rounds; "
+        "sim_rel_error = (est - time_per_token_mean_s) / the same",
         **info,
     }
     write_bench_counts(

@@ -31,7 +31,7 @@ from moesub.hardware import UnitCosts
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 from moesub.pricing import price_stream
-from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
+from moesub.run_speed import AtRunDisk, DiskClock, costs_at_speed, speed_probe
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -232,60 +232,70 @@ def at_run_disk(
     }
 
 
-def priced_median(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> float:
+def round_part(tokens: int, warmup: int, rounds: int, round_: int) -> slice:
+    """The rows of a run's logits (`warmup` + `tokens` of them) that round `round_` runs: its
+    share of the `tokens` measured ones (contiguous, the `rounds` shares as even as they go,
+    the first ones longer), after the `warmup` rows before it, run unrecorded."""
+    start = round_ * (tokens // rounds) + min(round_, tokens % rounds)
+    stop = start + tokens // rounds + (round_ < tokens % rounds)
+    return slice(start, warmup + stop)
+
+
+def priced_tokens(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> np.ndarray:
     """The pricing of each run's own per-token-layer counts (from an idle link, as every run
-    starts) at its costs (one per run), the median over runs of their means."""
-    return float(np.median([price_stream(r.layer_counts, delay, c).token_s.mean()
-                            for r, c in zip(runs, costs, strict=True)]))  # fmt: skip
+    starts) at its costs (one per run), every run's tokens in turn (sum of their T,)."""
+    return np.concatenate([price_stream(r.layer_counts, delay, c).token_s
+                           for r, c in zip(runs, costs, strict=True)])  # fmt: skip
 
 
 def at_run_speed(
     runs: list[BenchRun], delay: int, costs: list[UnitCosts]
 ) -> tuple[float, float, float]:
-    """Each run priced at its `costs` (one per run: `at_run_disk`'s) and then with its compute
-    terms at its own speed (`moesub.run_speed.priced_at_speed`: probed over its tokens that
-    only hit, against that price; too few of them: the price kept): the medians over runs of
-    both means, and the median of the speeds (NaN where no run had its probe). The second is
-    the pricing's arithmetic apart from the machine's drift between runs: a run that only hits
-    is priced from its own times, its error nil by construction; the others' errors are what
-    their other tokens cost beyond their price."""
-    priced = [priced_at_speed(r.wall_s, [r.layer_counts], delay, c)
-              for r, c in zip(runs, costs, strict=True)]  # fmt: skip
-    probed = [v for _, v, _ in priced if not math.isnan(v)]
-    return (
-        float(np.median([p.mean() for p, _, _ in priced])),
-        float(np.median([p.mean() for _, _, p in priced])),
-        float(np.median(probed)) if probed else math.nan,
-    )
+    """A policy's runs (its rounds' parts of its tokens) priced each at its `costs` (one per
+    run: `at_run_disk`'s) and then with their compute terms at the policy's own speed
+    (`moesub.run_speed.speed_probe` over all its tokens that only hit, against that price; too
+    few of them: the price kept): the means over all its tokens of both prices, and that speed
+    (NaN unprobed). One speed for all its rounds, as its calibration is fitted over all of its
+    own: over many short rounds both see the same stretches of the machine. The second mean is
+    the pricing's arithmetic apart from the machine's drift between the policy and its
+    calibration: a run that only hits is priced from its own times, its error nil by
+    construction; the others' errors are what their other tokens cost beyond their price."""
+    priced = priced_tokens(runs, delay, costs)
+    wall = np.concatenate([r.wall_s for r in runs])
+    speed = speed_probe(wall, np.concatenate([r.layer_counts for r in runs]), priced)
+    if math.isnan(speed):
+        return float(priced.mean()), float(priced.mean()), speed
+    at_speed = priced_tokens(runs, delay, [costs_at_speed(c, speed) for c in costs])
+    return float(priced.mean()), float(at_speed.mean()), speed
 
 
-# `disk_drifted`: the median run's read time per expert this far from the reference run's (a
+# `disk_drifted`: a policy's read time per expert this far from the reference run's (a
 # run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
 DISK_DRIFT_BEYOND = 0.15
 
 
 def disk_drift(runs: list[BenchRun], reference: DiskClock | None) -> dict[str, float | bool]:
-    """A policy's reads against the calibration's `reference` run: the median over its runs of
-    their time per read (`disk_read_s`), that over the reference's (`disk_vs_calibration`), and
-    whether it is beyond `DISK_DRIFT_BEYOND` (`disk_drifted`; NaN where nothing read: False)."""
-    read_s = [r.disk.per_read_s for r in runs if r.disk.reads]
-    drift = math.nan if not read_s or reference is None else float(
-        np.median(read_s) / reference.per_read_s)  # fmt: skip
+    """A policy's reads against the calibration's `reference` run: the time per read over all
+    its runs (`disk_read_s`), that over the reference's (`disk_vs_calibration`), and whether it
+    is beyond `DISK_DRIFT_BEYOND` (`disk_drifted`; NaN where nothing read: False)."""
+    read_s = DiskClock.pooled([r.disk for r in runs]).per_read_s
+    drift = math.nan if reference is None else read_s / reference.per_read_s
     return {
-        "disk_read_s": float(np.median(read_s)) if read_s else math.nan,
+        "disk_read_s": read_s,
         "disk_vs_calibration": drift,
         "disk_drifted": bool(abs(drift - 1) > DISK_DRIFT_BEYOND),
     }
 
 
-def round_spread(runs: list[BenchRun]) -> tuple[float, bool]:
-    """A policy's rounds against each other: the spread of their mean times per token, (max -
-    min) / median (NaN with one round), and whether every round made the same decisions (the
-    same per-token-layer counts). Where they did, each round repeated the same work, so the
-    spread is the machine's run-to-run noise alone: the noise any pricing error is read
-    against."""
-    same = all(np.array_equal(runs[0].layer_counts, r.layer_counts) for r in runs[1:])
+def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
+    """A policy's rounds against each other: each round's time over its price (`priced`, its
+    runs' tokens in turn, as `priced_tokens` gives them), (max - min) / median of those ratios
+    (NaN with one round). The rounds run different tokens, so their times differ by their work;
+    over their price, what is left is the machine's noise between rounds and what the pricing
+    misses in each."""
     if len(runs) < 2:
-        return float("nan"), same
-    means = np.array([r.wall_s.mean() for r in runs])
-    return float((means.max() - means.min()) / np.median(means)), same
+        return float("nan")
+    ends = np.cumsum([len(r.wall_s) for r in runs])[:-1]
+    ratios = np.array([r.wall_s.sum() / p.sum()
+                       for r, p in zip(runs, np.split(priced, ends), strict=True)])  # fmt: skip
+    return float((ratios.max() - ratios.min()) / np.median(ratios))

@@ -60,8 +60,8 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     """The engine benchmark's pricing against the criterion it is held to (every policy within
     `held_to` of the engine), said as met or not: as measured, naming the rows outside with
     their disk's drift, then at each run's disk speed (the disk's drift between runs out), then
-    also at each run's own compute speed (the machine's drift out too), then the machine's own
-    noise (the spread of rounds that repeated the same work)."""
+    also at each run's own compute speed (the machine's drift out too), then the spread of each
+    policy's rounds against their price (`round_spread`)."""
     bench = out.table("engine_bench")
     if bench.empty or "sim_rel_error" not in bench.columns:
         return []
@@ -128,19 +128,16 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
             + (f"; too few such tokens to probe: {', '.join(unprobed)}" if unprobed else "")
             + "."
         )
-    # the machine's noise: rounds that repeated the same work, timed apart
-    repeats = [
-        r for r in rows if r.get("rounds_identical") is True and finite(r.get("round_spread"))
-    ]
-    if repeats:
-        spreads = [r["round_spread"] for r in repeats]
-        widest = max(repeats, key=lambda r: r["round_spread"])
-        median = float(np.median(spreads))
+    # the machine's noise: each policy's rounds (shares of its tokens) against their price
+    spread = [r for r in rows if finite(r.get("round_spread"))]
+    if spread:
+        widest = max(spread, key=lambda r: r["round_spread"])
+        median = float(np.median([r["round_spread"] for r in spread]))
         lines.append(
-            f"The machine's noise between runs: {len(repeats)} of {n} policies made the same "
-            f"decisions in every round, and their rounds' times spread by a median of "
-            f"{100 * median:.1f}% (max - min over the median; largest "
-            f"{100 * widest['round_spread']:.1f}%, {widest['policy']})"
+            f"Between rounds (each runs a share of a policy's tokens), a policy's time over its "
+            f"price spread by a median of {100 * median:.1f}% (max - min over their median; "
+            f"largest {100 * widest['round_spread']:.1f}%, {widest['policy']}): the machine's "
+            f"noise and what the pricing misses in each share"
             + (f", more than the {bound} the pricing is held to" if median > held_to else "")
             + "."
         )
