@@ -950,12 +950,14 @@ def test_benchmark_table(tmp_path, monkeypatch):
         warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
         routing="synthetic", rounds=1, threads=1,
     )  # fmt: skip
-    tiers = []  # every run gets a tier of its own, closed before the next one is made
+    # every run gets a tier of its own, closed before the next one is made, but all_resident's
+    # (E = 32 slots per layer), kept across its rounds
+    tiers = []
     caller_threads, run_threads = torch.get_num_threads(), set()
 
     class Tier(DiskTier):
         def __init__(self, *args, **kwargs):
-            assert all(t.closed for t in tiers), "a tier is still open"
+            assert all(t.closed or t.slots[0].capacity == 32 for t in tiers), "a tier is open"
             super().__init__(*args, **kwargs)
             self.closed = False
             self.loads = []  # the layers whose slots were loaded (from the initial set's image)
@@ -1078,6 +1080,42 @@ def test_benchmark_prices_a_pinned_policy(tmp_path):
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     row = df.filter(pl.col("policy") == "keep").row(0, named=True)
     assert row["est_time_per_token_s"] > 0 and row["sub_rate"] > 0
+
+
+def test_benchmark_keeps_all_residents_engine_across_its_rounds(tmp_path, monkeypatch):
+    """all_resident's slots hold every expert and its runs only hit: one tier for its rounds,
+    its slots loaded once; every other run's tier is its own and loaded for it; all closed."""
+    params = dict(
+        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=9,
+        warmup=2, calib_tokens=200, store_path=str(tmp_path / "b.bin"), progress=False,
+        routing="synthetic", rounds=3,
+        policies={"fetch_every_miss": {"rule": "fetch_all"}, ALL_RESIDENT: {"rule": "fetch_all"}},
+    )  # fmt: skip
+    tiers = []
+
+    class Tier(DiskTier):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loads, self.closed = 0, False
+            tiers.append(self)
+
+        def load(self, layer, resident):
+            self.loads += 1
+            super().load(layer, resident)
+
+        def close(self):
+            super().close()
+            self.closed = True
+
+    monkeypatch.setattr("moesub.engine.bench.DiskTier", Tier)
+    df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
+    full = [t for t in tiers if t.slots[0].capacity == 32]
+    assert len(full) == 1 and full[0].loads == 2  # both layers, once
+    assert len(tiers) == 1 + 3 * (1 + 5) and all(t.loads == 2 for t in tiers)
+    assert all(t.closed for t in tiers)
+    counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
+    assert [len(wall) for wall, _ in counts[ALL_RESIDENT]] == [3, 3, 3]
+    assert df.filter(pl.col("policy") == ALL_RESIDENT)["hit_rate"].item() == 1.0
 
 
 def test_benchmark_times_the_microbenchmarks_every_round(tmp_path):

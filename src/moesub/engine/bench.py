@@ -18,10 +18,11 @@ share, run unrecorded: many short rounds give every policy and the calibration t
 of a machine whose speed drifts by a fifth within minutes (as the engine stage's rounds do). Every
 run has a tier of its own, as an engine serving one policy does (no thread state carried over from
 another policy's run), its slots loaded, untimed, from the initial set read once into RAM
-(`SlotImage`). The machine's profile is fitted to the calibration runs (`moesub.calibration`, as
-the pipeline's calibration does) and prices every policy's own per-token-layer counts, round by
-round (`moesub.pricing`); `sim_rel_error` compares their priced mean over all its tokens with
-their measured mean.
+(`SlotImage`); all_resident keeps its engine across its rounds (its slots, every expert, never
+change, and loading them read 4.5 GiB from disk a round). The machine's profile is fitted to the
+calibration runs (`moesub.calibration`, as the pipeline's calibration does) and prices every
+policy's own per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compares
+their priced mean over all its tokens with their measured mean.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
 apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
@@ -270,20 +271,23 @@ class BenchSetup:
         spec = self.p.policies[name]  # its pin spec resolved at C (`moesub.layout`)
         return build_layout(self.ranking, self.p.fraction, spec, self.p.top_k).policy(spec)
 
+    def logits_of(self, name: str) -> tuple[np.ndarray, int | None]:
+        """Run `name`'s logits (T, L, E) and the layers it drives (None: all)."""
+        if name in (CAL_HITS, CAL_HITS_ONE_LAYER):
+            return self.hits, 1 if name == CAL_HITS_ONE_LAYER else None
+        if name in CALIBRATION_POLICIES:
+            return self.logits.calibration, None
+        return self.logits.validation, None
+
     def engine(self, name: str, tier) -> tuple[OffloadEngine, np.ndarray, int | None]:
-        """The engine of run `name` on its tier, with its logits (T, L, E) and the layers it
-        drives (None: all)."""
+        """The engine of run `name` on its tier, with its logits and layers (`logits_of`)."""
         p, E, L = self.p, self.p.num_experts, self.p.layers
-        trace, initial, layers = self.logits.validation, self.initial, None
+        initial = self.initial
         if name == ALL_RESIDENT:
             initial = np.tile(np.arange(E, dtype=np.int32), (L, 1))
-        elif name in (CAL_HITS, CAL_HITS_ONE_LAYER):
-            trace, layers = self.hits, 1 if name == CAL_HITS_ONE_LAYER else None
-        elif name in CALIBRATION_POLICIES:
-            trace = self.logits.calibration
         pol = self.policy(name)
         engine = OffloadEngine(tier, E, p.top_k, self.capacity(name), pol, initial, ACT)
-        return engine, trace, layers
+        return engine, *self.logits_of(name)
 
     def close(self) -> None:
         self.image = None
@@ -337,11 +341,11 @@ class _Rounds:
 
 def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
     """The policies and the calibration runs in interleaved rounds, each run (its share of its
-    tokens, `round_part`) on a fresh tier (C slots per layer, or E for all_resident): a run
-    inherits no thread state from the one before (a shared tier's host worker once kept an
-    OpenMP team after a host_compute run, and every later run was ~2-3 ms per token slower).
-    The fast tier's expert and its drags are timed in every round, on the slots of the round's
-    first C-slot run once it has filled them."""
+    tokens, `round_part`) on a fresh tier (C slots per layer; all_resident's E, kept across its
+    rounds, whose runs must only hit): a run inherits no thread state from the one before (a
+    shared tier's host worker once kept an OpenMP team after a host_compute run, and every later
+    run was ~2-3 ms per token slower). The fast tier's expert and its drags are timed in every
+    round, on the slots of the round's first C-slot run once it has filled them."""
     p, C = plan.p, plan.p.capacity
     names = [*p.policies, CAL_HITS, *CALIBRATION_POLICIES, CAL_HITS_ONE_LAYER]
     runs: dict[str, list[BenchRun]] = {n: [] for n in names}
@@ -352,30 +356,40 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
     tier, engine, description, kind, host_reads_link = None, None, "", "", False
+    # all_resident's engine, kept across its rounds: its slots hold every expert and never
+    # change (its runs only hit), and loading them again read 4.5 GiB from disk a round
+    kept: OffloadEngine | None = None
     try:
         for i, name in enumerate(plan.order):
-            tier = plan.make_tier(plan.capacity(name))
-            description, kind = description or tier.description, tier.kind
-            host_reads_link = tier.host_reads_link
-            engine, trace, layers = plan.engine(name, tier)
+            if name == ALL_RESIDENT and kept is not None:
+                engine, trace, layers = kept, *plan.logits_of(name)
+                engine.reset(load=False)  # fresh caches on the slots as they are
+            else:
+                tier = plan.make_tier(plan.capacity(name))
+                engine, trace, layers = plan.engine(name, tier)
+            description, kind = description or engine.tier.description, engine.tier.kind
+            host_reads_link = engine.tier.host_reads_link
+            only_hits = layers is not None or name in (CAL_HITS, ALL_RESIDENT)
             trace = trace[round_part(len(trace) - p.warmup, p.warmup, p.rounds, i // per_round)]
             show = p.progress and not name.startswith("cal_")
             run = run_policy(engine, trace, plan.router_w, plan.h0, p.warmup, name, show, layers)
-            all_hits = by_status(run.counts)["hit"].sum() == run.counts.sum()
-            if (layers is not None or trace is plan.hits) and not all_hits:
-                raise RuntimeError(f"calibration run {name}: expected only hits")
+            if only_hits and by_status(run.counts)["hit"].sum() != run.counts.sum():
+                raise RuntimeError(f"run {name}: expected only hits")
             runs[name].append(run)
             # every round has C-slot runs (the calibration's): the first, on the slots it filled
             if len(micro) == i // per_round and plan.capacity(name) == C:
                 engine.reset(load=False)  # with nothing in flight
-                micro.append(microbenchmarks(tier, p.top_k, seed=p.seed))
-            engine.close()  # its landed copies' staging buffers back first: the drain needs them
+                micro.append(microbenchmarks(engine.tier, p.top_k, seed=p.seed))
+            if name == ALL_RESIDENT:
+                kept = engine
+            else:  # its landed copies' staging buffers back first: the drain needs them
+                engine.close()
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
     finally:
-        if engine is not None:
-            engine.close()
-        elif tier is not None:
+        for left in {id(e): e for e in (engine, kept) if e is not None}.values():
+            left.close()
+        if engine is None and tier is not None:
             tier.close()
     return _Rounds(runs, micro, description, kind, host_reads_link)
 

@@ -155,8 +155,9 @@ def random_fill(lay: StoreLayout, seed: int, dev: torch.device):
 def check_resources(p, dev: torch.device, out_path: Path) -> Path:  # p: BenchParams
     """Host memory and disk space checked before any work; returns the expert file's path."""
     lay, E, C, L = p.layout(), p.num_experts, p.capacity, p.layers
-    # slots (C) and, for all_resident, all E experts per layer; the initial set's image (C)
-    need_ram = L * lay.expert_bytes * ((E if ALL_RESIDENT in p.policies else C) + C)
+    # a run's slots (C), all_resident's (all E experts per layer, kept across its rounds) beside
+    # them, and the initial set's image (C)
+    need_ram = L * lay.expert_bytes * ((E if ALL_RESIDENT in p.policies else 0) + 2 * C)
     if dev.type == "cuda":
         need_ram = L * E * lay.expert_bytes  # pinned host copy of every expert
     avail = mem_available()
