@@ -19,10 +19,10 @@ of a machine whose speed drifts by a fifth within minutes (as the engine stage's
 run has a tier of its own, as an engine serving one policy does (no thread state carried over from
 another policy's run), its slots loaded, untimed, from the initial set read once into RAM
 (`SlotImage`); all_resident keeps its engine across its rounds (its slots, every expert, never
-change, and loading them read 4.5 GiB from disk a round). The machine's profile is fitted to the
-calibration runs (`moesub.calibration`, as the pipeline's calibration does) and prices every
-policy's own per-token-layer counts, round by round (`moesub.pricing`); `sim_rel_error` compares
-their priced mean over all its tokens with their measured mean.
+change; on the disk tier loading them read 4.5 GiB from the file a round). The machine's
+profile is fitted to the calibration runs (`moesub.calibration`, as the pipeline's calibration
+does) and prices every policy's own per-token-layer counts, round by round (`moesub.pricing`);
+`sim_rel_error` compares their priced mean over all its tokens with their measured mean.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
 apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
@@ -357,7 +357,8 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
                     store_mode=bw.mode)  # fmt: skip
     tier, engine, description, kind, host_reads_link = None, None, "", "", False
     # all_resident's engine, kept across its rounds: its slots hold every expert and never
-    # change (its runs only hit), and loading them again read 4.5 GiB from disk a round
+    # change (its runs only hit), and loading them again read 4.5 GiB a round from the disk
+    # tier's file (the experts outside the initial set's image)
     kept: OffloadEngine | None = None
     try:
         for i, name in enumerate(plan.order):
