@@ -944,26 +944,20 @@ def test_calibration_runs_take_the_streams_in_turn_and_space_the_microbenchmarks
 
 
 # ----------------------------------------------------------------------------------- bench
-def test_benchmark_table(tmp_path, monkeypatch):
-    params = dict(
-        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
-        warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
-        routing="synthetic", rounds=1, threads=1,
-    )  # fmt: skip
-    # every run gets a tier of its own, closed before the next one is made, but all_resident's
-    # (E = 32 slots per layer), kept across its rounds
+def recording_tiers(monkeypatch) -> list:
+    """The bench's disk tiers, each recording the layers it loaded (from the initial set's
+    image), whether it was closed, the torch threads and the tiers still open when it was made;
+    named as the tier that ran (the rows name it, as CUDA's)."""
     tiers = []
-    caller_threads, run_threads = torch.get_num_threads(), set()
 
     class Tier(DiskTier):
         def __init__(self, *args, **kwargs):
-            assert all(t.closed or t.slots[0].capacity == 32 for t in tiers), "a tier is open"
+            self.open_beside = [t for t in tiers if not t.closed]
+            self.threads = torch.get_num_threads()
             super().__init__(*args, **kwargs)
-            self.closed = False
-            self.loads = []  # the layers whose slots were loaded (from the initial set's image)
-            self.kind = "disk->RAM (this instance)"  # the rows name the tier that ran, as CUDA's
+            self.closed, self.loads = False, []
+            self.kind = "disk->RAM (this instance)"
             tiers.append(self)
-            run_threads.add(torch.get_num_threads())
 
         def load(self, layer, resident):
             assert self.image is not None
@@ -975,11 +969,25 @@ def test_benchmark_table(tmp_path, monkeypatch):
             self.closed = True
 
     monkeypatch.setattr("moesub.engine.bench.DiskTier", Tier)
+    return tiers
+
+
+def test_benchmark_table(tmp_path, monkeypatch):
+    params = dict(
+        layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=30,
+        warmup=4, calib_tokens=300, store_path=str(tmp_path / "b.bin"), progress=False,
+        routing="synthetic", rounds=1, threads=1,
+    )  # fmt: skip
+    caller_threads = torch.get_num_threads()
+    tiers = recording_tiers(monkeypatch)
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
-    # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer)
+    # 6 policies + 5 calibration runs (hits, fetch, host, admit, hits over one layer), each on
+    # a tier of its own, closed before the next one is made, but all_resident's (E = 32 slots
+    # per layer), kept across its rounds
     assert len(tiers) == 11 and all(t.closed for t in tiers)
+    assert all(o.slots[0].capacity == 32 for t in tiers for o in t.open_beside)
     # the runs computed with the configured threads, and the caller's are given back
-    assert run_threads == {1} and torch.get_num_threads() == caller_threads
+    assert {t.threads for t in tiers} == {1} and torch.get_num_threads() == caller_threads
     assert set(df["tier"]) == {"disk->RAM (this instance)"}
     assert all(t.loads == [0, 1] for t in tiers)  # each run's slots loaded once
     assert set(df["policy"]) == {
@@ -1091,27 +1099,11 @@ def test_benchmark_keeps_all_residents_engine_across_its_rounds(tmp_path, monkey
         routing="synthetic", rounds=3,
         policies={"fetch_every_miss": {"rule": "fetch_all"}, ALL_RESIDENT: {"rule": "fetch_all"}},
     )  # fmt: skip
-    tiers = []
-
-    class Tier(DiskTier):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.loads, self.closed = 0, False
-            tiers.append(self)
-
-        def load(self, layer, resident):
-            self.loads += 1
-            super().load(layer, resident)
-
-        def close(self):
-            super().close()
-            self.closed = True
-
-    monkeypatch.setattr("moesub.engine.bench.DiskTier", Tier)
+    tiers = recording_tiers(monkeypatch)
     df = run_benchmark(params, "cpu", tmp_path / "bench.parquet")
     full = [t for t in tiers if t.slots[0].capacity == 32]
-    assert len(full) == 1 and full[0].loads == 2  # both layers, once
-    assert len(tiers) == 1 + 3 * (1 + 5) and all(t.loads == 2 for t in tiers)
+    assert len(full) == 1 and full[0].loads == [0, 1]  # both layers, once
+    assert len(tiers) == 1 + 3 * (1 + 5) and all(t.loads == [0, 1] for t in tiers)
     assert all(t.closed for t in tiers)
     counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
     assert [len(wall) for wall, _ in counts[ALL_RESIDENT]] == [3, 3, 3]
