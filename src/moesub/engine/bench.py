@@ -41,7 +41,6 @@ calibration runs alike, one run per round. Policy v3 runs as everywhere.
 from __future__ import annotations
 
 import gc
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -64,15 +63,11 @@ from moesub.engine.bench_inputs import (
 from moesub.engine.bench_runs import (
     BenchRun,
     at_run_disk,
-    at_run_speed,
     by_status,
-    concat_runs,
     counts_path_for,
-    disk_drift,
     hits_only,
-    priced_tokens,
+    policy_row,
     round_part,
-    round_spread,
     run_policy,
     timed_tokens,
     write_bench_counts,
@@ -96,7 +91,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.engine.tiers import DiskTier, SlotImage, require_cuda
-from moesub.hardware import ModelBytes, UnitCosts, is_contended, measured_profile
+from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.io import write_parquet
 from moesub.layout import build_layout
 from moesub.params import options_from
@@ -402,57 +397,25 @@ def _policy_rows(
     run_disk: dict[str, list[UnitCosts]],
     reference: DiskClock | None,
 ) -> pl.DataFrame:
-    """One row per policy over its rounds, the pricing's estimate on the same tokens beside
-    (`costs`; `run_disk`'s, against the calibration's `reference` run; and those at each run's
-    own speed), and the speedups."""
+    """One row per policy over its rounds (`bench_runs.policy_row`: the pricing's estimate on
+    the same tokens beside, at `costs`, at `run_disk`'s against the calibration's `reference`
+    run, and at each run's own speed), and the speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
-    L, runs = plan.p.layers, rounds.runs
-    rows = []
-    for name in plan.p.policies:
-        r = concat_runs(runs[name])
-        slots = max(int(r.counts.sum()), 1)
-        c = by_status(r.counts.sum(axis=0))
-        delay = plan.policy(name).delay
-        est_disk, est_speed, speed = at_run_speed(runs[name], delay, run_disk[name])
-        at_costs = [costs] * len(runs[name])  # a tier reading no file: est_disk is at costs
-        est = est_disk if reference is None else float(
-            priced_tokens(runs[name], delay, at_costs).mean())  # fmt: skip
-        measured = float(r.wall_s.mean())
-        rows.append(
+    out = pl.DataFrame(
+        [
             {
                 "policy": name,
                 "device": plan.dev.type,
                 "tier": rounds.kind,
-                "layers": L,
-                "tokens": len(r.wall_s),
-                "time_per_token_median_s": float(np.median(r.wall_s)),
-                "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
-                "time_per_token_mean_s": measured,
-                "round_spread": round_spread(
-                    runs[name], priced_tokens(runs[name], delay, run_disk[name])
+                "layers": plan.p.layers,
+                **policy_row(
+                    rounds.runs[name], plan.policy(name).delay, costs, run_disk[name], reference
                 ),
-                "fetch_wait_s": float(r.fetch_wait_s.mean()),
-                "bytes_sync": float(r.bytes_sync.mean()),
-                "bytes_bg": float(r.bytes_bg.mean()),
-                "hit_rate": float(c["hit"] / slots),
-                "sub_rate": float(c["sub"] / slots),
-                "syncs_per_token": float(r.syncs.mean()),
-                "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
-                "est_time_per_token_s": est,
-                "sim_rel_error": (est - measured) / measured,
-                "est_at_run_disk_s": est_disk,
-                "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
-                "run_speed": speed,
-                "est_at_run_speed_s": est_speed,
-                "sim_rel_error_at_run_speed": (est_speed - measured) / measured,
-                "cpu_share": r.cpu_share,
-                "other_cores": r.other_cores,
-                "contended": is_contended(r.cpu_share, r.other_cores),
-                **disk_drift(runs[name], reference),
             }
-        )
-    out = pl.DataFrame(rows)
+            for name in plan.p.policies
+        ]
+    )
     med = dict(zip(out["policy"], out["time_per_token_median_s"], strict=True))
     for col, base in (("speedup_vs_fetch_every_miss", "fetch_every_miss"),
                       ("speedup_vs_host_compute", "host_compute")):  # fmt: skip

@@ -7,7 +7,9 @@ a real router imposes), the policy core's step on the given logits, the experts 
 the slots (and the host's). `BenchRun` holds the per-token wall times and counters, per
 token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `timed_tokens`
 gives the cost fit's regressors (`moesub.calibration`), `counts_frame` / `read_bench_counts`
-the per-token-layer table the benchmark writes beside its own.
+the per-token-layer table the benchmark writes beside its own. A policy runs a share of its
+tokens per round (`round_part`); `policy_row` is its row over them, priced as measured, at each
+run's disk and at its own speed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from moesub.calibration import TimedTokens
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
-from moesub.hardware import UnitCosts
+from moesub.hardware import UnitCosts, is_contended
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 from moesub.pricing import price_stream
@@ -299,3 +301,48 @@ def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
     ratios = np.array([r.wall_s.sum() / p.sum()
                        for r, p in zip(runs, np.split(priced, ends), strict=True)])  # fmt: skip
     return float((ratios.max() - ratios.min()) / np.median(ratios))
+
+
+def policy_row(
+    runs: list[BenchRun],
+    delay: int,
+    costs: UnitCosts,
+    run_disk: list[UnitCosts],
+    reference: DiskClock | None,
+) -> dict[str, float | int | bool]:
+    """A policy's row over its runs (its rounds): its time per token, what it did, and the
+    pricing's estimate on the same tokens beside, at `costs`, at each run's disk (`run_disk`,
+    against the calibration's `reference` run; None: a tier reading no file, priced at `costs`)
+    and at its own speed (`at_run_speed`), each against its measured mean."""
+    r = concat_runs(runs)
+    slots = max(int(r.counts.sum()), 1)
+    c = by_status(r.counts.sum(axis=0))
+    est_disk, est_speed, speed = at_run_speed(runs, delay, run_disk)
+    est = est_disk if reference is None else float(
+        priced_tokens(runs, delay, [costs] * len(runs)).mean())  # fmt: skip
+    measured = float(r.wall_s.mean())
+    return {
+        "tokens": len(r.wall_s),
+        "time_per_token_median_s": float(np.median(r.wall_s)),
+        "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
+        "time_per_token_mean_s": measured,
+        "round_spread": round_spread(runs, priced_tokens(runs, delay, run_disk)),
+        "fetch_wait_s": float(r.fetch_wait_s.mean()),
+        "bytes_sync": float(r.bytes_sync.mean()),
+        "bytes_bg": float(r.bytes_bg.mean()),
+        "hit_rate": float(c["hit"] / slots),
+        "sub_rate": float(c["sub"] / slots),
+        "syncs_per_token": float(r.syncs.mean()),
+        "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
+        "est_time_per_token_s": est,
+        "sim_rel_error": (est - measured) / measured,
+        "est_at_run_disk_s": est_disk,
+        "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
+        "run_speed": speed,
+        "est_at_run_speed_s": est_speed,
+        "sim_rel_error_at_run_speed": (est_speed - measured) / measured,
+        "cpu_share": r.cpu_share,
+        "other_cores": r.other_cores,
+        "contended": is_contended(r.cpu_share, r.other_cores),
+        **disk_drift(runs, reference),
+    }
