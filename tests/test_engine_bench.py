@@ -19,9 +19,7 @@ from moesub.engine.bench_inputs import bench_logits, map_trace
 from moesub.engine.bench_runs import (
     BenchRun,
     at_run_disk,
-    at_run_speed,
     disk_drift,
-    priced_tokens,
     round_part,
     round_spread,
 )
@@ -30,7 +28,13 @@ from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
 from moesub.hardware import UnitCosts
 from moesub.policy import ALL_RESIDENT, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS
 from moesub.pricing import price_stream
-from moesub.run_speed import SPEED_PROBE_TOKENS, AtRunDisk, DiskClock, reference_clock
+from moesub.run_speed import (
+    SPEED_PROBE_TOKENS,
+    AtRunDisk,
+    DiskClock,
+    priced_at_speed,
+    reference_clock,
+)
 
 
 def test_map_trace_layers_and_experts():
@@ -209,7 +213,8 @@ def test_pricing_at_the_disk_speed_each_run_read_at():
     at_disk = at_run_disk(runs, reference, costs)
     for name in ("fetch_every_miss", "host_compute", ALL_RESIDENT, "cal_host"):
         (r,), (u,) = runs[name], at_disk[name]
-        assert priced_tokens([r], 1, [u]).mean() == pytest.approx(r.wall_s.mean(), rel=1e-9), name
+        priced = price_stream(r.layer_counts, 1, u).token_s.mean()
+        assert priced == pytest.approx(r.wall_s.mean(), rel=1e-9), name
     assert at_disk["fetch_every_miss"][0].copy_s == pytest.approx(overhead + 4.5e-3, rel=1e-12)
     # without reads (the CUDA tier) there is no reference and every run keeps the costs
     no_reads = {n: [_run(r.wall_s, r.layer_counts, 0, 0.0) for r in rs] for n, rs in runs.items()}
@@ -234,23 +239,29 @@ def test_pricing_at_the_speed_each_run_computed_at():
     c = np.zeros((T, L, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
     fetched = rng.integers(0, 3, (T, L)) * (rng.random((T, 1)) < 0.5)  # half the tokens hit only
     c[..., fields["hit"]], c[..., fields["fetch"]] = K - fetched, fetched
-    run = _run(price_stream(c, 1, slower).token_s, c, 0, 0.0)
-    plain, est, speed = at_run_speed([run], 1, [costs])
+    wall = price_stream(c, 1, slower).token_s
+    plain, speed, est = priced_at_speed(wall, [c], 1, costs)
     assert speed == pytest.approx(slow, rel=1e-9)
-    assert est == pytest.approx(run.wall_s.mean(), rel=1e-9)
+    assert est.mean() == pytest.approx(wall.mean(), rel=1e-9)
     # unprobed: under
-    assert plain == priced_tokens([run], 1, [costs]).mean() < 0.9 * run.wall_s.mean()
-    # a policy's rounds (parts of its tokens, each from an idle link): one speed over all
-    parts = [_run(price_stream(part, 1, slower).token_s, part, 0, 0.0) for part in (c[:30], c[30:])]
-    _, est, speed = at_run_speed(parts, 1, [costs, costs])
+    assert np.array_equal(plain, price_stream(c, 1, costs).token_s)
+    assert plain.mean() < 0.9 * wall.mean()
+    # a policy's rounds (parts of its tokens, each from an idle link), the second read at a
+    # slower disk: each priced at its own costs, one speed over all
+    slower_disk = replace(costs, copy_s=5e-3)
+    parts = [c[:30], c[30:]]
+    timed_at = [slower, replace(slower, copy_s=5e-3)]
+    wall = np.concatenate(
+        [price_stream(p, 1, u).token_s for p, u in zip(parts, timed_at, strict=True)]
+    )
+    _, speed, est = priced_at_speed(wall, parts, 1, [costs, slower_disk])
     assert speed == pytest.approx(slow, rel=1e-9)
-    assert est == pytest.approx(np.concatenate([p.wall_s for p in parts]).mean(), rel=1e-9)
+    assert est == pytest.approx(wall, rel=1e-9)
     few = c.copy()
     few[SPEED_PROBE_TOKENS - 1 :, :, fields["fetch"]] = 1  # 9 tokens hit only
     few[SPEED_PROBE_TOKENS - 1 :, :, fields["hit"]] = K - 1
-    missing = _run(price_stream(few, 1, slower).token_s, few, 0, 0.0)
-    plain, est, speed = at_run_speed([missing], 1, [costs])
-    assert math.isnan(speed) and est == plain == priced_tokens([missing], 1, [costs]).mean()
+    plain, speed, est = priced_at_speed(price_stream(few, 1, slower).token_s, [few], 1, costs)
+    assert math.isnan(speed) and est is plain
 
 
 def test_disk_drift_against_the_reference_run():

@@ -24,9 +24,9 @@ reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a m
 each token's copies are then taken as read at its own run's speed (`read_s`, subtracted from
 its wall time), `copy_s` is fitted as the copy's work beyond its read, and the disk's speed
 enters once, as the calibration run at the median time per read (`reference_clock`; both in
-`moesub.run_speed`). Every
-layer computes k experts, each on the fast tier or the host, so the fast tier's expert time is
-inside `layer_s` and the host's term is its excess over it (`host_extra_s`).
+`moesub.run_speed`). Every layer computes k experts, each on the fast tier or the host, so the
+fast tier's expert time is inside `layer_s` and the host's term is its excess over it
+(`host_extra_s`).
 `unit_costs_from_fit` splits the per-layer constant into the dense work and k fast experts with
 a microbenchmarked expert time, and gives the pricing's seconds
 (`moesub.hardware.measured_profile` makes them a profile). Where the tier's host reads its

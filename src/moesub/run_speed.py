@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from moesub.hardware import UnitCosts
-from moesub.pricing import price_streams
+from moesub.pricing import price_stream
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 _F = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
@@ -133,17 +133,25 @@ def priced_at_speed(
     wall_s: np.ndarray,
     streams: Sequence[np.ndarray],
     delay: int,
-    costs: UnitCosts,
+    costs: UnitCosts | Sequence[UnitCosts],
     priced: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
     """A run's streams (their counts (T_i, L, F), `wall_s` (T,) their tokens' times in the same
-    order) priced at `costs` (`priced`, where the caller has that price already), and again with
-    the compute terms at the run's own speed (`speed_probe` over its tokens, `costs_at_speed`):
+    order) priced at `costs` (one for all, or one per stream: each at its own disk), each from
+    an idle link (`priced`, where the caller has that price already), and again with the
+    compute terms at the run's own speed (`speed_probe` over all its tokens, `costs_at_speed`):
     (price per token (T,), the speed, price per token at that speed (T,); NaN speed: the first
     price again)."""
+    each = [costs] * len(streams) if isinstance(costs, UnitCosts) else list(costs)
     if priced is None:
-        priced = price_streams(streams, delay, costs).token_s
+        priced = _priced(streams, delay, each)
     speed = speed_probe(wall_s, np.concatenate(streams), priced)
     if math.isnan(speed):
         return priced, speed, priced
-    return priced, speed, price_streams(streams, delay, costs_at_speed(costs, speed)).token_s
+    return priced, speed, _priced(streams, delay, [costs_at_speed(c, speed) for c in each])
+
+
+def _priced(streams: Sequence[np.ndarray], delay: int, costs: Sequence[UnitCosts]) -> np.ndarray:
+    """Each stream priced at its costs from an idle link, their tokens in turn."""
+    return np.concatenate([price_stream(c, delay, u).token_s
+                           for c, u in zip(streams, costs, strict=True)])  # fmt: skip

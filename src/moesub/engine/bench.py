@@ -25,17 +25,18 @@ does) and prices every policy's own per-token-layer counts, round by round (`moe
 `sim_rel_error` compares their priced mean over all its tokens with their measured mean.
 `sim_rel_error_at_run_disk` does the same with each run's copies priced at the disk's speed while
 that run read (`at_run_disk`: its reads' time per expert, `disk_read_s`): the pricing's arithmetic
-apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with each run's
-compute at the machine's speed while it ran (`run_speed`), probed on its own tokens that only
-hit (`bench_runs.at_run_speed`). One row per policy: time per token, its ratios to
-`fetch_every_miss` and `host_compute`, the pricing's prediction and error, the runs' CPU share and
-the cores others used beside them (`contended`: `moesub.engine.contention`), the disk's speed
-against the calibration's reference run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the
-drift alone can move a copy-heavy policy's time by the 10% its price is held to), the rounds'
-spread (`round_spread`: each round's time over its price, max - min over their median). Beside
-it (`counts_path`) every run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each
-token's wall time (`bench_runs.counts_frame`, read back by `read_bench_counts`), validation and
-calibration runs alike, one run per round. Policy v3 runs as everywhere.
+apart from the disk's drift between runs; `sim_rel_error_at_run_speed` also with a policy's
+compute at the machine's speed while its rounds ran (`run_speed`, one for all of them), probed
+on its own tokens that only hit (`moesub.run_speed.priced_at_speed`). One row per policy
+(`bench_runs.policy_row`): time per token, its ratios to `fetch_every_miss` and `host_compute`,
+the pricing's prediction and error, the runs' CPU share and the cores others used beside them
+(`contended`: `moesub.engine.contention`), the disk's speed against the calibration's reference
+run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift alone can move a copy-heavy
+policy's time by the 10% its price is held to), the rounds' spread (`round_spread`: each
+round's time over its price, max - min over their median). Beside it (`counts_path`) every
+run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's wall time
+(`bench_runs.counts_frame`, read back by `read_bench_counts`), validation and calibration runs
+alike, one run per round. Policy v3 runs as everywhere.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from moesub.engine.tiers import disk_clock
 from moesub.hardware import UnitCosts, is_contended
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
-from moesub.pricing import price_stream
-from moesub.run_speed import AtRunDisk, DiskClock, costs_at_speed, speed_probe
+from moesub.pricing import price_streams
+from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -243,34 +243,6 @@ def round_part(tokens: int, warmup: int, rounds: int, round_: int) -> slice:
     return slice(start, warmup + stop)
 
 
-def priced_tokens(runs: list[BenchRun], delay: int, costs: list[UnitCosts]) -> np.ndarray:
-    """The pricing of each run's own per-token-layer counts (from an idle link, as every run
-    starts) at its costs (one per run), every run's tokens in turn (sum of their T,)."""
-    return np.concatenate([price_stream(r.layer_counts, delay, c).token_s
-                           for r, c in zip(runs, costs, strict=True)])  # fmt: skip
-
-
-def at_run_speed(
-    runs: list[BenchRun], delay: int, costs: list[UnitCosts]
-) -> tuple[float, float, float]:
-    """A policy's runs (its rounds' parts of its tokens) priced each at its `costs` (one per
-    run: `at_run_disk`'s) and then with their compute terms at the policy's own speed
-    (`moesub.run_speed.speed_probe` over all its tokens that only hit, against that price; too
-    few of them: the price kept): the means over all its tokens of both prices, and that speed
-    (NaN unprobed). One speed for all its rounds, as its calibration is fitted over all of its
-    own: over many short rounds both see the same stretches of the machine. The second mean is
-    the pricing's arithmetic apart from the machine's drift between the policy and its
-    calibration: a run that only hits is priced from its own times, its error nil by
-    construction; the others' errors are what their other tokens cost beyond their price."""
-    priced = priced_tokens(runs, delay, costs)
-    wall = np.concatenate([r.wall_s for r in runs])
-    speed = speed_probe(wall, np.concatenate([r.layer_counts for r in runs]), priced)
-    if math.isnan(speed):
-        return float(priced.mean()), float(priced.mean()), speed
-    at_speed = priced_tokens(runs, delay, [costs_at_speed(c, speed) for c in costs])
-    return float(priced.mean()), float(at_speed.mean()), speed
-
-
 # `disk_drifted`: a policy's read time per expert this far from the reference run's (a
 # run's moves by 20-36% between runs minutes apart on this VM's disk, benches of 2026-12-03)
 DISK_DRIFT_BEYOND = 0.15
@@ -291,7 +263,7 @@ def disk_drift(runs: list[BenchRun], reference: DiskClock | None) -> dict[str, f
 
 def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
     """A policy's rounds against each other: each round's time over its price (`priced`, its
-    runs' tokens in turn, as `priced_tokens` gives them), (max - min) / median of those ratios
+    runs' tokens in turn), (max - min) / median of those ratios
     (NaN with one round). The rounds run different tokens, so their times differ by their work;
     over their price, what is left is the machine's noise between rounds and what the pricing
     misses in each."""
@@ -310,23 +282,30 @@ def policy_row(
     run_disk: list[UnitCosts],
     reference: DiskClock | None,
 ) -> dict[str, float | int | bool]:
-    """A policy's row over its runs (its rounds): its time per token, what it did, and the
-    pricing's estimate on the same tokens beside, at `costs`, at each run's disk (`run_disk`,
-    against the calibration's `reference` run; None: a tier reading no file, priced at `costs`)
-    and at its own speed (`at_run_speed`), each against its measured mean."""
+    """A policy's row over its runs (its rounds, each priced from an idle link, as each ran):
+    its time per token, what it did, and the pricing's estimate on the same tokens beside, at
+    `costs`, at each run's disk (`run_disk`, against the calibration's `reference` run; None: a
+    tier reading no file, priced at `costs`) and then with its compute at its own speed, one
+    for all its rounds (`moesub.run_speed.priced_at_speed`: as its calibration is fitted over
+    all of its own, over many short rounds both see the same stretches of the machine), each
+    against its measured mean. The last is the pricing's arithmetic apart from the machine's
+    drift: a policy that only hits is priced from its own times, its error nil by
+    construction; the others' errors are what their other tokens cost beyond their price."""
     r = concat_runs(runs)
     slots = max(int(r.counts.sum()), 1)
     c = by_status(r.counts.sum(axis=0))
-    est_disk, est_speed, speed = at_run_speed(runs, delay, run_disk)
-    est = est_disk if reference is None else float(
-        priced_tokens(runs, delay, [costs] * len(runs)).mean())  # fmt: skip
+    streams = [run.layer_counts for run in runs]
+    at_disk, speed, at_speed = priced_at_speed(r.wall_s, streams, delay, run_disk)
+    est_disk, est_speed = float(at_disk.mean()), float(at_speed.mean())
+    plain = at_disk if reference is None else price_streams(streams, delay, costs).token_s
+    est = float(plain.mean())
     measured = float(r.wall_s.mean())
     return {
         "tokens": len(r.wall_s),
         "time_per_token_median_s": float(np.median(r.wall_s)),
         "time_per_token_p90_s": float(np.percentile(r.wall_s, 90)),
         "time_per_token_mean_s": measured,
-        "round_spread": round_spread(runs, priced_tokens(runs, delay, run_disk)),
+        "round_spread": round_spread(runs, at_disk),
         "fetch_wait_s": float(r.fetch_wait_s.mean()),
         "bytes_sync": float(r.bytes_sync.mean()),
         "bytes_bg": float(r.bytes_bg.mean()),
