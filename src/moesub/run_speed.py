@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from moesub.hardware import UnitCosts
-from moesub.pricing import price_stream
+from moesub.pricing import price_stream, price_streams
 from moesub.vocabulary import TOKEN_LAYER_FIELDS
 
 _F = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
@@ -142,16 +142,21 @@ def priced_at_speed(
     compute terms at the run's own speed (`speed_probe` over all its tokens, `costs_at_speed`):
     (price per token (T,), the speed, price per token at that speed (T,); NaN speed: the first
     price again)."""
-    each = [costs] * len(streams) if isinstance(costs, UnitCosts) else list(costs)
     if priced is None:
-        priced = _priced(streams, delay, each)
+        priced = _priced(streams, delay, costs)
     speed = speed_probe(wall_s, np.concatenate(streams), priced)
     if math.isnan(speed):
         return priced, speed, priced
-    return priced, speed, _priced(streams, delay, [costs_at_speed(c, speed) for c in each])
+    at_speed = (costs_at_speed(costs, speed) if isinstance(costs, UnitCosts)
+                else [costs_at_speed(c, speed) for c in costs])  # fmt: skip
+    return priced, speed, _priced(streams, delay, at_speed)
 
 
-def _priced(streams: Sequence[np.ndarray], delay: int, costs: Sequence[UnitCosts]) -> np.ndarray:
-    """Each stream priced at its costs from an idle link, their tokens in turn."""
+def _priced(
+    streams: Sequence[np.ndarray], delay: int, costs: UnitCosts | Sequence[UnitCosts]
+) -> np.ndarray:
+    """Each stream priced from an idle link, at `costs` or at its own, their tokens in turn."""
+    if isinstance(costs, UnitCosts):
+        return price_streams(streams, delay, costs).token_s
     return np.concatenate([price_stream(c, delay, u).token_s
                            for c, u in zip(streams, costs, strict=True)])  # fmt: skip
