@@ -5,9 +5,11 @@ the capture, the real-size benchmark's table (tiny shapes here), calibration, an
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -180,7 +182,8 @@ def test_store_read_clock_counts_overlapping_reads_once(tmp_path, monkeypatch):
 @pytest.mark.parametrize("imaged", [(), (9, 15, 1)])  # experts held in RAM (1: not resident)
 def test_tier_load_fills_the_slots_off_the_read_clock(tmp_path, monkeypatch, alone_bytes, imaged):
     """A load puts each resident expert in its slot: copied from the tier's image if it holds
-    it, else read alone (large experts) or in runs of nearby ones (small); the read clock, which
+    it, else read alone (large experts) or in runs of nearby ones (small), and zeroes the slots
+    it leaves empty, in slot buffers of its own or an earlier tier's; the read clock, which
     times the decode's reads, is left alone."""
     monkeypatch.setattr(moesub.engine.tiers, "LOAD_ALONE_BYTES", alone_bytes)
     lay = small_layout()
@@ -199,15 +202,20 @@ def test_tier_load_fills_the_slots_off_the_read_clock(tmp_path, monkeypatch, alo
 
     monkeypatch.setattr(store, "read_into", spy_into)
     monkeypatch.setattr(store, "read_raw", spy_raw)
-    tier = DiskTier(store, 6, 4, ACT, image=image if imaged else None)
+    earlier = DiskTier(store, 6, 4, ACT)  # a closed tier's slots, all ones: the next is made in
+    earlier.close()  # them and its load leaves nothing of them (its empty slot zero)
+    for s in earlier.slots:
+        s.gate_up.fill_(1.0), s.down.fill_(1.0)
+    with pytest.raises(ValueError, match="slots hold"):
+        DiskTier(store, 5, 4, ACT, slots=earlier.slots)
+    tier = DiskTier(store, 6, 4, ACT, image=image if imaged else None, slots=earlier.slots)
     try:
         resident = np.array([9, 2, 3, -1, 15, 4], np.int32)
-        tier.slots[1].gate_up.zero_()
         tier.load(1, resident)
         for slot, e in enumerate(resident.tolist()):
             gu, dn = tier.slots[1].gate_up[slot], tier.slots[1].down[slot]
             if e < 0:
-                assert not gu.any()
+                assert not gu.any() and not dn.any()
             else:
                 want = experts[lay.num_experts + e]
                 assert torch.equal(gu, want[0]) and torch.equal(dn, want[1])
@@ -216,6 +224,33 @@ def test_tier_load_fills_the_slots_off_the_read_clock(tmp_path, monkeypatch, alo
             assert sorted(spied) == sorted({9, 2, 3, 15, 4} - set(imaged))
         else:  # this small an expert: 2-15 (or 2-4) are close enough for one sequential read
             assert len(spied) == 1
+    finally:
+        tier.close()
+
+
+def resident_share(t: torch.Tensor) -> float:
+    """The share of a CPU tensor's pages the kernel has backed (mincore(2))."""
+    libc, page = ctypes.CDLL(None, use_errno=True), os.sysconf("SC_PAGE_SIZE")
+    start, end = t.data_ptr() // page * page, t.data_ptr() + t.numel() * t.element_size()
+    vec = (ctypes.c_ubyte * ((end - start + page - 1) // page))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+def test_disk_tier_writes_the_pages_its_timed_reads_go_into(tmp_path):
+    """A fresh allocation's pages are backed on their first write, which an uncached read into
+    them paid inside a token's step (20-48 ms an expert on this VM): the host's scratch, the
+    staging buffers and the slots a load leaves empty are written where the tier is set up."""
+    lay = small_layout(hidden=2048, width=512, L=1, E=4)  # 12 MiB experts; the scratch 48 MiB
+    write_random(tmp_path / "x.bin", lay)
+    store = ExpertStore(tmp_path / "x.bin")
+    assert resident_share(aligned_empty((4, *lay.gate_up_shape), torch.float32)) < 0.1
+    tier = DiskTier(store, 3, 4, ACT, staging_buffers=2)
+    try:
+        tier.load(0, np.array([2, -1, 0], np.int32))
+        written = [tier._host_gu, tier._host_dn, tier.slots[0].gate_up[1], tier.slots[0].down[1]]
+        written += [b for pair in tier.reader.buffers for b in pair]
+        assert [resident_share(t) for t in written] == [1.0] * len(written)
     finally:
         tier.close()
 
@@ -1092,7 +1127,8 @@ def test_benchmark_prices_a_pinned_policy(tmp_path):
 
 def test_benchmark_keeps_all_residents_engine_across_its_rounds(tmp_path, monkeypatch):
     """all_resident's slots hold every expert and its runs only hit: one tier for its rounds,
-    its slots loaded once; every other run's tier is its own and loaded for it; all closed."""
+    its slots loaded once; every other run's tier is its own, in the slot buffers of the one
+    before it, and loaded for it; all closed."""
     params = dict(
         layers=2, num_experts=32, hidden=64, width=16, top_k=4, dtype="float32", tokens=9,
         warmup=2, calib_tokens=200, store_path=str(tmp_path / "b.bin"), progress=False,
@@ -1105,6 +1141,10 @@ def test_benchmark_keeps_all_residents_engine_across_its_rounds(tmp_path, monkey
     assert len(full) == 1 and full[0].loads == [0, 1]  # both layers, once
     assert len(tiers) == 1 + 3 * (1 + 5) and all(t.loads == [0, 1] for t in tiers)
     assert all(t.closed for t in tiers)
+    # the others, each a fresh tier, are made in the slot buffers the one before them left
+    others = [t for t in tiers if t not in full]
+    first = [s.gate_up.data_ptr() for s in others[0].slots]
+    assert all([s.gate_up.data_ptr() for s in t.slots] == first for t in others)
     counts = read_bench_counts(tmp_path / "bench_token_layers.parquet")
     assert [len(wall) for wall, _ in counts[ALL_RESIDENT]] == [3, 3, 3]
     assert df.filter(pl.col("policy") == ALL_RESIDENT)["hit_rate"].item() == 1.0

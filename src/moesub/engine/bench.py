@@ -91,7 +91,7 @@ from moesub.engine.store import (
     open_or_write_store,
     random_experts,
 )
-from moesub.engine.tiers import DiskTier, SlotImage, require_cuda
+from moesub.engine.tiers import DiskTier, SlotBuffers, SlotImage, require_cuda
 from moesub.hardware import ModelBytes, UnitCosts, measured_profile
 from moesub.io import write_parquet
 from moesub.layout import build_layout
@@ -247,16 +247,28 @@ class BenchSetup:
     image: SlotImage | None  # the initial set in RAM, read once: every disk tier loads from it
     host: HostExperts | None  # the CUDA tier's experts in pinned host memory
     order: list[str]  # the runs' names in run order (`round_order`)
+    spare: dict[int, list[SlotBuffers]] = field(default_factory=dict)  # by capacity (`release`)
 
     def capacity(self, name: str) -> int:
         """Slots per layer of run `name`: E for all_resident, else C."""
         return self.p.num_experts if name == ALL_RESIDENT else self.p.capacity
 
     def make_tier(self, capacity: int) -> DiskTier | CudaTier:
+        """A fresh tier; a disk tier in the slot buffers a closed one left (`release`)."""
         p = self.p
         if self.dev.type == "cpu":
-            return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers, self.image)
+            slots = self.spare.pop(capacity, None)
+            return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers, self.image,
+                            slots)  # fmt: skip
         return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
+
+    def release(self, engine: OffloadEngine) -> None:
+        """Close a run's engine, keeping a disk tier's slots for the next tier. Allocated afresh
+        every run, their 1.5 GiB's pages were backed again on first write, and on this VM the
+        freed ones went back to its host: runs were slower beside it (docs/measurements.md)."""
+        if isinstance(engine.tier, DiskTier):
+            self.spare[engine.tier.slots[0].capacity] = engine.tier.slots
+        engine.close()
 
     def policy(self, name: str) -> Policy:
         """The policy run `name` runs (its pins resolved per layer)."""
@@ -286,7 +298,7 @@ class BenchSetup:
         return engine, *self.logits_of(name)
 
     def close(self) -> None:
-        self.image = None
+        self.image, self.spare = None, {}
         if self.store is not None:
             self.store.close()
 
@@ -380,7 +392,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
             if name == ALL_RESIDENT:
                 kept = engine
             else:  # its landed copies' staging buffers back first: the drain needs them
-                engine.close()
+                plan.release(engine)
             tier = engine = None  # frees the slot buffers before the next run allocates its own
             gc.collect()
     finally:

@@ -34,7 +34,7 @@ import torch
 
 from moesub.engine.host_memory import Allocator, HostExperts, pinned_empty
 from moesub.engine.kernels import choose_path, expert_forward
-from moesub.engine.store import aligned_empty
+from moesub.engine.store import aligned_empty, aligned_zeros
 from moesub.engine.tiers import (
     BackgroundReader,
     HostSync,
@@ -127,6 +127,8 @@ class CudaTier:
         self._io: dict[tuple, torch.Tensor] = {}  # per-layer pinned transfer buffers
         self._fetch_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_s = 0.0  # host time on disk reads of synchronous fetches
+        # the host's fresh reads of layers on disk (`host_forward`; written once: `aligned_zeros`)
+        self._host_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def description(self) -> str:
@@ -312,10 +314,13 @@ class CudaTier:
         buffer without a wait. -> (rows on the GPU, bytes)."""
         nbytes = 0
         if self.host.on_disk(layer):
-            lay = self.layout
-            ids, experts = host_ids_to_local(host_ids)
-            gu = aligned_empty((len(experts), *lay.gate_up_shape), lay.torch_dtype)
-            dn = aligned_empty((len(experts), *lay.down_shape), lay.torch_dtype)
+            lay, (ids, experts) = self.layout, host_ids_to_local(host_ids)
+            held = 0 if self._host_scratch is None else len(self._host_scratch[0])
+            if held < len(experts):  # k experts (a token's), kept across the steps
+                n = max(host_ids.shape[1], len(experts))
+                shapes = ((n, *lay.gate_up_shape), (n, *lay.down_shape))
+                self._host_scratch = tuple(aligned_zeros(s, lay.torch_dtype) for s in shapes)
+            gu, dn = (t[: len(experts)] for t in self._host_scratch)
             for j, e in enumerate(experts.tolist()):
                 nbytes += self.host.store.read_into(layer, e, gu[j], dn[j])
         else:

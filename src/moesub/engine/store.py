@@ -137,6 +137,15 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, align: int = ALIGN
     return raw[off : off + n].view(dtype).view(shape)
 
 
+def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = ALIGN) -> torch.Tensor:
+    """`aligned_empty` with every page written once (zeros), for a buffer that timed reads go
+    into. The kernel backs a fresh allocation's pages on their first write, and on this VM an
+    uncached read into an untouched 6 MiB expert buffer took 20-48 ms instead of 3
+    (docs/measurements.md): a runtime allocates its buffers once, at start, so the engine pays
+    that where it sets up, not in a token's step."""
+    return aligned_empty(shape, dtype, align).zero_()
+
+
 # --------------------------------------------------------------------------------------- writing
 
 
@@ -438,14 +447,14 @@ def measure_read_bandwidth(store: ExpertStore, reads: int = 32, seed: int = 0) -
     rng = np.random.default_rng(seed)
     n_total = lay.num_layers * lay.num_experts
     picks = rng.choice(n_total, size=min(reads, n_total), replace=False)
-    gu = aligned_empty(lay.gate_up_shape, lay.torch_dtype)
-    dn = aligned_empty(lay.down_shape, lay.torch_dtype)
+    gu = aligned_zeros(lay.gate_up_shape, lay.torch_dtype)
+    dn = aligned_zeros(lay.down_shape, lay.torch_dtype)
     store.drop_cache()
     t0 = time.perf_counter()
     for i in picks:
         store.read_into(int(i) // lay.num_experts, int(i) % lay.num_experts, gu, dn)
     elapsed = time.perf_counter() - t0
-    small = aligned_empty((ALIGN,), torch.uint8)
+    small = aligned_zeros((ALIGN,), torch.uint8)
     blocks = (lay.file_bytes - HEADER_BYTES) // ALIGN
     lat = []
     for b in rng.choice(blocks, size=len(picks), replace=False):

@@ -40,7 +40,7 @@ import torch
 from moesub.engine.copies import COPY_TIMEOUT_S
 from moesub.engine.host_memory import Allocator
 from moesub.engine.kernels import choose_path, expert_forward
-from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty
+from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty, aligned_zeros
 from moesub.run_speed import DiskClock
 
 
@@ -196,7 +196,7 @@ class BackgroundReader:
     """
 
     def __init__(
-        self, store: ExpertStore, num_buffers: int, alloc: Allocator = aligned_empty
+        self, store: ExpertStore, num_buffers: int, alloc: Allocator = aligned_zeros
     ) -> None:
         if num_buffers < 1:
             raise ValueError(f"staging_buffers must be >= 1, got {num_buffers}")
@@ -311,20 +311,27 @@ class DiskTier:
         act: Callable[[torch.Tensor], torch.Tensor],
         staging_buffers: int | None = None,
         image: SlotImage | None = None,
+        slots: list[SlotBuffers] | None = None,
     ) -> None:
         lay: StoreLayout = store.layout
         self.store, self.layout, self.act, self.image = store, lay, act, image
         self.device = torch.device("cpu")
         dt = lay.torch_dtype
-        self.slots = [
+        caps = layer_capacities(capacity, lay.num_layers)
+        # `slots`: an earlier tier's buffers of these capacities, whose pages are already backed
+        # (the engine bench's runs each get a fresh tier, not fresh memory: `aligned_zeros`)
+        if slots is not None and [s.capacity for s in slots] != list(caps):
+            raise ValueError(f"slots hold {[s.capacity for s in slots]} experts, not {caps}")
+        self.slots = slots or [
             SlotBuffers(
                 aligned_empty((C, *lay.gate_up_shape), dt), aligned_empty((C, *lay.down_shape), dt)
             )
-            for C in layer_capacities(capacity, lay.num_layers)
+            for C in caps
         ]
         # scratch for host_compute misses: up to k experts of one token, read fresh every time
-        self._host_gu = aligned_empty((k, *lay.gate_up_shape), dt)
-        self._host_dn = aligned_empty((k, *lay.down_shape), dt)
+        # (its pages written here, not by a token's first read into them: `aligned_zeros`)
+        self._host_gu = aligned_zeros((k, *lay.gate_up_shape), dt)
+        self._host_dn = aligned_zeros((k, *lay.down_shape), dt)
         self.reader = BackgroundReader(store, staging_buffers or DISK_STAGING_BUFFERS)
         self.path = choose_path(self.device, dt)
         self.syncs = HostSync()
@@ -347,6 +354,9 @@ class DiskTier:
         alone (`LOAD_ALONE_BYTES`)."""
         s = self.slots[layer]
         slot_of = {e: slot for slot, e in enumerate(resident.tolist()) if e >= 0}
+        for slot in np.flatnonzero(resident < 0).tolist():  # an empty slot's pages written
+            s.gate_up[slot].zero_()  # now, untimed, not by the fetch into it (`aligned_zeros`)
+            s.down[slot].zero_()
         if self.image is not None:
             held = self.image.slots[layer]
             for i, e in enumerate(self.image.ids[layer].tolist()):
