@@ -9,9 +9,11 @@ import ctypes
 import importlib
 import json
 import math
+import mmap
 import os
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -77,7 +79,7 @@ from moesub.policy import (
 )
 from moesub.price import costs_at_run_disk, run_price, write_profile
 from moesub.pricing import price_streams
-from moesub.run_speed import costs_at_speed, speed_probe
+from moesub.run_speed import AtRunDisk, DiskClock, costs_at_speed, reference_clock, speed_probe
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
 
@@ -244,7 +246,8 @@ def test_disk_tier_writes_the_pages_its_timed_reads_go_into(tmp_path):
     lay = small_layout(hidden=2048, width=512, L=1, E=4)  # 12 MiB experts; the scratch 48 MiB
     write_random(tmp_path / "x.bin", lay)
     store = ExpertStore(tmp_path / "x.bin")
-    assert resident_share(aligned_empty((4, *lay.gate_up_shape), torch.float32)) < 0.1
+    fresh = mmap.mmap(-1, 2**24)  # the measure on pages never written: none backed
+    assert resident_share(torch.frombuffer(fresh, dtype=torch.uint8)) == 0.0
     tier = DiskTier(store, 3, 4, ACT, staging_buffers=2)
     try:
         tier.load(0, np.array([2, -1, 0], np.int32))
@@ -776,6 +779,14 @@ def test_cpu_meter_sees_another_process_beside_a_quiet_run():
 
 def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     out = tmp_path / "calibration.json"
+    references = []  # the clocks the disk's reference speed is taken from
+
+    def spy_reference(clocks):
+        references.append(list(clocks))
+        return reference_clock(clocks)
+
+    module = importlib.import_module("moesub.engine.calibrate")  # (the package's is a function)
+    monkeypatch.setattr(module, "reference_clock", spy_reference)
     opts = {"store_path": str(stage / "engine" / "experts.bin"), "progress": False,
             "calibrate_tokens": 12, "calibrate_streams": 2, "calibrate_rounds": 1}  # fmt: skip
     cal = calibrate(
@@ -812,6 +823,11 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     # that run's speed: the price stage prices each engine run at the disk's speed while it read
     disk = cal["at_run_disk"]
     assert disk["reads"] > 0 and disk["busy_s"] > 0
+    # ... of the copy runs alone (two streams, one round): the host's and the admissions' reads
+    # go at speeds of their own
+    (copy_runs, *_) = references
+    assert len(copy_runs) == 2 and AtRunDisk.from_dict(disk).reference in copy_runs
+    assert asdict(DiskClock.pooled(copy_runs)) == cal["disk_by_mechanism"]["cal_fetch"]
     beyond_read = cal["fit"]["copy_s"]
     assert cal["unit_costs"]["copy_s"] == pytest.approx(
         beyond_read + disk["busy_s"] / disk["reads"], rel=1e-12
@@ -1052,6 +1068,8 @@ def test_benchmark_table(tmp_path, monkeypatch):
     assert by["fetch_every_miss"]["disk_read_s"] == meta["disk_read_s"]["fetch_every_miss"][0] > 0
     # that speed against the calibration's reference run's, flagged beyond 15%
     reference_read_s = meta["at_run_disk"]["busy_s"] / meta["at_run_disk"]["reads"]
+    # the disk's reference speed is a copy run's (the median's; one round here)
+    assert meta["disk_read_s"]["cal_fetch"] == [pytest.approx(reference_read_s, rel=1e-12)]
     for row in df.iter_rows(named=True):
         ratio = row["disk_vs_calibration"]
         if row["policy"] == ALL_RESIDENT:

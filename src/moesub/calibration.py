@@ -23,9 +23,9 @@ every such step has as many), `installs` its background copies installed
 reads (`DiskClock`), a shared disk's speed drifts by up to half between runs a minute apart:
 each token's copies are then taken as read at its own run's speed (`read_s`, subtracted from
 its wall time), `copy_s` is fitted as the copy's work beyond its read, and the disk's speed
-enters once, as the calibration run at the median time per read (`reference_clock`; both in
-`moesub.run_speed`). Every layer computes k experts, each on the fast tier or the host, so the
-fast tier's expert time is inside `layer_s` and the host's term is its excess over it
+enters once, as the calibration's copy run at the median time per read (`reference_clock`;
+both in `moesub.run_speed`). Every layer computes k experts, each on the fast tier or the host,
+so the fast tier's expert time is inside `layer_s` and the host's term is its excess over it
 (`host_extra_s`).
 `unit_costs_from_fit` splits the per-layer constant into the dense work and k fast experts with
 a microbenchmarked expert time, and gives the pricing's seconds

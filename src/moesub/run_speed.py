@@ -63,9 +63,10 @@ def copy_at_disk(copy_s: float, reference: DiskClock, run: DiskClock) -> float:
 
 
 def reference_clock(clocks: Sequence[DiskClock]) -> DiskClock | None:
-    """The calibration's disk speed: of its runs that read, the one at the median time per read
-    (the lower of two), so that a slow stretch of the disk, which takes a run or two, does not
-    set it; None where none read."""
+    """The calibration's disk speed: of its copy runs (`moesub.engine.calibrate.COPY_RUN`: its
+    reads are the synchronous copies the copy term prices) that read, the one at the median time
+    per read (the lower of two), so that a slow stretch of the disk, which takes a run or two,
+    does not set it; None where none read."""
     read = sorted((c for c in clocks if c.reads), key=lambda c: c.per_read_s)
     return read[(len(read) - 1) // 2] if read else None
 

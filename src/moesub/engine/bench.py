@@ -31,8 +31,9 @@ on its own tokens that only hit (`moesub.run_speed.priced_at_speed`). One row pe
 (`bench_runs.policy_row`): time per token, its ratios to `fetch_every_miss` and `host_compute`,
 the pricing's prediction and error, the runs' CPU share and the cores others used beside them
 (`contended`: `moesub.engine.contention`), the disk's speed against the calibration's reference
-run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift alone can move a copy-heavy
-policy's time by the 10% its price is held to), the rounds' spread (`round_spread`: each
+copy run (`disk_vs_calibration`; `disk_drifted` beyond 15%: the drift alone can move a
+copy-heavy policy's time by the 10% its price is held to; the host's reads, beside the slots'
+compute, may also read slower than copies by their kind), the rounds' spread (`round_spread`: each
 round's time over its price, max - min over their median). Beside it (`counts_path`) every
 run's per-token-layer counts in `TOKEN_LAYER_FIELDS` layout with each token's wall time
 (`bench_runs.counts_frame`, read back by `read_bench_counts`), validation and calibration runs
@@ -75,6 +76,7 @@ from moesub.engine.bench_runs import (
 )
 from moesub.engine.calibrate import (
     ADMIT_RUN,
+    COPY_RUN,
     HOST_RUN,
     MECHANISMS,
     microbenchmarks,
@@ -211,7 +213,7 @@ def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
     host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
     micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
     priced = rounds.host_reads_link  # the host's terms through the pricing
-    reference = reference_clock([r.disk for r in runs])
+    reference = reference_clock([r.disk for r in rounds.runs[COPY_RUN]])
     seconds = unit_costs_from_fit(
         fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"],
         host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,

@@ -249,9 +249,11 @@ DISK_DRIFT_BEYOND = 0.15
 
 
 def disk_drift(runs: list[BenchRun], reference: DiskClock | None) -> dict[str, float | bool]:
-    """A policy's reads against the calibration's `reference` run: the time per read over all
-    its runs (`disk_read_s`), that over the reference's (`disk_vs_calibration`), and whether it
-    is beyond `DISK_DRIFT_BEYOND` (`disk_drifted`; NaN where nothing read: False)."""
+    """A policy's reads against the calibration's `reference` copy run: the time per read over
+    all its runs (`disk_read_s`), that over the reference's (`disk_vs_calibration`), and whether
+    it is beyond `DISK_DRIFT_BEYOND` (`disk_drifted`; NaN where nothing read: False). A policy
+    whose host reads its experts is compared with copies: its worker's reads, beside the slots'
+    compute, ran 1.3-1.6x a copy's time on 2026-12-06, so its ratio is not the drift alone."""
     read_s = DiskClock.pooled([r.disk for r in runs]).per_read_s
     drift = math.nan if reference is None else read_s / reference.per_read_s
     return {

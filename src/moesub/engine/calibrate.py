@@ -6,8 +6,8 @@ computed by the host; background admissions), in interleaved rounds (`round_orde
 machine's load falls on all alike, each run on an engine of its own. Every token's wall time and
 per-token-layer counts feed the non-negative fit of the pricing's terms (`moesub.calibration`; on
 the disk tier each run's copies are taken at the disk's speed while it read, and the disk's speed
-from the median run; where the host reads its experts over the link, the host's terms come
-from the pricing of the host runs); the fast tier's expert time is a microbenchmark
+from the median copy run, `COPY_RUN`; where the host reads its experts over the link, the host's
+terms come from the pricing of the host runs); the fast tier's expert time is a microbenchmark
 (`measure_expert_compute`, on loaded slots) that splits the fitted per-layer constant, and so
 are its slowdowns while the link reads (`measure_host_read_drag`,
 `measure_background_read_drag`: the disk tier) and its install of a landed copy
@@ -63,8 +63,11 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
 }
 # the mechanisms whose runs find the host's terms, and the background lane's start, through the
-# pricing where the host reads over the link
-HOST_RUN, ADMIT_RUN = "cal_host", "cal_admit"
+# pricing where the host reads over the link; and the one whose reads are the synchronous copies
+# the copy term prices: its median run is the disk's reference speed (`reference_clock`). The
+# host's reads, beside the slots' compute, ran 2-14% faster than the copies on 2026-12-05 and
+# 1.3-1.6x their time on 2026-12-06 (docs/measurements.md): pooled, they moved the copies' price
+HOST_RUN, ADMIT_RUN, COPY_RUN = "cal_host", "cal_admit", "cal_fetch"
 # alternations of each drag microbenchmark after a run (some 0.8 s for both at 2): the median
 # over the calibration's runs does the rest
 DRAG_ROUNDS = 2
@@ -418,7 +421,7 @@ class Calibration:
         timed, disk, info = self.timed, self.disk, self.info
         median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
         fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
-        reference = reference_clock([c for clocks in disk.values() for c in clocks])
+        reference = reference_clock(disk[COPY_RUN])
         priced = self.host_reads_link  # the host's terms, the lane's start through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
