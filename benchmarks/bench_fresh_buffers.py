@@ -1,46 +1,53 @@
-"""What an uncached expert read costs when the buffer it goes into was never written: reads into
-freshly allocated buffers against reads into a buffer written before.
+"""What an uncached expert read costs when the pages it goes into were never written: reads into
+fresh anonymous mappings against reads into buffers written before.
 
     python benchmarks/bench_fresh_buffers.py [--store results/engine_bench/bench_experts.bin]
         [--reads 16] [--trials 6]
 
-The kernel backs a fresh allocation's pages on their first write; on a VM that hands freed
-memory back to its host the write can cost more than the read. The engine allocates once and
-writes every buffer a timed read goes into where its tier is set up
+The kernel backs a fresh allocation's pages on their first write, here the read's; on a VM
+that hands freed memory back to its host that costs more (docs/measurements.md). The engine
+allocates once and writes every buffer a timed read goes into where its tier is set up
 (`moesub.engine.store.aligned_zeros`). Each trial reads `--reads` random whole experts through
-`ExpertStore.read_into` (the engine's path) into, in turn: one buffer written before
-(`written`), a fresh `aligned_empty` buffer per read (`fresh`), and a fresh `aligned_zeros`
-buffer per read (`fresh_zeroed`, its write not timed); the order rotated per trial, so the
-disk's drift falls on all three. It prints each kind's median time per read and, per trial, its
-median over the written buffer's: 1 is a read that does not care where it lands. Without
-`--store` (or when it is missing) it writes a store of `--experts` random 6 MiB experts into a
-temporary directory.
+`ExpertStore.read_into` (the engine's path) into, in turn: `--reads` buffers written before
+(`written`), and a fresh anonymous mapping per read (`fresh`: `mmap`, never written; the
+allocator's own reuse of freed memory would hide the first write); the order alternated per
+trial, so the disk's drift falls on both. It prints each kind's median time per read and, per
+trial, the fresh reads' median over the written ones': 1 is a read that does not care where it
+lands. Without `--store` (or when it is missing) it writes a store of `--experts` random 6 MiB
+experts into a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from bench_disk_overlap import store_path
 
-from moesub.engine.store import ExpertStore, aligned_empty, aligned_zeros
-
-KINDS = ("written", "fresh", "fresh_zeroed")
+from moesub.engine.store import ExpertStore, StoreLayout, aligned_zeros
 
 
-def timed_reads(store: ExpertStore, flat: np.ndarray, buffer: Callable[[], tuple]) -> np.ndarray:
-    """Seconds of each read of `flat` (layer-major expert indices) into `buffer()`'s tensors."""
+def fresh_buffers(lay: StoreLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's two tensors on a new anonymous mapping: page-aligned, no page written."""
+    maps = [mmap.mmap(-1, nbytes) for nbytes in (lay.gate_up_bytes, lay.down_bytes)]
+    return tuple(
+        torch.frombuffer(m, dtype=lay.torch_dtype).view(shape)
+        for m, shape in zip(maps, (lay.gate_up_shape, lay.down_shape), strict=True)
+    )
+
+
+def timed_reads(store: ExpertStore, flat: np.ndarray, buffers: list[tuple]) -> np.ndarray:
+    """Seconds of each read of `flat` (layer-major expert indices), the j-th into buffers[j]."""
     E = store.layout.num_experts
     out = np.empty(len(flat))
     for j, i in enumerate(flat.tolist()):
-        gu, dn = buffer()
         t0 = time.perf_counter()
-        store.read_into(i // E, i % E, gu, dn)
+        store.read_into(i // E, i % E, *buffers[j])
         out[j] = time.perf_counter() - t0
     return out
 
@@ -57,29 +64,33 @@ def main() -> None:
         path = store_path(args.store, Path(tmp), args.experts, args.seed)
         with ExpertStore(path) as store:
             lay = store.layout
-            shapes, dt = (lay.gate_up_shape, lay.down_shape), lay.torch_dtype
-            written = tuple(aligned_zeros(s, dt) for s in shapes)
-            buffers = {
-                "written": lambda: written,
-                "fresh": lambda: tuple(aligned_empty(s, dt) for s in shapes),
-                "fresh_zeroed": lambda: tuple(aligned_zeros(s, dt) for s in shapes),
-            }
-            n = lay.num_layers * lay.num_experts
+            n, reads = (
+                lay.num_layers * lay.num_experts,
+                min(args.reads, lay.num_layers * lay.num_experts),
+            )
+            written = [
+                (aligned_zeros(lay.gate_up_shape, lay.torch_dtype),
+                 aligned_zeros(lay.down_shape, lay.torch_dtype))
+                for _ in range(reads)
+            ]  # fmt: skip
             rng = np.random.default_rng(args.seed)
-            times = {kind: [] for kind in KINDS}  # per kind, per trial: (reads,) seconds
+            times = {"written": [], "fresh": []}  # per kind, per trial: (reads,) seconds
             for trial in range(args.trials):
-                for kind in np.roll(KINDS, trial).tolist():
-                    picks = rng.choice(n, size=min(args.reads, n), replace=False)
-                    times[kind].append(timed_reads(store, picks, buffers[kind]))
+                for kind in ("written", "fresh") if trial % 2 == 0 else ("fresh", "written"):
+                    bufs = (
+                        written if kind == "written" else [fresh_buffers(lay) for _ in range(reads)]
+                    )
+                    picks = rng.choice(n, size=reads, replace=False)
+                    times[kind].append(timed_reads(store, picks, bufs))
             print(f"{path} ({store.mode}, {lay.expert_bytes / 2**20:.2f} MiB experts), "
-                  f"{args.trials} trials of {args.reads} reads per kind:")  # fmt: skip
-            base = np.array([np.median(t) for t in times["written"]])
-            for kind in KINDS:
-                t = np.array(times[kind])  # (trials, reads)
-                ratio = np.median(t, axis=1) / base
-                print(f"  {kind:12s}: {1e3 * np.median(t):6.2f} ms per read (p90 "
-                      f"{1e3 * np.percentile(t, 90):6.2f}), over written: median "
-                      f"{np.median(ratio):.2f} [{ratio.min():.2f}, {ratio.max():.2f}]")  # fmt: skip
+                  f"{args.trials} trials of {reads} reads per kind:")  # fmt: skip
+            for kind, t in times.items():
+                ms = 1e3 * np.array(t)  # (trials, reads)
+                print(f"  {kind:8s}: {np.median(ms):6.2f} ms per read "
+                      f"(p90 {np.percentile(ms, 90):6.2f}, max {ms.max():6.1f})")  # fmt: skip
+            ratio = np.median(times["fresh"], axis=1) / np.median(times["written"], axis=1)
+            print(f"  fresh over written, per trial: median {np.median(ratio):.2f} "
+                  f"[{ratio.min():.2f}, {ratio.max():.2f}]")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -140,9 +140,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, align: int = ALIGN
 def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = ALIGN) -> torch.Tensor:
     """`aligned_empty` with every page written once (zeros), for a buffer that timed reads go
     into. The kernel backs a fresh allocation's pages on their first write, and on this VM an
-    uncached read into an untouched 6 MiB expert buffer took 20-48 ms instead of 3
-    (docs/measurements.md): a runtime allocates its buffers once, at start, so the engine pays
-    that where it sets up, not in a token's step."""
+    uncached read into an untouched 6 MiB expert buffer took 20-48 ms instead of 3 in the engine
+    bench (docs/measurements.md; `benchmarks/bench_fresh_buffers.py`): a runtime allocates its
+    buffers once, at start, so the engine pays that where it sets up, not in a token's step."""
     return aligned_empty(shape, dtype, align).zero_()
 
 
