@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_disk_overlap import store_path
+from bench_disk_overlap import store_arguments, store_path
 
 from moesub.engine.store import ExpertStore, aligned_empty
 
@@ -46,12 +46,9 @@ def spaced_reads(store: ExpertStore, flat: np.ndarray, gap_s: float, buf: tuple)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", type=Path, default=Path("results/engine_bench/bench_experts.bin"))
-    ap.add_argument("--experts", type=int, default=128, help="experts of a store written here")
-    ap.add_argument("--reads", type=int, default=16, help="reads per gap per trial")
+    store_arguments(ap, "reads per gap per trial")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--gaps", default="0,1,3,6,12", help="ms of sleep after each read")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     gaps = [float(g) for g in args.gaps.split(",")]
     if 0.0 not in gaps or min(gaps) < 0:

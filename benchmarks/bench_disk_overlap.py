@@ -58,6 +58,15 @@ def timed_reads(store: ExpertStore, picks: list[np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
+def store_arguments(ap: argparse.ArgumentParser, reads_help: str) -> None:
+    """The disk benchmarks' shared options: the store, its size where written here, the reads
+    per trial and the seed."""
+    ap.add_argument("--store", type=Path, default=Path("results/engine_bench/bench_experts.bin"))
+    ap.add_argument("--experts", type=int, default=128, help="experts of a store written here")
+    ap.add_argument("--reads", type=int, default=16, help=reads_help)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def store_path(path: Path, tmp: Path, experts: int, seed: int) -> Path:
     """`path` where it exists, else a store of `experts` random real-size experts (one layer,
     6 MiB each) written into `tmp`."""
@@ -71,11 +80,8 @@ def store_path(path: Path, tmp: Path, experts: int, seed: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", type=Path, default=Path("results/engine_bench/bench_experts.bin"))
-    ap.add_argument("--experts", type=int, default=128, help="experts of a store written here")
-    ap.add_argument("--reads", type=int, default=16, help="reads per thread per trial")
+    store_arguments(ap, "reads per thread per trial")
     ap.add_argument("--pairs", type=int, default=20, help="trials of one thread, then two")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moesub_overlap_") as tmp:
         path = store_path(args.store, Path(tmp), args.experts, args.seed)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_disk_overlap import store_path
+from bench_disk_overlap import store_arguments, store_path
 
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_zeros
 
@@ -54,11 +54,8 @@ def timed_reads(store: ExpertStore, flat: np.ndarray, buffers: list[tuple]) -> n
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", type=Path, default=Path("results/engine_bench/bench_experts.bin"))
-    ap.add_argument("--experts", type=int, default=128, help="experts of a store written here")
-    ap.add_argument("--reads", type=int, default=16, help="reads per kind per trial")
+    store_arguments(ap, "reads per kind per trial")
     ap.add_argument("--trials", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="moesub_fresh_") as tmp:
         path = store_path(args.store, Path(tmp), args.experts, args.seed)
