@@ -266,8 +266,8 @@ class BenchSetup:
 
     def release(self, engine: OffloadEngine) -> None:
         """Close a run's engine, keeping a disk tier's slots for the next tier. Allocated afresh
-        every run, their 1.5 GiB's pages were backed again on first write, and on this VM the
-        freed ones went back to its host: runs were slower beside it (docs/measurements.md)."""
+        every run, their 1.5 GiB's pages were backed again by the load's first writes: on this
+        VM nearly half the bench's time (382 s against 195-221 s; docs/measurements.md)."""
         if isinstance(engine.tier, DiskTier):
             self.spare[engine.tier.slots[0].capacity] = engine.tier.slots
         engine.close()
@@ -395,7 +395,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
                 kept = engine
             else:  # its landed copies' staging buffers back first: the drain needs them
                 plan.release(engine)
-            tier = engine = None  # frees the slot buffers before the next run allocates its own
+            tier = engine = None  # frees the tier's other buffers (its slots are `spare`)
             gc.collect()
     finally:
         for left in {id(e): e for e in (engine, kept) if e is not None}.values():
