@@ -304,8 +304,11 @@ def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, a
     store = ExpertStore(tmp_path / "x.bin", expected=lay)
     host = HostExperts(store, pinned_layers * E * lay.expert_bytes, CountingAllocator())
     cuda = FakeCuda()
-    tier = CudaTier(host, C, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=cuda)
+    tier = CudaTier(host, C, "cpu", act, staging_buffers=3, alloc=host.alloc, cuda=cuda, top_k=k)
     assert tier.kind == ("pinned->CUDA" if pinned_layers == 2 else "disk->pinned->CUDA")
+    # the host's scratch for layers on disk: k experts, written at set-up, never reallocated
+    scratch = tier._host_scratch
+    assert (scratch is None) == (pinned_layers == 2)
     pol = Policy(**policy)
     trace = synthetic_logits(60, lay.num_layers, E, seed=3)
     engine = OffloadEngine(tier, E, k, C, pol, None, act, admission=admission)
@@ -318,6 +321,7 @@ def test_cuda_tier_bookkeeping_on_a_fake_device(tmp_path, monkeypatch, policy, a
     finally:
         engine.close()
     assert np.array_equal(status, scan(trace, k, C, pol).status)
+    assert tier._host_scratch is scratch and (scratch is None or len(scratch[0]) == k)
     if admission == "delay":
         assert installed > 0
     assert not tier._queued and all(not q for q in tier._inflight)  # drained on close

@@ -290,7 +290,7 @@ class LoadedModel:
         if self.host is None:
             budget = None if self.pinned_budget_gb is None else int(self.pinned_budget_gb * 2**30)
             self.host = HostExperts(self.store, budget)
-        return CudaTier(self.host, caps, self.device, self.act, staging)
+        return CudaTier(self.host, caps, self.device, self.act, staging, top_k=self.info.top_k)
 
     def close(self) -> None:
         self.store.close()

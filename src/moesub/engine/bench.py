@@ -262,12 +262,12 @@ class BenchSetup:
             slots = self.spare.pop(capacity, None)
             return DiskTier(self.store, capacity, p.top_k, ACT, p.staging_buffers, self.image,
                             slots)  # fmt: skip
-        return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers)
+        return CudaTier(self.host, capacity, self.dev, ACT, p.staging_buffers, top_k=p.top_k)
 
     def release(self, engine: OffloadEngine) -> None:
         """Close a run's engine, keeping a disk tier's slots for the next tier. Allocated afresh
         every run, their 1.5 GiB's pages were backed again by the load's first writes: on this
-        VM nearly half the bench's time (382 s against 195-221 s; docs/measurements.md)."""
+        VM nearly half the bench's time (344 s against 195 s kept; docs/measurements.md)."""
         if isinstance(engine.tier, DiskTier):
             self.spare[engine.tier.slots[0].capacity] = engine.tier.slots
         engine.close()

@@ -70,6 +70,7 @@ class CudaTier:
         capability: tuple[int, int] | None = None,
         alloc: Allocator = pinned_empty,
         cuda=None,
+        top_k: int | None = None,
     ) -> None:
         # `cuda`: the torch.cuda API the tier drives (streams, events, synchronize); a test
         # passes a CPU stand-in to run the tier's bookkeeping without a GPU
@@ -127,8 +128,11 @@ class CudaTier:
         self._io: dict[tuple, torch.Tensor] = {}  # per-layer pinned transfer buffers
         self._fetch_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_s = 0.0  # host time on disk reads of synchronous fetches
-        # the host's fresh reads of layers on disk (`host_forward`; written once: `aligned_zeros`)
+        # the host's fresh reads of layers on disk (`host_forward`), up to `top_k` experts a step,
+        # written here (`aligned_zeros`), as the disk tier's; grown in a step that needs more
         self._host_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        if host.disk_layers and top_k:
+            self._hold_host_scratch(top_k)
 
     @property
     def description(self) -> str:
@@ -314,13 +318,8 @@ class CudaTier:
         buffer without a wait. -> (rows on the GPU, bytes)."""
         nbytes = 0
         if self.host.on_disk(layer):
-            lay, (ids, experts) = self.layout, host_ids_to_local(host_ids)
-            held = 0 if self._host_scratch is None else len(self._host_scratch[0])
-            if held < len(experts):  # k experts (a token's), kept across the steps
-                n = max(host_ids.shape[1], len(experts))
-                shapes = ((n, *lay.gate_up_shape), (n, *lay.down_shape))
-                self._host_scratch = tuple(aligned_zeros(s, lay.torch_dtype) for s in shapes)
-            gu, dn = (t[: len(experts)] for t in self._host_scratch)
+            ids, experts = host_ids_to_local(host_ids)
+            gu, dn = (t[: len(experts)] for t in self._hold_host_scratch(len(experts)))
             for j, e in enumerate(experts.tolist()):
                 nbytes += self.host.store.read_into(layer, e, gu[j], dn[j])
         else:
@@ -331,6 +330,14 @@ class CudaTier:
         buf.copy_(out)
         with self.cuda.stream(self.compute):
             return buf.to(self.device, non_blocking=True), nbytes
+
+    def _hold_host_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host's scratch, grown to hold at least `n` experts (its pages written)."""
+        if self._host_scratch is None or len(self._host_scratch[0]) < n:
+            lay = self.layout
+            shapes = ((n, *lay.gate_up_shape), (n, *lay.down_shape))
+            self._host_scratch = tuple(aligned_zeros(s, lay.torch_dtype) for s in shapes)
+        return self._host_scratch
 
     def read_range(self, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts first..first+count-1 of a layer on the host (a prompt's prefill): views of
