@@ -592,6 +592,11 @@ def write_engine_bench(root: Path, names: list[str]) -> Path:
             "sim_rel_error_at_run_disk": (i % 5 - 2) * 0.01,  # the disk's drift taken out
             "run_speed": 1.0 + (i % 3) * 0.05,  # and the machine's compute speed too
             "sim_rel_error_at_run_speed": (i % 5 - 2) * 0.005,
+            # 4 rounds, priced 3% under and over the error in two (the analysis' interval)
+            "round_time_s": [TIME[n] * 160] * 4,
+            "round_priced_s": [
+                TIME[n] * 160 * (1 + (i % 5 - 2) * 0.02) * f for f in (0.97, 1.03, 1.0, 1.0)
+            ],  # fmt: skip
         }
         for i, n in enumerate(names)
     ]

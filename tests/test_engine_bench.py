@@ -20,8 +20,10 @@ from moesub.engine.bench_runs import (
     BenchRun,
     at_run_disk,
     disk_drift,
+    policy_row,
     round_part,
     round_spread,
+    round_sums,
 )
 from moesub.engine.calibrate import round_order, spread
 from moesub.engine.kernels import GROUPED_MIN_TOKENS, expert_forward, path_for
@@ -158,6 +160,31 @@ def test_round_spread_is_the_rounds_ratios_to_their_price_max_minus_min_over_the
     priced = np.array([0.02, 0.02, 0.02, 0.03, 0.03, 0.02, 0.02, 0.02, 0.02])  # 60, 60, 80 ms
     assert round_spread(runs, priced) == pytest.approx((1.25 - 1.0) / 1.0, rel=1e-12)
     assert math.isnan(round_spread(runs[:1], priced[:3]))
+
+
+def test_a_policys_round_sums_are_its_rounds_time_and_price_and_give_its_error():
+    """`policy_row` keeps each round's time and price (as measured) in all: they partition its
+    tokens, and their sums' ratio less 1 is its `sim_rel_error` (the analysis resamples them)."""
+    fields = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+    costs = UnitCosts(copy_s=3e-3, expert_s=0.5e-3, host_expert_s=1e-3, dense_layer_s=0.6e-3,
+                      token_overhead_s=0.2e-3, install_s=0.1e-3, concurrent_host=False,
+                      host_reads_link=False)  # fmt: skip
+    rng = np.random.default_rng(7)
+    runs = []
+    for T in (5, 4, 6):
+        c = np.zeros((T, 2, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+        fetched = rng.integers(0, 3, (T, 2))
+        c[..., fields["hit"]], c[..., fields["fetch"]] = 4 - fetched, fetched
+        runs.append(_run(price_stream(c, 1, costs).token_s * rng.uniform(0.8, 1.3, T), c, 0, 0.0))
+    row = policy_row(runs, 1, costs, [costs] * 3, None)
+    priced = np.concatenate([price_stream(r.layer_counts, 1, costs).token_s for r in runs])
+    time_s, priced_s = round_sums(runs, priced)
+    assert row["round_time_s"] == pytest.approx([r.wall_s.sum() for r in runs], rel=1e-12)
+    assert row["round_priced_s"] == pytest.approx(priced_s.tolist(), rel=1e-12)
+    assert time_s.sum() == pytest.approx(sum(r.wall_s.sum() for r in runs), rel=1e-12)
+    assert sum(row["round_priced_s"]) / sum(row["round_time_s"]) - 1 == pytest.approx(
+        row["sim_rel_error"], rel=1e-12
+    )
 
 
 def test_round_part_shares_the_measured_tokens_out_and_runs_the_warmup_before_each():

@@ -133,13 +133,19 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     ) in line
     # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk, -1% .. +1% at
     # each run's speed too
-    (met, at_disk, at_speed) = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
+    lines = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
+    (met, rounds, at_disk, at_speed) = (" ".join(line.split()) for line in lines)
     n = len(POLICIES)
     assert met.startswith(
         f"The pricing is held to 10% of the engine's time for every policy. As "
         f"measured, {n} of {n} policies are within it, largest |error| 4.0%"
     )
     assert met.endswith(": the criterion is met in this run.")
+    # the fixture's rounds are priced 3% either side of the error: every interval within 10%
+    assert rounds == (
+        "Resampling each policy's rounds (stretches of the machine; the calibration held as "
+        f"fitted) gives its error a 95% CI: of the {n} within, 0 reach beyond it."
+    )
     assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
     assert at_speed.startswith("At each run's disk and its own speed (its compute timed on")
     assert f"{n} of {n} are within 10%, largest |error| 1.0%" in at_speed
@@ -211,6 +217,21 @@ def test_bench_lines_name_the_rows_outside():
         "which prices a policy that only hits at its own times: no error by construction), 2 "
         "of 3 are within 10%, largest |error| 14.0% (host_compute); outside: "
         "host_compute +14.0%; too few such tokens to probe: speed."
+    )
+    # each row's interval over its rounds: of those outside, which reach inside the 10%; of
+    # those within, which reach beyond it
+    bounds = [(-0.06, 0.01), (-0.21, -0.09), (0.11, 0.14), (None, None)]
+    rounds = [{**r, "sim_rel_error_ci_lo": lo, "sim_rel_error_ci_hi": hi}
+              for r, (lo, hi) in zip(rows, bounds, strict=True)]  # fmt: skip
+    assert bench_lines(outputs(rounds))[1] == (
+        "Resampling each policy's rounds (stretches of the machine; the calibration held as "
+        "fitted) gives its error a 95% CI: of the 2 outside, 1 reaches inside 10% (host_compute "
+        "-16.7% [-21.0, -9.0]): this run does not tell it from within; of the 1 within, 0 "
+        "reach beyond it."
+    )
+    rounds[0]["sim_rel_error_ci_lo"] = -0.12
+    assert bench_lines(outputs(rounds))[1].endswith(
+        "of the 1 within, 1 reaches beyond it (fetch_every_miss -2.1% [-12.0, +1.0])."
     )
     # a table from before the at-disk column, and none
     old = [{k: v for k, v in r.items() if k == "policy" or k == "sim_rel_error"} for r in rows]

@@ -490,3 +490,44 @@ def test_mass_per_token_layer_from_metadata_or_layer_mass(tmp_path):
     write_parquet(pq.read_table(path).replace_schema_metadata(None), path, metadata=meta)
     with pytest.raises(ValueError, match="neither num_layers metadata nor a layer_mass column"):
         run_analysis(inputs, {"policies": pols, "n_boot": 20}, tmp_path / "an2")
+
+
+def test_the_bench_errors_interval_over_its_rounds(tmp_path):
+    """A policy's error with an interval over its rounds resampled: its error exactly, no width
+    where every round is priced alike, around the error where they differ (wider with more
+    noise), none under 3 rounds; the analysis' table keeps the bounds, not the rounds' sums."""
+    import pyarrow as pa
+
+    from moesub.io import write_parquet
+    from moesub.stats import AnalysisParams
+    from moesub.stats.timing import engine_bench, error_interval
+
+    p = AnalysisParams(n_boot=2000)
+    time_s = np.array([2.0, 2.4, 1.8, 2.2, 2.1, 1.9, 2.6, 2.0])
+    alike = error_interval(time_s, 0.9 * time_s, p, "alike")
+    assert alike.estimate == pytest.approx(-0.1, rel=1e-12)
+    assert alike.ci_lo == pytest.approx(-0.1, rel=1e-9) and alike.ci_hi == pytest.approx(-0.1)
+    ratios = np.array([0.95, 0.85, 1.0, 0.8, 0.9, 0.93, 0.82, 0.97])
+    noisy = error_interval(time_s, ratios * time_s, p, "cpu/a")  # the key the table uses
+    assert noisy.estimate == pytest.approx((ratios * time_s).sum() / time_s.sum() - 1, rel=1e-12)
+    assert noisy.ci_lo < noisy.estimate < noisy.ci_hi
+    noisier = error_interval(time_s, (0.9 + 2 * (ratios - 0.9)) * time_s, p, "noisy")
+    assert noisier.ci_hi - noisier.ci_lo > 1.5 * (noisy.ci_hi - noisy.ci_lo)
+    assert error_interval(time_s[:2], time_s[:2], p, "two") is None
+    rows = [
+        {"policy": "a", "device": "cpu", "sim_rel_error": noisy.estimate,
+         "round_time_s": time_s.tolist(), "round_priced_s": (ratios * time_s).tolist()},
+        {"policy": "b", "device": "cpu", "sim_rel_error": 0.0,
+         "round_time_s": [1.0, 1.0], "round_priced_s": [1.0, 1.0]},
+    ]  # fmt: skip
+    path = write_parquet(pa.Table.from_pylist(rows), tmp_path / "cpu.parquet")
+    table = engine_bench([str(path)], p).table.set_index("policy")
+    assert "round_time_s" not in table.columns and "round_priced_s" not in table.columns
+    assert table.loc["a", "sim_rel_error_ci_lo"] == pytest.approx(noisy.ci_lo, rel=1e-12)
+    assert table.loc["a", "sim_rel_error_ci_hi"] == pytest.approx(noisy.ci_hi, rel=1e-12)
+    assert pd.isna(table.loc["b", "sim_rel_error_ci_lo"])
+    # a bench from before the rounds' sums: no bounds
+    old = write_parquet(pa.Table.from_pylist([{k: v for k, v in rows[0].items()
+                                               if not k.startswith("round")}]),
+                        tmp_path / "old.parquet")  # fmt: skip
+    assert "sim_rel_error_ci_lo" not in engine_bench([str(old)], p).table.columns

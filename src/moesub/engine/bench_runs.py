@@ -263,6 +263,17 @@ def disk_drift(runs: list[BenchRun], reference: DiskClock | None) -> dict[str, f
     }
 
 
+def round_sums(runs: list[BenchRun], priced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A policy's rounds' times and prices in all, (R,) each: `priced` is its runs' tokens in
+    turn. The statistics over rounds (`round_spread` here; the interval of the error, in the
+    analysis) take a round, a stretch of the machine, as their unit."""
+    ends = np.cumsum([len(r.wall_s) for r in runs])[:-1]
+    return (
+        np.array([r.wall_s.sum() for r in runs]),
+        np.array([p.sum() for p in np.split(priced, ends)]),
+    )
+
+
 def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
     """A policy's rounds against each other: each round's time over its price (`priced`, its
     runs' tokens in turn), (max - min) / median of those ratios
@@ -271,9 +282,8 @@ def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
     misses in each."""
     if len(runs) < 2:
         return float("nan")
-    ends = np.cumsum([len(r.wall_s) for r in runs])[:-1]
-    ratios = np.array([r.wall_s.sum() / p.sum()
-                       for r, p in zip(runs, np.split(priced, ends), strict=True)])  # fmt: skip
+    time_s, priced_s = round_sums(runs, priced)
+    ratios = time_s / priced_s
     return float((ratios.max() - ratios.min()) / np.median(ratios))
 
 
@@ -302,6 +312,7 @@ def policy_row(
     plain = at_disk if reference is None else price_streams(streams, delay, costs).token_s
     est = float(plain.mean())
     measured = float(r.wall_s.mean())
+    round_time_s, round_priced_s = round_sums(runs, plain)
     return {
         "tokens": len(r.wall_s),
         "time_per_token_median_s": float(np.median(r.wall_s)),
@@ -317,6 +328,10 @@ def policy_row(
         "admit_latency_tokens": r.admit_latency / r.admitted if r.admitted else math.nan,
         "est_time_per_token_s": est,
         "sim_rel_error": (est - measured) / measured,
+        # per round, its time and its price as measured in all: the error's interval over the
+        # rounds is the analysis's (`moesub.stats.timing.engine_bench`)
+        "round_time_s": round_time_s.tolist(),
+        "round_priced_s": round_priced_s.tolist(),
         "est_at_run_disk_s": est_disk,
         "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
         "run_speed": speed,

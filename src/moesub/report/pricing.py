@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from moesub.hardware import CONTENDED_BELOW, PRICE_HELD_TO, SHARED_ABOVE, STUDY_PROFILE
-from moesub.report.load import AnalysisOutputs, finite
+from moesub.report.load import AnalysisOutputs, ci_label, finite
 from moesub.report.tables import Col, Row, Table, make_table, num, pct, text
 
 # the policies whose host path the concurrency table shows, where simulated
@@ -102,6 +102,9 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         + "; ".join(f"{r['policy']} {100 * r['sim_rel_error']:+.1f}%{drift(r)}" for r in missed)
         + f": the criterion is {'not met' if missed else 'met'} in this run."
     ]
+    interval = rounds_interval_line(rows, missed, held_to, ci_label(out.ci_level))
+    if interval:
+        lines.append(interval)
     key = "sim_rel_error_at_run_disk"
     if any(finite(r.get(key)) for r in rows):
         at_disk = outside(key)
@@ -149,6 +152,53 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
             f"{', '.join(contended)}."
         )
     return lines
+
+
+def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci: str) -> str:
+    """What the bench's rounds say of the criterion: the rows outside whose error's interval
+    over their rounds (`sim_rel_error_ci_lo` / `_hi`) reaches inside `held_to`, and the rows
+    within whose interval reaches beyond it; empty where the bench recorded no rounds."""
+    key_lo, key_hi = "sim_rel_error_ci_lo", "sim_rel_error_ci_hi"
+    rows = [r for r in rows if finite(r.get(key_lo)) and finite(r.get(key_hi))]
+    if not rows:
+        return ""
+
+    def named(r: Row) -> str:
+        return (
+            f"{r['policy']} {100 * r['sim_rel_error']:+.1f}% "
+            f"[{100 * r[key_lo]:+.1f}, {100 * r[key_hi]:+.1f}]"
+        )
+
+    def reaches_inside(r: Row) -> bool:
+        return r[key_lo] <= held_to and r[key_hi] >= -held_to
+
+    def reaches_beyond(r: Row) -> bool:
+        return r[key_lo] < -held_to or r[key_hi] > held_to
+
+    def verb(these: list[Row]) -> str:
+        return "reaches" if len(these) == 1 else "reach"
+
+    out_names = {r["policy"] for r in missed}
+    outside = [r for r in rows if r["policy"] in out_names]
+    within = [r for r in rows if r["policy"] not in out_names]
+    line = (
+        f"Resampling each policy's rounds (stretches of the machine; the calibration held as "
+        f"fitted) gives its error a {ci}"
+    )
+    parts = []
+    if outside:
+        inside = [r for r in outside if reaches_inside(r)]
+        parts.append(
+            f"of the {len(outside)} outside, {len(inside)} {verb(inside)} inside {100 * held_to:g}%"
+            + (f" ({'; '.join(named(r) for r in inside)}): this run does not tell "
+               f"{'it' if len(inside) == 1 else 'them'} from within" if inside else "")
+        )  # fmt: skip
+    beyond = [r for r in within if reaches_beyond(r)]
+    parts.append(
+        f"of the {len(within)} within, {len(beyond)} {verb(beyond)} beyond it"
+        + (f" ({'; '.join(named(r) for r in beyond)})" if beyond else "")
+    )
+    return line + ": " + "; ".join(parts) + "."
 
 
 def concurrency_table(out: AnalysisOutputs, profile: str = STUDY_PROFILE) -> Table:

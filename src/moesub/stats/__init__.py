@@ -29,7 +29,8 @@ atomically (`moesub.io`), into `out_dir`:
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
 - `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;
 - `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;
-- `engine_bench.parquet`: the engine benchmark rows as measured;
+- `engine_bench.parquet`: the engine benchmark rows as measured, each error with its interval
+  over the policy's rounds resampled;
 - `generation.parquet`: per (task, policy, fraction): accuracy, agreement (Wilson CIs),
   r(mass, agreement);
 - `degeneration.parquet`: per (task, policy, fraction, measure) of the free continuations:
@@ -116,7 +117,7 @@ order and maps their tables onto `OUTPUT_FILES`:
         -> Summary(table, status)
     family_table(every part's tests, p.alpha) -> tests (DataFrame)
     claims(tests, quality.table, engine.table, simulate.total, p) -> Claims(results, status)
-    engine_bench(paths) -> EngineBench(table, status, provenance)  (shared, not per model)
+    engine_bench(paths, p) -> EngineBench(table, status, provenance)  (shared, not per model)
 
 The statistics themselves are pure functions of DataFrames / arrays inside each part's module.
 """

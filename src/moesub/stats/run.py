@@ -270,7 +270,7 @@ def run_analysis(
     for model, group in tqdm(groups.items(), desc="analysis", unit="model", disable=None):
         analyses[model] = analyse_model(model, group, p)
 
-    bench = engine_bench(files["engine_bench"])
+    bench = engine_bench(files["engine_bench"], p)
     tables: dict[str, pd.DataFrame] = {
         "engine_bench": bench.table,
         "models": pd.DataFrame([a.model_row for a in analyses.values()]),

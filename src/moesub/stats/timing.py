@@ -9,7 +9,7 @@ compared with the engine's mean (an expected time per token) on the engine's own
 simulator's tokens against those is the token-set effect, reported beside.
 
 Entry points: `simulate`, `priced`, `engine`, `speed_quality`, `sim_vs_engine` (per model) and
-`engine_bench(paths)` (the shared benchmark, not per model).
+`engine_bench(paths, p)` (the shared benchmark, not per model, with its errors' intervals).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pandas as pd
 
 from moesub.hardware import PRICE_HELD_TO
 from moesub.metrics import speedup
-from moesub.stats.intervals import correlation, median_ci
+from moesub.stats.intervals import correlation, median_ci, rng_for, stream_bootstrap
 from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
 from moesub.stats.params import AnalysisParams
 from moesub.stats.tokens import register_files
@@ -318,8 +318,30 @@ class EngineBench(NamedTuple):
     provenance: list[dict[str, Any]]
 
 
-def engine_bench(paths: list[str]) -> EngineBench:
-    """The shared engine benchmark (every model's rows in its own files), read as is."""
+# the bench's per-round sums (`moesub.engine.bench_runs.round_sums`), read for the interval
+ROUND_COLUMNS = ("round_time_s", "round_priced_s")
+
+
+def error_interval(time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, key: str):
+    """The pricing's error over a policy's rounds (`priced_s`, `time_s` (R,): each round's price
+    and time in all), `sum(priced) / sum(time) - 1`, with its interval over the rounds
+    resampled (`p.n_boot`, BCa at `p.ci_level`): a round is a stretch of the machine, so the
+    interval is the machine's noise between the policy's rounds, at the calibration as fitted
+    (the calibration runs' own noise is not in it). No interval under 3 rounds."""
+    if len(time_s) < 3:
+        return None
+
+    def error(w: np.ndarray) -> np.ndarray:  # (B, R) round weights -> (B,)
+        return (w @ priced_s) / (w @ time_s) - 1
+
+    rng = rng_for(p.seed, "engine_bench", key)
+    return stream_bootstrap(error, len(time_s), p.n_boot, rng, p.ci_level)[0]
+
+
+def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
+    """The shared engine benchmark (every model's rows in its own files), read as is, with
+    `sim_rel_error_ci_lo` / `_hi` from each policy's rounds (`error_interval`, where the bench
+    recorded them) in place of the per-round sums."""
     if not paths:
         return EngineBench(pd.DataFrame(), missing("no engine benchmark artefacts"), [])
     con = duckdb.connect()
@@ -329,5 +351,14 @@ def engine_bench(paths: list[str]) -> EngineBench:
         ).df()
     finally:
         con.close()
+    if all(c in df.columns for c in ROUND_COLUMNS):
+        bounds = []
+        for row in df.itertuples():
+            time_s, priced_s = (np.asarray(getattr(row, c), dtype=float) for c in ROUND_COLUMNS)
+            iv = error_interval(time_s, priced_s, p, f"{row.device}/{row.policy}")
+            bounds.append((None, None) if iv is None else (iv.ci_lo, iv.ci_hi))
+        df["sim_rel_error_ci_lo"] = pd.array([b[0] for b in bounds], dtype="Float64")
+        df["sim_rel_error_ci_hi"] = pd.array([b[1] for b in bounds], dtype="Float64")
+    df = df.drop(columns=[c for c in ROUND_COLUMNS if c in df.columns])
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
     return EngineBench(df, {"status": "ok"}, prov)
