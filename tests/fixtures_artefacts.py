@@ -330,6 +330,9 @@ def priced_row(
         "time_per_token_at_run_disk_s": 1.02 * measured if measured else None,
         "run_speed": 1.03 if measured else None,
         "time_per_token_at_run_speed_s": 1.01 * measured if measured else None,
+        # 4 streams of 128 tokens, priced 4% under and over the run's ratio in two of them
+        "stream_time_s": [measured * 128] * 4 if measured else None,
+        "stream_priced_s": [time * 128 * f for f in (0.96, 1.04, 1.0, 1.0)] if measured else None,
     }  # fmt: skip
 
 
@@ -337,12 +340,15 @@ def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
     """`rows` added to the model's `priced/{hardware}.parquet` (what is there kept)."""
     import polars as pl
 
+    from moesub.run_speed import STREAM_SUMS
+
     path = root / "priced" / f"{hardware}.parquet"
     types = {"device": pl.String, "cpu_share": pl.Float64, "other_cores": pl.Float64,
              "contended": pl.Boolean,
              "measured_time_per_token_s": pl.Float64,
              "time_per_token_at_run_disk_s": pl.Float64, "run_speed": pl.Float64,
-             "time_per_token_at_run_speed_s": pl.Float64}  # fmt: skip
+             "time_per_token_at_run_speed_s": pl.Float64,
+             **dict.fromkeys(STREAM_SUMS, pl.List(pl.Float64))}  # fmt: skip
     new = pl.DataFrame(rows, schema_overrides=types)
     if path.exists():
         new = pl.concat([pl.read_parquet(path), new], how="vertical_relaxed")

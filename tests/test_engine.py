@@ -864,6 +864,15 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     assert row["run_speed"] == pytest.approx(speed, rel=1e-12) and speed > 0
     at_speed = price_streams(streams, 1, costs_at_speed(at_disk, speed)).time_per_token_s
     assert row["time_per_token_at_run_speed_s"] == pytest.approx(at_speed, rel=1e-12)
+    # each stream's time and price (as measured) in all, for the error's interval over them
+    by_stream = df.group_by("stream").agg(pl.col("wall_s").sum()).sort("stream")["wall_s"]
+    assert row["stream_time_s"] == pytest.approx(by_stream.to_list(), rel=1e-12)
+    assert row["stream_priced_s"] == pytest.approx(
+        [price_streams([c], 1, costs).token_s.sum() for c in streams], rel=1e-12
+    )
+    assert sum(row["stream_priced_s"]) / sum(row["stream_time_s"]) == pytest.approx(
+        row["time_per_token_s"] / row["measured_time_per_token_s"], rel=1e-12
+    )
     assert costs_at_run_disk(costs, disk, {}) is None
     # a run with no disk record (the CUDA tier's, an older artefact's) is priced once at the
     # profile's costs, and that price is what its speed is probed against: two pricings, not

@@ -34,6 +34,7 @@ from moesub.run_speed import (
     SPEED_PROBE_TOKENS,
     AtRunDisk,
     DiskClock,
+    part_sums,
     priced_at_speed,
     reference_clock,
 )
@@ -185,6 +186,8 @@ def test_a_policys_round_sums_are_its_rounds_time_and_price_and_give_its_error()
     assert sum(row["round_priced_s"]) / sum(row["round_time_s"]) - 1 == pytest.approx(
         row["sim_rel_error"], rel=1e-12
     )
+    with pytest.raises(ValueError, match="parts of 14 tokens in all for 15 tokens"):
+        part_sums(priced, [5, 4, 5])
 
 
 def test_round_part_shares_the_measured_tokens_out_and_runs_the_warmup_before_each():

@@ -124,7 +124,16 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     # make_study prices every engine run within 10% of its time, and at its disk's speed
     line = " ".join(re.search(r"Pricing vs engine \(tiny\): (.*?)</p>", html, re.S)[1].split())
     runs = re.match(r"n = (\d+) runs,", line)[1]
-    assert f"n = {runs} runs, {runs} within 10% (what the pricing is held to)," in line
+    assert f"n = {runs} runs, {runs} within 10% (what the pricing is held to) (each" in line
+    # the table gives each run's interval over its streams
+    table = html[html.index('id="sim-engine-table"') :].split("</table>")[0]
+    assert "error's 95% CI over its streams" in table
+    assert len(re.findall(r"\[\+\d\.\d, \+\d\.\d\]%", table)) == int(runs)
+    # the fixture's streams are priced 4% either side of each run's error (about +5%)
+    assert (
+        "(each run's streams resampled, a 95% CI of its error: of those within, 0 reach beyond "
+        "it), median |relative error|"
+    ) in line
     assert f"at the disk's speed while it read, median 2.3%, max 2.3%, {runs} within;" in line
     assert (
         "and with their compute at the machine's speed while they ran (probed on their tokens "

@@ -371,6 +371,15 @@ def test_speed_quality_frontier(study):
     assert np.allclose(sve["rel_error_at_run_speed"], 0.01) and np.allclose(sve["run_speed"], 1.03)
     assert doc["n_at_run_speed"] == doc["n_within_at_run_speed"] == len(sve)
     assert doc["max_abs_rel_error_at_run_speed"] == pytest.approx(0.01)
+    # over each run's 4 streams resampled (priced 4% either side of its ratio in two): an
+    # interval about its error, within 10%; the streams' sums are not passed on
+    assert (sve["rel_error_ci_lo"] < sve["rel_error"]).all()
+    assert (sve["rel_error_ci_hi"] > sve["rel_error"]).all()
+    assert (sve["rel_error_ci_lo"] > -0.1).all() and (sve["rel_error_ci_hi"] < 0.1).all()
+    assert "stream_time_s" not in sve.columns
+    assert (doc["n_with_ci"], doc["n_within_ci_beyond"], doc["n_outside_ci_inside"]) == (
+        len(sve), 0, 0,
+    )  # fmt: skip
 
 
 def test_generation_wilson_and_correlation(study):

@@ -13,7 +13,8 @@ Two entry points, one rule each:
   measured time and CPU share beside, and `time_per_token_at_run_disk_s`: the same tokens with
   the copies at the disk's speed while the run read, `costs_at_run_disk`, and
   `time_per_token_at_run_speed_s`: also with its compute at the machine's speed while it ran,
-  probed on its own tokens that only hit, `run_speed`). Every stream is
+  probed on its own tokens that only hit, `run_speed`; and `STREAM_SUMS`, each stream's time
+  and price in all, which the analysis resamples). Every stream is
   priced from an idle link, as the caches restart. `time_per_token_serial_s` is the same
   counts priced without concurrency (the host's experts after the fast tier's), equal to
   `time_per_token_s` on a one-processor profile.
@@ -44,7 +45,7 @@ from moesub.hardware import (
 )
 from moesub.io import read_metadata, require_file, write_json, write_parquet
 from moesub.pricing import BREAKDOWN, StreamTime, price_streams
-from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
+from moesub.run_speed import STREAM_SUMS, AtRunDisk, DiskClock, part_sums, priced_at_speed
 from moesub.slots import policy_fields
 from moesub.token_counts import stream_counts
 from moesub.vocabulary import Policy
@@ -161,6 +162,11 @@ def _engine_row(
     if at_disk is not None:
         row["time_per_token_at_run_disk_s"] = float(at_disk_price.mean())
     row["time_per_token_at_run_speed_s"] = float(at_speed.mean())
+    # per stream, its time and its price in all: the error's interval over the streams is the
+    # analysis's (`moesub.stats.timing.error_interval`)
+    lengths = [len(s) for s in streams]
+    for column, values in zip(STREAM_SUMS, (wall, priced.token_s), strict=True):
+        row[column] = part_sums(values, lengths).tolist()
     return row
 
 
@@ -206,7 +212,8 @@ def run_price(
         rows.append(_engine_row(hardware, costs, at_run_disk, df, meta))
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
-                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean)  # fmt: skip
+                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean,
+                  **dict.fromkeys(STREAM_SUMS, pl.List(pl.Float64)))  # fmt: skip
     out = pl.DataFrame(rows, schema=schema)
     write_parquet(out, out_path, metadata={"hardware": hardware, "unit_costs": asdict(costs)})
     return out

@@ -161,3 +161,20 @@ def _priced(
         return price_streams(streams, delay, costs).token_s
     return np.concatenate([price_stream(c, delay, u).token_s
                            for c, u in zip(streams, costs, strict=True)])  # fmt: skip
+
+
+# ----------------------------------------------------------------- a run's parts, for its error
+# the columns that carry a run's parts' times and prices as measured, each in all (lists): a
+# bench policy's rounds, an engine run's streams
+ROUND_SUMS = ("round_time_s", "round_priced_s")
+STREAM_SUMS = ("stream_time_s", "stream_priced_s")
+
+
+def part_sums(x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """The sums (P,) of `x`'s consecutive parts of `lengths` tokens: a bench run's rounds, an
+    engine run's streams, each a stretch of the machine, over which the analysis resamples a
+    run's time against its price (`moesub.stats.timing.error_interval`)."""
+    x = np.asarray(x)
+    if sum(lengths) != len(x):
+        raise ValueError(f"parts of {sum(lengths)} tokens in all for {len(x)} tokens")
+    return np.array([part.sum() for part in np.split(x, np.cumsum(lengths)[:-1])])

@@ -33,7 +33,7 @@ from moesub.hardware import UnitCosts, is_contended
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 from moesub.pricing import price_streams
-from moesub.run_speed import AtRunDisk, DiskClock, priced_at_speed
+from moesub.run_speed import ROUND_SUMS, AtRunDisk, DiskClock, part_sums, priced_at_speed
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -267,11 +267,8 @@ def round_sums(runs: list[BenchRun], priced: np.ndarray) -> tuple[np.ndarray, np
     """A policy's rounds' times and prices in all, (R,) each: `priced` is its runs' tokens in
     turn. The statistics over rounds (`round_spread` here; the interval of the error, in the
     analysis) take a round, a stretch of the machine, as their unit."""
-    ends = np.cumsum([len(r.wall_s) for r in runs])[:-1]
-    return (
-        np.array([r.wall_s.sum() for r in runs]),
-        np.array([p.sum() for p in np.split(priced, ends)]),
-    )
+    lengths = [len(r.wall_s) for r in runs]
+    return np.array([r.wall_s.sum() for r in runs]), part_sums(priced, lengths)
 
 
 def round_spread(runs: list[BenchRun], priced: np.ndarray) -> float:
@@ -312,7 +309,6 @@ def policy_row(
     plain = at_disk if reference is None else price_streams(streams, delay, costs).token_s
     est = float(plain.mean())
     measured = float(r.wall_s.mean())
-    round_time_s, round_priced_s = round_sums(runs, plain)
     return {
         "tokens": len(r.wall_s),
         "time_per_token_median_s": float(np.median(r.wall_s)),
@@ -330,8 +326,7 @@ def policy_row(
         "sim_rel_error": (est - measured) / measured,
         # per round, its time and its price as measured in all: the error's interval over the
         # rounds is the analysis's (`moesub.stats.timing.engine_bench`)
-        "round_time_s": round_time_s.tolist(),
-        "round_priced_s": round_priced_s.tolist(),
+        **dict(zip(ROUND_SUMS, (sums.tolist() for sums in round_sums(runs, plain)), strict=True)),
         "est_at_run_disk_s": est_disk,
         "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
         "run_speed": speed,

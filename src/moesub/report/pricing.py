@@ -21,6 +21,16 @@ def ms(key: str) -> Col:
     return Col(f"{key} (ms)", lambda r: num(1e3 * r[key], "{:.3f}") if finite(r.get(key)) else "—")
 
 
+def interval(key: str):
+    """A column's cell: `{key}_ci_lo` to `_hi` in %, or a dash where there is none."""
+
+    def cell(r: Row) -> str:
+        lo, hi = r.get(f"{key}_ci_lo"), r.get(f"{key}_ci_hi")
+        return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]%" if finite(lo) and finite(hi) else "—"
+
+    return cell
+
+
 def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
     """Per engine run: measured, its own tokens priced on this_machine, the error (and at the
     disk's speed while the run read), the simulator's tokens priced (token-set effect), the CPU
@@ -42,6 +52,7 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
             "priced, engine's tokens (ms)", lambda r: num(1e3 * r["est_time_per_token_s"], "{:.3f}")
         ),  # fmt: skip
         Col("error", lambda r: pct(r.get("rel_error"))),
+        Col(f"error's {ci_label(out.ci_level)} over its streams", interval("rel_error"), False),
         Col("error at the run's disk speed", lambda r: pct(r.get("rel_error_at_run_disk"))),
         Col("error at the run's disk and speed", lambda r: pct(r.get("rel_error_at_run_speed"))),
         Col(

@@ -136,7 +136,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     sim = sim._replace(total=sim_total)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
-    sve = sim_vs_engine(eng.table, sim.total, prices)
+    sve = sim_vs_engine(eng.table, sim.total, prices, p)
     alloc = allocation(qual.streams, qual.table, prices, infos["emulate"], p)
     reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)

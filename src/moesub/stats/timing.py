@@ -24,6 +24,7 @@ import pandas as pd
 
 from moesub.hardware import PRICE_HELD_TO
 from moesub.metrics import speedup
+from moesub.run_speed import ROUND_SUMS, STREAM_SUMS
 from moesub.stats.intervals import correlation, median_ci, rng_for, stream_bootstrap
 from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
 from moesub.stats.params import AnalysisParams
@@ -238,7 +239,9 @@ def speed_quality(
     return SpeedQuality(sq, {"status": "ok"})
 
 
-def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) -> SimVsEngine:
+def sim_vs_engine(
+    eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame, p: AnalysisParams
+) -> SimVsEngine:
     """Per engine run (`eng`, `Engine.table`) priced on this machine (`prices`: the engine rows
     of `priced`): `est_time_per_token_s` (the engine's own per-token-layer counts priced) against
     the engine's mean, `rel_error`; beside it the simulator's tokens priced (`sim` totals'
@@ -248,7 +251,9 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     `rel_error_at_run_disk`: the engine's tokens priced at the disk's speed while the run read
     (`moesub.price.costs_at_run_disk`; NaN where the tier reads no file);
     `rel_error_at_run_speed`: also with their compute at the machine's speed while it ran
-    (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`)."""
+    (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`);
+    `rel_error_ci_lo` / `_hi`: `rel_error`'s interval over the run's streams resampled
+    (`error_interval`; where the price stage recorded them)."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
@@ -256,13 +261,13 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
         )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
     for col in ("time_per_token_at_run_disk_s", "other_cores", "run_speed",
-                "time_per_token_at_run_speed_s"):  # fmt: skip
+                "time_per_token_at_run_speed_s", *STREAM_SUMS):  # fmt: skip
         # a priced table from before the column: NaN
         engine_rows = engine_rows.assign(**{col: engine_rows.get(col, np.nan)})
     est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
                        "time_per_token_at_run_disk_s", "run_speed",
                        "time_per_token_at_run_speed_s", "cpu_share", "other_cores",
-                       "contended"]]  # fmt: skip
+                       "contended", *STREAM_SUMS]]  # fmt: skip
     j = j.merge(
         est.rename(columns={"time_per_token_s": "est_time_per_token_s",
                             "time_per_token_at_run_disk_s": "est_at_run_disk_s",
@@ -272,6 +277,10 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
     if j.empty:
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
+    bounds = [stream_bounds(r, p) for r in j.itertuples()]
+    j["rel_error_ci_lo"] = pd.array([b[0] for b in bounds], dtype="Float64")
+    j["rel_error_ci_hi"] = pd.array([b[1] for b in bounds], dtype="Float64")
+    j = j.drop(columns=list(STREAM_SUMS))
     for at in ("disk", "speed"):
         j[f"rel_error_at_run_{at}"] = j[f"est_at_run_{at}_s"].astype(float) / j["time_mean_s"] - 1
     if not sim.empty:
@@ -306,8 +315,37 @@ def sim_vs_engine(eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame) ->
         "r": correlation(j["est_time_per_token_s"], j["time_mean_s"], parametric=False)["r"],
         "n_contended": int(j["contended"].fillna(False).astype(bool).sum()),
         "median_abs_token_set_effect": float(np.median(effect)) if effect.size else None,
+        # over each run's streams resampled: the runs whose interval reaches past the bound
+        # (within, beyond it; outside, inside it), of those with one
+        **reaching(j, "rel_error", PRICE_HELD_TO),
     }
     return SimVsEngine(j, result, {"status": "ok"})
+
+
+def stream_bounds(row: Any, p: AnalysisParams) -> tuple[float | None, float | None]:
+    """An engine run's `rel_error` interval over its streams (`error_interval`); Nones where
+    the priced table has no streams' sums (older) or too few streams."""
+    time_s, priced_s = (getattr(row, c) for c in STREAM_SUMS)
+    if not isinstance(time_s, (list, np.ndarray)) or not isinstance(priced_s, (list, np.ndarray)):
+        return None, None
+    key = f"{row.policy}/{row.fraction}/{row.device}"
+    iv = error_interval(np.asarray(time_s, float), np.asarray(priced_s, float), p, key)
+    return (None, None) if iv is None else (iv.ci_lo, iv.ci_hi)
+
+
+def reaching(table: pd.DataFrame, key: str, bound: float) -> dict[str, int]:
+    """Of the rows with an interval of `key` (`{key}_ci_lo`, `_hi`): how many, the rows within
+    `bound` whose interval reaches beyond it, the rows outside whose interval reaches inside."""
+    lo, hi = (table[f"{key}_ci_{s}"].astype(float) for s in ("lo", "hi"))
+    has = lo.notna() & hi.notna()
+    within = table[key].abs() <= bound
+    beyond = (lo < -bound) | (hi > bound)
+    inside = (lo <= bound) & (hi >= -bound)
+    return {
+        "n_with_ci": int(has.sum()),
+        "n_within_ci_beyond": int((has & within & beyond).sum()),
+        "n_outside_ci_inside": int((has & ~within & inside).sum()),
+    }
 
 
 class EngineBench(NamedTuple):
@@ -318,16 +356,13 @@ class EngineBench(NamedTuple):
     provenance: list[dict[str, Any]]
 
 
-# the bench's per-round sums (`moesub.engine.bench_runs.round_sums`), read for the interval
-ROUND_COLUMNS = ("round_time_s", "round_priced_s")
-
-
 def error_interval(time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, key: str):
-    """The pricing's error over a policy's rounds (`priced_s`, `time_s` (R,): each round's price
-    and time in all), `sum(priced) / sum(time) - 1`, with its interval over the rounds
-    resampled (`p.n_boot`, BCa at `p.ci_level`): a round is a stretch of the machine, so the
-    interval is the machine's noise between the policy's rounds, at the calibration as fitted
-    (the calibration runs' own noise is not in it). No interval under 3 rounds."""
+    """The pricing's error over a run's parts (`priced_s`, `time_s` (R,): each part's price and
+    time in all; a bench policy's rounds, an engine run's streams), `sum(priced) / sum(time) -
+    1`, with its interval over the parts resampled (`p.n_boot`, BCa at `p.ci_level`): a part
+    is a stretch of the machine, so the interval is the machine's noise between the run's
+    parts, at the calibration as fitted (the calibration runs' own noise is not in it). No
+    interval under 3 parts."""
     if len(time_s) < 3:
         return None
 
@@ -351,14 +386,14 @@ def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
         ).df()
     finally:
         con.close()
-    if all(c in df.columns for c in ROUND_COLUMNS):
+    if all(c in df.columns for c in ROUND_SUMS):
         bounds = []
         for row in df.itertuples():
-            time_s, priced_s = (np.asarray(getattr(row, c), dtype=float) for c in ROUND_COLUMNS)
+            time_s, priced_s = (np.asarray(getattr(row, c), dtype=float) for c in ROUND_SUMS)
             iv = error_interval(time_s, priced_s, p, f"{row.device}/{row.policy}")
             bounds.append((None, None) if iv is None else (iv.ci_lo, iv.ci_hi))
         df["sim_rel_error_ci_lo"] = pd.array([b[0] for b in bounds], dtype="Float64")
         df["sim_rel_error_ci_hi"] = pd.array([b[1] for b in bounds], dtype="Float64")
-    df = df.drop(columns=[c for c in ROUND_COLUMNS if c in df.columns])
+    df = df.drop(columns=[c for c in ROUND_SUMS if c in df.columns])
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
     return EngineBench(df, {"status": "ok"}, prov)
