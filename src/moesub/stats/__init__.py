@@ -27,7 +27,8 @@ atomically (`moesub.io`), into `out_dir`:
 - `allocation.parquet`: per (planned policy, fraction): its slots, hit rate and Δppl beside its
   uniform counterpart's, the paired Δppl difference with CI and p, the simulated time ratio;
 - `speed_quality.parquet`: per (policy, fraction, time source): time/token, Δppl %, frontier;
-- `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token;
+- `sim_vs_engine.parquet`: per (policy, fraction, device): estimated vs measured time/token,
+  the error's interval over the run's streams resampled;
 - `layer_hit_rates.parquet`: per (policy, fraction, layer), from simulate;
 - `engine_bench.parquet`: the engine benchmark rows as measured, each error with its interval
   over the policy's rounds resampled;
