@@ -229,16 +229,18 @@ def test_bench_lines_name_the_rows_outside():
     )
     # each row's interval over its rounds: of those outside, which reach inside the 10%; of
     # those within, which reach beyond it
-    bounds = [(-0.06, 0.01), (-0.21, -0.09), (0.11, 0.14), (None, None)]
-    rounds = [{**r, "sim_rel_error_ci_lo": lo, "sim_rel_error_ci_hi": hi}
-              for r, (lo, hi) in zip(rows, bounds, strict=True)]  # fmt: skip
+    # (the analysis's `with_error_intervals` flags them)
+    bounds = [(-0.06, 0.01, False), (-0.21, -0.09, True), (0.11, 0.14, False), (None, None, pd.NA)]
+    rounds = [{**r, "sim_rel_error_ci_lo": lo, "sim_rel_error_ci_hi": hi,
+               "sim_rel_error_ci_crosses": crosses}
+              for r, (lo, hi, crosses) in zip(rows, bounds, strict=True)]  # fmt: skip
     assert bench_lines(outputs(rounds))[1] == (
         "Resampling each policy's rounds (stretches of the machine; the calibration held as "
         "fitted) gives its error a 95% CI: of the 2 outside, 1 reaches inside 10% (host_compute "
         "-16.7% [-21.0, -9.0]): this run does not tell it from within; of the 1 within, 0 "
         "reach beyond it."
     )
-    rounds[0]["sim_rel_error_ci_lo"] = -0.12
+    rounds[0]["sim_rel_error_ci_lo"], rounds[0]["sim_rel_error_ci_crosses"] = -0.12, True
     assert bench_lines(outputs(rounds))[1].endswith(
         "of the 1 within, 1 reaches beyond it (fetch_every_miss -2.1% [-12.0, +1.0])."
     )

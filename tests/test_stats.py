@@ -376,7 +376,7 @@ def test_speed_quality_frontier(study):
     assert (sve["rel_error_ci_lo"] < sve["rel_error"]).all()
     assert (sve["rel_error_ci_hi"] > sve["rel_error"]).all()
     assert (sve["rel_error_ci_lo"] > -0.1).all() and (sve["rel_error_ci_hi"] < 0.1).all()
-    assert "stream_time_s" not in sve.columns
+    assert "stream_time_s" not in sve.columns and not sve["rel_error_ci_crosses"].any()
     assert (doc["n_with_ci"], doc["n_within_ci_beyond"], doc["n_outside_ci_inside"]) == (
         len(sve), 0, 0,
     )  # fmt: skip
@@ -517,7 +517,7 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
     assert alike.estimate == pytest.approx(-0.1, rel=1e-12)
     assert alike.ci_lo == pytest.approx(-0.1, rel=1e-9) and alike.ci_hi == pytest.approx(-0.1)
     ratios = np.array([0.95, 0.85, 1.0, 0.8, 0.9, 0.93, 0.82, 0.97])
-    noisy = error_interval(time_s, ratios * time_s, p, "cpu/a")  # the key the table uses
+    noisy = error_interval(time_s, ratios * time_s, p, "a/cpu")  # the key the table uses
     assert noisy.estimate == pytest.approx((ratios * time_s).sum() / time_s.sum() - 1, rel=1e-12)
     assert noisy.ci_lo < noisy.estimate < noisy.ci_hi
     noisier = error_interval(time_s, (0.9 + 2 * (ratios - 0.9)) * time_s, p, "noisy")
@@ -535,6 +535,10 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
     assert table.loc["a", "sim_rel_error_ci_lo"] == pytest.approx(noisy.ci_lo, rel=1e-12)
     assert table.loc["a", "sim_rel_error_ci_hi"] == pytest.approx(noisy.ci_hi, rel=1e-12)
     assert pd.isna(table.loc["b", "sim_rel_error_ci_lo"])
+    # outside 10% (-10.4%), its interval reaching inside; none for the row with 2 rounds
+    assert noisy.estimate < -0.1 < noisy.ci_hi
+    assert table.loc["a", "sim_rel_error_ci_crosses"] == True  # noqa: E712 (a pandas bool)
+    assert pd.isna(table.loc["b", "sim_rel_error_ci_crosses"])
     # a bench from before the rounds' sums: no bounds
     old = write_parquet(pa.Table.from_pylist([{k: v for k, v in rows[0].items()
                                                if not k.startswith("round")}]),

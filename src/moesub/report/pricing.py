@@ -168,8 +168,9 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
 def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci: str) -> str:
     """What the bench's rounds say of the criterion: the rows outside whose error's interval
     over their rounds (`sim_rel_error_ci_lo` / `_hi`) reaches inside `held_to`, and the rows
-    within whose interval reaches beyond it; empty where the bench recorded no rounds."""
-    key_lo, key_hi = "sim_rel_error_ci_lo", "sim_rel_error_ci_hi"
+    within whose interval reaches beyond it (`sim_rel_error_ci_crosses`, the analysis's);
+    empty where the bench recorded no rounds."""
+    key_lo, key_hi, crosses = (f"sim_rel_error_ci_{s}" for s in ("lo", "hi", "crosses"))
     rows = [r for r in rows if finite(r.get(key_lo)) and finite(r.get(key_hi))]
     if not rows:
         return ""
@@ -180,11 +181,9 @@ def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci:
             f"[{100 * r[key_lo]:+.1f}, {100 * r[key_hi]:+.1f}]"
         )
 
-    def reaches_inside(r: Row) -> bool:
-        return r[key_lo] <= held_to and r[key_hi] >= -held_to
-
-    def reaches_beyond(r: Row) -> bool:
-        return r[key_lo] < -held_to or r[key_hi] > held_to
+    def flagged(r: Row) -> bool:  # a table read back holds NA where there is no interval
+        v = r.get(crosses)
+        return v is not None and not pd.isna(v) and bool(v)
 
     def verb(these: list[Row]) -> str:
         return "reaches" if len(these) == 1 else "reach"
@@ -198,13 +197,13 @@ def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci:
     )
     parts = []
     if outside:
-        inside = [r for r in outside if reaches_inside(r)]
+        inside = [r for r in outside if flagged(r)]
         parts.append(
             f"of the {len(outside)} outside, {len(inside)} {verb(inside)} inside {100 * held_to:g}%"
             + (f" ({'; '.join(named(r) for r in inside)}): this run does not tell "
                f"{'it' if len(inside) == 1 else 'them'} from within" if inside else "")
         )  # fmt: skip
-    beyond = [r for r in within if reaches_beyond(r)]
+    beyond = [r for r in within if flagged(r)]
     parts.append(
         f"of the {len(within)} within, {len(beyond)} {verb(beyond)} beyond it"
         + (f" ({'; '.join(named(r) for r in beyond)})" if beyond else "")

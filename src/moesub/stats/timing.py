@@ -25,7 +25,7 @@ import pandas as pd
 from moesub.hardware import PRICE_HELD_TO
 from moesub.metrics import speedup
 from moesub.run_speed import ROUND_SUMS, STREAM_SUMS
-from moesub.stats.intervals import correlation, median_ci, rng_for, stream_bootstrap
+from moesub.stats.intervals import Interval, correlation, median_ci, rng_for, stream_bootstrap
 from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
 from moesub.stats.params import AnalysisParams
 from moesub.stats.tokens import register_files
@@ -252,8 +252,8 @@ def sim_vs_engine(
     (`moesub.price.costs_at_run_disk`; NaN where the tier reads no file);
     `rel_error_at_run_speed`: also with their compute at the machine's speed while it ran
     (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`);
-    `rel_error_ci_lo` / `_hi`: `rel_error`'s interval over the run's streams resampled
-    (`error_interval`; where the price stage recorded them)."""
+    `rel_error_ci_lo` / `_hi` / `_crosses`: `rel_error`'s interval over the run's streams
+    resampled (`with_error_intervals`; where the price stage recorded them)."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
@@ -277,10 +277,7 @@ def sim_vs_engine(
     if j.empty:
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
-    bounds = [stream_bounds(r, p) for r in j.itertuples()]
-    j["rel_error_ci_lo"] = pd.array([b[0] for b in bounds], dtype="Float64")
-    j["rel_error_ci_hi"] = pd.array([b[1] for b in bounds], dtype="Float64")
-    j = j.drop(columns=list(STREAM_SUMS))
+    j = with_error_intervals(j, STREAM_SUMS, "rel_error", p)
     for at in ("disk", "speed"):
         j[f"rel_error_at_run_{at}"] = j[f"est_at_run_{at}_s"].astype(float) / j["time_mean_s"] - 1
     if not sim.empty:
@@ -322,29 +319,16 @@ def sim_vs_engine(
     return SimVsEngine(j, result, {"status": "ok"})
 
 
-def stream_bounds(row: Any, p: AnalysisParams) -> tuple[float | None, float | None]:
-    """An engine run's `rel_error` interval over its streams (`error_interval`); Nones where
-    the priced table has no streams' sums (older) or too few streams."""
-    time_s, priced_s = (getattr(row, c) for c in STREAM_SUMS)
-    if not isinstance(time_s, (list, np.ndarray)) or not isinstance(priced_s, (list, np.ndarray)):
-        return None, None
-    key = f"{row.policy}/{row.fraction}/{row.device}"
-    iv = error_interval(np.asarray(time_s, float), np.asarray(priced_s, float), p, key)
-    return (None, None) if iv is None else (iv.ci_lo, iv.ci_hi)
-
-
 def reaching(table: pd.DataFrame, key: str, bound: float) -> dict[str, int]:
-    """Of the rows with an interval of `key` (`{key}_ci_lo`, `_hi`): how many, the rows within
-    `bound` whose interval reaches beyond it, the rows outside whose interval reaches inside."""
-    lo, hi = (table[f"{key}_ci_{s}"].astype(float) for s in ("lo", "hi"))
-    has = lo.notna() & hi.notna()
+    """Of the rows with an interval of `key` (`with_error_intervals`): how many, the rows
+    within `bound` whose interval reaches beyond it, the rows outside whose interval reaches
+    inside it."""
+    crosses = table[f"{key}_ci_crosses"]
     within = table[key].abs() <= bound
-    beyond = (lo < -bound) | (hi > bound)
-    inside = (lo <= bound) & (hi >= -bound)
     return {
-        "n_with_ci": int(has.sum()),
-        "n_within_ci_beyond": int((has & within & beyond).sum()),
-        "n_outside_ci_inside": int((has & ~within & inside).sum()),
+        "n_with_ci": int(crosses.notna().sum()),
+        "n_within_ci_beyond": int((crosses.fillna(False) & within).sum()),
+        "n_outside_ci_inside": int((crosses.fillna(False) & ~within).sum()),
     }
 
 
@@ -356,7 +340,9 @@ class EngineBench(NamedTuple):
     provenance: list[dict[str, Any]]
 
 
-def error_interval(time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, key: str):
+def error_interval(
+    time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, key: str
+) -> Interval | None:
     """The pricing's error over a run's parts (`priced_s`, `time_s` (R,): each part's price and
     time in all; a bench policy's rounds, an engine run's streams), `sum(priced) / sum(time) -
     1`, with its interval over the parts resampled (`p.n_boot`, BCa at `p.ci_level`): a part
@@ -366,17 +352,56 @@ def error_interval(time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, 
     if len(time_s) < 3:
         return None
 
-    def error(w: np.ndarray) -> np.ndarray:  # (B, R) round weights -> (B,)
+    def error(w: np.ndarray) -> np.ndarray:  # (B, R) the parts' weights -> (B,)
         return (w @ priced_s) / (w @ time_s) - 1
 
     rng = rng_for(p.seed, "engine_bench", key)
     return stream_bootstrap(error, len(time_s), p.n_boot, rng, p.ci_level)[0]
 
 
+def with_error_intervals(
+    table: pd.DataFrame,
+    sums: tuple[str, str],
+    key: str,
+    p: AnalysisParams,
+    bound: float = PRICE_HELD_TO,
+) -> pd.DataFrame:
+    """`table` with the interval of each row's error `key` over its parts (`sums`: the columns
+    of its parts' times and prices, lists, `moesub.run_speed.ROUND_SUMS` / `STREAM_SUMS`;
+    `error_interval`) in `{key}_ci_lo`, `_hi`, and `{key}_ci_crosses`: whether it reaches across
+    `bound` from the error's side (a row within whose interval reaches beyond it, a row
+    outside whose interval reaches inside it); the sums dropped. NA where a row has no parts
+    (an older artefact) or too few."""
+    if not all(c in table.columns for c in sums):
+        return table.drop(columns=[c for c in sums if c in table.columns])
+    labels = [c for c in ("policy", "fraction", "device") if c in table.columns]
+    lo, hi = np.full(len(table), np.nan), np.full(len(table), np.nan)
+    for i, row in enumerate(table.itertuples()):
+        time_s, priced_s = (getattr(row, c) for c in sums)
+        if isinstance(time_s, (list, np.ndarray)) and isinstance(priced_s, (list, np.ndarray)):
+            label = "/".join(str(getattr(row, c)) for c in labels)
+            iv = error_interval(np.asarray(time_s, float), np.asarray(priced_s, float), p, label)
+            if iv is not None and iv.ci_lo is not None and iv.ci_hi is not None:
+                lo[i], hi[i] = iv.ci_lo, iv.ci_hi
+    within = (table[key].abs() <= bound).to_numpy()
+    crosses = np.where(within, (lo < -bound) | (hi > bound), (lo <= bound) & (hi >= -bound))
+    has = ~np.isnan(lo)
+    return table.drop(columns=list(sums)).assign(
+        **{
+            f"{key}_ci_lo": pd.array(np.where(has, lo, np.nan), dtype="Float64"),
+            f"{key}_ci_hi": pd.array(np.where(has, hi, np.nan), dtype="Float64"),
+            f"{key}_ci_crosses": pd.array(
+                [bool(c) if h else None for c, h in zip(crosses, has, strict=True)],
+                dtype="boolean",
+            ),
+        }
+    )
+
+
 def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
     """The shared engine benchmark (every model's rows in its own files), read as is, with
-    `sim_rel_error_ci_lo` / `_hi` from each policy's rounds (`error_interval`, where the bench
-    recorded them) in place of the per-round sums."""
+    `sim_rel_error`'s interval over each policy's rounds (`with_error_intervals`) in place of
+    the rounds' sums."""
     if not paths:
         return EngineBench(pd.DataFrame(), missing("no engine benchmark artefacts"), [])
     con = duckdb.connect()
@@ -386,14 +411,6 @@ def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
         ).df()
     finally:
         con.close()
-    if all(c in df.columns for c in ROUND_SUMS):
-        bounds = []
-        for row in df.itertuples():
-            time_s, priced_s = (np.asarray(getattr(row, c), dtype=float) for c in ROUND_SUMS)
-            iv = error_interval(time_s, priced_s, p, f"{row.device}/{row.policy}")
-            bounds.append((None, None) if iv is None else (iv.ci_lo, iv.ci_hi))
-        df["sim_rel_error_ci_lo"] = pd.array([b[0] for b in bounds], dtype="Float64")
-        df["sim_rel_error_ci_hi"] = pd.array([b[1] for b in bounds], dtype="Float64")
-    df = df.drop(columns=[c for c in ROUND_SUMS if c in df.columns])
+    df = with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p)
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
     return EngineBench(df, {"status": "ok"}, prov)
