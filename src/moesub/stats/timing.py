@@ -370,8 +370,8 @@ def with_error_intervals(
     of its parts' times and prices, lists, `moesub.run_speed.ROUND_SUMS` / `STREAM_SUMS`;
     `error_interval`) in `{key}_ci_lo`, `_hi`, and `{key}_ci_crosses`: whether it reaches across
     `bound` from the error's side (a row within whose interval reaches beyond it, a row
-    outside whose interval reaches inside it); the sums dropped. NA where a row has no parts
-    (an older artefact) or too few."""
+    outside whose interval reaches inside it); the sums dropped. NA where a row has no parts or
+    too few; a table without the sums' columns (an older artefact) comes back without these."""
     if not all(c in table.columns for c in sums):
         return table.drop(columns=[c for c in sums if c in table.columns])
     labels = [c for c in ("policy", "fraction", "device") if c in table.columns]
