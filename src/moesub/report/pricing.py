@@ -11,7 +11,7 @@ import pandas as pd
 
 from moesub.hardware import CONTENDED_BELOW, PRICE_HELD_TO, SHARED_ABOVE, STUDY_PROFILE
 from moesub.report.load import AnalysisOutputs, ci_label, finite
-from moesub.report.tables import Col, Row, Table, make_table, num, pct, text
+from moesub.report.tables import Col, Row, Table, interval, make_table, num, pct, text
 
 # the policies whose host path the concurrency table shows, where simulated
 HOST_POLICIES = ("host_compute", "hybrid_015", "llama_cpp_27861")
@@ -21,14 +21,12 @@ def ms(key: str) -> Col:
     return Col(f"{key} (ms)", lambda r: num(1e3 * r[key], "{:.3f}") if finite(r.get(key)) else "—")
 
 
-def interval(key: str):
-    """A column's cell: `{key}_ci_lo` to `_hi` in %, or a dash where there is none."""
-
-    def cell(r: Row) -> str:
-        lo, hi = r.get(f"{key}_ci_lo"), r.get(f"{key}_ci_hi")
-        return f"[{100 * lo:+.1f}, {100 * hi:+.1f}]%" if finite(lo) and finite(hi) else "—"
-
-    return cell
+def pct_interval(r: Row, key: str) -> str:
+    """`{key}_ci_lo` to `_hi` in %, or a dash where there is none (`tables.interval`)."""
+    lo, hi = r.get(f"{key}_ci_lo"), r.get(f"{key}_ci_hi")
+    if not (finite(lo) and finite(hi)):
+        return "—"
+    return interval(100 * float(lo), 100 * float(hi), "{:+.1f}")
 
 
 def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
@@ -52,7 +50,11 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
             "priced, engine's tokens (ms)", lambda r: num(1e3 * r["est_time_per_token_s"], "{:.3f}")
         ),  # fmt: skip
         Col("error", lambda r: pct(r.get("rel_error"))),
-        Col(f"error's {ci_label(out.ci_level)} over its streams", interval("rel_error"), False),
+        Col(
+            f"error's {ci_label(out.ci_level)} over its streams (%)",
+            lambda r: pct_interval(r, "rel_error"),
+            False,
+        ),
         Col("error at the run's disk speed", lambda r: pct(r.get("rel_error_at_run_disk"))),
         Col("error at the run's disk and speed", lambda r: pct(r.get("rel_error_at_run_speed"))),
         Col(
@@ -113,9 +115,9 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         + "; ".join(f"{r['policy']} {100 * r['sim_rel_error']:+.1f}%{drift(r)}" for r in missed)
         + f": the criterion is {'not met' if missed else 'met'} in this run."
     ]
-    interval = rounds_interval_line(rows, missed, held_to, ci_label(out.ci_level))
-    if interval:
-        lines.append(interval)
+    rounds = rounds_interval_line(rows, missed, held_to, ci_label(out.ci_level))
+    if rounds:
+        lines.append(rounds)
     key = "sim_rel_error_at_run_disk"
     if any(finite(r.get(key)) for r in rows):
         at_disk = outside(key)
@@ -176,10 +178,7 @@ def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci:
         return ""
 
     def named(r: Row) -> str:
-        return (
-            f"{r['policy']} {100 * r['sim_rel_error']:+.1f}% "
-            f"[{100 * r[key_lo]:+.1f}, {100 * r[key_hi]:+.1f}]"
-        )
+        return f"{r['policy']} {100 * r['sim_rel_error']:+.1f}% {pct_interval(r, 'sim_rel_error')}"
 
     def flagged(r: Row) -> bool:  # a table read back holds NA where there is no interval
         v = r.get(crosses)

@@ -385,14 +385,12 @@ def with_error_intervals(
                 lo[i], hi[i] = iv.ci_lo, iv.ci_hi
     within = (table[key].abs() <= bound).to_numpy()
     crosses = np.where(within, (lo < -bound) | (hi > bound), (lo <= bound) & (hi >= -bound))
-    has = ~np.isnan(lo)
     return table.drop(columns=list(sums)).assign(
         **{
-            f"{key}_ci_lo": pd.array(np.where(has, lo, np.nan), dtype="Float64"),
-            f"{key}_ci_hi": pd.array(np.where(has, hi, np.nan), dtype="Float64"),
-            f"{key}_ci_crosses": pd.array(
-                [bool(c) if h else None for c, h in zip(crosses, has, strict=True)],
-                dtype="boolean",
+            f"{key}_ci_lo": pd.array(lo, dtype="Float64"),  # NaN -> NA
+            f"{key}_ci_hi": pd.array(hi, dtype="Float64"),
+            f"{key}_ci_crosses": pd.Series(crosses, index=table.index, dtype="boolean").mask(
+                np.isnan(lo)
             ),
         }
     )
