@@ -15,6 +15,7 @@ from moesub.calibration import (
     TimedTokens,
     fit_unit_costs,
     host_terms_by_pricing,
+    run_errors,
     term_by_pricing,
     unit_costs_from_fit,
 )
@@ -398,3 +399,28 @@ def test_the_reference_run_is_the_median_reader():
     assert reference_clock([clock(3.0), clock(1.0), clock(2.0), clock(0.0, 0)]) == clock(2.0)
     assert reference_clock([clock(3.0), clock(1.0)]) == clock(1.0)  # the lower of two
     assert reference_clock([clock(0.0, 0)]) is None and reference_clock([]) is None
+
+
+def test_each_mechanisms_error_is_its_runs_price_against_their_time():
+    """`run_errors`: a mechanism's runs priced at the costs, pooled over their tokens, against
+    their measured time: 0 where the wall times are the price, the ratio where one mechanism
+    ran slower than priced, each at its own admission delay."""
+    rng = np.random.default_rng(3)
+    runs = {}
+    for kind, slower in (("hits", 1.0), ("fetch", 1.25), ("admit", 1.0)):
+        parts = []
+        for _run in range(2):
+            c = mechanism_counts(kind, 40, L, rng)
+            parts.append((price_stream_reference(c, 1, TRUE).token_s * slower, c))
+        runs[kind] = parts
+    errors = run_errors(runs, TRUE)
+    assert errors["hits"] == pytest.approx(0.0, abs=1e-12)
+    assert errors["fetch"] == pytest.approx(1 / 1.25 - 1, rel=1e-12)
+    assert errors["admit"] == pytest.approx(0.0, abs=1e-12)
+    # copies slower than a token: at delay 1 the landings wait for them, at delay 3 less
+    slow = replace(TRUE, copy_s=50e-3)
+    admit = [(price_stream_reference(c, 1, slow).token_s, c) for _w, c in runs["admit"]]
+    assert run_errors({"admit": admit}, slow)["admit"] == pytest.approx(0.0, abs=1e-12)
+    assert run_errors({"admit": admit}, slow, {"admit": 3})["admit"] < -1e-4
+    with pytest.raises(ValueError, match="run errors: no runs of host"):
+        run_errors({"host": []}, TRUE)

@@ -29,6 +29,7 @@ import moesub.models
 import moesub.price
 import moesub.run_speed
 from moesub.artefacts import layout_for, load_trace
+from moesub.calibration import run_errors
 from moesub.capture import run_capture, run_expert_ranking
 from moesub.engine import (
     BenchParams,
@@ -828,6 +829,9 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
     (copy_runs, *_) = references
     assert len(copy_runs) == 2 and AtRunDisk.from_dict(disk).reference in copy_runs
     assert asdict(DiskClock.pooled(copy_runs)) == cal["disk_by_mechanism"]["cal_fetch"]
+    # each mechanism's runs priced at the profile against their time
+    assert set(cal["run_errors"]) == set(cal["runs"])
+    assert all(math.isfinite(e) and e > -1 for e in cal["run_errors"].values())
     beyond_read = cal["fit"]["copy_s"]
     assert cal["unit_costs"]["copy_s"] == pytest.approx(
         beyond_read + disk["busy_s"] / disk["reads"], rel=1e-12
@@ -1116,6 +1120,11 @@ def test_benchmark_table(tmp_path, monkeypatch):
             assert per_status[0] / per_status.sum() == pytest.approx(by[name]["hit_rate"])
     speed = counts["speed"][0][1]
     assert speed[..., TOKEN_LAYER_FIELDS.index("admission_requests")].sum() > 0
+    # each calibration run's tokens priced at the fitted profile against their time
+    errors = meta["calibration_run_errors"]
+    assert set(errors) == set(counts) - set(by)
+    costs = profile.price(ModelBytes(meta["expert_bytes"]))
+    assert errors == pytest.approx(run_errors({n: counts[n] for n in errors}, costs), rel=1e-9)
     with pytest.raises(ValueError, match=r"params\.fraction: .*C=5, outside \[k=10"):
         BenchParams.from_dict({"fraction": 0.01})
     with pytest.raises(ValueError, match="unknown engine-bench"):

@@ -46,7 +46,7 @@ which.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -392,3 +392,25 @@ def host_terms_by_pricing(
         return term_by_pricing({**seconds, "host_expert_s": 0.0}, "host_step_s", runs,
                                run_copy_s), 0.0  # fmt: skip
     return host_step, expert
+
+
+def run_errors(
+    runs: Mapping[str, Sequence[tuple[np.ndarray, np.ndarray]]],
+    costs: UnitCosts,
+    delays: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Each mechanism's runs (`(wall_s (T,), counts (T, L, F))`, one stream each) priced at
+    `costs` against their measured time, pooled over its tokens: price / measured - 1 (the
+    sign of `sim_rel_error`). The fit's error on the very runs it was fitted to: its terms are
+    shared by every mechanism and its outlier cut leaves some tokens out, so a mechanism the
+    terms price under here prices a policy that does the same under too. `delays`: each
+    mechanism's admission delay (default 1)."""
+    out = {}
+    for name, parts in runs.items():
+        if not parts:
+            raise ValueError(f"run errors: no runs of {name}")
+        delay = (delays or {}).get(name, 1)
+        priced = sum(float(price_stream(c, delay, costs).token_s.sum()) for _, c in parts)
+        measured = sum(float(np.sum(w)) for w, _ in parts)
+        out[name] = priced / measured - 1.0
+    return out

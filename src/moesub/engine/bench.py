@@ -53,7 +53,6 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
 from moesub.config import check_options, schema_defaults
 from moesub.engine.bench_inputs import (
     BenchLogits,
@@ -67,17 +66,14 @@ from moesub.engine.bench_runs import (
     at_run_disk,
     by_status,
     counts_path_for,
+    fit_bench_costs,
     hits_only,
     policy_row,
     round_part,
     run_policy,
-    timed_tokens,
     write_bench_counts,
 )
 from moesub.engine.calibrate import (
-    ADMIT_RUN,
-    COPY_RUN,
-    HOST_RUN,
     MECHANISMS,
     microbenchmarks,
     round_order,
@@ -94,7 +90,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.engine.tiers import DiskTier, SlotBuffers, SlotImage, require_cuda
-from moesub.hardware import ModelBytes, UnitCosts, measured_profile
+from moesub.hardware import UnitCosts
 from moesub.io import write_parquet
 from moesub.layout import build_layout
 from moesub.params import options_from
@@ -105,7 +101,7 @@ from moesub.policy import (
     Policy,
     check_capacity,
 )
-from moesub.run_speed import AtRunDisk, DiskClock, reference_clock
+from moesub.run_speed import DiskClock
 from moesub.slots import layer_pin, policy_fields
 
 # the benchmark's default policies: five of the study's, and the all-resident floor
@@ -201,36 +197,6 @@ class BenchParams:
     def layout(self) -> StoreLayout:
         return StoreLayout(self.layers, self.num_experts, self.hidden, self.width, self.dtype,
                            fingerprint=f"random-seed{self.seed}")  # fmt: skip
-
-
-def _fit_costs(rounds: _Rounds, p: BenchParams, info: dict):
-    """This machine's profile fitted to the rounds' calibration runs with the medians of their
-    microbenchmarks (`moesub.calibration`, as the pipeline's calibration does), priced for the
-    benchmark's experts, and their reference run on the disk (None: no reads)."""
-    names = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
-    runs = [r for n in names for r in rounds.runs[n]]
-    fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for r in runs]))
-    host, admit = rounds.runs[HOST_RUN], rounds.runs[ADMIT_RUN]
-    micro = {key: float(np.median([m[key] for m in rounds.micro])) for key in rounds.micro[0]}
-    priced = rounds.host_reads_link  # the host's terms through the pricing
-    reference = reference_clock([r.disk for r in rounds.runs[COPY_RUN]])
-    seconds = unit_costs_from_fit(
-        fit, k=p.top_k, layers=p.layers, expert_s=micro["expert_compute_s"],
-        host_runs=[(r.wall_s, r.layer_counts) for r in host] if priced else None,
-        reference=reference, host_clocks=[r.disk for r in host],
-        **{d: micro[d] for d in ("host_read_drag", "background_read_drag", "install_s")},
-        admission_runs=[(r.wall_s, r.layer_counts) for r in admit] if priced else None,
-        admission_clocks=[r.disk for r in admit],
-    )  # fmt: skip
-    expert_bytes = p.layout().expert_bytes
-    profile = measured_profile(
-        seconds, expert_bytes, "the engine benchmark's calibration runs", rounds.host_reads_link
-    )
-    info["microbenchmarks"] = {"median": micro, "runs": rounds.micro}  # one per round
-    info["cost_fit"] = fit.to_dict()
-    info["profile"] = profile.to_dict()
-    info["at_run_disk"] = None if reference is None else AtRunDisk(reference).to_dict()
-    return seconds, profile.price(ModelBytes(expert_bytes)), reference
 
 
 @dataclass
@@ -470,7 +436,10 @@ def run_benchmark(
         torch.set_num_threads(caller_threads)
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    seconds, costs, reference = _fit_costs(rounds, p, info)
+    seconds, costs, reference = fit_bench_costs(
+        rounds.runs, (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES), rounds.micro,
+        rounds.host_reads_link, p.top_k, p.layers, p.layout().expert_bytes, info,
+    )  # fmt: skip
     run_disk = at_run_disk(rounds.runs, reference, costs)
     info["disk_read_s"] = {
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]

@@ -6,8 +6,9 @@ real-size router matmul on the fast device whose result reaches the host (the sy
 a real router imposes), the policy core's step on the given logits, the experts computed from
 the slots (and the host's). `BenchRun` holds the per-token wall times and counters, per
 token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `timed_tokens`
-gives the cost fit's regressors (`moesub.calibration`), `counts_frame` / `read_bench_counts`
-the per-token-layer table the benchmark writes beside its own. A policy runs a share of its
+gives the cost fit's regressors (`moesub.calibration`), `fit_bench_costs` the profile fitted to
+the calibration runs, `counts_frame` / `read_bench_counts` the per-token-layer table the
+benchmark writes beside its own. A policy runs a share of its
 tokens per round (`round_part`); `policy_row` is its row over them, priced as measured, at each
 run's disk and at its own speed.
 """
@@ -17,23 +18,33 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from moesub.calibration import TimedTokens
+from moesub.calibration import TimedTokens, fit_unit_costs, run_errors, unit_costs_from_fit
+from moesub.engine.calibrate import ADMIT_RUN, COPY_RUN, HOST_RUN, MECHANISM_DELAYS
 from moesub.engine.contention import CpuMeter
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.tiers import disk_clock
-from moesub.hardware import UnitCosts, is_contended
+from moesub.hardware import ModelBytes, UnitCosts, is_contended, measured_profile
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
 from moesub.pricing import price_streams
-from moesub.run_speed import ROUND_SUMS, AtRunDisk, DiskClock, part_sums, priced_at_speed
+from moesub.run_speed import (
+    ROUND_SUMS,
+    AtRunDisk,
+    DiskClock,
+    part_sums,
+    priced_at_speed,
+    reference_clock,
+)
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +171,47 @@ def by_status(counts: np.ndarray) -> dict[str, np.ndarray]:
 
 def timed_tokens(r: BenchRun) -> TimedTokens:
     return TimedTokens.from_counts(r.wall_s, r.layer_counts, r.disk)
+
+
+def fit_bench_costs(
+    runs: Mapping[str, list[BenchRun]],
+    names: Sequence[str],
+    micro: list[dict[str, float]],
+    host_reads_link: bool,
+    top_k: int,
+    layers: int,
+    expert_bytes: float,
+    info: dict[str, Any],
+) -> tuple[dict[str, float], UnitCosts, DiskClock | None]:
+    """This machine's profile fitted to the calibration runs `names` (those that ran) with the
+    medians of their rounds' microbenchmarks `micro` (`moesub.calibration`, as the pipeline's
+    calibration does): its seconds, its costs for the benchmark's experts, and the reference
+    copy run on the disk (None: no reads). `info` gets what it was made from and each
+    calibration run's error at those costs (`calibration_run_errors`: `run_errors`)."""
+    names = [n for n in names if runs[n]]
+    fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for n in names for r in runs[n]]))
+    host, admit = runs[HOST_RUN], runs[ADMIT_RUN]
+    median = {key: float(np.median([m[key] for m in micro])) for key in micro[0]}
+    reference = reference_clock([r.disk for r in runs[COPY_RUN]])
+    seconds = unit_costs_from_fit(
+        fit, k=top_k, layers=layers, expert_s=median["expert_compute_s"],
+        host_runs=[(r.wall_s, r.layer_counts) for r in host] if host_reads_link else None,
+        reference=reference, host_clocks=[r.disk for r in host],
+        **{d: median[d] for d in ("host_read_drag", "background_read_drag", "install_s")},
+        admission_runs=[(r.wall_s, r.layer_counts) for r in admit] if host_reads_link else None,
+        admission_clocks=[r.disk for r in admit],
+    )  # fmt: skip
+    profile = measured_profile(
+        seconds, expert_bytes, "the engine benchmark's calibration runs", host_reads_link
+    )
+    costs = profile.price(ModelBytes(expert_bytes))
+    counted = {n: [(r.wall_s, r.layer_counts) for r in runs[n]] for n in names}
+    info["microbenchmarks"] = {"median": median, "runs": micro}  # one per round
+    info["cost_fit"] = fit.to_dict()
+    info["profile"] = profile.to_dict()
+    info["at_run_disk"] = None if reference is None else AtRunDisk(reference).to_dict()
+    info["calibration_run_errors"] = run_errors(counted, costs, MECHANISM_DELAYS)
+    return seconds, costs, reference
 
 
 def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:

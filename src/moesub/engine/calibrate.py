@@ -15,7 +15,9 @@ are its slowdowns while the link reads (`measure_host_read_drag`,
 the rounds and their medians used (`microbenchmarks`). The output JSON holds the profile
 (`moesub.hardware.measured_profile`: `moesub.hardware.this_machine` reads it), the seconds it was
 made from, what pricing a run at the disk's speed while it read needs (`at_run_disk`:
-`moesub.run_speed.AtRunDisk`), the fit and the runs' CPU share (`moesub.engine.contention`).
+`moesub.run_speed.AtRunDisk`), the fit, each mechanism's runs priced at the profile against
+their time (`run_errors`: the fit's error on its own runs) and the runs' CPU share
+(`moesub.engine.contention`).
 
 On the disk->RAM tier the "link" is the disk read path (page cache bypassed) and a host
 expert's time includes the fresh disk read it costs there; on CUDA the link is pinned host ->
@@ -38,7 +40,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from moesub.calibration import TimedTokens, fit_unit_costs, unit_costs_from_fit
+from moesub.calibration import TimedTokens, fit_unit_costs, run_errors, unit_costs_from_fit
 from moesub.engine.adapter import LoadedModel, load_engine_model
 from moesub.engine.contention import CpuMeter
 from moesub.engine.copies import COPY_TIMEOUT_S, POLL_S
@@ -46,9 +48,9 @@ from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
 from moesub.engine.tiers import DiskTier, disk_clock
-from moesub.hardware import measured_profile
+from moesub.hardware import ModelBytes, measured_profile
 from moesub.io import require_file, write_json
-from moesub.policy import ALL_RESIDENT
+from moesub.policy import ALL_RESIDENT, Policy
 from moesub.run_speed import AtRunDisk, DiskClock, reference_clock
 
 T = TypeVar("T")
@@ -61,6 +63,9 @@ MECHANISMS: dict[str, dict[str, Any] | None] = {
     "cal_fetch": {"rule": "fetch_all", "eviction": "lru"},
     "cal_host": {"rule": "host_compute", "eviction": "lru"},
     "cal_admit": {"rule": "first_choice", "eviction": "lfu", "beta": 0.1},
+}
+MECHANISM_DELAYS = {
+    name: Policy.from_dict(policy).delay for name, policy in MECHANISMS.items() if policy
 }
 # the mechanisms whose runs find the host's terms, and the background lane's start, through the
 # pricing where the host reads over the link; and the one whose reads are the synchronous copies
@@ -367,9 +372,10 @@ class Calibration:
         self.micro_every = max(1, -(-opts.calibrate_rounds // MICRO_RUNS))
         self.timed: dict[str, list[TimedTokens]] = {name: [] for name in MECHANISMS}
         self.disk: dict[str, list[DiskClock]] = {name: [] for name in MECHANISMS}  # each run's
-        # the host and admission runs' (wall_s, counts): terms found through the pricing
-        self.priced_runs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {
-            name: [] for name in (HOST_RUN, ADMIT_RUN)
+        # every run's (wall_s, counts): the host's and admissions' terms are found through
+        # their pricing, and every mechanism's error under the fitted profile (`run_errors`)
+        self.counted: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {
+            name: [] for name in MECHANISMS
         }
         # the microbenchmarks after runs of a C-slot tier spread over the rounds: the small
         # models' drags swing between jobs and within one (on the embedded model 2.1-3.4 between
@@ -404,8 +410,7 @@ class Calibration:
                 self.timed[name].append(
                     TimedTokens.from_counts(r["wall_s"], r["layer_counts"], self.disk[name][-1])
                 )
-                if name in self.priced_runs:
-                    self.priced_runs[name].append((r["wall_s"], r["layer_counts"]))
+                self.counted[name].append((r["wall_s"], r["layer_counts"]))
             self.meter.pause()
             # a C-slot tier, loaded, with nothing in flight
             if MECHANISMS[name] is not None and i % self.micro_every == 0:
@@ -425,10 +430,10 @@ class Calibration:
         priced = self.host_reads_link  # the host's terms, the lane's start through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
-            host_runs=self.priced_runs[HOST_RUN] if priced else None, reference=reference,
+            host_runs=self.counted[HOST_RUN] if priced else None, reference=reference,
             host_clocks=disk[HOST_RUN], host_read_drag=median["host_read_drag"],
             background_read_drag=median["background_read_drag"], install_s=median["install_s"],
-            admission_runs=self.priced_runs[ADMIT_RUN] if priced else None,
+            admission_runs=self.counted[ADMIT_RUN] if priced else None,
             admission_clocks=disk[ADMIT_RUN],
         )  # fmt: skip
         profile = measured_profile(
@@ -448,6 +453,10 @@ class Calibration:
             "expert_compute_s": median["expert_compute_s"],
             "microbenchmarks": {"median": median, "runs": self.micro},
             "fit": fit.to_dict(),
+            # each mechanism's runs priced at the profile (its copies at the reference speed)
+            "run_errors": run_errors(
+                self.counted, profile.price(ModelBytes(self.expert_bytes)), MECHANISM_DELAYS
+            ),
             "runs": {name: int(sum(len(t.wall_s) for t in runs)) for name, runs in timed.items()},
             "rounds": self.opts.calibrate_rounds,
             "device": self.device,
