@@ -844,6 +844,9 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
                        tmp_path / "priced.parquet")  # fmt: skip
     row = priced.row(0, named=True)
     assert row["source"] == "engine" and row["time_per_token_at_run_disk_s"] > 0
+    # the calibration runs' errors travel with the profile to the priced table
+    assert json.loads(profile_path.read_text())["run_errors"] == cal["run_errors"]
+    assert read_metadata(tmp_path / "priced.parquet")["calibration_run_errors"] == cal["run_errors"]
     costs = UnitCosts(**json.loads(profile_path.read_text())["unit_costs"])
     ref_speed = {"disk_reads": disk["reads"], "disk_busy_s": disk["busy_s"]}
     at_ref = costs_at_run_disk(costs, disk, ref_speed)

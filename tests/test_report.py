@@ -140,10 +140,15 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
         "that only hit, a diagnosis that holds where those tokens are priced right, "
         f"docs/pricing.md), median 1.3%, max 1.3%, {runs} within;"
     ) in line
+    assert line.endswith(
+        "the calibration's own runs priced at the profile fitted to them (its error on them, "
+        "which a policy that does what a run does inherits): cal_fetch -3.1%, cal_hits -0.2%, "
+        "cal_host +0.4%."
+    )
     # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk, -1% .. +1% at
     # each run's speed too
     lines = re.findall(r'<p class="outcome bench-line">(.*?)</p>', html, re.S)
-    (met, rounds, at_disk, at_speed) = (" ".join(line.split()) for line in lines)
+    (met, rounds, calibration, at_disk, at_speed) = (" ".join(line.split()) for line in lines)
     n = len(POLICIES)
     assert met.startswith(
         f"The pricing is held to 10% of the engine's time for every policy. As "
@@ -154,6 +159,11 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     assert rounds == (
         "Resampling each policy's rounds (stretches of the machine; the calibration held as "
         f"fitted) gives its error a 95% CI: of the {n} within, 0 reach beyond it."
+    )
+    assert calibration == (
+        "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
+        "its own runs; a policy that does what a run does inherits it): cal_fetch -3.1%, "
+        "cal_hits -0.2%, cal_host +0.4%."
     )
     assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
     assert at_speed.startswith("At each run's disk and its own speed (its compute timed on")
@@ -257,6 +267,16 @@ def test_bench_lines_name_the_rows_outside():
     assert lines[1:] == bench_lines(outputs(rows))
     two = bench_lines(outputs([{**r, "threads": 2} for r in rows]))[0]
     assert two.startswith("The bench's runs computed with 2 torch threads (")
+    # the calibration runs' errors, per device where the bench ran on more than one; the runs
+    # beyond 10% named
+    errors = {"cpu": {"cal_fetch": -0.109, "cal_host": 0.007}, "cuda": {"cal_fetch": 0.02}}
+    doc = {"parts": {"engine_bench": {"calibration_run_errors": errors}}}
+    with_errors = AnalysisOutputs(Path("."), doc, {"engine_bench": pd.DataFrame(old)})
+    assert bench_lines(with_errors)[1] == (
+        "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
+        "its own runs; a policy that does what a run does inherits it): on cpu, cal_fetch "
+        "-10.9%, cal_host +0.7% (cal_fetch beyond 10%); on cuda, cal_fetch +2.0%."
+    )
 
 
 def test_factorial_section(rendered):

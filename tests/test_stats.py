@@ -544,3 +544,9 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
                                                if not k.startswith("round")}]),
                         tmp_path / "old.parquet")  # fmt: skip
     assert "sim_rel_error_ci_lo" not in engine_bench([str(old)], p).table.columns
+    # the calibration runs' errors from each bench's metadata, by device; none in an older one
+    errors = {"cal_fetch": -0.109, "cal_host": 0.007}
+    meta = {"device": "cpu", "calibration_run_errors": errors}
+    kept = write_parquet(pa.Table.from_pylist(rows), tmp_path / "kept.parquet", metadata=meta)
+    assert engine_bench([str(kept)], p).status["calibration_run_errors"] == {"cpu": errors}
+    assert engine_bench([str(old)], p).status["calibration_run_errors"] == {}

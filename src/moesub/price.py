@@ -14,8 +14,10 @@ Two entry points, one rule each:
   the copies at the disk's speed while the run read, `costs_at_run_disk`, and
   `time_per_token_at_run_speed_s`: also with its compute at the machine's speed while it ran,
   probed on its own tokens that only hit, `run_speed`; and `STREAM_SUMS`, each stream's time
-  and price in all, which the analysis resamples). Every stream is
-  priced from an idle link, as the caches restart. `time_per_token_serial_s` is the same
+  and price in all, which the analysis resamples; its metadata carries this_machine's
+  `calibration_run_errors`, each calibration mechanism's runs priced at the profile fitted to
+  them, from the profile's `run_errors`). Every stream is priced from an idle link, as the
+  caches restart. `time_per_token_serial_s` is the same
   counts priced without concurrency (the host's experts after the fast tier's), equal to
   `time_per_token_s` on a one-processor profile.
 
@@ -72,7 +74,7 @@ def write_profile(
     checkpoint's weights besides its routed experts as each MoE layer's dense bytes, at
     `DENSE_BITS`, from its check's record (`checkpoint`: `results/{model}/checkpoint.json`,
     `dense_weights_per_layer`, counted on the meta device by `moesub.models.check_checkpoint`)."""
-    at_run_disk = None
+    at_run_disk, calibration = None, {}
     if name == THIS_MACHINE:
         path = require_file(calibration_path, "calibration_path")
         profile = this_machine(path)
@@ -97,6 +99,8 @@ def write_profile(
         "model_bytes": asdict(bytes_),
         "unit_costs": asdict(profile.price(bytes_)),
         "at_run_disk": at_run_disk,  # this_machine on a disk tier: `engine.calibrate.at_run_disk`
+        # this_machine: each calibration mechanism's runs priced at the profile fitted to them
+        "run_errors": calibration.get("run_errors") if name == THIS_MACHINE else None,
     }
     write_json(out, out_path)
     return out
@@ -193,7 +197,8 @@ def run_price(
     every engine output (its `token_layer_counts`; this_machine only) under the profile of
     `profile_path` (`write_profile`); write the table (module doc) atomically, return it."""
     hardware, costs = read_unit_costs(profile_path)
-    at_run_disk = json.loads(Path(profile_path).read_text()).get("at_run_disk")
+    written = json.loads(Path(profile_path).read_text())
+    at_run_disk = written.get("at_run_disk")
     if engine_outputs and hardware != THIS_MACHINE:
         raise ValueError(
             f"price: engine runs are priced under {THIS_MACHINE!r} only (the machine they ran "
@@ -215,5 +220,8 @@ def run_price(
                   size=pl.String, tokens=pl.Int64, contended=pl.Boolean,
                   **dict.fromkeys(STREAM_SUMS, pl.List(pl.Float64)))  # fmt: skip
     out = pl.DataFrame(rows, schema=schema)
-    write_parquet(out, out_path, metadata={"hardware": hardware, "unit_costs": asdict(costs)})
+    meta = {"hardware": hardware, "unit_costs": asdict(costs)}
+    if written.get("run_errors"):  # this_machine's calibration runs, priced at its profile
+        meta["calibration_run_errors"] = written["run_errors"]
+    write_parquet(out, out_path, metadata=meta)
     return out

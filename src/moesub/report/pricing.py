@@ -6,6 +6,8 @@ GPU profile (`moesub.price`'s `priced.parquet`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 
@@ -72,7 +74,8 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
 def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[str]:
     """The engine benchmark's pricing against the criterion it is held to (every policy within
     `held_to` of the engine), said as met or not: as measured, naming the rows outside with
-    their disk's drift, then at each run's disk speed (the disk's drift between runs out), then
+    their disk's drift, then what the rounds' intervals say of it, then the calibration runs'
+    own errors (`calibration_line`), then at each run's disk speed (the disk's drift out), then
     also at each run's own compute speed (the machine's drift out too), then the spread of each
     policy's rounds against their price (`round_spread`)."""
     bench = out.table("engine_bench")
@@ -118,6 +121,11 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     rounds = rounds_interval_line(rows, missed, held_to, ci_label(out.ci_level))
     if rounds:
         lines.append(rounds)
+    calibration = calibration_line(
+        out.part("engine_bench").get("calibration_run_errors") or {}, held_to
+    )
+    if calibration:
+        lines.append(calibration)
     key = "sim_rel_error_at_run_disk"
     if any(finite(r.get(key)) for r in rows):
         at_disk = outside(key)
@@ -165,6 +173,28 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
             f"{', '.join(contended)}."
         )
     return lines
+
+
+def calibration_line(errors: Mapping[str, Mapping[str, float]], held_to: float) -> str:
+    """The bench's calibration runs priced at the profile fitted to them, per device (the
+    analysis's `calibration_run_errors`): the fit's error on its own runs, which a policy doing
+    the same inherits; empty where the bench kept none."""
+    said = []
+    for device, by_run in errors.items():
+        if not by_run:
+            continue
+        beyond = [name for name, e in by_run.items() if abs(e) > held_to]
+        said.append(
+            (f"on {device}, " if len(errors) > 1 else "")
+            + ", ".join(f"{name} {100 * e:+.1f}%" for name, e in by_run.items())
+            + (f" ({', '.join(beyond)} beyond {100 * held_to:g}%)" if beyond else "")
+        )
+    if not said:
+        return ""
+    return (
+        "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
+        "its own runs; a policy that does what a run does inherits it): " + "; ".join(said) + "."
+    )
 
 
 def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci: str) -> str:

@@ -48,6 +48,7 @@ from moesub.stats.regime import regime
 from moesub.stats.selection import selection
 from moesub.stats.summary import summary
 from moesub.stats.timing import (
+    calibration_run_errors,
     engine,
     engine_bench,
     priced,
@@ -136,7 +137,7 @@ def analyse_model(model: str, paths: dict[str, list[str]], p: AnalysisParams) ->
     sim = sim._replace(total=sim_total)
     space = design_space(sim.total, sim.layers, qual.table, p)
     speed = speed_quality(qual.table, eng.table, sim.total, p)
-    sve = sim_vs_engine(eng.table, sim.total, prices, p)
+    sve = sim_vs_engine(eng.table, sim.total, prices, p, calibration_run_errors(paths["priced"]))
     alloc = allocation(qual.streams, qual.table, prices, infos["emulate"], p)
     reg = regime(paths["regime"], paths["regime_designs"])
     summ = summary(qual.table, sim.total, eng.table, gen.table, p)

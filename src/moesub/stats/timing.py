@@ -9,7 +9,8 @@ compared with the engine's mean (an expected time per token) on the engine's own
 simulator's tokens against those is the token-set effect, reported beside.
 
 Entry points: `simulate`, `priced`, `engine`, `speed_quality`, `sim_vs_engine` (per model) and
-`engine_bench(paths, p)` (the shared benchmark, not per model, with its errors' intervals).
+`engine_bench(paths, p)` (the shared benchmark, not per model, with its errors' intervals and
+its calibration runs' errors).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from moesub.hardware import PRICE_HELD_TO
+from moesub.hardware import PRICE_HELD_TO, THIS_MACHINE
+from moesub.io import read_metadata
 from moesub.metrics import speedup
 from moesub.run_speed import ROUND_SUMS, STREAM_SUMS
 from moesub.stats.intervals import Interval, correlation, median_ci, rng_for, stream_bootstrap
@@ -106,8 +108,6 @@ def priced(paths: list[str], sim_total: pd.DataFrame) -> tuple[pd.DataFrame, pd.
     """The priced runs of every hardware profile (`priced.parquet`), and the simulate totals
     with `est_time_per_token_s`: the simulator's tokens priced on `this_machine` (NaN where
     that profile was not priced)."""
-    from moesub.hardware import THIS_MACHINE
-
     if not paths:
         return pd.DataFrame(), sim_total.assign(est_time_per_token_s=np.nan)
     con = duckdb.connect()
@@ -239,8 +239,22 @@ def speed_quality(
     return SpeedQuality(sq, {"status": "ok"})
 
 
+def calibration_run_errors(paths: list[str]) -> dict[str, float] | None:
+    """this_machine's calibration mechanisms priced at the profile fitted to them, from its
+    priced table's metadata (`moesub.price.run_price`); None where none was kept."""
+    for path in paths:
+        meta = read_metadata(path)
+        if meta.get("hardware") == THIS_MACHINE:
+            return meta.get("calibration_run_errors")
+    return None
+
+
 def sim_vs_engine(
-    eng: pd.DataFrame, sim: pd.DataFrame, prices: pd.DataFrame, p: AnalysisParams
+    eng: pd.DataFrame,
+    sim: pd.DataFrame,
+    prices: pd.DataFrame,
+    p: AnalysisParams,
+    calibration_errors: dict[str, float] | None = None,
 ) -> SimVsEngine:
     """Per engine run (`eng`, `Engine.table`) priced on this machine (`prices`: the engine rows
     of `priced`): `est_time_per_token_s` (the engine's own per-token-layer counts priced) against
@@ -253,7 +267,9 @@ def sim_vs_engine(
     `rel_error_at_run_speed`: also with their compute at the machine's speed while it ran
     (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`);
     `rel_error_ci_lo` / `_hi` / `_crosses`: `rel_error`'s interval over the run's streams
-    resampled (`with_error_intervals`; where the price stage recorded them)."""
+    resampled (`with_error_intervals`; where the price stage recorded them). The result also
+    carries the calibration's own runs' errors (`calibration_errors`:
+    `calibration_run_errors`), where given."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
     if eng.empty or engine_rows.empty:
         return SimVsEngine(
@@ -315,6 +331,7 @@ def sim_vs_engine(
         # over each run's streams resampled: the runs whose interval reaches past the bound
         # (within, beyond it; outside, inside it), of those with one
         **reaching(j, "rel_error", PRICE_HELD_TO),
+        "calibration_run_errors": calibration_errors,
     }
     return SimVsEngine(j, result, {"status": "ok"})
 
@@ -333,7 +350,9 @@ def reaching(table: pd.DataFrame, key: str, bound: float) -> dict[str, int]:
 
 
 class EngineBench(NamedTuple):
-    """`table`: the engine benchmark's rows as measured; `status`; `provenance`: its files."""
+    """`table`: the engine benchmark's rows as measured; `status` (with, per device, each
+    calibration run's error at the profile fitted to them: `calibration_run_errors`);
+    `provenance`: its files."""
 
     table: pd.DataFrame
     status: dict[str, Any]
@@ -411,4 +430,8 @@ def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
         con.close()
     df = with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p)
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
-    return EngineBench(df, {"status": "ok"}, prov)
+    metas = [read_metadata(path) for path in paths]
+    errors = {  # a bench from before they were kept has none
+        m["device"]: m["calibration_run_errors"] for m in metas if "calibration_run_errors" in m
+    }
+    return EngineBench(df, {"status": "ok", "calibration_run_errors": errors}, prov)
