@@ -8,9 +8,8 @@ the slots (and the host's). `BenchRun` holds the per-token wall times and counte
 token-layer too (`TOKEN_LAYER_FIELDS`); `by_status` names the status counts, `timed_tokens`
 gives the cost fit's regressors (`moesub.calibration`), `fit_bench_costs` the profile fitted to
 the calibration runs, `counts_frame` / `read_bench_counts` the per-token-layer table the
-benchmark writes beside its own. A policy runs a share of its
-tokens per round (`round_part`); `policy_row` is its row over them, priced as measured, at each
-run's disk and at its own speed.
+benchmark writes beside its own. A policy runs a share of its tokens per round (`round_part`);
+`policy_row` is its row over them, priced as measured, at each run's disk and at its own speed.
 """
 
 from __future__ import annotations
