@@ -312,7 +312,8 @@ CONCURRENT = (("host_compute", 0.004, 0.003), ("hybrid_015", 0.002, 0.0005))
 PRICED = "this_machine"
 # the calibration's runs priced at the profile fitted to them (the bench's metadata, and
 # this_machine's priced table's)
-CALIBRATION_RUN_ERRORS = {"cal_hits": -0.002, "cal_fetch": -0.031, "cal_host": 0.004}
+CALIBRATION_RUN_ERRORS = {"cal_hits": -0.002, "cal_fetch": -0.031, "cal_host": 0.004,
+                          "cal_admit": -0.12}  # fmt: skip
 
 
 def priced_row(

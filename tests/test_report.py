@@ -142,8 +142,8 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     ) in line
     assert line.endswith(
         "the calibration's own runs priced at the profile fitted to them (its error on them, "
-        "which a policy that does what a run does inherits): cal_fetch -3.1%, cal_hits -0.2%, "
-        "cal_host +0.4%."
+        "which a policy that does what a run does inherits): cal_admit -12.0% (beyond 10%), "
+        "cal_fetch -3.1%, cal_hits -0.2%, cal_host +0.4%."
     )
     # the fixture's bench: -4% .. +4% as measured, -2% .. +2% at each run's disk, -1% .. +1% at
     # each run's speed too
@@ -162,8 +162,8 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     )
     assert calibration == (
         "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
-        "its own runs; a policy that does what a run does inherits it): cal_fetch -3.1%, "
-        "cal_hits -0.2%, cal_host +0.4%."
+        "its own runs; a policy that does what a run does inherits it): cal_admit -12.0%, "
+        "cal_fetch -3.1%, cal_hits -0.2%, cal_host +0.4% (cal_admit beyond 10%)."
     )
     assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
     assert at_speed.startswith("At each run's disk and its own speed (its compute timed on")
