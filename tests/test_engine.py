@@ -1065,6 +1065,8 @@ def test_benchmark_table(tmp_path, monkeypatch):
     assert by["host_compute"]["speedup_vs_host_compute"] == 1.0
     assert by[ALL_RESIDENT]["hit_rate"] == 1.0 and by[ALL_RESIDENT]["bytes_sync"] == 0
     assert by["fetch_every_miss"]["sub_rate"] == 0 and by["fetch_every_miss"]["bytes_sync"] > 0
+    # one round: no jackknife over the rounds
+    assert by["fetch_every_miss"]["jackknife_rel_error"] == []
     assert by["speed"]["sub_rate"] > 0
     r = by["speed"]
     assert r["speedup_vs_fetch_every_miss"] == pytest.approx(
@@ -1206,6 +1208,10 @@ def test_benchmark_times_the_microbenchmarks_every_round(tmp_path):
     assert [len(wall) for wall, _ in counts["fetch_every_miss"]] == [4, 4, 4]
     assert [len(wall) for wall, _ in counts["cal_fetch"]] == [22, 21, 21]
     assert df["tokens"].to_list() == [12] and np.isfinite(df["round_spread"].to_numpy()).all()
+    # each round left out in turn, the calibration refitted without it: one error per round
+    for key in ("jackknife_rel_error", "calibration_jackknife_rel_error"):
+        (errors,) = df[key].to_list()
+        assert len(errors) == 3 and np.isfinite(errors).all()
     with pytest.raises(ValueError, match=r"params\.rounds=13: every round runs a share"):
         BenchParams.from_dict({**params, "rounds": 13})
     assert micro["median"] == {

@@ -20,6 +20,7 @@ from moesub.engine.bench_runs import (
     BenchRun,
     at_run_disk,
     disk_drift,
+    jackknife_errors,
     policy_row,
     round_part,
     round_spread,
@@ -188,6 +189,49 @@ def test_a_policys_round_sums_are_its_rounds_time_and_price_and_give_its_error()
     )
     with pytest.raises(ValueError, match="parts of 14 tokens in all for 15 tokens"):
         part_sums(priced, [5, 4, 5])
+
+
+def test_each_round_left_out_with_the_calibration_refitted_without_it():
+    """`jackknife_errors`: with each round r left out, the policy's other rounds priced at the
+    profile refitted without r against their time (the joint error), and all its rounds so
+    (the calibration's part alone); one refit per round, else an error; none without refits,
+    and `policy_row` carries both lists."""
+    fields = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+    costs = UnitCosts(copy_s=3e-3, expert_s=0.5e-3, host_expert_s=1e-3, dense_layer_s=0.6e-3,
+                      token_overhead_s=0.2e-3, install_s=0.1e-3, concurrent_host=False,
+                      host_reads_link=False)  # fmt: skip
+    rng = np.random.default_rng(11)
+    runs, over = [], (1.1, 0.9, 1.2, 1.0)  # each round's time over its price at `costs`
+    for T, f in zip((5, 4, 6, 5), over, strict=True):
+        c = np.zeros((T, 2, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+        fetched = rng.integers(0, 3, (T, 2))
+        c[..., fields["hit"]], c[..., fields["fetch"]] = 4 - fetched, fetched
+        runs.append(_run(price_stream(c, 1, costs).token_s * f, c, 0, 0.0))
+    price = [price_stream(r.layer_counts, 1, costs).token_s.sum() for r in runs]
+    wall = [r.wall_s.sum() for r in runs]
+    # every refit the same profile: the calibration's part alone is the error itself
+    joint, calibration = jackknife_errors(runs, 1, [costs] * 4)
+    error = sum(price) / sum(wall) - 1
+    assert calibration == pytest.approx([error] * 4, rel=1e-12)
+    for r in range(4):
+        rest = (sum(price) - price[r]) / (sum(wall) - wall[r]) - 1
+        assert joint[r] == pytest.approx(rest, rel=1e-12)
+    # a refit without round 2 whose copies are dearer prices every round higher there
+    dear = replace(costs, copy_s=6e-3)
+    joint, calibration = jackknife_errors(runs, 1, [costs, costs, dear, costs])
+    priced_dear = [price_stream(r.layer_counts, 1, dear).token_s.sum() for r in runs]
+    assert calibration[2] == pytest.approx(sum(priced_dear) / sum(wall) - 1, rel=1e-12)
+    assert joint[2] == pytest.approx(
+        (sum(priced_dear) - priced_dear[2]) / (sum(wall) - wall[2]) - 1, rel=1e-12
+    )
+    assert calibration[2] > calibration[0]
+    assert jackknife_errors(runs, 1, []) == ([], [])
+    with pytest.raises(ValueError, match="jackknife: 3 refits for 4 rounds"):
+        jackknife_errors(runs, 1, [costs] * 3)
+    row = policy_row(runs, 1, costs, [costs] * 4, None, [costs, costs, dear, costs])
+    assert (row["jackknife_rel_error"], row["calibration_jackknife_rel_error"]) == (
+        joint, calibration,
+    )  # fmt: skip
 
 
 def test_round_part_shares_the_measured_tokens_out_and_runs_the_warmup_before_each():

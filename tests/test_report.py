@@ -254,6 +254,25 @@ def test_bench_lines_name_the_rows_outside():
     assert bench_lines(outputs(rounds))[1].endswith(
         "of the 1 within, 1 reaches beyond it (fetch_every_miss -2.1% [-12.0, +1.0])."
     )
+    # the jackknife with the calibration refitted: its interval against the criterion, and how
+    # much of its variance the calibration alone gives (the median over the policies)
+    jk_bounds = [(-0.13, 0.09, True, 0.4), (-0.25, -0.08, True, 0.9), (0.105, 0.145, False, 1.3),
+                 (None, None, pd.NA, None)]  # fmt: skip
+    jk = [{**r, "sim_rel_error_jk_lo": lo, "sim_rel_error_jk_hi": hi,
+           "sim_rel_error_jk_crosses": crosses, "calibration_share": share}
+          for r, (lo, hi, crosses, share) in zip(rounds, jk_bounds, strict=True)]  # fmt: skip
+    assert bench_lines(outputs(jk))[2] == (
+        "Leaving each round out in turn, with the calibration refitted without it (a jackknife "
+        "over the rounds, the calibration's own noise in it), gives the error a 95% CI: of the "
+        "2 outside, 1 reaches inside 10% (host_compute -16.7% [-25.0, -8.0]): this run does not "
+        "tell it from within; of the 1 within, 1 reaches beyond it (fetch_every_miss -2.1% "
+        "[-13.0, +9.0]). Refitting the calibration alone gives a median 90% of that variance."
+    )
+    jk[0]["calibration_share"] = 2.0  # shares 2.0, 0.9, 1.3
+    assert bench_lines(outputs(jk))[2].endswith(
+        "a median 130% of that variance (over 100%: the calibration's noise and the rounds' "
+        "offset each other)."
+    )
     # a table from before the at-disk column, and none
     old = [{k: v for k, v in r.items() if k == "policy" or k == "sim_rel_error"} for r in rows]
     assert len(bench_lines(outputs(old))) == 1

@@ -544,6 +544,26 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
                                                if not k.startswith("round")}]),
                         tmp_path / "old.parquet")  # fmt: skip
     assert "sim_rel_error_ci_lo" not in engine_bench([str(old)], p).table.columns
+    # the jackknife with the calibration refitted: the t interval of the errors with each round
+    # left out, and the calibration alone's share of its variance; NA under 3 rounds
+    from moesub.stats.intervals import t_interval
+
+    joint, alone = [-0.12, -0.08, -0.10, -0.11], [-0.11, -0.09, -0.10, -0.10]
+    keys = ("jackknife_rel_error", "calibration_jackknife_rel_error")
+    jack = [{**rows[0], **dict(zip(keys, (joint, alone), strict=True))},
+            {**rows[1], **dict.fromkeys(keys, [0.0, 0.0])}]  # fmt: skip
+    path = write_parquet(pa.Table.from_pylist(jack), tmp_path / "jack.parquet")
+    table = engine_bench([str(path)], p).table.set_index("policy")
+    lo, hi, se = t_interval(noisy.estimate, np.array(joint), p.ci_level)
+    assert table.loc["a", "sim_rel_error_jk_lo"] == pytest.approx(lo, rel=1e-12)
+    assert table.loc["a", "sim_rel_error_jk_hi"] == pytest.approx(hi, rel=1e-12)
+    assert lo < -0.1 < hi and table.loc["a", "sim_rel_error_jk_crosses"] == True  # noqa: E712
+    se_alone = t_interval(noisy.estimate, np.array(alone), p.ci_level)[2]
+    assert table.loc["a", "calibration_share"] == pytest.approx((se_alone / se) ** 2, rel=1e-12)
+    assert pd.isna(table.loc["b", "sim_rel_error_jk_lo"])
+    assert pd.isna(table.loc["b", "calibration_share"])
+    assert "jackknife_rel_error" not in table.columns
+    assert "sim_rel_error_jk_lo" not in engine_bench([str(old)], p).table.columns
     # the calibration runs' errors from each bench's metadata, by device; none in an older one
     errors = {"cal_fetch": -0.109, "cal_host": 0.007}
     meta = {"device": "cpu", "calibration_run_errors": errors}

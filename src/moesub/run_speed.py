@@ -168,6 +168,10 @@ def _priced(
 # bench policy's rounds, an engine run's streams
 ROUND_SUMS = ("round_time_s", "round_priced_s")
 STREAM_SUMS = ("stream_time_s", "stream_priced_s")
+# a bench policy's error with each round left out in turn, the calibration refitted without it:
+# its other rounds priced so (the rounds and the calibration together), and all of its rounds
+# (the calibration alone); lists, one per round
+JACKKNIFE_ERRORS = ("jackknife_rel_error", "calibration_jackknife_rel_error")
 
 
 def part_sums(x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:

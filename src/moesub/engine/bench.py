@@ -69,6 +69,7 @@ from moesub.engine.bench_runs import (
     fit_bench_costs,
     hits_only,
     policy_row,
+    refit_without_each_round,
     round_part,
     run_policy,
     write_bench_counts,
@@ -377,10 +378,12 @@ def _policy_rows(
     costs: UnitCosts,
     run_disk: dict[str, list[UnitCosts]],
     reference: DiskClock | None,
+    refits: list[UnitCosts],
 ) -> pl.DataFrame:
     """One row per policy over its rounds (`bench_runs.policy_row`: the pricing's estimate on
     the same tokens beside, at `costs`, at `run_disk`'s against the calibration's `reference`
-    run, and at each run's own speed), and the speedups."""
+    run, at each run's own speed, and with each round left out at `refits`), and the
+    speedups."""
     from moesub.metrics import speedup  # the project's one speedup
 
     out = pl.DataFrame(
@@ -391,7 +394,12 @@ def _policy_rows(
                 "tier": rounds.kind,
                 "layers": plan.p.layers,
                 **policy_row(
-                    rounds.runs[name], plan.policy(name).delay, costs, run_disk[name], reference
+                    rounds.runs[name],
+                    plan.policy(name).delay,
+                    costs,
+                    run_disk[name],
+                    reference,
+                    refits,
                 ),
             }
             for name in plan.p.policies
@@ -436,16 +444,17 @@ def run_benchmark(
         torch.set_num_threads(caller_threads)
         plan.close()
     info["load_avg_end"] = os.getloadavg()
-    seconds, costs, reference = fit_bench_costs(
-        rounds.runs, (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES), rounds.micro,
-        rounds.host_reads_link, p.top_k, p.layers, p.layout().expert_bytes, info,
-    )  # fmt: skip
+    cal = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
+    fit = (rounds.host_reads_link, p.top_k, p.layers, p.layout().expert_bytes)
+    seconds, costs, reference = fit_bench_costs(rounds.runs, cal, rounds.micro, *fit, info)
+    refits = refit_without_each_round(rounds.runs, cal, rounds.micro, *fit)
     run_disk = at_run_disk(rounds.runs, reference, costs)
     info["disk_read_s"] = {
         name: [r.disk.per_read_s if r.disk.reads else None for r in rs]
         for name, rs in rounds.runs.items()
     }
-    out = _policy_rows(plan, rounds, costs, run_disk, reference).with_columns(threads=threads)
+    out = _policy_rows(plan, rounds, costs, run_disk, reference, refits)
+    out = out.with_columns(threads=threads)
     meta = {
         "device": str(dev),
         "tier": rounds.tier,

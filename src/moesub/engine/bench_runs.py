@@ -35,8 +35,9 @@ from moesub.engine.tiers import disk_clock
 from moesub.hardware import ModelBytes, UnitCosts, is_contended, measured_profile
 from moesub.io import require_file, write_parquet
 from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, Policy
-from moesub.pricing import price_streams
+from moesub.pricing import price_stream, price_streams
 from moesub.run_speed import (
+    JACKKNIFE_ERRORS,
     ROUND_SUMS,
     AtRunDisk,
     DiskClock,
@@ -44,6 +45,9 @@ from moesub.run_speed import (
     priced_at_speed,
     reference_clock,
 )
+
+# the jackknife over a bench's rounds needs a few refits to say anything
+JACKKNIFE_MIN_ROUNDS = 3
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +217,46 @@ def fit_bench_costs(
     return seconds, costs, reference
 
 
+def refit_without_each_round(
+    runs: Mapping[str, list[BenchRun]],
+    names: Sequence[str],
+    micro: list[dict[str, float]],
+    *fit: Any,
+) -> list[UnitCosts]:
+    """The calibration refitted with each round left out in turn: `fit_bench_costs` (`fit`: its
+    arguments after `micro`) on the other rounds' runs and microbenchmarks, one profile's costs
+    per round (a run's index in `runs[name]` is its round); none under `JACKKNIFE_MIN_ROUNDS`
+    rounds."""
+    if len(micro) < JACKKNIFE_MIN_ROUNDS:
+        return []
+    out = []
+    for r in range(len(micro)):
+        kept = {name: rs[:r] + rs[r + 1 :] for name, rs in runs.items()}
+        out.append(fit_bench_costs(kept, names, micro[:r] + micro[r + 1 :], *fit, {})[1])
+    return out
+
+
+def jackknife_errors(
+    runs: list[BenchRun], delay: int, refits: Sequence[UnitCosts]
+) -> tuple[list[float], list[float]]:
+    """A policy's error with each round r left out in turn, the calibration refitted without it
+    (`refits[r]`): its other rounds priced at that profile against their time (its rounds and
+    the calibration's left out together), and all of its rounds so (the calibration's alone);
+    `JACKKNIFE_ERRORS`. Empty without refits."""
+    if not refits:
+        return [], []
+    if len(refits) != len(runs):
+        raise ValueError(f"jackknife: {len(refits)} refits for {len(runs)} rounds")
+    wall = np.array([run.wall_s.sum() for run in runs])
+    joint, calibration = [], []
+    for r, costs in enumerate(refits):
+        priced = np.array([price_stream(run.layer_counts, delay, costs).token_s.sum()
+                           for run in runs])  # fmt: skip
+        calibration.append(float(priced.sum() / wall.sum() - 1.0))
+        joint.append(float((priced.sum() - priced[r]) / (wall.sum() - wall[r]) - 1.0))
+    return joint, calibration
+
+
 def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:
     """One run's per-token-layer counts as rows `policy, round, token, layer`, the
     `TOKEN_LAYER_FIELDS` counts (int16) and the token's wall time `wall_s` (each layer's row)."""
@@ -341,7 +385,8 @@ def policy_row(
     costs: UnitCosts,
     run_disk: list[UnitCosts],
     reference: DiskClock | None,
-) -> dict[str, float | int | bool]:
+    refits: Sequence[UnitCosts] = (),
+) -> dict[str, Any]:
     """A policy's row over its runs (its rounds, each priced from an idle link, as each ran):
     its time per token, what it did, and the pricing's estimate on the same tokens beside, at
     `costs`, at each run's disk (`run_disk`, against the calibration's `reference` run; None: a
@@ -350,7 +395,9 @@ def policy_row(
     all of its own, over many short rounds both see the same stretches of the machine), each
     against its measured mean. The last is the pricing's arithmetic apart from the machine's
     drift: a policy that only hits is priced from its own times, its error nil by
-    construction; the others' errors are what their other tokens cost beyond their price."""
+    construction; the others' errors are what their other tokens cost beyond their price.
+    With `refits` (`refit_without_each_round`), its errors with each round left out
+    (`jackknife_errors`)."""
     r = concat_runs(runs)
     slots = max(int(r.counts.sum()), 1)
     c = by_status(r.counts.sum(axis=0))
@@ -378,6 +425,8 @@ def policy_row(
         # per round, its time and its price as measured in all: the error's interval over the
         # rounds is the analysis's (`moesub.stats.timing.engine_bench`)
         **dict(zip(ROUND_SUMS, (sums.tolist() for sums in round_sums(runs, plain)), strict=True)),
+        # each round left out, the calibration refitted without it (the analysis's jackknife)
+        **dict(zip(JACKKNIFE_ERRORS, jackknife_errors(runs, delay, refits), strict=True)),
         "est_at_run_disk_s": est_disk,
         "sim_rel_error_at_run_disk": (est_disk - measured) / measured,
         "run_speed": speed,

@@ -23,9 +23,9 @@ def ms(key: str) -> Col:
     return Col(f"{key} (ms)", lambda r: num(1e3 * r[key], "{:.3f}") if finite(r.get(key)) else "—")
 
 
-def pct_interval(r: Row, key: str) -> str:
-    """`{key}_ci_lo` to `_hi` in %, or a dash where there is none (`tables.interval`)."""
-    lo, hi = r.get(f"{key}_ci_lo"), r.get(f"{key}_ci_hi")
+def pct_interval(r: Row, key: str, kind: str = "ci") -> str:
+    """`{key}_{kind}_lo` to `_hi` in %, or a dash where there is none (`tables.interval`)."""
+    lo, hi = r.get(f"{key}_{kind}_lo"), r.get(f"{key}_{kind}_hi")
     if not (finite(lo) and finite(hi)):
         return "—"
     return interval(100 * float(lo), 100 * float(hi), "{:+.1f}")
@@ -118,9 +118,17 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
         + "; ".join(f"{r['policy']} {100 * r['sim_rel_error']:+.1f}%{drift(r)}" for r in missed)
         + f": the criterion is {'not met' if missed else 'met'} in this run."
     ]
-    rounds = rounds_interval_line(rows, missed, held_to, ci_label(out.ci_level))
-    if rounds:
-        lines.append(rounds)
+    ci = ci_label(out.ci_level)
+    lead = (
+        "Resampling each policy's rounds (stretches of the machine; the calibration held as "
+        f"fitted) gives its error a {ci}"
+    )
+    lines += [
+        line
+        for line in (interval_line(rows, missed, held_to, "ci", lead),
+                     jackknife_line(rows, missed, held_to, ci))
+        if line
+    ]  # fmt: skip
     calibration = calibration_line(
         out.part("engine_bench").get("calibration_run_errors") or {}, held_to
     )
@@ -197,18 +205,20 @@ def calibration_line(errors: Mapping[str, Mapping[str, float]], held_to: float) 
     )
 
 
-def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci: str) -> str:
-    """What the bench's rounds say of the criterion: the rows outside whose error's interval
-    over their rounds (`sim_rel_error_ci_lo` / `_hi`) reaches inside `held_to`, and the rows
-    within whose interval reaches beyond it (`sim_rel_error_ci_crosses`, the analysis's);
-    empty where the bench recorded no rounds."""
-    key_lo, key_hi, crosses = (f"sim_rel_error_ci_{s}" for s in ("lo", "hi", "crosses"))
+def interval_line(rows: list[Row], missed: list[Row], held_to: float, kind: str, lead: str) -> str:
+    """What one of the bench's intervals (`kind`: `ci`, over its rounds resampled; `jk`, its
+    jackknife with the calibration refitted) says of the criterion, after `lead`: the rows
+    outside whose error's interval (`sim_rel_error_{kind}_lo` / `_hi`) reaches inside
+    `held_to`, and the rows within whose interval reaches beyond it (`_crosses`, the
+    analysis's); empty where the bench has no such interval."""
+    key_lo, key_hi, crosses = (f"sim_rel_error_{kind}_{s}" for s in ("lo", "hi", "crosses"))
     rows = [r for r in rows if finite(r.get(key_lo)) and finite(r.get(key_hi))]
     if not rows:
         return ""
 
     def named(r: Row) -> str:
-        return f"{r['policy']} {100 * r['sim_rel_error']:+.1f}% {pct_interval(r, 'sim_rel_error')}"
+        error = 100 * r["sim_rel_error"]
+        return f"{r['policy']} {error:+.1f}% {pct_interval(r, 'sim_rel_error', kind)}"
 
     def flagged(r: Row) -> bool:  # a table read back holds NA where there is no interval
         v = r.get(crosses)
@@ -220,10 +230,6 @@ def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci:
     out_names = {r["policy"] for r in missed}
     outside = [r for r in rows if r["policy"] in out_names]
     within = [r for r in rows if r["policy"] not in out_names]
-    line = (
-        f"Resampling each policy's rounds (stretches of the machine; the calibration held as "
-        f"fitted) gives its error a {ci}"
-    )
     parts = []
     if outside:
         inside = [r for r in outside if flagged(r)]
@@ -237,7 +243,29 @@ def rounds_interval_line(rows: list[Row], missed: list[Row], held_to: float, ci:
         f"of the {len(within)} within, {len(beyond)} {verb(beyond)} beyond it"
         + (f" ({'; '.join(named(r) for r in beyond)})" if beyond else "")
     )
-    return line + ": " + "; ".join(parts) + "."
+    return lead + ": " + "; ".join(parts) + "."
+
+
+def jackknife_line(rows: list[Row], missed: list[Row], held_to: float, ci: str) -> str:
+    """The jackknife's interval against the criterion (`interval_line`), and how much of its
+    variance refitting the calibration alone gives (`calibration_share`, the median over the
+    policies); empty where the bench has none."""
+    line = interval_line(
+        rows, missed, held_to, "jk",
+        "Leaving each round out in turn, with the calibration refitted without it (a jackknife "
+        f"over the rounds, the calibration's own noise in it), gives the error a {ci}",
+    )  # fmt: skip
+    shares = [float(r["calibration_share"]) for r in rows if finite(r.get("calibration_share"))]
+    if line and shares:
+        median = float(np.median(shares))
+        line += (
+            f" Refitting the calibration alone gives a median {100 * median:.0f}% of that "
+            "variance"
+            + (" (over 100%: the calibration's noise and the rounds' offset each other)"
+               if median > 1 else "")
+            + "."
+        )  # fmt: skip
+    return line
 
 
 def concurrency_table(out: AnalysisOutputs, profile: str = STUDY_PROFILE) -> Table:

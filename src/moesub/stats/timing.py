@@ -26,8 +26,15 @@ import pandas as pd
 from moesub.hardware import PRICE_HELD_TO, THIS_MACHINE
 from moesub.io import read_metadata
 from moesub.metrics import speedup
-from moesub.run_speed import ROUND_SUMS, STREAM_SUMS
-from moesub.stats.intervals import Interval, correlation, median_ci, rng_for, stream_bootstrap
+from moesub.run_speed import JACKKNIFE_ERRORS, ROUND_SUMS, STREAM_SUMS
+from moesub.stats.intervals import (
+    Interval,
+    correlation,
+    median_ci,
+    rng_for,
+    stream_bootstrap,
+    t_interval,
+)
 from moesub.stats.load import FileInfo, file_info, missing, provenance_entry, sql_list
 from moesub.stats.params import AnalysisParams
 from moesub.stats.tokens import register_files
@@ -366,8 +373,8 @@ def error_interval(
     time in all; a bench policy's rounds, an engine run's streams), `sum(priced) / sum(time) -
     1`, with its interval over the parts resampled (`p.n_boot`, BCa at `p.ci_level`): a part
     is a stretch of the machine, so the interval is the machine's noise between the run's
-    parts, at the calibration as fitted (the calibration runs' own noise is not in it). No
-    interval under 3 parts."""
+    parts, at the calibration as fitted (the calibration runs' own noise is not in it: the
+    bench's jackknife, `with_jackknife_intervals`, puts it in). No interval under 3 parts."""
     if len(time_s) < 3:
         return None
 
@@ -402,23 +409,66 @@ def with_error_intervals(
             iv = error_interval(np.asarray(time_s, float), np.asarray(priced_s, float), p, label)
             if iv is not None and iv.ci_lo is not None and iv.ci_hi is not None:
                 lo[i], hi[i] = iv.ci_lo, iv.ci_hi
-    within = (table[key].abs() <= bound).to_numpy()
-    crosses = np.where(within, (lo < -bound) | (hi > bound), (lo <= bound) & (hi >= -bound))
     return table.drop(columns=list(sums)).assign(
-        **{
-            f"{key}_ci_lo": pd.array(lo, dtype="Float64"),  # NaN -> NA
-            f"{key}_ci_hi": pd.array(hi, dtype="Float64"),
-            f"{key}_ci_crosses": pd.Series(crosses, index=table.index, dtype="boolean").mask(
-                np.isnan(lo)
-            ),
-        }
+        **interval_columns(table[key], lo, hi, f"{key}_ci", bound)
+    )
+
+
+def interval_columns(
+    errors: pd.Series, lo: np.ndarray, hi: np.ndarray, prefix: str, bound: float
+) -> dict[str, Any]:
+    """Errors' interval bounds as columns `{prefix}_lo`, `_hi` (NaN -> NA) and `_crosses`:
+    whether each reaches across `bound` from its error's side (within and reaching beyond it,
+    outside and reaching inside it); NA where a row has no interval."""
+    within = (errors.abs() <= bound).to_numpy()
+    crosses = np.where(within, (lo < -bound) | (hi > bound), (lo <= bound) & (hi >= -bound))
+    return {
+        f"{prefix}_lo": pd.array(lo, dtype="Float64"),
+        f"{prefix}_hi": pd.array(hi, dtype="Float64"),
+        f"{prefix}_crosses": pd.Series(crosses, index=errors.index, dtype="boolean").mask(
+            np.isnan(lo)
+        ),
+    }
+
+
+def with_jackknife_intervals(
+    table: pd.DataFrame, p: AnalysisParams, bound: float = PRICE_HELD_TO
+) -> pd.DataFrame:
+    """The bench's table with `sim_rel_error`'s interval from its jackknife over the rounds,
+    each round left out with the calibration refitted without it (`JACKKNIFE_ERRORS`, lists:
+    the rounds and the calibration's noise together; `t_interval` at `p.ci_level`):
+    `sim_rel_error_jk_lo`, `_hi`, `_crosses` (`interval_columns`), and `calibration_share`:
+    the calibration's refits' part of that jackknife variance (the variance of the errors with
+    the calibration alone refitted, over the joint one's; near 1, the calibration's noise
+    dominates the error's); the lists dropped. NA under 3 rounds; a table without the lists
+    comes back as is."""
+    joint_key, calibration_key = JACKKNIFE_ERRORS
+    if joint_key not in table.columns:
+        return table
+    n = len(table)
+    lo, hi, share = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    rows = zip(table["sim_rel_error"], table[joint_key], table[calibration_key], strict=True)
+    for i, (error, joint, calibration) in enumerate(rows):
+        if joint is None or len(joint) < 3:
+            continue
+        a, b, se = t_interval(float(error), np.asarray(joint, float), p.ci_level)
+        if se is None:
+            continue
+        lo[i], hi[i] = a, b
+        _, _, se_calibration = t_interval(float(error), np.asarray(calibration, float), p.ci_level)
+        if se > 0 and se_calibration is not None:
+            share[i] = (se_calibration / se) ** 2
+    return table.drop(columns=list(JACKKNIFE_ERRORS)).assign(
+        **interval_columns(table["sim_rel_error"], lo, hi, "sim_rel_error_jk", bound),
+        calibration_share=pd.array(share, dtype="Float64"),
     )
 
 
 def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
     """The shared engine benchmark (every model's rows in its own files), read as is, with
     `sim_rel_error`'s interval over each policy's rounds (`with_error_intervals`) in place of
-    the rounds' sums."""
+    the rounds' sums, and its jackknife interval with the calibration refitted
+    (`with_jackknife_intervals`) in place of the left-out errors."""
     if not paths:
         return EngineBench(pd.DataFrame(), missing("no engine benchmark artefacts"), [])
     con = duckdb.connect()
@@ -428,7 +478,7 @@ def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
         ).df()
     finally:
         con.close()
-    df = with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p)
+    df = with_jackknife_intervals(with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p), p)
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
     metas = [read_metadata(path) for path in paths]
     errors = {  # a bench from before they were kept has none
