@@ -74,7 +74,8 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
 def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[str]:
     """The engine benchmark's pricing against the criterion it is held to (every policy within
     `held_to` of the engine), said as met or not: as measured, naming the rows outside with
-    their disk's drift, then what the rounds' intervals say of it, then the calibration runs'
+    their disk's drift, then what its intervals say of it (over the rounds, `interval_line`;
+    the jackknife with the calibration refitted, `jackknife_line`), then the calibration runs'
     own errors (`calibration_line`), then at each run's disk speed (the disk's drift out), then
     also at each run's own compute speed (the machine's drift out too), then the spread of each
     policy's rounds against their price (`round_spread`)."""
