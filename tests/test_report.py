@@ -162,8 +162,8 @@ def test_pricing_lines_say_whether_the_criterion_is_met(rendered):
     )
     assert calibration == (
         "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
-        "its own runs; a policy that does what a run does inherits it): cal_admit -12.0%, "
-        "cal_fetch -3.1%, cal_hits -0.2%, cal_host +0.4% (cal_admit beyond 10%)."
+        "its own runs; a policy that does what a run does inherits it): cal_admit -12.0% "
+        "(beyond 10%), cal_fetch -3.1%, cal_hits -0.2%, cal_host +0.4%."
     )
     assert at_disk.startswith(f"At each run's disk speed, {n} of {n} are within 10%, largest")
     assert at_speed.startswith("At each run's disk and its own speed (its compute timed on")
@@ -294,7 +294,7 @@ def test_bench_lines_name_the_rows_outside():
     assert bench_lines(with_errors)[1] == (
         "The bench's calibration runs, priced at the profile fitted to them (the fit's error on "
         "its own runs; a policy that does what a run does inherits it): on cpu, cal_fetch "
-        "-10.9%, cal_host +0.7% (cal_fetch beyond 10%); on cuda, cal_fetch +2.0%."
+        "-10.9% (beyond 10%), cal_host +0.7%; on cuda, cal_fetch +2.0%."
     )
 
 

@@ -184,13 +184,13 @@ def fit_bench_costs(
     top_k: int,
     layers: int,
     expert_bytes: float,
-    info: dict[str, Any],
+    info: dict[str, Any] | None = None,
 ) -> tuple[dict[str, float], UnitCosts, DiskClock | None]:
     """This machine's profile fitted to the calibration runs `names` (those that ran) with the
     medians of their rounds' microbenchmarks `micro` (`moesub.calibration`, as the pipeline's
     calibration does): its seconds, its costs for the benchmark's experts, and the reference
-    copy run on the disk (None: no reads). `info` gets what it was made from and each
-    calibration run's error at those costs (`calibration_run_errors`: `run_errors`)."""
+    copy run on the disk (None: no reads). `info`, where given, gets what it was made from and
+    each calibration run's error at those costs (`calibration_run_errors`: `run_errors`)."""
     names = [n for n in names if runs[n]]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for n in names for r in runs[n]]))
     host, admit = runs[HOST_RUN], runs[ADMIT_RUN]
@@ -208,6 +208,8 @@ def fit_bench_costs(
         seconds, expert_bytes, "the engine benchmark's calibration runs", host_reads_link
     )
     costs = profile.price(ModelBytes(expert_bytes))
+    if info is None:  # a refit (`refit_without_each_round`): the costs alone
+        return seconds, costs, reference
     counted = {n: [(r.wall_s, r.layer_counts) for r in runs[n]] for n in names}
     info["microbenchmarks"] = {"median": median, "runs": micro}  # one per round
     info["cost_fit"] = fit.to_dict()
@@ -232,7 +234,7 @@ def refit_without_each_round(
     out = []
     for r in range(len(micro)):
         kept = {name: rs[:r] + rs[r + 1 :] for name, rs in runs.items()}
-        out.append(fit_bench_costs(kept, names, micro[:r] + micro[r + 1 :], *fit, {})[1])
+        out.append(fit_bench_costs(kept, names, micro[:r] + micro[r + 1 :], *fit)[1])
     return out
 
 

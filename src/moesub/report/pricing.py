@@ -7,6 +7,7 @@ GPU profile (`moesub.price`'s `priced.parquet`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -184,20 +185,33 @@ def bench_lines(out: AnalysisOutputs, held_to: float = PRICE_HELD_TO) -> list[st
     return lines
 
 
+def run_errors_text(by_run: Mapping[str, float], held_to: float = PRICE_HELD_TO) -> str:
+    """A calibration's runs' errors at the profile fitted to them (`run_errors`), as the report
+    says them: `name +x.x%` each, those beyond `held_to` flagged; empty where there are none."""
+    return ", ".join(
+        f"{name} {100 * e:+.1f}%" + (f" (beyond {100 * held_to:g}%)" if abs(e) > held_to else "")
+        for name, e in (by_run or {}).items()
+    )
+
+
+def sim_vs_engine_lines(out: AnalysisOutputs) -> list[dict[str, Any]]:
+    """Each model's pricing-vs-engine result, with its calibration's runs' errors said
+    (`calibration_text`, `run_errors_text`)."""
+    return [
+        {**e, "calibration_text": run_errors_text(e.get("calibration_run_errors") or {})}
+        for e in out.doc.get("sim_vs_engine") or []
+    ]
+
+
 def calibration_line(errors: Mapping[str, Mapping[str, float]], held_to: float) -> str:
     """The bench's calibration runs priced at the profile fitted to them, per device (the
-    analysis's `calibration_run_errors`): the fit's error on its own runs, which a policy doing
-    the same inherits; empty where the bench kept none."""
-    said = []
-    for device, by_run in errors.items():
-        if not by_run:
-            continue
-        beyond = [name for name, e in by_run.items() if abs(e) > held_to]
-        said.append(
-            (f"on {device}, " if len(errors) > 1 else "")
-            + ", ".join(f"{name} {100 * e:+.1f}%" for name, e in by_run.items())
-            + (f" ({', '.join(beyond)} beyond {100 * held_to:g}%)" if beyond else "")
-        )
+    analysis's `calibration_run_errors`, `run_errors_text`): the fit's error on its own runs,
+    which a policy doing the same inherits; empty where the bench kept none."""
+    said = [
+        (f"on {device}, " if len(errors) > 1 else "") + run_errors_text(by_run, held_to)
+        for device, by_run in errors.items()
+        if by_run
+    ]
     if not said:
         return ""
     return (

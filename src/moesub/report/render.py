@@ -38,7 +38,12 @@ from moesub.report.load import (
     summarize_reasons,
 )
 from moesub.report.plotting import FigureData
-from moesub.report.pricing import bench_lines, concurrency_table, sim_vs_engine_table
+from moesub.report.pricing import (
+    bench_lines,
+    concurrency_table,
+    sim_vs_engine_lines,
+    sim_vs_engine_table,
+)
 from moesub.report.recommendation import (
     plans_table,
     recommendation_lines,
@@ -176,7 +181,7 @@ def render_report(
         "regime_designs": designs_table(out),
         "regime_design_lines": regime_design_lines(out),
         "allocation": allocation_table(out),
-        "sim_vs_engine": out.doc.get("sim_vs_engine") or [],
+        "sim_vs_engine": sim_vs_engine_lines(out),
         "sim_vs_engine_rows": sim_vs_engine_table(out),
         "concurrency": concurrency_table(out),
         "study_profile": STUDY_PROFILE,
