@@ -294,7 +294,7 @@ NB_MODULE(_core, m) {
   // ---- overlap-aware pricing (moesub.pricing.price_stream): counts int32 or int64
   using CostArgs =
       std::tuple<double, double, double, double, double, double, bool, bool, double, double,
-                 double, double, double, double, bool>;
+                 double, double, double, double>;
   auto bind_price = [&m](auto tag) {
     using Int = decltype(tag);
     m.def("price_stream", [](Array<const Int, 3> counts, int64_t delay, CostArgs c,
@@ -306,7 +306,7 @@ NB_MODULE(_core, m) {
                         std::get<4>(c), std::get<5>(c), std::get<6>(c),
                         std::get<7>(c), std::get<8>(c), std::get<9>(c),
                         std::get<10>(c), std::get<11>(c), std::get<12>(c),
-                        std::get<13>(c), std::get<14>(c)};
+                        std::get<13>(c)};
       nb::gil_scoped_release release;
       price_stream<Int>(counts.data(), static_cast<int64_t>(counts.shape(0)),
                         static_cast<int64_t>(counts.shape(1)), delay, u, token_s.data(),

@@ -70,12 +70,10 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
     p[kReadDrag] += end - plain;
     return end;
   };
-  // admission requests per (layer, token % delay): start on the link, copies, seconds each (a
-  // copy's, or 0 where copied from the host's reads)
+  // admission requests per (layer, token % delay): start on the link, copies
   const int64_t ring = std::min<int64_t>(delay, std::max<int64_t>(T, 1));
   std::vector<double> req_start(L * ring, 0.0);
   std::vector<int64_t> req_n(L * ring, 0);
-  std::vector<double> req_each(L * ring, 0.0);
   std::vector<double> prefetch_done(L, 0.0);
   for (int64_t t = 0; t < T; ++t) {
     const double begin = clock;
@@ -109,7 +107,7 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       const int64_t slot = l * ring + phase;
       const int64_t landed = std::min<int64_t>(c[kLanded], req_n[slot]);
       const double admitted =
-          landed ? std::max(clock, req_start[slot] + static_cast<double>(landed) * req_each[slot])
+          landed ? std::max(clock, req_start[slot] + static_cast<double>(landed) * u.copy_s)
                  : clock;
       p[kAdmitWait] += admitted - clock;
       clock = admitted;
@@ -120,20 +118,13 @@ void price_stream(const Int* counts, int64_t T, int64_t L, int64_t delay, const 
       clock = work(clock, static_cast<double>(pf) * u.install_s, kInstall);
       // the decision: synchronous copies, then the host's reads where it reads over the link,
       // then the new background requests (the engine starts them once the host's reads are
-      // done), on the link; uploads copied from the host's reads take no link time
+      // done), on the link
       const double decided = clock;
       const int64_t n_sync = static_cast<int64_t>(c[kFetch]) + c[kForced];
       const double sync_start = n_sync ? enqueue(decided, n_sync, u.copy_s) : decided;
       const int64_t host_reads = u.host_reads_link ? static_cast<int64_t>(c[kHost]) : 0;
       double reads = host_reads ? enqueue(decided, host_reads, u.host_read_s) : 0.0;
-      if (host_reads && u.uploads_from_host_reads) {
-        req_start[slot] = reads + static_cast<double>(host_reads) * u.host_read_s;
-        req_each[slot] = 0.0;
-        started = 0.0;
-      } else {
-        req_start[slot] = background(decided, c[kRequests], started);
-        req_each[slot] = u.copy_s;
-      }
+      req_start[slot] = background(decided, c[kRequests], started);
       req_n[slot] = c[kRequests];
       // the fast path: the synchronous copies (and the step's wait for them), starting the
       // background lane for the requests, then the fast tier's experts

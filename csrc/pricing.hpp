@@ -34,8 +34,6 @@ struct UnitCosts {
   double host_step_s;
   // a batch of background copies queued while none is still on the link: starting the lane
   double background_start_s;
-  // host_reads_link only: a step's uploads are copied from the host's reads (no link time)
-  bool uploads_from_host_reads;
 };
 
 // counts: (T, L, kFields) row-major; token_s: (T,) out; parts: (kParts,) out (summed over the

@@ -141,10 +141,6 @@ def test_from_dict_round_trip_and_named_errors():
         ({"source": "guess"}, r"hardware\.mine\.source='guess'"),
         ({"concurrent_host": "yes"}, r"hardware\.mine\.concurrent_host='yes'"),
         ({"host_reads_link": 1}, r"hardware\.mine\.host_reads_link=1 must be a bool"),
-        (
-            {"uploads_from_host_reads": "yes"},
-            r"hardware\.mine\.uploads_from_host_reads='yes' must be a bool",
-        ),
         ({"host_read_Bps": 0.0}, r"hardware\.mine\.host_read_Bps=0\.0 must be a number > 0"),
         ({"host_step_s": -1e-4}, r"hardware\.mine\.host_step_s=-0\.0001 must be a number >= 0"),
         (
@@ -201,11 +197,6 @@ def test_this_machine_prices_the_calibrated_model_as_measured(tmp_path):
     disk = measured_profile(SECONDS, 98_304.0, "a disk tier", host_reads_link=True)
     assert this_machine({"profile": disk.to_dict()}) == disk
     assert disk.price(ModelBytes(expert_bytes=98_304.0)).host_reads_link
-    assert not disk.price(ModelBytes(expert_bytes=98_304.0)).uploads_from_host_reads
-    # the disk tier's uploads copied from the host's reads: kept through the profile's file
-    reused = measured_profile(SECONDS, 98_304.0, "a disk tier", True, True)
-    assert this_machine({"profile": json.loads(json.dumps(reused.to_dict()))}) == reused
-    assert reused.price(ModelBytes(expert_bytes=98_304.0)).uploads_from_host_reads
     # per-expert times scale with the expert's bytes; a term measured as 0 stays free
     free = measured_profile({**SECONDS, "install_s": 0.0}, 98_304.0, "free installs")
     u = free.price(ModelBytes(2 * 98_304.0))

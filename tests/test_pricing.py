@@ -352,48 +352,6 @@ def test_the_hosts_reads_take_their_own_time_and_the_uploads_a_copys(
     assert replace(u, host_read_s=None).host_read_each_s == 30.0
 
 
-@pytest.mark.parametrize("price", PRICERS)
-@pytest.mark.parametrize(
-    ("concurrent", "token_s"), [(False, [205.0, 209.0]), (True, [185.0, 189.0])]
-)
-def test_uploads_copied_from_the_hosts_reads_take_no_link_time(price, concurrent, token_s):
-    """The uploads example where the host's reads serve its uploads (`uploads_from_host_reads`:
-    the disk tier copies an upload from the host's read of it), with the uploads' reads at half
-    speed for the fast tier (background_read_drag 1) and a lane start of 7 that they would pay
-    as copies on the link.
-
-    token 0: the decision at 25 queues the host's 2 reads (link 25-85) and nothing else: the
-      uploads land when the reads are done (85), start no lane and read nothing, so nothing
-      drags. Fast path 25 + 80 = 105; one processor: max(105, 85) + 100 = 205; concurrent:
-      max(105, 85 + 100) = 185.
-    token 1 as in the example without drags: 209, or 189.
-    As copies (the flag off), the same uploads start the lane (7) and are read 85-145, dragging
-    the fast path and the host's compute: 242 on one processor. With copies of 300 (a slow
-    link) and no drag they land at 685 and token 1 waits for them from 237 (448; concurrent
-    from 210: 475), where the host's reads had them at 85. Without `host_reads_link` (a GPU's
-    host computes from its own memory) the flag changes nothing."""
-    u = replace(
-        units(concurrent, copy_s=30.0), host_reads_link=True, background_read_drag=1.0,
-        background_start_s=7.0, uploads_from_host_reads=True,
-    )  # fmt: skip
-    r = price(HOST_UPLOADS, 1, u)
-    assert r.token_s.tolist() == token_s
-    assert (r.parts["background_start"], r.parts["read_drag"], r.parts["admit_wait"]) == (0, 0, 0)
-    assert r.parts["install"] == 4.0
-    assert sum(r.parts.values()) == r.token_s.sum()
-    if not concurrent:
-        assert price(HOST_UPLOADS, 1, replace(u, uploads_from_host_reads=False)).token_s[0] == 242
-    slow = replace(u, copy_s=300.0, host_read_s=30.0, background_read_drag=0.0)
-    copies = price(HOST_UPLOADS, 1, replace(slow, uploads_from_host_reads=False))
-    assert copies.parts["admit_wait"] == (448.0 if not concurrent else 475.0)
-    assert price(HOST_UPLOADS, 1, slow).parts["admit_wait"] == 0.0
-    gpu = replace(u, host_reads_link=False)
-    assert (
-        price(HOST_UPLOADS, 1, gpu).token_s.tolist()
-        == price(HOST_UPLOADS, 1, replace(gpu, uploads_from_host_reads=False)).token_s.tolist()
-    )
-
-
 def test_the_reference_records_each_blocks_timeline():
     """The example above on one processor, without drags: token 0's block decides at 25, its
     fast path ends at 105, the host's reads at 85, the layer at 205; token 1's at 234, 314,
@@ -423,7 +381,6 @@ def priced_streams(draw):
         host_read_s=draw(st.none() | seconds),
         host_step_s=draw(st.just(0.0) | seconds),
         background_start_s=draw(st.just(0.0) | seconds),
-        uploads_from_host_reads=draw(st.booleans()),
     )
     return counts, draw(st.integers(1, 5)), u
 

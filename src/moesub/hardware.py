@@ -79,9 +79,7 @@ def reference_model_bytes(expert_bits: float = 16.0, dense_bits: float = 16.0) -
     )
 
 
-# a calibrated tier's link (attributes of `moesub.engine`'s tiers, keys of its measured profile)
-LINK_FLAGS = ("host_reads_link", "uploads_from_host_reads")
-_FLAGS = ("concurrent_host", *LINK_FLAGS)  # the boolean keys of a profile and its costs
+_FLAGS = ("concurrent_host", "host_reads_link")  # the boolean keys of a profile and its costs
 
 
 @dataclass(frozen=True)
@@ -115,9 +113,6 @@ class UnitCosts:
     # is still on the link, once: starting the idle background lane (the disk tier's I/O
     # thread: measured)
     background_start_s: float = 0.0
-    # the host's reads over the link (`host_reads_link`) also serve its uploads: a step's
-    # uploads are copied from them, not read again (the disk tier)
-    uploads_from_host_reads: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -180,9 +175,6 @@ class HardwareProfile:
     # link: starting the idle background lane (measured on the disk tier, whose I/O thread a
     # request wakes; the GPU estimates leave it at 0)
     background_start_s: float = 0.0
-    # where the host reads over the link, its uploads are copied from those reads rather than
-    # read again (the disk tier, whose fast tier is the host's memory); a GPU uploads over it
-    uploads_from_host_reads: bool = False
 
     def __post_init__(self) -> None:
         where = f"hardware.{self.name}"
@@ -245,7 +237,6 @@ class HardwareProfile:
             host_step_s=self.host_step_s,
             background_start_s=self.background_start_s,
             host_read_s=host_read,
-            uploads_from_host_reads=self.uploads_from_host_reads,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -295,15 +286,13 @@ def measured_profile(
     expert_bytes: float,
     description: str,
     host_reads_link: bool = False,
-    uploads_from_host_reads: bool = False,
 ) -> HardwareProfile:
     """`this_machine` from measured seconds of each event (`UNIT_COST_KEYS`, for experts of
     `expert_bytes`): per-expert times become rates (priced for other expert sizes they scale with
     the bytes; a term measured as 0 s stays free), the dense layer and the token's fixed part stay
     constants. A copy's whole time is one rate (`transfer_latency_s` 0: one expert size cannot
     split it). One processor: host experts follow the fast tier's (`concurrent_host=False`);
-    `host_reads_link` where the calibrated tier's host reads its experts over the link
-    (`uploads_from_host_reads` where its uploads are copied from those reads), and the
+    `host_reads_link` where the calibrated tier's host reads its experts over the link, and the
     measured `host_read_drag` and `background_read_drag` (fractions) and `sync_step_s`,
     `host_step_s` and `background_start_s` (constants: a step's, whatever its experts' size),
     kept as they are; the host's reads at their own rate (`host_read_s`). Priced for
@@ -332,7 +321,6 @@ def measured_profile(
         token_overhead_s=seconds["token_overhead_s"],
         install_Bps=rate("install_s"),
         host_reads_link=host_reads_link,
-        uploads_from_host_reads=uploads_from_host_reads,
         host_read_drag=seconds["host_read_drag"],
         background_read_drag=seconds["background_read_drag"],
         sync_step_s=seconds["sync_step_s"],

@@ -21,10 +21,7 @@ says where this simplifies the engine):
    tier, whose host computes each from a fresh disk read), the host's reads (`host_read_s`
    each: they come back to back, at their own speed);
    then this token-layer's background requests (the engine starts them once the host's reads
-   are done, so that no layer waits on a copy for a later token); where the host's reads also
-   serve its uploads (`uploads_from_host_reads`: the disk tier copies an upload from the host's
-   read of it; a step with host experts requests nothing else), they take no link time and land
-   once the host's reads are done;
+   are done, so that no layer waits on a copy for a later token);
 5. the fast path: the synchronous copies and, where there are any, the step's wait for them
    (`sync_step_s`: issuing them and resuming), then the fast tier's experts (hit, fetch, sub,
    forced, `expert_s` each); the host path: the host's experts (`host_expert_s` each, and
@@ -150,7 +147,7 @@ def _core_costs(u: UnitCosts) -> tuple:
     return (u.copy_s, u.expert_s, u.host_expert_s, u.dense_layer_s, u.token_overhead_s,
             u.install_s, u.concurrent_host, u.host_reads_link, u.host_read_drag,
             u.background_read_drag, u.sync_step_s, u.host_read_each_s, u.host_step_s,
-            u.background_start_s, u.uploads_from_host_reads)  # fmt: skip
+            u.background_start_s)  # fmt: skip
 
 
 def _dragged_end(
@@ -226,11 +223,10 @@ def price_stream_reference(
         parts["read_drag"] += end - plain
         return end
 
-    # admission requests per layer and token modulo delay: (start on the link, copies, seconds
-    # each: a copy's, or 0 where copied from the host's reads); step 1
+    # admission requests per layer and token modulo delay: (start on the link, copies); step 1
     # at token t reads those of token t - delay before step 5 overwrites them
     ring = min(delay, max(T, 1))
-    requested = [[(0.0, 0, 0.0)] * ring for _ in range(L)]
+    requested = [[(0.0, 0)] * ring for _ in range(L)]
     prefetch_done = [0.0] * L  # when layer l's prefetch copies of this token have all landed
     for t in range(T):
         begin = clock
@@ -250,10 +246,10 @@ def price_stream_reference(
             # step 1: landing admissions wait for their copies (the first ones requested), then
             # are installed
             slot = t % delay
-            start, n, each = requested[layer][slot]
+            start, n = requested[layer][slot]
             landed = min(c[LANDED], n)
             if landed:
-                ready = max(clock, start + landed * each)
+                ready = max(clock, start + landed * u.copy_s)
                 parts["admit_wait"] += ready - clock
                 clock = ready
             clock = work(clock, c[LANDED] * u.install_s, "install")
@@ -271,12 +267,8 @@ def price_stream_reference(
             sync_start = enqueue(decided, n_sync, u.copy_s) if n_sync else decided
             host_reads = c[HOST] if u.host_reads_link else 0
             reads = enqueue(decided, host_reads, u.host_read_each_s) if host_reads else 0.0
-            if host_reads and u.uploads_from_host_reads:  # copied from the host's reads
-                start, started, each = reads + host_reads * u.host_read_each_s, 0.0, 0.0
-            else:
-                start, started = background(decided, c[REQUESTS])
-                each = u.copy_s
-            requested[layer][slot] = (start, c[REQUESTS], each)
+            start, started = background(decided, c[REQUESTS])
+            requested[layer][slot] = (start, c[REQUESTS])
             # the fast path: the synchronous copies (and the step's wait for them), starting
             # the background lane for the requests, then the fast tier's experts
             n_fast = c[HIT] + c[FETCH] + c[SUB] + c[FORCED]

@@ -11,8 +11,6 @@ Modules, lowest layer first (each imports only modules above it in this list):
 - `copies`: `BackgroundCopies`, the ledger of a tier's background copies (in flight, landed,
   the slots awaiting them, waiting on them, the bytes installed), whatever they are for, and
   `COPY_TIMEOUT_S`, the longest a copy is waited for (the tiers' drains too).
-- `reader`: `BackgroundReader`, the I/O thread that reads a tier's background copies into
-  staging buffers (or copies in an expert already read: the disk tier's uploads).
 - `tiers`: fast-tier slot buffers and the disk tier (`DiskTier`: disk -> RAM; `SlotImage`,
   experts read once that its loads copy); `disk_clock`, what a tier's expert file has read.
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a

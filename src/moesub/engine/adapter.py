@@ -36,7 +36,6 @@ from torch import nn
 
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
-from moesub.engine.reader import DISK_STAGING_BUFFERS
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.spec import EngineParams, engine_dtype
 from moesub.engine.store import (
@@ -49,6 +48,7 @@ from moesub.engine.store import (
     tensor_fingerprint,
 )
 from moesub.engine.tiers import (
+    DISK_STAGING_BUFFERS,
     DiskTier,
     expert_runs,
     layer_capacities,

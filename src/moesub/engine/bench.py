@@ -91,7 +91,7 @@ from moesub.engine.store import (
     random_experts,
 )
 from moesub.engine.tiers import DiskTier, SlotBuffers, SlotImage, require_cuda
-from moesub.hardware import LINK_FLAGS, UnitCosts
+from moesub.hardware import UnitCosts
 from moesub.io import write_parquet
 from moesub.layout import build_layout
 from moesub.params import options_from
@@ -313,7 +313,7 @@ class _Rounds:
     micro: list[dict[str, float]]  # per round, the terms timed in isolation (`microbenchmarks`)
     tier: str  # the tier's description
     kind: str  # the tier's kind (a CUDA tier's depends on where its host copy lives)
-    link: dict[str, bool]  # the tier's `LINK_FLAGS` (its host reads over the link: disk tier)
+    host_reads_link: bool  # the tier's host reads its experts over the link (the disk tier)
 
 
 def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
@@ -332,7 +332,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
         bw = measure_read_bandwidth(plan.store, reads=32, seed=p.seed)
         info.update(disk_read_bandwidth_Bps=bw.bytes_per_s, disk_read_latency_s=bw.latency_s,
                     store_mode=bw.mode)  # fmt: skip
-    tier, engine, description, kind, link = None, None, "", "", {}
+    tier, engine, description, kind, host_reads_link = None, None, "", "", False
     # all_resident's engine, kept across its rounds: its slots hold every expert and never
     # change (its runs only hit), and loading them again read 4.5 GiB a round from the disk
     # tier's file (the experts outside the initial set's image)
@@ -346,7 +346,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
                 tier = plan.make_tier(plan.capacity(name))
                 engine, trace, layers = plan.engine(name, tier)
             description, kind = description or engine.tier.description, engine.tier.kind
-            link = {key: getattr(engine.tier, key) for key in LINK_FLAGS}
+            host_reads_link = engine.tier.host_reads_link
             only_hits = layers is not None or name in (CAL_HITS, ALL_RESIDENT)
             trace = trace[round_part(len(trace) - p.warmup, p.warmup, p.rounds, i // per_round)]
             show = p.progress and not name.startswith("cal_")
@@ -369,7 +369,7 @@ def _run_rounds(plan: BenchSetup, info: dict[str, Any]) -> _Rounds:
             left.close()
         if engine is None and tier is not None:
             tier.close()
-    return _Rounds(runs, micro, description, kind, link)
+    return _Rounds(runs, micro, description, kind, host_reads_link)
 
 
 def _policy_rows(
@@ -445,7 +445,7 @@ def run_benchmark(
         plan.close()
     info["load_avg_end"] = os.getloadavg()
     cal = (CAL_HITS, CAL_HITS_ONE_LAYER, *CALIBRATION_POLICIES)
-    fit = (rounds.link, p.top_k, p.layers, p.layout().expert_bytes)
+    fit = (rounds.host_reads_link, p.top_k, p.layers, p.layout().expert_bytes)
     seconds, costs, reference = fit_bench_costs(rounds.runs, cal, rounds.micro, *fit, info)
     refits = refit_without_each_round(rounds.runs, cal, rounds.micro, *fit)
     run_disk = at_run_disk(rounds.runs, reference, costs)

@@ -180,7 +180,7 @@ def fit_bench_costs(
     runs: Mapping[str, list[BenchRun]],
     names: Sequence[str],
     micro: list[dict[str, float]],
-    link: Mapping[str, bool],
+    host_reads_link: bool,
     top_k: int,
     layers: int,
     expert_bytes: float,
@@ -188,12 +188,10 @@ def fit_bench_costs(
 ) -> tuple[dict[str, float], UnitCosts, DiskClock | None]:
     """This machine's profile fitted to the calibration runs `names` (those that ran) with the
     medians of their rounds' microbenchmarks `micro` (`moesub.calibration`, as the pipeline's
-    calibration does) on a tier whose link is `link` (its `LINK_FLAGS`): its seconds, its costs
-    for the benchmark's experts, and the reference
+    calibration does): its seconds, its costs for the benchmark's experts, and the reference
     copy run on the disk (None: no reads). `info`, where given, gets what it was made from and
     each calibration run's error at those costs (`calibration_run_errors`: `run_errors`)."""
     names = [n for n in names if runs[n]]
-    host_reads_link = link["host_reads_link"]
     fit = fit_unit_costs(TimedTokens.concat([timed_tokens(r) for n in names for r in runs[n]]))
     host, admit = runs[HOST_RUN], runs[ADMIT_RUN]
     median = {key: float(np.median([m[key] for m in micro])) for key in micro[0]}
@@ -207,7 +205,7 @@ def fit_bench_costs(
         admission_clocks=[r.disk for r in admit],
     )  # fmt: skip
     profile = measured_profile(
-        seconds, expert_bytes, "the engine benchmark's calibration runs", **link
+        seconds, expert_bytes, "the engine benchmark's calibration runs", host_reads_link
     )
     costs = profile.price(ModelBytes(expert_bytes))
     if info is None:  # a refit (`refit_without_each_round`): the costs alone

@@ -48,7 +48,7 @@ from moesub.engine.generate import EngineModel
 from moesub.engine.kernels import expert_forward
 from moesub.engine.spec import EngineParams, resolve_engine
 from moesub.engine.tiers import DiskTier, disk_clock
-from moesub.hardware import LINK_FLAGS, ModelBytes, measured_profile
+from moesub.hardware import ModelBytes, measured_profile
 from moesub.io import require_file, write_json
 from moesub.policy import ALL_RESIDENT, Policy
 from moesub.run_speed import AtRunDisk, DiskClock, reference_clock
@@ -382,8 +382,7 @@ class Calibration:
         # calibrations, 2.2-3.2 between two processes minutes apart), so their medians are
         # taken beside every stretch of the runs
         self.micro: list[dict[str, float]] = []
-        self.expert_bytes, self.tier = None, ""
-        self.link = dict.fromkeys(LINK_FLAGS, False)  # the calibrated tier's (`LINK_FLAGS`)
+        self.expert_bytes, self.tier, self.host_reads_link = None, "", False
         self.meter = CpuMeter()
 
     def order(self) -> list[str]:
@@ -418,7 +417,7 @@ class Calibration:
                 eng.engine.reset(load=False)
                 self.micro.append(microbenchmarks(eng.setup.tier, k, DRAG_ROUNDS))
                 self.expert_bytes, self.tier = eng.setup.expert_bytes, eng.setup.tier.description
-                self.link = {key: getattr(eng.setup.tier, key) for key in LINK_FLAGS}
+                self.host_reads_link = eng.setup.tier.host_reads_link
 
     def result(self) -> dict[str, Any]:
         """The profile fitted to every run so far (module doc), with what it was made from."""
@@ -428,7 +427,7 @@ class Calibration:
         median = {key: float(np.median([m[key] for m in self.micro])) for key in self.micro[0]}
         fit = fit_unit_costs(TimedTokens.concat([t for runs in timed.values() for t in runs]))
         reference = reference_clock(disk[COPY_RUN])
-        priced = self.link["host_reads_link"]  # the host's terms, the lane's start: by pricing
+        priced = self.host_reads_link  # the host's terms, the lane's start through the pricing
         seconds = unit_costs_from_fit(
             fit, k=info.top_k, layers=info.num_layers, expert_s=median["expert_compute_s"],
             host_runs=self.counted[HOST_RUN] if priced else None, reference=reference,
@@ -441,7 +440,7 @@ class Calibration:
             seconds,
             self.expert_bytes,
             f"the engine's calibration on {self.device} ({self.tier}), {self.model_dir}",
-            **self.link,
+            self.host_reads_link,
         )
         return {
             "profile": profile.to_dict(),

@@ -34,9 +34,9 @@ import torch
 
 from moesub.engine.host_memory import Allocator, HostExperts, pinned_empty
 from moesub.engine.kernels import choose_path, expert_forward
-from moesub.engine.reader import BackgroundReader
 from moesub.engine.store import aligned_empty, aligned_zeros
 from moesub.engine.tiers import (
+    BackgroundReader,
     HostSync,
     SlotBuffers,
     host_ids_to_local,
@@ -91,7 +91,6 @@ class CudaTier:
         self.kind = "disk->pinned->CUDA" if host.disk_layers else "pinned->CUDA"
         # experts on disk: the host's fresh reads and the copies both come from the disk
         self.host_reads_link = bool(host.disk_layers)
-        self.uploads_from_host_reads = False  # an upload is read again, disk -> pinned -> GPU
         self.path = choose_path(dev, lay.torch_dtype, capability)
         self.syncs = HostSync()
         dt = lay.torch_dtype

@@ -12,9 +12,9 @@ experts, concurrently with the fast tier's), `token_sync`, `take_wait_s`,
 
 `DiskTier` (CPU-only machines): the slow tier is an `ExpertStore` file, the fast tier RAM.
 Synchronous fetches are blocking uncached reads straight into the slot; background admissions
-are read by an I/O thread into staging buffers, and installed into the slot the policy core
-names once the read has really completed; the uploads of host-computed experts (`host_admit`)
-are copied into staging buffers from the host worker's read of them, not read again. The host's
+(and the uploads of host-computed experts, `host_admit`: the I/O thread reads the expert again
+rather than keeping the host worker's read) are read by an I/O thread into staging buffers, and
+installed into the slot the policy core names once the read has really completed. The host's
 experts (host_compute, light_miss="host") are read by a worker thread, each fresh from disk
 ("host weights" live there), while the main thread computes the slots' experts, which then
 computes the host's: the tier has one processor, and a worker computing beside the main thread
@@ -25,6 +25,9 @@ rather than reading them again: the engine benchmark's runs each start from the 
 
 from __future__ import annotations
 
+import collections
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,8 +37,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from moesub.engine.copies import COPY_TIMEOUT_S
+from moesub.engine.host_memory import Allocator
 from moesub.engine.kernels import choose_path, expert_forward
-from moesub.engine.reader import DISK_STAGING_BUFFERS, BackgroundReader
 from moesub.engine.store import ExpertStore, StoreLayout, aligned_empty, aligned_zeros
 from moesub.run_speed import DiskClock
 
@@ -181,6 +185,109 @@ def require_cuda(device: str | torch.device) -> torch.device:
 # ------------------------------------------------------------------------------------ disk tier
 
 
+class BackgroundReader:
+    """An I/O thread that reads requested experts from the store into staging buffers.
+
+    `submit(layer, expert)` enqueues a read; `poll(layer)` returns `(expert, buffer)` for every
+    read of that layer that has completed; the caller installs the buffer and `release`s it.
+    Reads wait for a free staging buffer, so at most `num_buffers` admissions are in flight.
+    Buffers come from `alloc` (pinned memory on the CUDA tier); a buffer released with a
+    `fence` (a CUDA event: the copy out of it) is reused only once the fence has completed.
+    """
+
+    def __init__(
+        self, store: ExpertStore, num_buffers: int, alloc: Allocator = aligned_zeros
+    ) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"staging_buffers must be >= 1, got {num_buffers}")
+        lay = store.layout
+        self.store = store
+        self.buffers = [
+            (alloc(lay.gate_up_shape, lay.torch_dtype), alloc(lay.down_shape, lay.torch_dtype))
+            for _ in range(num_buffers)
+        ]
+        self._fence: list[torch.cuda.Event | None] = [None] * num_buffers
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(num_buffers):
+            self._free.put(i)
+        self._requests: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._done = [collections.deque() for _ in range(lay.num_layers)]  # per layer
+        self._busy = threading.Event()  # a request is being served
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moesub-io", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            self._busy.set()
+            try:
+                layer, expert = item
+                idx = self._free.get()
+                fence, self._fence[idx] = self._fence[idx], None
+                if fence is not None:  # the device copy out of this buffer must have run
+                    fence.synchronize()  # (on the I/O thread: the compute thread never waits)
+                gu, dn = self.buffers[idx]
+                nbytes = self.store.read_into(layer, expert, gu, dn)
+                self._done[layer].append((expert, idx, nbytes))
+            except BaseException as e:  # surfaced to the main thread on the next poll
+                self._error = e
+            finally:
+                self._busy.clear()
+                self._requests.task_done()
+
+    def submit(self, layer: int, expert: int) -> None:
+        self._requests.put((layer, expert))
+
+    def poll(self, layer: int) -> list[tuple[int, int, int]]:
+        """(expert, buffer index, bytes) of every completed read of `layer`."""
+        if self._error is not None:
+            raise RuntimeError(f"background expert read failed: {self._error}") from self._error
+        done = self._done[layer]
+        out = []
+        while done:
+            out.append(done.popleft())
+        return out
+
+    def release(self, idx: int, fence: torch.cuda.Event | None = None) -> None:
+        self._fence[idx] = fence
+        self._free.put(idx)
+
+    def drain(self, stall_s: float = COPY_TIMEOUT_S) -> None:
+        """Wait for every submitted read, then discard the results (stream boundary). A read
+        waiting for a buffer the caller holds (a landed copy not given back: close the engine,
+        not its tier) would wait forever: `stall_s` without a read done raises instead."""
+        left, since = self._requests.unfinished_tasks, time.perf_counter()
+        while self._requests.unfinished_tasks:
+            # reads block on a free buffer: keep releasing finished ones while waiting
+            for layer in range(len(self._done)):
+                for _e, idx, _n in self.poll(layer):
+                    self.release(idx)
+            if self._requests.unfinished_tasks < left:
+                left, since = self._requests.unfinished_tasks, time.perf_counter()
+            elif time.perf_counter() - since > stall_s:
+                raise RuntimeError(
+                    f"drain: {left} expert reads wait for a staging buffer that the caller "
+                    f"holds ({len(self.buffers)} buffers, {self._free.qsize()} free): give the "
+                    "landed copies back first (OffloadEngine.close, not the tier's close)"
+                )
+            time.sleep(0.0005)
+        for layer in range(len(self._done)):
+            for _e, idx, _n in self.poll(layer):
+                self.release(idx)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.drain()
+            self._requests.put(None)
+            self._thread.join(timeout=30)
+
+
+DISK_STAGING_BUFFERS = 4  # the I/O thread reads one expert at a time: a few buffers suffice
+
+
 class HostJob(NamedTuple):
     """The disk tier's host experts of one step: their reads in flight, the inputs kept."""
 
@@ -193,10 +300,8 @@ class DiskTier:
     """Experts on disk (`ExpertStore`), C_l slots in RAM for layer l (`layer_capacities`)."""
 
     kind = "disk->RAM"
-    # the host computes each expert from a fresh disk read: over the link the copies use; its
-    # uploads are copied from those reads (`_upload_from_scratch`)
+    # the host computes each expert from a fresh disk read: over the link the copies use
     host_reads_link = True
-    uploads_from_host_reads = True
 
     def __init__(
         self,
@@ -233,7 +338,6 @@ class DiskTier:
         self._wait_s = 0.0
         # the host's experts of one layer at a time (they use the scratch buffers above)
         self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesub-host")
-        self._uploads: Future | None = None  # the last step's uploads being copied
 
     @property
     def description(self) -> str:
@@ -343,23 +447,9 @@ class DiskTier:
         self, layer: int, host_ids: np.ndarray, then: tuple[int, ...]
     ) -> tuple[np.ndarray, int, int]:
         read = self.host_read(layer, host_ids)
-        if then:  # after the result is handed back, before the next step's reads reuse the scratch
-            self._uploads = self._host.submit(self._upload_from_scratch, layer, host_ids, then)
-        return read
-
-    def _upload_from_scratch(self, layer: int, host_ids: np.ndarray, then: tuple[int, ...]) -> None:
-        """The uploads of experts the host has just read, copied from its scratch into staging
-        buffers rather than read again (one read per expert, as a runtime uploading what its
-        CPU computed from RAM copies it); an expert the host did not read, or one that finds no
-        free buffer, is read by the I/O thread."""
-        _local, experts = host_ids_to_local(host_ids)
-        where = {e: j for j, e in enumerate(experts.tolist())}
         for expert in then:
-            j = where.get(expert)
-            if j is None or not self.reader.deliver(
-                layer, expert, self._host_gu[j], self._host_dn[j]
-            ):
-                self.reader.submit(layer, expert)
+            self.reader.submit(layer, expert)
+        return read
 
     def host_end(self, job: HostJob) -> tuple[torch.Tensor, int]:
         """The host's experts, once read: hidden [N, H] and weights [N, k] -> (weighted rows
@@ -384,11 +474,8 @@ class DiskTier:
         pass
 
     def drain(self) -> None:
-        if self._uploads is not None:  # the last step's uploads copied before the reads drain
-            self._uploads.result()
-            self._uploads = None
         self.reader.drain()
 
     def close(self) -> None:
-        self._host.shutdown(wait=True)  # its uploads handed to the reader first
         self.reader.close()
+        self._host.shutdown(wait=True)
