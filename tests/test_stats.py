@@ -520,6 +520,9 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
     noisy = error_interval(time_s, ratios * time_s, p, "a/cpu")  # the key the table uses
     assert noisy.estimate == pytest.approx((ratios * time_s).sum() / time_s.sum() - 1, rel=1e-12)
     assert noisy.ci_lo < noisy.estimate < noisy.ci_hi
+    # the engine stage's errors draw their resamples from a stream of their own
+    stage = error_interval(time_s, ratios * time_s, p, "a/cpu", source="sim_vs_engine")
+    assert stage.estimate == noisy.estimate and stage.ci_lo != noisy.ci_lo
     noisier = error_interval(time_s, (0.9 + 2 * (ratios - 0.9)) * time_s, p, "noisy")
     assert noisier.ci_hi - noisier.ci_lo > 1.5 * (noisy.ci_hi - noisy.ci_lo)
     assert error_interval(time_s[:2], time_s[:2], p, "two") is None

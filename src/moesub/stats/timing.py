@@ -300,7 +300,7 @@ def sim_vs_engine(
     if j.empty:
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
-    j = with_error_intervals(j, STREAM_SUMS, "rel_error", p)
+    j = with_error_intervals(j, STREAM_SUMS, "rel_error", p, source="sim_vs_engine")
     for at in ("disk", "speed"):
         j[f"rel_error_at_run_{at}"] = j[f"est_at_run_{at}_s"].astype(float) / j["time_mean_s"] - 1
     if not sim.empty:
@@ -367,21 +367,27 @@ class EngineBench(NamedTuple):
 
 
 def error_interval(
-    time_s: np.ndarray, priced_s: np.ndarray, p: AnalysisParams, key: str
+    time_s: np.ndarray,
+    priced_s: np.ndarray,
+    p: AnalysisParams,
+    key: str,
+    source: str = "engine_bench",
 ) -> Interval | None:
     """The pricing's error over a run's parts (`priced_s`, `time_s` (R,): each part's price and
     time in all; a bench policy's rounds, an engine run's streams), `sum(priced) / sum(time) -
     1`, with its interval over the parts resampled (`p.n_boot`, BCa at `p.ci_level`): a part
     is a stretch of the machine, so the interval is the machine's noise between the run's
     parts, at the calibration as fitted (the calibration runs' own noise is not in it: the
-    bench's jackknife, `with_jackknife_intervals`, puts it in). No interval under 3 parts."""
+    bench's jackknife, `with_jackknife_intervals`, puts it in). No interval under 3 parts. Its
+    resamples are drawn from the stream of `source` (the bench's, the engine stage's) and
+    `key`."""
     if len(time_s) < 3:
         return None
 
     def error(w: np.ndarray) -> np.ndarray:  # (B, R) the parts' weights -> (B,)
         return (w @ priced_s) / (w @ time_s) - 1
 
-    rng = rng_for(p.seed, "engine_bench", key)
+    rng = rng_for(p.seed, source, key)
     return stream_bootstrap(error, len(time_s), p.n_boot, rng, p.ci_level)[0]
 
 
@@ -391,13 +397,15 @@ def with_error_intervals(
     key: str,
     p: AnalysisParams,
     bound: float = PRICE_HELD_TO,
+    source: str = "engine_bench",
 ) -> pd.DataFrame:
     """`table` with the interval of each row's error `key` over its parts (`sums`: the columns
     of its parts' times and prices, lists, `moesub.run_speed.ROUND_SUMS` / `STREAM_SUMS`;
     `error_interval`) in `{key}_ci_lo`, `_hi`, and `{key}_ci_crosses`: whether it reaches across
     `bound` from the error's side (a row within whose interval reaches beyond it, a row
-    outside whose interval reaches inside it); the sums dropped. NA where a row has no parts or
-    too few; a table without the sums' columns (an older artefact) comes back without these."""
+    outside whose interval reaches inside it); the sums dropped; resamples from `source`'s
+    stream. NA where a row has no parts or too few; a table without the sums' columns (an older
+    artefact) comes back without these."""
     if not all(c in table.columns for c in sums):
         return table.drop(columns=[c for c in sums if c in table.columns])
     labels = [c for c in ("policy", "fraction", "device") if c in table.columns]
@@ -406,7 +414,9 @@ def with_error_intervals(
         time_s, priced_s = (getattr(row, c) for c in sums)
         if isinstance(time_s, (list, np.ndarray)) and isinstance(priced_s, (list, np.ndarray)):
             label = "/".join(str(getattr(row, c)) for c in labels)
-            iv = error_interval(np.asarray(time_s, float), np.asarray(priced_s, float), p, label)
+            iv = error_interval(
+                np.asarray(time_s, float), np.asarray(priced_s, float), p, label, source
+            )
             if iv is not None and iv.ci_lo is not None and iv.ci_hi is not None:
                 lo[i], hi[i] = iv.ci_lo, iv.ci_hi
     return table.drop(columns=list(sums)).assign(
