@@ -513,19 +513,21 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
 
     p = AnalysisParams(n_boot=2000)
     time_s = np.array([2.0, 2.4, 1.8, 2.2, 2.1, 1.9, 2.6, 2.0])
-    alike = error_interval(time_s, 0.9 * time_s, p, "alike")
+    alike = error_interval(time_s, 0.9 * time_s, p, "alike", source="engine_bench")
     assert alike.estimate == pytest.approx(-0.1, rel=1e-12)
     assert alike.ci_lo == pytest.approx(-0.1, rel=1e-9) and alike.ci_hi == pytest.approx(-0.1)
     ratios = np.array([0.95, 0.85, 1.0, 0.8, 0.9, 0.93, 0.82, 0.97])
-    noisy = error_interval(time_s, ratios * time_s, p, "a/cpu")  # the key the table uses
+    # the key and the stream the bench's table uses
+    noisy = error_interval(time_s, ratios * time_s, p, "a/cpu", source="engine_bench")
     assert noisy.estimate == pytest.approx((ratios * time_s).sum() / time_s.sum() - 1, rel=1e-12)
     assert noisy.ci_lo < noisy.estimate < noisy.ci_hi
     # the engine stage's errors draw their resamples from a stream of their own
     stage = error_interval(time_s, ratios * time_s, p, "a/cpu", source="sim_vs_engine")
     assert stage.estimate == noisy.estimate and stage.ci_lo != noisy.ci_lo
-    noisier = error_interval(time_s, (0.9 + 2 * (ratios - 0.9)) * time_s, p, "noisy")
+    noisier_s = (0.9 + 2 * (ratios - 0.9)) * time_s
+    noisier = error_interval(time_s, noisier_s, p, "noisy", source="engine_bench")
     assert noisier.ci_hi - noisier.ci_lo > 1.5 * (noisy.ci_hi - noisy.ci_lo)
-    assert error_interval(time_s[:2], time_s[:2], p, "two") is None
+    assert error_interval(time_s[:2], time_s[:2], p, "two", source="engine_bench") is None
     rows = [
         {"policy": "a", "device": "cpu", "sim_rel_error": noisy.estimate,
          "round_time_s": time_s.tolist(), "round_priced_s": (ratios * time_s).tolist()},

@@ -190,7 +190,7 @@ def run_errors_text(by_run: Mapping[str, float], held_to: float = PRICE_HELD_TO)
     says them: `name +x.x%` each, those beyond `held_to` flagged; empty where there are none."""
     return ", ".join(
         f"{name} {100 * e:+.1f}%" + (f" (beyond {100 * held_to:g}%)" if abs(e) > held_to else "")
-        for name, e in (by_run or {}).items()
+        for name, e in by_run.items()
     )
 
 

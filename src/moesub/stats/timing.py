@@ -371,7 +371,8 @@ def error_interval(
     priced_s: np.ndarray,
     p: AnalysisParams,
     key: str,
-    source: str = "engine_bench",
+    *,
+    source: str,
 ) -> Interval | None:
     """The pricing's error over a run's parts (`priced_s`, `time_s` (R,): each part's price and
     time in all; a bench policy's rounds, an engine run's streams), `sum(priced) / sum(time) -
@@ -396,8 +397,9 @@ def with_error_intervals(
     sums: tuple[str, str],
     key: str,
     p: AnalysisParams,
+    *,
+    source: str,
     bound: float = PRICE_HELD_TO,
-    source: str = "engine_bench",
 ) -> pd.DataFrame:
     """`table` with the interval of each row's error `key` over its parts (`sums`: the columns
     of its parts' times and prices, lists, `moesub.run_speed.ROUND_SUMS` / `STREAM_SUMS`;
@@ -415,7 +417,7 @@ def with_error_intervals(
         if isinstance(time_s, (list, np.ndarray)) and isinstance(priced_s, (list, np.ndarray)):
             label = "/".join(str(getattr(row, c)) for c in labels)
             iv = error_interval(
-                np.asarray(time_s, float), np.asarray(priced_s, float), p, label, source
+                np.asarray(time_s, float), np.asarray(priced_s, float), p, label, source=source
             )
             if iv is not None and iv.ci_lo is not None and iv.ci_hi is not None:
                 lo[i], hi[i] = iv.ci_lo, iv.ci_hi
@@ -488,7 +490,8 @@ def engine_bench(paths: list[str], p: AnalysisParams) -> EngineBench:
         ).df()
     finally:
         con.close()
-    df = with_jackknife_intervals(with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p), p)
+    df = with_error_intervals(df, ROUND_SUMS, "sim_rel_error", p, source="engine_bench")
+    df = with_jackknife_intervals(df, p)
     prov = [provenance_entry(file_info(path, "engine_bench")) for path in paths]
     metas = [read_metadata(path) for path in paths]
     errors = {  # a bench from before they were kept has none
