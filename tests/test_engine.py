@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import json
 import math
 import mmap
@@ -86,6 +87,8 @@ from moesub.token_counts import stream_counts
 
 ACT = torch.nn.functional.silu
 HAS_CUDA = torch.cuda.is_available()
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -1219,6 +1222,16 @@ def test_benchmark_times_the_microbenchmarks_every_round(tmp_path):
     }
     profile = read_metadata(tmp_path / "bench.parquet")["profile"]
     assert profile["host_read_drag"] == micro["median"]["host_read_drag"]
+    # refitted offline from its saved tables, the bench gives its errors back
+    # (benchmarks/bench_errors_over_benches.py, which pools many benches' errors)
+    spec = importlib.util.spec_from_file_location(
+        "bench_errors_over_benches", BENCHMARKS / "bench_errors_over_benches.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    now, stored = tool.refitted_errors(tmp_path / "bench.parquet")
+    assert stored == {"fetch_every_miss": df["sim_rel_error"].item()}
+    assert now["fetch_every_miss"] == pytest.approx(stored["fetch_every_miss"], rel=1e-9)
 
 
 # ----------------------------------------------------------------------------------- CUDA
