@@ -337,14 +337,23 @@ def priced_row(
         # 4 streams of 128 tokens, priced 4% under and over the run's ratio in two of them
         "stream_time_s": [measured * 128] * 4 if measured else None,
         "stream_priced_s": [time * 128 * f for f in (0.96, 1.04, 1.0, 1.0)] if measured else None,
+        # 4 rounds of the engine stage, each left out with the calibration refitted without it
+        "jackknife_rel_error": JACKKNIFE_JOINT if measured else None,
+        "calibration_jackknife_rel_error": JACKKNIFE_ALONE if measured else None,
     }  # fmt: skip
+
+
+# an engine run's errors with each of 4 rounds left out (the fixture's error is +5%): with the
+# calibration refitted without it (joint), and the calibration alone
+JACKKNIFE_JOINT = [0.03, 0.07, 0.05, 0.06]
+JACKKNIFE_ALONE = [0.04, 0.06, 0.05, 0.05]
 
 
 def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
     """`rows` added to the model's `priced/{hardware}.parquet` (what is there kept)."""
     import polars as pl
 
-    from moesub.run_speed import STREAM_SUMS
+    from moesub.run_speed import JACKKNIFE_ERRORS, STREAM_SUMS
 
     path = root / "priced" / f"{hardware}.parquet"
     types = {"device": pl.String, "cpu_share": pl.Float64, "other_cores": pl.Float64,
@@ -352,7 +361,7 @@ def write_priced(root: Path, rows: list[dict], hardware: str = PRICED) -> Path:
              "measured_time_per_token_s": pl.Float64,
              "time_per_token_at_run_disk_s": pl.Float64, "run_speed": pl.Float64,
              "time_per_token_at_run_speed_s": pl.Float64,
-             **dict.fromkeys(STREAM_SUMS, pl.List(pl.Float64))}  # fmt: skip
+             **dict.fromkeys((*STREAM_SUMS, *JACKKNIFE_ERRORS), pl.List(pl.Float64))}  # fmt: skip
     new = pl.DataFrame(rows, schema_overrides=types)
     if path.exists():
         new = pl.concat([pl.read_parquet(path), new], how="vertical_relaxed")

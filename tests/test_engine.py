@@ -5,6 +5,7 @@ the capture, the real-size benchmark's table (tiny shapes here), calibration, an
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import importlib
 import importlib.util
@@ -14,7 +15,7 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,21 +46,17 @@ from moesub.engine import (
     write_store,
 )
 from moesub.engine.bench_runs import read_bench_counts
-from moesub.engine.calibrate import (
-    MECHANISMS,
-    MICRO_RUNS,
-    Calibration,
-    measure_background_read_drag,
-    measure_expert_compute,
-    measure_host_read_drag,
-    measure_install,
-    round_order,
-    spread,
-)
+from moesub.engine.calibrate import MECHANISMS, MICRO_RUNS, Calibration, round_order, spread
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.generate import EngineModel
 from moesub.engine.host_memory import HostExperts
 from moesub.engine.kernels import choose_path, expert_forward
+from moesub.engine.microbench import (
+    measure_background_read_drag,
+    measure_expert_compute,
+    measure_host_read_drag,
+    measure_install,
+)
 from moesub.engine.runtime import HostInputs, OffloadEngine
 from moesub.engine.stage import ROW_COLUMNS, PolicyRun
 from moesub.engine.store import aligned_empty, open_or_write_store, random_experts
@@ -81,7 +78,14 @@ from moesub.policy import (
 )
 from moesub.price import costs_at_run_disk, run_price, write_profile
 from moesub.pricing import price_streams
-from moesub.run_speed import AtRunDisk, DiskClock, costs_at_speed, reference_clock, speed_probe
+from moesub.run_speed import (
+    AtRunDisk,
+    DiskClock,
+    costs_at_speed,
+    engine_jackknife,
+    reference_clock,
+    speed_probe,
+)
 from moesub.synthetic import synthetic_logits
 from moesub.token_counts import stream_counts
 
@@ -884,6 +888,25 @@ def test_calibrate_fits_this_machines_profile(stage, tmp_path, monkeypatch):
         row["time_per_token_s"] / row["measured_time_per_token_s"], rel=1e-12
     )
     assert costs_at_run_disk(costs, disk, {}) is None
+    # the calibration refitted with each round left out (none from one round) travels with the
+    # profile, priced alike; a run decoded in the engine stage's rounds is priced at each refit
+    # (its jackknife: `moesub.run_speed.engine_jackknife`), a run decoded alone at none
+    assert json.loads(profile_path.read_text())["jackknife_unit_costs"] == []
+    assert row["jackknife_rel_error"] == [] and row["calibration_jackknife_rel_error"] == []
+    dear = replace(this_machine(out), token_overhead_s=this_machine(out).token_overhead_s + 1e-3)
+    refit_cal = {**cal, "jackknife_profiles": [cal["profile"], dear.to_dict(), cal["profile"]]}
+    (tmp_path / "refit_cal.json").write_text(json.dumps(refit_cal))
+    write_profile(THIS_MACHINE, None, tmp_path / "refit_cal.json", {}, tmp_path / "jk.json")
+    refits = [UnitCosts(**u) for u in json.loads((tmp_path / "jk.json").read_text())[
+        "jackknife_unit_costs"]]  # fmt: skip
+    assert refits[0] == refits[2] == costs and refits[1].token_overhead_s > costs.token_overhead_s
+    write_parquet(df, tmp_path / "rounds.parquet", metadata={**meta, "stream_rounds": [0, 2]})
+    (row,) = run_price(tmp_path / "jk.json", [], [tmp_path / "rounds.parquet"],
+                       tmp_path / "priced.parquet").rows(named=True)  # fmt: skip
+    joint, alone = engine_jackknife(wall, streams, 1, refits, [0, 2])
+    assert row["jackknife_rel_error"] == pytest.approx(joint, rel=1e-12)
+    assert row["calibration_jackknife_rel_error"] == pytest.approx(alone, rel=1e-12)
+    assert len(joint) == 3 and alone[1] > alone[0]
     # a run with no disk record (the CUDA tier's, an older artefact's) is priced once at the
     # profile's costs, and that price is what its speed is probed against: two pricings, not
     # three
@@ -926,10 +949,10 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
         shared.add(id(loaded))
         cal_run(self, name, loaded)
 
-    def record_decode(self, parts, progress=True, loaded=None):
+    def record_decode(self, parts, progress=True, loaded=None, round_=None):
         calls.append((next(o for o, r in runs.items() if r[0] == self.name), tuple(parts)))
         shared.add(id(loaded))
-        decode(self, parts, progress, loaded)
+        decode(self, parts, progress, loaded, round_)
 
     def record_load(*args, **kwargs):
         models.append(load(*args, **kwargs))
@@ -949,6 +972,7 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
     cal = json.loads(cal_path.read_text())
     assert cal["runs"] == dict.fromkeys(MECHANISMS, 2 * 12)  # two rounds of one stream each
     assert len(cal["microbenchmarks"]["runs"]) == 6
+    assert cal["jackknife_profiles"] == []  # two rounds: too few to leave one out
     assert len(models) == 1 and len(shared) == 1 and id(None) not in shared
     monkeypatch.undo()
     timing = {"wall_s", "fetch_wait_s", "admit_wait_s", "prefetch_wait_s", "host_wait_s"}
@@ -959,6 +983,8 @@ def test_engine_stage_interleaves_the_calibration_and_the_runs(stage, tmp_path, 
         assert staged.select(same).equals(alone.select(same)), name
         assert meta["summary"]["ppl"] == alone_meta["summary"]["ppl"]
         assert meta["disk_reads"] == alone_meta["disk_reads"] and 0 < meta["cpu_share"] <= 1
+        # the round each stream was decoded in (the jackknife's), none outside the stage
+        assert meta["stream_rounds"] == [0, 1] and alone_meta["stream_rounds"] is None
     # a run not decoded whole is never written
     run = PolicyRun(stage / "model", stage / "tokens.parquet", stage / "initial.parquet",
                     "fetch_every_miss", {"rule": "fetch_all"}, FRACTION, "cpu", opts)  # fmt: skip
@@ -1007,7 +1033,23 @@ def test_calibration_runs_take_the_streams_in_turn_and_space_the_microbenchmarks
     c_slot = [cal.specs[n].name for n, policy in MECHANISMS.items() if policy is not None]
     assert sorted(micro) == sorted((n, i) for n in c_slot for i in (0, 2, 4))
     assert len(cal.micro) == 3 * 3
-    assert cal.result()["runs"] == dict.fromkeys(MECHANISMS, 5 * 12)
+    result = cal.result()
+    assert result["runs"] == dict.fromkeys(MECHANISMS, 5 * 12)
+    # refitted with each round left out: that round's runs of every mechanism and the
+    # microbenchmarks taken in it dropped, as a calibration that never had them
+    assert len(result["jackknife_profiles"]) == 5
+    for r in (1, 2):
+        without = copy.copy(cal)
+        without.timed, without.disk, without.counted = (
+            {name: runs[:r] + runs[r + 1 :] for name, runs in d.items()}
+            for d in (cal.timed, cal.disk, cal.counted)
+        )  # fmt: skip
+        kept = [i for i, m in enumerate(cal.micro_rounds) if m != r]
+        without.micro = [cal.micro[i] for i in kept]
+        without.micro_rounds = [cal.micro_rounds[i] for i in kept]
+        assert len(without.micro) == (6 if r == 2 else 9)
+        assert result["jackknife_profiles"][r] == without._fit()[-1].to_dict()
+        assert result["jackknife_profiles"][r] != result["profile"]
     two = Calibration(stage / "model", "cpu", stage / "tokens.parquet", stage / "initial.parquet",
                       FRACTION, {**opts, "calibrate_streams": 3})  # fmt: skip
     assert [s.tolist() for s in two.run_streams(1)] == streams  # at most every stream once

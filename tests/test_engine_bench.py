@@ -35,6 +35,7 @@ from moesub.run_speed import (
     SPEED_PROBE_TOKENS,
     AtRunDisk,
     DiskClock,
+    engine_jackknife,
     part_sums,
     priced_at_speed,
     reference_clock,
@@ -232,6 +233,45 @@ def test_each_round_left_out_with_the_calibration_refitted_without_it():
     assert (row["jackknife_rel_error"], row["calibration_jackknife_rel_error"]) == (
         joint, calibration,
     )  # fmt: skip
+
+
+def test_engine_runs_jackknife_over_the_stage_rounds():
+    """`engine_jackknife`: an engine run's streams grouped by the engine stage's round each was
+    decoded in, each round left out with the calibration refitted without it (a round with no
+    stream of the run prices its refit alone); nothing without refits, under 3 rounds, or where
+    the rounds are not the refits'."""
+    fields = {name: i for i, name in enumerate(TOKEN_LAYER_FIELDS)}
+    costs = UnitCosts(copy_s=3e-3, expert_s=0.5e-3, host_expert_s=1e-3, dense_layer_s=0.6e-3,
+                      token_overhead_s=0.2e-3, install_s=0.1e-3, concurrent_host=False,
+                      host_reads_link=False)  # fmt: skip
+    dear = replace(costs, copy_s=6e-3)
+    rng = np.random.default_rng(5)
+    streams = []
+    for T in (5, 4, 6, 3):
+        c = np.zeros((T, 2, len(TOKEN_LAYER_FIELDS)), TOKEN_LAYER_DTYPE)
+        fetched = rng.integers(0, 3, (T, 2))
+        c[..., fields["hit"]], c[..., fields["fetch"]] = 4 - fetched, fetched
+        streams.append(c)
+    over = (1.1, 0.9, 1.2, 1.0)  # each stream's time over its price at `costs`
+    wall = np.concatenate([price_stream(c, 1, costs).token_s * f
+                           for c, f in zip(streams, over, strict=True)])  # fmt: skip
+    rounds, refits = [0, 0, 1, 3], [costs, dear, costs, costs]  # round 2: none of its streams
+    joint, alone = engine_jackknife(wall, streams, 1, refits, rounds)
+    time_s = np.split(wall, np.cumsum([5, 4, 6]))  # per stream
+    by_round = np.array([time_s[0].sum() + time_s[1].sum(), time_s[2].sum(), 0.0,
+                         time_s[3].sum()])  # fmt: skip
+    for r, refit in enumerate(refits):
+        priced = [price_stream(c, 1, refit).token_s.sum() for c in streams]
+        p_round = np.array([priced[0] + priced[1], priced[2], 0.0, priced[3]])
+        assert alone[r] == pytest.approx(p_round.sum() / by_round.sum() - 1, rel=1e-12)
+        rest = (p_round.sum() - p_round[r]) / (by_round.sum() - by_round[r]) - 1
+        assert joint[r] == pytest.approx(rest, rel=1e-12)
+    assert joint[2] == pytest.approx(alone[2], rel=1e-12) and alone[1] > alone[0]
+    assert engine_jackknife(wall, streams, 1, [], rounds) == ([], [])
+    assert engine_jackknife(wall, streams, 1, refits[:2], [0, 0, 1, 1]) == ([], [])
+    assert engine_jackknife(wall, streams, 1, refits, None) == ([], [])  # outside the stage
+    assert engine_jackknife(wall, streams, 1, refits, [0, 1, 2]) == ([], [])
+    assert engine_jackknife(wall, streams, 1, refits, [0, 1, 2, 4]) == ([], [])
 
 
 def test_round_part_shares_the_measured_tokens_out_and_runs_the_warmup_before_each():

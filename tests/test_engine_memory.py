@@ -420,8 +420,8 @@ def test_install_microbenchmark_on_the_cuda_tier(tmp_path, monkeypatch, pinned_l
     from test_engine import ACT as act
     from test_engine import small_layout, write_random
 
-    from moesub.engine.calibrate import measure_install
     from moesub.engine.cuda_tier import CudaTier
+    from moesub.engine.microbench import measure_install
 
     monkeypatch.setattr(FakeEvent, "lag", 3)
     lay = small_layout()

@@ -380,6 +380,25 @@ def test_speed_quality_frontier(study):
     assert (doc["n_with_ci"], doc["n_within_ci_beyond"], doc["n_outside_ci_inside"]) == (
         len(sve), 0, 0,
     )  # fmt: skip
+    # and from the jackknife over the engine stage's rounds, the calibration refitted: the t
+    # interval of the errors with each round left out, the calibration alone's share of it
+    from fixtures_artefacts import JACKKNIFE_ALONE, JACKKNIFE_JOINT
+
+    from moesub.stats import AnalysisParams
+    from moesub.stats.intervals import t_interval
+
+    level = AnalysisParams.from_mapping(study["params"]).ci_level
+    lo, hi, se = t_interval(0.05, np.array(JACKKNIFE_JOINT), level)
+    assert np.allclose(sve["rel_error_jk_lo"].astype(float), lo, rtol=1e-12)
+    assert np.allclose(sve["rel_error_jk_hi"].astype(float), hi, rtol=1e-12)
+    share = (t_interval(0.05, np.array(JACKKNIFE_ALONE), level)[2] / se) ** 2
+    assert np.allclose(sve["calibration_share"].astype(float), share, rtol=1e-12)
+    assert 0 < share < 1 and "jackknife_rel_error" not in sve.columns
+    reaches = hi > 0.1  # within 10%, its interval reaching beyond it or not
+    assert (doc["n_with_jk"], doc["n_within_jk_beyond"], doc["n_outside_jk_inside"]) == (
+        len(sve), len(sve) * reaches, 0,
+    )  # fmt: skip
+    assert doc["median_calibration_share"] == pytest.approx(share, rel=1e-12)
 
 
 def test_generation_wilson_and_correlation(study):

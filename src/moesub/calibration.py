@@ -225,7 +225,7 @@ def unit_costs_from_fit(
     alone are found through the pricing of the host runs (`host_terms_by_pricing`), each run's
     reads at its own speed (`host_clocks`: one per run) where they were timed, and a host's
     read is then the copy at the host runs' pooled speed (`host_read_s`; else a copy). The
-    install is `install_s`, timed apart (`moesub.engine.calibrate.measure_install`), where
+    install is `install_s`, timed apart (`moesub.engine.microbench.measure_install`), where
     given; else the linear fit's (which carries the drag of the reads its admissions
     overlapped, where the link reads beside the fast path). Where the admission runs are given
     too (`admission_runs`, their `admission_clocks` one per run; with `host_runs`), the start

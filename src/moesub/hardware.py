@@ -157,7 +157,7 @@ class HardwareProfile:
     # host computes from a fresh read); on a GPU machine it reads them from its own memory
     host_reads_link: bool = False
     # the fractions by which the fast tier's work slows while the host reads over the link (a
-    # disk tier, measured: `moesub.engine.calibrate.measure_read_drags`): the host's reads of the
+    # disk tier, measured: `moesub.engine.microbench.measure_read_drags`): the host's reads of the
     # experts it computes, and the background copies; a GPU computes undisturbed beside its DMA
     host_read_drag: float = 0.0
     background_read_drag: float = 0.0

@@ -47,7 +47,15 @@ from moesub.hardware import (
 )
 from moesub.io import read_metadata, require_file, write_json, write_parquet
 from moesub.pricing import BREAKDOWN, StreamTime, price_streams
-from moesub.run_speed import STREAM_SUMS, AtRunDisk, DiskClock, part_sums, priced_at_speed
+from moesub.run_speed import (
+    JACKKNIFE_ERRORS,
+    STREAM_SUMS,
+    AtRunDisk,
+    DiskClock,
+    engine_jackknife,
+    part_sums,
+    priced_at_speed,
+)
 from moesub.slots import policy_fields
 from moesub.token_counts import stream_counts
 from moesub.vocabulary import Policy
@@ -101,6 +109,11 @@ def write_profile(
         "at_run_disk": at_run_disk,  # this_machine on a disk tier: `engine.calibrate.at_run_disk`
         # this_machine: each calibration mechanism's runs priced at the profile fitted to them
         "run_errors": calibration.get("run_errors") if name == THIS_MACHINE else None,
+        # this_machine: the calibration refitted with each of its rounds left out, priced alike
+        "jackknife_unit_costs": [
+            asdict(HardwareProfile.from_dict(name, refit).price(bytes_))
+            for refit in calibration.get("jackknife_profiles") or []
+        ],
     }
     write_json(out, out_path)
     return out
@@ -143,7 +156,7 @@ def _row(
 
 def _engine_row(
     hardware: str, costs: UnitCosts, at_run_disk: Mapping[str, float] | None,
-    df: pl.DataFrame, meta: dict,
+    df: pl.DataFrame, meta: dict, refits: Sequence[UnitCosts] = (),
 ) -> dict:  # fmt: skip
     """An engine run priced (`_row`) with its measured time and CPU share beside; its tokens at
     the disk's speed while it read (`costs_at_run_disk`; NaN where unknown), and also with its
@@ -171,6 +184,9 @@ def _engine_row(
     lengths = [len(s) for s in streams]
     for column, values in zip(STREAM_SUMS, (wall, priced.token_s), strict=True):
         row[column] = part_sums(values, lengths).tolist()
+    # each round of the engine stage left out, the calibration refitted without it (`refits`)
+    jackknife = engine_jackknife(wall, streams, delay, refits, meta.get("stream_rounds"))
+    row.update(zip(JACKKNIFE_ERRORS, jackknife, strict=True))
     return row
 
 
@@ -199,6 +215,7 @@ def run_price(
     hardware, costs = read_unit_costs(profile_path)
     written = json.loads(Path(profile_path).read_text())
     at_run_disk = written.get("at_run_disk")
+    refits = [UnitCosts(**c) for c in written.get("jackknife_unit_costs") or []]
     if engine_outputs and hardware != THIS_MACHINE:
         raise ValueError(
             f"price: engine runs are priced under {THIS_MACHINE!r} only (the machine they ran "
@@ -214,11 +231,11 @@ def run_price(
         df = pl.read_parquet(path)
         if "token_layer_counts" not in df.columns:
             raise ValueError(f"{path}: an engine output without per-token-layer counts (rerun it)")
-        rows.append(_engine_row(hardware, costs, at_run_disk, df, meta))
+        rows.append(_engine_row(hardware, costs, at_run_disk, df, meta, refits))
     schema = {c: pl.Float64 for c in PRICED_COLUMNS}
+    lists = dict.fromkeys((*STREAM_SUMS, *JACKKNIFE_ERRORS), pl.List(pl.Float64))
     schema.update(hardware=pl.String, source=pl.String, device=pl.String, policy=pl.String,
-                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean,
-                  **dict.fromkeys(STREAM_SUMS, pl.List(pl.Float64)))  # fmt: skip
+                  size=pl.String, tokens=pl.Int64, contended=pl.Boolean, **lists)  # fmt: skip
     out = pl.DataFrame(rows, schema=schema)
     meta = {"hardware": hardware, "unit_costs": asdict(costs)}
     if written.get("run_errors"):  # this_machine's calibration runs, priced at its profile

@@ -168,10 +168,12 @@ def _priced(
 # bench policy's rounds, an engine run's streams
 ROUND_SUMS = ("round_time_s", "round_priced_s")
 STREAM_SUMS = ("stream_time_s", "stream_priced_s")
-# a bench policy's error with each round left out in turn, the calibration refitted without it:
-# its other rounds priced so (the rounds and the calibration together), and all of its rounds
-# (the calibration alone); lists, one per round
+# a run's error with each round left out in turn, the calibration refitted without it: its
+# other rounds priced so (the rounds and the calibration together), and all of its rounds (the
+# calibration alone); lists, one per round (a bench policy's rounds, an engine run's streams
+# grouped by the engine stage's round each was decoded in)
 JACKKNIFE_ERRORS = ("jackknife_rel_error", "calibration_jackknife_rel_error")
+JACKKNIFE_MIN_ROUNDS = 3
 
 
 def part_sums(x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -182,3 +184,46 @@ def part_sums(x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
     if sum(lengths) != len(x):
         raise ValueError(f"parts of {sum(lengths)} tokens in all for {len(x)} tokens")
     return np.array([part.sum() for part in np.split(x, np.cumsum(lengths)[:-1])])
+
+
+def left_out_errors(
+    time_s: np.ndarray, priced_s: Sequence[np.ndarray]
+) -> tuple[list[float], list[float]]:
+    """A run's `JACKKNIFE_ERRORS` from its rounds' times in all, `time_s` (R,), and `priced_s[r]`
+    (R,): every round's price at the calibration refitted without round r."""
+    time_s = np.asarray(time_s, float)
+    if len(priced_s) != len(time_s):
+        raise ValueError(f"jackknife: {len(priced_s)} refits for {len(time_s)} rounds")
+    joint, calibration = [], []
+    for r, priced in enumerate(priced_s):
+        priced = np.asarray(priced, float)
+        calibration.append(float(priced.sum() / time_s.sum() - 1.0))
+        joint.append(float((priced.sum() - priced[r]) / (time_s.sum() - time_s[r]) - 1.0))
+    return joint, calibration
+
+
+def engine_jackknife(
+    wall_s: np.ndarray,
+    streams: Sequence[np.ndarray],
+    delay: int,
+    refits: Sequence[UnitCosts],
+    stream_rounds: Sequence[int] | None,
+) -> tuple[list[float], list[float]]:
+    """An engine run's `JACKKNIFE_ERRORS`: its streams (counts (T_i, L, F), `wall_s` (T,) their
+    tokens' times in the same order) grouped by the engine stage's round each was decoded in
+    (`stream_rounds`), each round left out in turn with the calibration refitted without that
+    round's runs (`refits[r]`). Empty without refits, under `JACKKNIFE_MIN_ROUNDS` rounds, or
+    where the rounds are not the refits' (a run decoded outside the stage)."""
+    R = len(refits)
+    if R < JACKKNIFE_MIN_ROUNDS or stream_rounds is None or len(stream_rounds) != len(streams):
+        return [], []
+    rounds = np.asarray(stream_rounds, np.int64)
+    if rounds.min(initial=0) < 0 or rounds.max(initial=0) >= R:
+        return [], []
+    lengths = [len(s) for s in streams]
+
+    def by_round(token_s: np.ndarray) -> np.ndarray:  # (T,) -> (R,)
+        return np.bincount(rounds, weights=part_sums(token_s, lengths), minlength=R)
+
+    priced = [by_round(price_streams(streams, delay, costs).token_s) for costs in refits]
+    return left_out_errors(by_round(wall_s), priced)

@@ -15,6 +15,8 @@ Modules, lowest layer first (each imports only modules above it in this list):
   experts read once that its loads copy); `disk_clock`, what a tier's expert file has read.
 - `cuda_tier`: the CUDA tier (`CudaTier`: pinned host memory (or disk) -> GPU, admissions on a
   side stream).
+- `microbench`: the fast tier's microbenchmarks that the calibration's fit cannot separate (its
+  expert time, its slowdowns while the link reads, its install of a landed copy).
 - `token_stats`: `TokenStats`, what one token cost (waits, bytes) and what each layer's policy
   did (per token-layer counts in `TOKEN_LAYER_FIELDS` layout).
 - `runtime`: `OffloadEngine`, the per-layer driver of the one policy core.

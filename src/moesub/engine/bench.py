@@ -74,14 +74,10 @@ from moesub.engine.bench_runs import (
     run_policy,
     write_bench_counts,
 )
-from moesub.engine.calibrate import (
-    MECHANISMS,
-    microbenchmarks,
-    round_order,
-    spread,
-)
+from moesub.engine.calibrate import MECHANISMS, round_order, spread
 from moesub.engine.cuda_tier import CudaTier
 from moesub.engine.host_memory import HostExperts
+from moesub.engine.microbench import microbenchmarks
 from moesub.engine.runtime import OffloadEngine
 from moesub.engine.store import (
     ExpertStore,

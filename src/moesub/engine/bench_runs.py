@@ -38,16 +38,15 @@ from moesub.policy import STATUS_NAMES, TOKEN_LAYER_DTYPE, TOKEN_LAYER_FIELDS, P
 from moesub.pricing import price_stream, price_streams
 from moesub.run_speed import (
     JACKKNIFE_ERRORS,
+    JACKKNIFE_MIN_ROUNDS,
     ROUND_SUMS,
     AtRunDisk,
     DiskClock,
+    left_out_errors,
     part_sums,
     priced_at_speed,
     reference_clock,
 )
-
-# the jackknife over a bench's rounds needs a few refits to say anything
-JACKKNIFE_MIN_ROUNDS = 3
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -241,22 +240,16 @@ def refit_without_each_round(
 def jackknife_errors(
     runs: list[BenchRun], delay: int, refits: Sequence[UnitCosts]
 ) -> tuple[list[float], list[float]]:
-    """A policy's error with each round r left out in turn, the calibration refitted without it
-    (`refits[r]`): its other rounds priced at that profile against their time (its rounds and
-    the calibration's left out together), and all of its rounds so (the calibration's alone);
-    `JACKKNIFE_ERRORS`. Empty without refits."""
+    """A policy's `JACKKNIFE_ERRORS` (`moesub.run_speed.left_out_errors`): each round r left out
+    in turn, the calibration refitted without it (`refits[r]`). Empty without refits."""
     if not refits:
         return [], []
     if len(refits) != len(runs):
         raise ValueError(f"jackknife: {len(refits)} refits for {len(runs)} rounds")
     wall = np.array([run.wall_s.sum() for run in runs])
-    joint, calibration = [], []
-    for r, costs in enumerate(refits):
-        priced = np.array([price_stream(run.layer_counts, delay, costs).token_s.sum()
-                           for run in runs])  # fmt: skip
-        calibration.append(float(priced.sum() / wall.sum() - 1.0))
-        joint.append(float((priced.sum() - priced[r]) / (wall.sum() - wall[r]) - 1.0))
-    return joint, calibration
+    priced = [np.array([price_stream(run.layer_counts, delay, costs).token_s.sum()
+                        for run in runs]) for costs in refits]  # fmt: skip
+    return left_out_errors(wall, priced)
 
 
 def counts_frame(name: str, round_: int, run: BenchRun) -> pl.DataFrame:

@@ -98,6 +98,7 @@ class PolicyRun:
             for stream, rows in list(iter_streams(tokens))[: opts.max_streams]
         ]
         self.frames: dict[int, pl.DataFrame] = {}  # by position in `streams`
+        self.rounds: dict[int, int] = {}  # by position: the engine stage's round that decoded it
         self.admit_wait_s, self.admitted, self.admit_latency = 0.0, 0, 0
         self.disks: list[DiskClock] = []  # what each part read from the expert file
         self.meter = CpuMeter()
@@ -105,11 +106,15 @@ class PolicyRun:
         self.bandwidth: dict[str, Any] = {}
 
     def decode(
-        self, parts: Sequence[int], progress: bool = True, loaded: LoadedModel | None = None
+        self,
+        parts: Sequence[int],
+        progress: bool = True,
+        loaded: LoadedModel | None = None,
+        round_: int | None = None,
     ) -> None:
         """Decode the streams at positions `parts` on a fresh engine (on `loaded`, the model
         loaded once for many engines, if given; a bar per stream if `progress` and the engine's
-        options allow)."""
+        options allow), in the engine stage's round `round_` if it is one."""
         with EngineModel(self.model_dir, self.spec, loaded) as eng:
             setup = eng.setup
             disk0 = disk_clock(setup.tier)
@@ -123,6 +128,8 @@ class PolicyRun:
                 self.admitted += int(r["admitted"].sum())
                 self.admit_latency += int(r["admit_latency"].sum())
                 self.frames[i] = token_rows(stream, rows["pos"].to_numpy(), r)
+                if round_ is not None:
+                    self.rounds[i] = round_
             self.meter.pause()
             self.disks.append(disk_clock(setup.tier) - disk0)
             self.setup_meta = {
@@ -172,6 +179,14 @@ class PolicyRun:
             # the disk's speed while the run read (`moesub.price` prices the run at it too)
             "disk_reads": disk.reads,
             "disk_busy_s": disk.busy_s,
+            # the engine stage's round each stream was decoded in, streams in increasing id as
+            # `stream_counts` gives them (the calibration's refits without each round price the
+            # rest: `moesub.run_speed.engine_jackknife`)
+            "stream_rounds": (
+                [self.rounds[i] for i in sorted(self.rounds, key=lambda i: self.streams[i][0])]
+                if len(self.rounds) == len(self.streams)
+                else None
+            ),  # fmt: skip
             **self.meter.stop(),
             **self.bandwidth,
         }
@@ -280,7 +295,9 @@ def run_engine_stage(
             if key in MECHANISMS:
                 cal.run(key, loaded)
             elif len(part := parts[key][step // per_round]):
-                policy_runs[key].decode(part.tolist(), progress=False, loaded=loaded)
+                policy_runs[key].decode(
+                    part.tolist(), progress=False, loaded=loaded, round_=step // per_round
+                )
     finally:
         loaded.close()
     for out, run in policy_runs.items():

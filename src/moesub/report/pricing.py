@@ -58,6 +58,11 @@ def sim_vs_engine_table(out: AnalysisOutputs) -> Table:
             lambda r: pct_interval(r, "rel_error"),
             False,
         ),
+        Col(
+            f"error's {ci_label(out.ci_level)}, rounds left out, calibration refitted (%)",
+            lambda r: pct_interval(r, "rel_error", "jk"),
+            False,
+        ),
         Col("error at the run's disk speed", lambda r: pct(r.get("rel_error_at_run_disk"))),
         Col("error at the run's disk and speed", lambda r: pct(r.get("rel_error_at_run_speed"))),
         Col(

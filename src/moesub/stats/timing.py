@@ -26,7 +26,7 @@ import pandas as pd
 from moesub.hardware import PRICE_HELD_TO, THIS_MACHINE
 from moesub.io import read_metadata
 from moesub.metrics import speedup
-from moesub.run_speed import JACKKNIFE_ERRORS, ROUND_SUMS, STREAM_SUMS
+from moesub.run_speed import JACKKNIFE_ERRORS, JACKKNIFE_MIN_ROUNDS, ROUND_SUMS, STREAM_SUMS
 from moesub.stats.intervals import (
     Interval,
     correlation,
@@ -284,13 +284,13 @@ def sim_vs_engine(
         )
     j = eng[["policy", "fraction", "device", "n_tokens", "time_mean_s", "time_per_token_s"]]
     for col in ("time_per_token_at_run_disk_s", "other_cores", "run_speed",
-                "time_per_token_at_run_speed_s", *STREAM_SUMS):  # fmt: skip
+                "time_per_token_at_run_speed_s", *STREAM_SUMS, *JACKKNIFE_ERRORS):  # fmt: skip
         # a priced table from before the column: NaN
         engine_rows = engine_rows.assign(**{col: engine_rows.get(col, np.nan)})
     est = engine_rows[["policy", "fraction", "device", "time_per_token_s",
                        "time_per_token_at_run_disk_s", "run_speed",
                        "time_per_token_at_run_speed_s", "cpu_share", "other_cores",
-                       "contended", *STREAM_SUMS]]  # fmt: skip
+                       "contended", *STREAM_SUMS, *JACKKNIFE_ERRORS]]  # fmt: skip
     j = j.merge(
         est.rename(columns={"time_per_token_s": "est_time_per_token_s",
                             "time_per_token_at_run_disk_s": "est_at_run_disk_s",
@@ -301,6 +301,7 @@ def sim_vs_engine(
         return SimVsEngine(j, None, missing("no engine run was priced on this_machine"))
     j["rel_error"] = j["est_time_per_token_s"] / j["time_mean_s"] - 1.0
     j = with_error_intervals(j, STREAM_SUMS, "rel_error", p, source="sim_vs_engine")
+    j = with_jackknife_intervals(j, p, "rel_error")
     for at in ("disk", "speed"):
         j[f"rel_error_at_run_{at}"] = j[f"est_at_run_{at}_s"].astype(float) / j["time_mean_s"] - 1
     if not sim.empty:
@@ -338,22 +339,35 @@ def sim_vs_engine(
         # over each run's streams resampled: the runs whose interval reaches past the bound
         # (within, beyond it; outside, inside it), of those with one
         **reaching(j, "rel_error", PRICE_HELD_TO),
+        # and the jackknife over the engine stage's rounds, the calibration refitted
+        **reaching(j, "rel_error", PRICE_HELD_TO, "jk"),
+        "median_calibration_share": median_or_none(j.get("calibration_share")),
         "calibration_run_errors": calibration_errors,
     }
     return SimVsEngine(j, result, {"status": "ok"})
 
 
-def reaching(table: pd.DataFrame, key: str, bound: float) -> dict[str, int]:
-    """Of the rows with an interval of `key` (`with_error_intervals`): how many, the rows
-    within `bound` whose interval reaches beyond it, the rows outside whose interval reaches
-    inside it."""
-    crosses = table[f"{key}_ci_crosses"]
+def reaching(table: pd.DataFrame, key: str, bound: float, kind: str = "ci") -> dict[str, int]:
+    """Of the rows with an interval of `key` (`kind` "ci": `with_error_intervals`; "jk":
+    `with_jackknife_intervals`): how many, the rows within `bound` whose interval reaches
+    beyond it, the rows outside whose interval reaches inside it (0 each without the
+    interval's columns)."""
+    crosses = table.get(f"{key}_{kind}_crosses", pd.Series(pd.NA, index=table.index))
     within = table[key].abs() <= bound
     return {
-        "n_with_ci": int(crosses.notna().sum()),
-        "n_within_ci_beyond": int((crosses.fillna(False) & within).sum()),
-        "n_outside_ci_inside": int((crosses.fillna(False) & ~within).sum()),
+        f"n_with_{kind}": int(crosses.notna().sum()),
+        f"n_within_{kind}_beyond": int((crosses.fillna(False).astype(bool) & within).sum()),
+        f"n_outside_{kind}_inside": int((crosses.fillna(False).astype(bool) & ~within).sum()),
     }
+
+
+def median_or_none(values: pd.Series | None) -> float | None:
+    """The median of a column's finite values; None where it has none (or is absent)."""
+    if values is None:
+        return None
+    x = pd.to_numeric(values, errors="coerce").astype(float).to_numpy()
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else None
 
 
 class EngineBench(NamedTuple):
@@ -444,24 +458,25 @@ def interval_columns(
 
 
 def with_jackknife_intervals(
-    table: pd.DataFrame, p: AnalysisParams, bound: float = PRICE_HELD_TO
-) -> pd.DataFrame:
-    """The bench's table with `sim_rel_error`'s interval from its jackknife over the rounds,
-    each round left out with the calibration refitted without it (`JACKKNIFE_ERRORS`, lists:
-    the rounds and the calibration's noise together; `t_interval` at `p.ci_level`):
-    `sim_rel_error_jk_lo`, `_hi`, `_crosses` (`interval_columns`), and `calibration_share`:
-    the calibration's refits' part of that jackknife variance (the variance of the errors with
-    the calibration alone refitted, over the joint one's; near 1, the calibration's noise
-    dominates the error's); the lists dropped. NA under 3 rounds; a table without the lists
-    comes back as is."""
+    table: pd.DataFrame, p: AnalysisParams, key: str = "sim_rel_error",
+    bound: float = PRICE_HELD_TO,
+) -> pd.DataFrame:  # fmt: skip
+    """A table with its error `key`'s interval from a jackknife over the rounds, each round
+    left out with the calibration refitted without it (`JACKKNIFE_ERRORS`, lists: the rounds
+    and the calibration's noise together; `t_interval` at `p.ci_level`; the bench's rounds,
+    the engine stage's): `{key}_jk_lo`, `_hi`, `_crosses` (`interval_columns`), and
+    `calibration_share`: the calibration's refits' part of that jackknife variance (the
+    variance of the errors with the calibration alone refitted, over the joint one's; near 1,
+    the calibration's noise dominates the error's); the lists dropped. NA under 3 rounds; a
+    table without the lists comes back as is."""
     joint_key, calibration_key = JACKKNIFE_ERRORS
     if joint_key not in table.columns:
         return table
     n = len(table)
     lo, hi, share = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    rows = zip(table["sim_rel_error"], table[joint_key], table[calibration_key], strict=True)
+    rows = zip(table[key], table[joint_key], table[calibration_key], strict=True)
     for i, (error, joint, calibration) in enumerate(rows):
-        if joint is None or len(joint) < 3:
+        if not isinstance(joint, (list, np.ndarray)) or len(joint) < JACKKNIFE_MIN_ROUNDS:
             continue
         a, b, se = t_interval(float(error), np.asarray(joint, float), p.ci_level)
         if se is None:
@@ -471,7 +486,7 @@ def with_jackknife_intervals(
         if se > 0 and se_calibration is not None:
             share[i] = (se_calibration / se) ** 2
     return table.drop(columns=list(JACKKNIFE_ERRORS)).assign(
-        **interval_columns(table["sim_rel_error"], lo, hi, "sim_rel_error_jk", bound),
+        **interval_columns(table[key], lo, hi, f"{key}_jk", bound),
         calibration_share=pd.array(share, dtype="Float64"),
     )
 
