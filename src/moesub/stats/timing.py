@@ -274,7 +274,9 @@ def sim_vs_engine(
     `rel_error_at_run_speed`: also with their compute at the machine's speed while it ran
     (`run_speed`, probed on the run's own tokens that only hit; `moesub.price`);
     `rel_error_ci_lo` / `_hi` / `_crosses`: `rel_error`'s interval over the run's streams
-    resampled (`with_error_intervals`; where the price stage recorded them). The result also
+    resampled (`with_error_intervals`; where the price stage recorded them); `rel_error_jk_lo`
+    / `_hi` / `_crosses` and `calibration_share`: its jackknife over the engine stage's rounds,
+    the calibration refitted without each (`with_jackknife_intervals`). The result also
     carries the calibration's own runs' errors (`calibration_errors`:
     `calibration_run_errors`), where given."""
     engine_rows = prices[prices["source"] == "engine"] if not prices.empty else prices
