@@ -383,7 +383,7 @@ def test_expert_compute_is_timed_on_loaded_slots_only(tmp_path, monkeypatch):
             measure_expert_compute(tier, 4)
         tier.load(0, np.array([3, 5, 7, 9, -1, -1], np.int32))
         timed = []
-        module = importlib.import_module("moesub.engine.calibrate")  # not the function
+        module = importlib.import_module("moesub.engine.microbench")
         real = module.expert_forward
 
         def spy(hidden, ids, *args, **kwargs):
@@ -442,7 +442,7 @@ def test_host_read_drag_times_the_slots_beside_the_hosts_reads(tmp_path, monkeyp
     lay = small_layout()
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
-    module = importlib.import_module("moesub.engine.calibrate")
+    module = importlib.import_module("moesub.engine.microbench")
     timed = []  # (start, end) of every timing
     real_time = module.mean_step_s
 
@@ -481,7 +481,7 @@ def test_background_read_drag_times_the_slots_beside_the_io_threads_reads(tmp_pa
     lay = small_layout()
     write_random(tmp_path / "x.bin", lay)
     tier = DiskTier(ExpertStore(tmp_path / "x.bin"), 6, 4, ACT)
-    module = importlib.import_module("moesub.engine.calibrate")
+    module = importlib.import_module("moesub.engine.microbench")
     timed = []  # (start, end) of every timing
     real_time = module.mean_step_s
 
