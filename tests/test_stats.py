@@ -528,7 +528,7 @@ def test_the_bench_errors_interval_over_its_rounds(tmp_path):
 
     from moesub.io import write_parquet
     from moesub.stats import AnalysisParams
-    from moesub.stats.timing import engine_bench, error_interval
+    from moesub.stats.pricing_error import engine_bench, error_interval
 
     p = AnalysisParams(n_boot=2000)
     time_s = np.array([2.0, 2.4, 1.8, 2.2, 2.1, 1.9, 2.6, 2.0])

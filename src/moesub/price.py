@@ -180,7 +180,7 @@ def _engine_row(
         row["time_per_token_at_run_disk_s"] = float(at_disk_price.mean())
     row["time_per_token_at_run_speed_s"] = float(at_speed.mean())
     # per stream, its time and its price in all: the error's interval over the streams is the
-    # analysis's (`moesub.stats.timing.error_interval`)
+    # analysis's (`moesub.stats.pricing_error.error_interval`)
     lengths = [len(s) for s in streams]
     for column, values in zip(STREAM_SUMS, (wall, priced.token_s), strict=True):
         row[column] = part_sums(values, lengths).tolist()

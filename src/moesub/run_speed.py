@@ -179,7 +179,7 @@ JACKKNIFE_MIN_ROUNDS = 3
 def part_sums(x: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
     """The sums (P,) of `x`'s consecutive parts of `lengths` tokens: a bench run's rounds, an
     engine run's streams, each a stretch of the machine, over which the analysis resamples a
-    run's time against its price (`moesub.stats.timing.error_interval`)."""
+    run's time against its price (`moesub.stats.pricing_error.error_interval`)."""
     x = np.asarray(x)
     if sum(lengths) != len(x):
         raise ValueError(f"parts of {sum(lengths)} tokens in all for {len(x)} tokens")

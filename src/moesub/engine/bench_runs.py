@@ -418,7 +418,7 @@ def policy_row(
         "est_time_per_token_s": est,
         "sim_rel_error": (est - measured) / measured,
         # per round, its time and its price as measured in all: the error's interval over the
-        # rounds is the analysis's (`moesub.stats.timing.engine_bench`)
+        # rounds is the analysis's (`moesub.stats.pricing_error.engine_bench`)
         **dict(zip(ROUND_SUMS, (sums.tolist() for sums in round_sums(runs, plain)), strict=True)),
         # each round left out, the calibration refitted without it (the analysis's jackknife)
         **dict(zip(JACKKNIFE_ERRORS, jackknife_errors(runs, delay, refits), strict=True)),

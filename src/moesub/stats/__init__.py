@@ -79,7 +79,9 @@ Modules, one per part (each documents its decisions):
 - `mass`: the mass hypothesis; `per_input`: its per-input form;
 - `expb`: Experiment B (study, matched); `expb_factorial`: its factorial design; `admission`:
   admission vs its twin; `timing`: simulate, engine,
-  speed/quality frontier, simulator vs engine; `generation`: accuracy and agreement;
+  speed/quality frontier, simulator vs engine; `pricing_error`: the pricing's error against the
+  engine with its intervals (over parts, jackknife), and the shared engine bench;
+  `generation`: accuracy and agreement;
   `degeneration`: repetition and loops in free continuations;
   `design`: the design space (policy v2 families, Belady gaps, fronts); `regime`: the cache
   regime; `summary`: the per-(policy, fraction) summary; `selection`: the recommendation's

@@ -43,6 +43,7 @@ from moesub.stats.mass import mass_hypothesis
 from moesub.stats.multiplicity import families, family_table
 from moesub.stats.params import AnalysisParams
 from moesub.stats.per_input import per_input
+from moesub.stats.pricing_error import engine_bench
 from moesub.stats.quality import quality, rule_contrast
 from moesub.stats.regime import regime
 from moesub.stats.selection import selection
@@ -50,7 +51,6 @@ from moesub.stats.summary import summary
 from moesub.stats.timing import (
     calibration_run_errors,
     engine,
-    engine_bench,
     priced,
     sim_vs_engine,
     simulate,
