@@ -32,12 +32,7 @@ from moesub.stats.intervals import (
 )
 from moesub.stats.load import FileInfo, missing, sql_list
 from moesub.stats.params import AnalysisParams
-from moesub.stats.pricing_error import (
-    median_or_none,
-    reaching,
-    with_error_intervals,
-    with_jackknife_intervals,
-)
+from moesub.stats.pricing_error import reaching, with_error_intervals, with_jackknife_intervals
 from moesub.stats.tokens import register_files
 
 
@@ -321,6 +316,7 @@ def sim_vs_engine(
     effect = j["token_set_effect"].abs().dropna().to_numpy()
     at_disk = j["rel_error_at_run_disk"].abs().dropna().to_numpy()
     at_speed = j["rel_error_at_run_speed"].abs().dropna().to_numpy()
+    shares = j["calibration_share"].dropna().to_numpy(dtype=float)
     result = {
         "n": len(j),
         "median_abs_rel_error": float(np.median(err)),
@@ -344,7 +340,7 @@ def sim_vs_engine(
         **reaching(j, "rel_error", PRICE_HELD_TO),
         # and the jackknife over the engine stage's rounds, the calibration refitted
         **reaching(j, "rel_error", PRICE_HELD_TO, "jk"),
-        "median_calibration_share": median_or_none(j.get("calibration_share")),
+        "median_calibration_share": float(np.median(shares)) if shares.size else None,
         "calibration_run_errors": calibration_errors,
     }
     return SimVsEngine(j, result, {"status": "ok"})
